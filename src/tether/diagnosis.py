@@ -1,0 +1,130 @@
+"""Exit status + evidence -> one cause.
+
+The supervisor collects the evidence (the wait status from reaping, a ``RunnerException`` the runner sent before
+dying, the tail of the runner's stderr, what phase it was in) and this module turns it into a single ``Cause``
+with a one-line summary a person can act on, plus the evidence lines that back it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tether.process import ExitStatus
+from tether.protocol import Cause, CauseKind, RunnerException
+
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL"})
+EVIDENCE_LINES = 40
+
+# Engine messages on stderr that explain a death better than its exit status does.
+ENGINE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (label, re.compile(rx, re.IGNORECASE))
+    for label, rx in (
+        ("CUDA out of memory", r"CUDA out of memory|cudaMalloc failed|CUBLAS_STATUS_ALLOC_FAILED"),
+        ("GPU illegal memory access", r"illegal memory access"),
+        ("GGML assertion", r"GGML_ASSERT"),
+        ("llama.cpp error", r"llama_model_load: error|failed to load model"),
+        ("NCCL error", r"NCCL error|ncclInternalError|ncclSystemError"),
+        ("Metal error", r"ggml_metal.*(error|failed)|MTLCommandBuffer.*error"),
+    )
+)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    exit: ExitStatus
+    exception: RunnerException | None = None
+    output_tail: Sequence[str] = ()
+    phase: str | None = None
+    stop_requested: bool = False
+    runner: str = "runner"
+
+
+def engine_diagnostics(lines: Sequence[str]) -> list[tuple[str, str]]:
+    """Known engine error lines as (label, line) pairs, in order."""
+    found: list[tuple[str, str]] = []
+    for line in lines:
+        for label, rx in ENGINE_PATTERNS:
+            if rx.search(line):
+                found.append((label, line))
+                break
+    return found
+
+
+def _faulthandler_stack(lines: Sequence[str]) -> list[str]:
+    """The lines faulthandler printed for the fatal error, from "Fatal Python error" on."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Fatal Python error"):
+            return list(lines[i : i + EVIDENCE_LINES])
+    return []
+
+
+def diagnose(ev: Evidence) -> Cause:
+    where = f" while {ev.phase}" if ev.phase else ""
+    status = ev.exit
+    tail = list(ev.output_tail)[-EVIDENCE_LINES:]
+    diags = engine_diagnostics(ev.output_tail)
+    diag_lines = [f"{label}: {line}" for label, line in diags[-5:]]
+
+    if ev.exception is not None:
+        exc = ev.exception
+        kind = CauseKind.OUT_OF_MEMORY if exc.memory_error else CauseKind.EXCEPTION
+        what = "ran out of memory (MemoryError)" if exc.memory_error else f"raised {exc.exc_type}: {exc.message}"
+        return Cause(
+            kind=kind,
+            summary=f"{ev.runner} {what}{where}",
+            evidence=tuple(diag_lines + exc.traceback.rstrip("\n").splitlines()),
+            exit_code=status.code,
+            signal=status.signal_name,
+            phase=ev.phase,
+        )
+    if status.signal is not None:
+        name = status.signal_name or ""
+        stack = _faulthandler_stack(tail) if name in CRASH_SIGNALS else []
+        if stack:
+            return Cause(
+                kind=CauseKind.NATIVE_CRASH,
+                summary=f"{ev.runner} crashed in native code{where}: {status.describe()}",
+                evidence=tuple(diag_lines + stack),
+                signal=name,
+                phase=ev.phase,
+            )
+        if diags:
+            return Cause(
+                kind=CauseKind.ENGINE_ERROR,
+                summary=f"{ev.runner} was {status.describe()}{where} after {diags[-1][0]}",
+                evidence=tuple(diag_lines + tail[-10:]),
+                signal=name,
+                phase=ev.phase,
+            )
+        return Cause(
+            kind=CauseKind.SIGNAL,
+            summary=f"{ev.runner} was {status.describe()}{where}",
+            evidence=tuple(tail[-10:]),
+            signal=name,
+            phase=ev.phase,
+        )
+    if status.code == 0:
+        return Cause(
+            kind=CauseKind.UNEXPECTED_EXIT,
+            summary=f"{ev.runner} exited with code 0{where} without being asked to stop",
+            evidence=tuple(diag_lines + tail[-10:]),
+            exit_code=0,
+            phase=ev.phase,
+        )
+    if diags:
+        return Cause(
+            kind=CauseKind.ENGINE_ERROR,
+            summary=f"{ev.runner} exited with code {status.code}{where} after {diags[-1][0]}",
+            evidence=tuple(diag_lines + tail[-10:]),
+            exit_code=status.code,
+            phase=ev.phase,
+        )
+    return Cause(
+        kind=CauseKind.EXIT_CODE,
+        summary=f"{ev.runner} exited with code {status.code}{where}",
+        evidence=tuple(tail[-10:]),
+        exit_code=status.code,
+        phase=ev.phase,
+    )

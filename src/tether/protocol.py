@@ -1,0 +1,293 @@
+"""Typed messages between a supervisor and its runner.
+
+Everything that crosses the process boundary is a msgspec struct in a tagged union, so a frame decodes straight
+into the right type (or fails loudly as a protocol error). Tasks flow supervisor -> runner; events flow runner ->
+supervisor. ``Failed`` is a status only the supervisor sets: a runner cannot be trusted to report its own death.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+# --------------------------------------------------------------------------------------------------------------
+# Faults (debug engine): declared here because they travel inside tasks and engine specs.
+# --------------------------------------------------------------------------------------------------------------
+
+FaultKind = Literal[
+    "raise",  # raise RuntimeError (an unexpected engine exception: fatal for the runner)
+    "exit",  # os._exit(code), code 0 included
+    "segv",  # SIGSEGV via a real invalid memory read (faulthandler prints the stack)
+    "abort",  # SIGABRT via abort()
+    "memory_error",  # raise MemoryError
+    "oom",  # allocate and touch memory until the kernel kills the process
+    "hang",  # loop forever in Python (GIL released between bytecodes: heartbeat keeps going)
+    "hang_gil",  # block forever in native code holding the GIL (heartbeat stops too)
+    "slow",  # sleep `seconds` before every token / load step
+    "stderr_flood",  # write `lines` lines to stderr
+    "ignore_sigterm",  # ignore SIGTERM from now on (to prove stop escalates to SIGKILL)
+]
+FaultPhase = Literal["load", "warmup", "generate"]
+
+
+class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One fault to inject. ``after_tokens`` only matters in the generate phase."""
+
+    kind: FaultKind
+    phase: FaultPhase = "generate"
+    after_tokens: int = 0
+    code: int = 1  # exit code for "exit"
+    seconds: float = 0.05  # per-step delay for "slow"
+    lines: int = 10_000  # for "stderr_flood"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What a runner hosts
+# --------------------------------------------------------------------------------------------------------------
+
+
+class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which engine a runner hosts and how to build it. ``options`` are engine-specific (n_ctx, n_threads, ...)."""
+
+    engine: str = "llama.cpp"
+    model: str | None = None  # a GGUF path for llama.cpp; None means the built-in default model
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    faults: tuple[Fault, ...] = ()  # load-time faults (debug engine)
+
+
+class RunnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a runner process needs at start, passed through its environment (not the channel)."""
+
+    runner_id: str
+    spec: EngineSpec
+    worker_pid: int
+    heartbeat_interval: float = 0.5  # seconds; 0 disables the heartbeat thread
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One generation request. Exactly one of ``prompt`` (raw completion) or ``messages`` (chat) is set."""
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
+
+    def check(self) -> str | None:
+        """Return why these parameters are invalid, or None."""
+        if (self.prompt is None) == (self.messages is None):
+            return "set exactly one of 'prompt' or 'messages'"
+        if self.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if not 0.0 <= self.temperature <= 2.0:
+            return f"temperature must be in [0, 2], got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tasks: supervisor -> runner
+# --------------------------------------------------------------------------------------------------------------
+
+
+class LoadTask(msgspec.Struct, tag="load", frozen=True):
+    task_id: str
+
+
+class WarmupTask(msgspec.Struct, tag="warmup", frozen=True):
+    task_id: str
+
+
+class GenerateTask(msgspec.Struct, tag="generate", frozen=True):
+    task_id: str
+    params: GenerateParams
+
+
+class ShutdownTask(msgspec.Struct, tag="shutdown", frozen=True):
+    task_id: str
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    """Not a task: a control message. The runner's reader thread acts on it at once, never behind generation."""
+
+    task_id: str
+
+
+Task = LoadTask | WarmupTask | GenerateTask | ShutdownTask
+ToRunner = LoadTask | WarmupTask | GenerateTask | ShutdownTask | Cancel
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Statuses
+# --------------------------------------------------------------------------------------------------------------
+
+
+class CauseKind(enum.StrEnum):
+    EXIT_CODE = "exit_code"  # exited with a non-zero code
+    UNEXPECTED_EXIT = "unexpected_exit"  # exited with code 0 without being asked to stop
+    SIGNAL = "signal"  # killed by a signal
+    EXCEPTION = "exception"  # a Python exception escaped the engine
+    NATIVE_CRASH = "native_crash"  # a fatal signal with a faulthandler stack
+    OUT_OF_MEMORY = "out_of_memory"
+    HANG = "hang"
+    ENGINE_ERROR = "engine_error"  # known fatal engine diagnostics on stderr
+    PROTOCOL_ERROR = "protocol_error"  # the channel carried something that is not a valid frame
+    SPAWN_ERROR = "spawn_error"  # the runner process could not be started
+    STOP_ESCALATED = "stop_escalated"  # asked to stop, had to be terminated or killed
+
+
+class Cause(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Why a runner is gone: one human line plus evidence (traceback lines, stderr tail, numbers)."""
+
+    kind: CauseKind
+    summary: str
+    evidence: tuple[str, ...] = ()
+    exit_code: int | None = None
+    signal: str | None = None
+    phase: str | None = None
+
+    def render(self) -> str:
+        if not self.evidence:
+            return self.summary
+        return self.summary + "\n" + "\n".join("  " + line for line in self.evidence)
+
+
+class Idle(msgspec.Struct, tag="idle", frozen=True):
+    pass
+
+
+class Loading(msgspec.Struct, tag="loading", frozen=True):
+    progress: float = 0.0  # 0..1
+    detail: str = ""
+
+
+class Loaded(msgspec.Struct, tag="loaded", frozen=True):
+    pass
+
+
+class WarmingUp(msgspec.Struct, tag="warming_up", frozen=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    pass
+
+
+class Running(msgspec.Struct, tag="running", frozen=True):
+    task_id: str
+
+
+class ShuttingDown(msgspec.Struct, tag="shutting_down", frozen=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    """The runner has shut down cleanly."""
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    cause: Cause
+
+
+RunnerStatus = Idle | Loading | Loaded | WarmingUp | Ready | Running | ShuttingDown | Shutdown | Failed
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Events: runner -> supervisor
+# --------------------------------------------------------------------------------------------------------------
+
+
+class TaskState(enum.StrEnum):
+    RUNNING = "running"
+    COMPLETE = "complete"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self is not TaskState.RUNNING
+
+
+class StatusUpdate(msgspec.Struct, tag="status", frozen=True):
+    status: RunnerStatus
+
+
+class TaskAcknowledged(msgspec.Struct, tag="ack", frozen=True):
+    task_id: str
+
+
+class TaskStatus(msgspec.Struct, tag="task_status", frozen=True):
+    """A task's state. COMPLETE / CANCELLED / FAILED are terminal: exactly one ends every task."""
+
+    task_id: str
+    state: TaskState
+    error: str | None = None
+    cause: Cause | None = None  # set when the task failed because its runner failed
+    tokens: int = 0  # tokens generated so far (for Generate tasks)
+
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class Chunk(msgspec.Struct, tag="chunk", frozen=True):
+    """A text delta covering ``tokens`` tokens; the last one of a generation carries the finish reason."""
+
+    task_id: str
+    text: str
+    tokens: int = 1  # tokens this delta covers
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0  # set on the final chunk
+    completion_tokens: int = 0  # set on the final chunk
+    sent_ns: int = 0  # CLOCK_MONOTONIC at send time (latency measurement; 0 = unset)
+
+
+class ErrorChunk(msgspec.Struct, tag="error", frozen=True):
+    """A generation that failed: what went wrong, in words, followed by a FAILED TaskStatus."""
+
+    task_id: str
+    message: str
+    cause: Cause | None = None
+
+
+class RunnerException(msgspec.Struct, tag="exception", frozen=True):
+    """A Python exception that is about to end the runner, sent before it exits so it is never lost."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    phase: str
+    memory_error: bool = False
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    seq: int
+    sent_ns: int
+
+
+class RunnerHello(msgspec.Struct, tag="hello", frozen=True):
+    """First message of every runner: who it is, so the supervisor can match the process it spawned."""
+
+    pid: int
+    pgid: int
+    engine: str
+    model: str | None
+
+
+Event = StatusUpdate | TaskAcknowledged | TaskStatus | Chunk | ErrorChunk | RunnerException | Heartbeat | RunnerHello
+
+TERMINAL_STATES = frozenset({TaskState.COMPLETE, TaskState.CANCELLED, TaskState.FAILED})
+
+
+def task_kind(task: Task) -> str:
+    return type(task).__struct_config__.tag  # type: ignore[return-value]

@@ -1,0 +1,319 @@
+"""The runner process: bootstrap, then one engine driven by one task loop.
+
+Threads in a runner, and why each exists:
+- main thread: the task loop. It drives the engine (engines are not thread-safe; signal handlers need the main
+  thread) and is the only thread that changes the runner's status.
+- reader thread: reads the tasks pipe. Cancellation is acted on here, at once, never queued behind generation.
+- heartbeat thread: proves the interpreter still runs (a GIL-holding native hang stops it too).
+
+Every event is written straight to the events pipe (see ``channel``), so a runner that dies loses nothing it sent.
+An unexpected exception is reported as a ``RunnerException`` message before the runner exits with code 1; the
+supervisor, not the runner, turns the exit into a cause and fails the in-flight tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import NoReturn, cast
+
+import msgspec
+
+from tether.channel import ProtocolError, SyncReceiver, SyncSender
+from tether.engines.base import Engine, RequestError, create_engine
+from tether.process import CONFIG_ENV
+from tether.protocol import (
+    Cancel,
+    Chunk,
+    ErrorChunk,
+    GenerateTask,
+    Heartbeat,
+    Idle,
+    Loaded,
+    Loading,
+    LoadTask,
+    Ready,
+    RunnerConfig,
+    RunnerException,
+    RunnerHello,
+    RunnerStatus,
+    Running,
+    Shutdown,
+    ShutdownTask,
+    ShuttingDown,
+    StatusUpdate,
+    Task,
+    TaskAcknowledged,
+    TaskState,
+    TaskStatus,
+    ToRunner,
+    WarmingUp,
+    WarmupTask,
+    task_kind,
+)
+
+RECENT_IDS = 10_000  # duplicate ids are refused among this many most recent tasks
+
+# Which task is valid in which status, and what to tell a caller who sends it at the wrong time.
+_VALID_IN: dict[type, tuple[type, ...]] = {
+    LoadTask: (Idle,),
+    WarmupTask: (Loaded,),
+    GenerateTask: (Ready,),
+    ShutdownTask: (Idle, Loading, Loaded, WarmingUp, Ready, Running),
+}
+_HINT: dict[type, str] = {
+    LoadTask: "a runner loads once; start a new runner for another model",
+    WarmupTask: "send a load task first",
+    GenerateTask: "load and warm up the runner first",
+    ShutdownTask: "",
+}
+
+_EOF = object()
+
+
+def _status_name(status: RunnerStatus) -> str:
+    return type(status).__struct_config__.tag  # type: ignore[return-value]
+
+
+class Runner:
+    def __init__(self, config: RunnerConfig, sender: SyncSender, tasks_fd: int) -> None:
+        self.config = config
+        self.sender = sender
+        self.tasks_fd = tasks_fd
+        self.engine: Engine | None = None
+        self.status: RunnerStatus = Idle()
+        self.tasks: queue.SimpleQueue[Task | object] = queue.SimpleQueue()
+        self.cancelled: set[str] = set()
+        self.shutdown_requested = threading.Event()
+        self._recent: collections.deque[str] = collections.deque()
+        self._recent_set: set[str] = set()
+        self._phase = "idle"
+
+    # --- events ---------------------------------------------------------------------------------------------
+
+    def set_status(self, status: RunnerStatus) -> None:
+        self.status = status
+        self.sender.send(StatusUpdate(status))
+
+    def task_status(self, task_id: str, state: TaskState, error: str | None = None, tokens: int = 0) -> None:
+        self.sender.send(TaskStatus(task_id=task_id, state=state, error=error, tokens=tokens))
+
+    # --- threads --------------------------------------------------------------------------------------------
+
+    def _read_tasks(self) -> None:
+        """Reader thread: cancels act immediately; tasks are queued for the main loop."""
+        try:
+            for message in SyncReceiver[ToRunner](self.tasks_fd, ToRunner):
+                if isinstance(message, Cancel):
+                    self.cancelled.add(message.task_id)
+                    continue
+                if isinstance(message, ShutdownTask):
+                    # Stop whatever is generating now so the shutdown is not stuck behind it.
+                    self.shutdown_requested.set()
+                    self.cancel_everything()
+                self.tasks.put(message)
+        except ProtocolError as exc:
+            print(f"tether runner: bad frame from the supervisor: {exc}", file=sys.stderr, flush=True)
+        # EOF: the supervisor is gone or closed the channel; there is nobody to serve.
+        self.shutdown_requested.set()
+        self.cancel_everything()
+        self.tasks.put(_EOF)
+
+    def cancel_everything(self) -> None:
+        if isinstance(self.status, Running):
+            self.cancelled.add(self.status.task_id)
+
+    def _heartbeat(self, interval: float) -> None:
+        seq = 0
+        while True:
+            time.sleep(interval)
+            seq += 1
+            self.sender.send(Heartbeat(seq=seq, sent_ns=time.monotonic_ns()))
+
+    # --- task loop ------------------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        threading.Thread(target=self._read_tasks, name="tether-reader", daemon=True).start()
+        if self.config.heartbeat_interval > 0:
+            threading.Thread(
+                target=self._heartbeat, args=(self.config.heartbeat_interval,), name="tether-heartbeat", daemon=True
+            ).start()
+        while True:
+            item = self.tasks.get()
+            if item is _EOF:
+                self.close_engine()
+                return 0
+            task = cast(Task, item)
+            if self.shutdown_requested.is_set() and not isinstance(task, ShutdownTask):
+                self.refuse(task, TaskState.CANCELLED, "the runner is shutting down; the task was not started")
+                continue
+            if not self.accept(task):
+                continue
+            if isinstance(task, ShutdownTask):
+                self.shutdown(task)
+                return 0
+            self.run_task(task)
+
+    def accept(self, task: Task) -> bool:
+        """Acknowledge a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
+        tid = task.task_id
+        if tid in self._recent_set:
+            self.task_status(tid, TaskState.FAILED, f"duplicate task id {tid!r}: every task needs a fresh id")
+            return False
+        self._recent.append(tid)
+        self._recent_set.add(tid)
+        if len(self._recent) > RECENT_IDS:
+            self._recent_set.discard(self._recent.popleft())
+        self.sender.send(TaskAcknowledged(tid))
+        if not isinstance(self.status, _VALID_IN[type(task)]):
+            hint = _HINT[type(task)]
+            self.task_status(
+                tid,
+                TaskState.FAILED,
+                f"cannot run a {task_kind(task)} task while the runner is {_status_name(self.status)}"
+                + (f": {hint}" if hint else ""),
+            )
+            return False
+        return True
+
+    def refuse(self, task: Task, state: TaskState, why: str) -> None:
+        self.sender.send(TaskAcknowledged(task.task_id))
+        self.task_status(task.task_id, state, why)
+
+    def run_task(self, task: Task) -> None:
+        tid = task.task_id
+        if isinstance(task, LoadTask):
+            self._phase = "loading"
+            self.task_status(tid, TaskState.RUNNING)
+            self.set_status(Loading(0.0, "starting"))
+            self.engine = create_engine(self.config.spec)
+            self.engine.load(lambda fraction, detail: self.set_status(Loading(min(max(fraction, 0.0), 1.0), detail)))
+            self.set_status(Loaded())
+            self.task_status(tid, TaskState.COMPLETE)
+        elif isinstance(task, WarmupTask):
+            assert self.engine is not None
+            self._phase = "warming up"
+            self.task_status(tid, TaskState.RUNNING)
+            self.set_status(WarmingUp())
+            self.engine.warmup()
+            self.set_status(Ready())
+            self.task_status(tid, TaskState.COMPLETE)
+        elif isinstance(task, GenerateTask):
+            self.generate(task)
+
+    def generate(self, task: GenerateTask) -> None:
+        assert self.engine is not None
+        tid = task.task_id
+        self._phase = "generating"
+        self.set_status(Running(tid))
+        self.task_status(tid, TaskState.RUNNING)
+        cancelled = self.cancelled
+        tokens = 0
+        finish = None
+        try:
+            for delta in self.engine.generate(task.params, lambda: tid in cancelled):
+                tokens += delta.tokens
+                finish = delta.finish_reason
+                self.sender.send(
+                    Chunk(
+                        task_id=tid,
+                        text=delta.text,
+                        tokens=delta.tokens,
+                        finish_reason=delta.finish_reason,
+                        prompt_tokens=delta.prompt_tokens,
+                        completion_tokens=delta.completion_tokens,
+                    )
+                )
+                if tid in cancelled:
+                    break
+        except RequestError as exc:
+            self.sender.send(ErrorChunk(task_id=tid, message=str(exc)))
+            self.task_status(tid, TaskState.FAILED, str(exc), tokens)
+        else:
+            if tid in cancelled or finish == "cancelled":
+                self.task_status(tid, TaskState.CANCELLED, "cancelled", tokens)
+            else:
+                self.task_status(tid, TaskState.COMPLETE, tokens=tokens)
+        finally:
+            cancelled.discard(tid)
+            self._phase = "idle"
+        self.set_status(Ready())
+
+    def shutdown(self, task: ShutdownTask) -> None:
+        self._phase = "shutting down"
+        self.task_status(task.task_id, TaskState.RUNNING)
+        self.set_status(ShuttingDown())
+        # Tasks queued behind the shutdown get an explicit answer rather than silence.
+        while True:
+            try:
+                item = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _EOF:
+                self.refuse(cast(Task, item), TaskState.CANCELLED, "the runner shut down before the task started")
+        self.close_engine()
+        self.task_status(task.task_id, TaskState.COMPLETE)
+        self.set_status(Shutdown())
+
+    def close_engine(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+    def report_fatal(self, exc: BaseException) -> None:
+        """Send the exception that is ending this runner; best effort (memory may be gone)."""
+        try:
+            tb = "".join(traceback.format_exception(exc))
+            self.sender.send(
+                RunnerException(
+                    exc_type=type(exc).__qualname__,
+                    message=str(exc),
+                    traceback=tb,
+                    phase=self._phase,
+                    memory_error=isinstance(exc, MemoryError),
+                )
+            )
+            print(tb, file=sys.stderr, end="", flush=True)
+        except BaseException:  # noqa: BLE001 - the exit code still tells the supervisor something went wrong
+            pass
+
+
+def _hard_exit(code: int) -> NoReturn:
+    """Exit without interpreter teardown: native engine threads must not be able to hang the exit."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    argv = sys.argv[1:] if argv is None else argv
+    tasks_fd, events_fd = int(argv[0]), int(argv[1])
+    os.set_inheritable(tasks_fd, False)  # the runner's own children must never hold its channel open
+    os.set_inheritable(events_fd, False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # "show me your stacks"
+    config = msgspec.json.decode(os.environ.pop(CONFIG_ENV), type=RunnerConfig)
+    sender = SyncSender(events_fd)
+    sender.send(RunnerHello(pid=os.getpid(), pgid=os.getpgrp(), engine=config.spec.engine, model=config.spec.model))
+    runner = Runner(config, sender, tasks_fd)
+    sender.send(StatusUpdate(runner.status))
+    try:
+        code = runner.serve()
+    except BaseException as exc:  # noqa: BLE001 - any escape ends the runner; report it first
+        runner.report_fatal(exc)
+        _hard_exit(1)
+    _hard_exit(code)
+
+
+if __name__ == "__main__":
+    main()

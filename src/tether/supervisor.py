@@ -1,0 +1,558 @@
+"""One supervisor per runner: spawn, route events, watch for death, cancel, stop.
+
+Structure (all tasks owned by one task group, so nothing outlives the supervisor):
+- ``_pump_events``: reads the events pipe in the event loop and routes each event to its task's stream.
+- ``_pump_output``: reads the runner's stdout/stderr line by line into a bounded per-life tail.
+- ``_watch``: awaits the runner's exit fd. On exit it stops the pumps, drains what the dead runner left in its
+  pipes (nothing is lost), turns the evidence into one cause and ends every in-flight task with a terminal event.
+
+Every wait here has a bound: start, sends, and stop (shutdown -> grace -> SIGTERM -> grace -> SIGKILL).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
+from tether.diagnosis import Evidence, diagnose
+from tether.process import RunnerProcess, spawn_runner
+from tether.protocol import (
+    Cancel,
+    Cause,
+    CauseKind,
+    Chunk,
+    EngineSpec,
+    ErrorChunk,
+    Event,
+    Failed,
+    GenerateParams,
+    GenerateTask,
+    Heartbeat,
+    Idle,
+    Loaded,
+    Loading,
+    LoadTask,
+    Ready,
+    RunnerConfig,
+    RunnerException,
+    RunnerHello,
+    RunnerStatus,
+    Running,
+    Shutdown,
+    ShutdownTask,
+    ShuttingDown,
+    StatusUpdate,
+    Task,
+    TaskAcknowledged,
+    TaskState,
+    TaskStatus,
+    WarmingUp,
+    WarmupTask,
+    task_kind,
+)
+
+log = logging.getLogger("tether.supervisor")
+
+TaskEvent = TaskAcknowledged | TaskStatus | Chunk | ErrorChunk
+RECENT_FINISHED = 10_000
+
+_PHASES: dict[type, str] = {
+    Idle: "idle",
+    Loading: "loading",
+    Loaded: "loaded",
+    WarmingUp: "warming up",
+    Ready: "idle",
+    Running: "generating",
+    ShuttingDown: "shutting down",
+}
+
+
+class RunnerUnavailable(Exception):
+    """The runner cannot take tasks (not started, stopping, or gone); ``cause`` says why when it failed."""
+
+    def __init__(self, message: str, cause: Cause | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class TaskFailed(Exception):
+    """A task awaited through a convenience method (load, warmup) did not complete."""
+
+    def __init__(self, status: TaskStatus) -> None:
+        detail = status.cause.render() if status.cause else (status.error or status.state.value)
+        super().__init__(f"task {status.task_id} {status.state.value}: {detail}")
+        self.status = status
+
+
+@dataclass
+class _InFlight:
+    task: Task
+    send: MemoryObjectSendStream[TaskEvent]
+    tokens: int = 0
+
+
+@dataclass
+class TaskHandle:
+    """The events of one submitted task, ending with exactly one terminal ``TaskStatus``."""
+
+    task_id: str
+    kind: str
+    _receive: MemoryObjectReceiveStream[TaskEvent]
+    final: TaskStatus | None = None
+
+    async def __aiter__(self) -> AsyncIterator[TaskEvent]:
+        async with self._receive:
+            async for event in self._receive:
+                if isinstance(event, TaskStatus) and event.state.terminal:
+                    self.final = event
+                yield event
+
+    async def wait(self) -> TaskStatus:
+        """Consume the events and return the terminal status."""
+        async for _ in self:
+            pass
+        assert self.final is not None, "a task stream ended without a terminal status"
+        return self.final
+
+    async def text(self) -> tuple[str, TaskStatus]:
+        """Consume a generation: its whole text and terminal status."""
+        parts = [event.text async for event in self if isinstance(event, Chunk)]
+        assert self.final is not None
+        return "".join(parts), self.final
+
+
+@dataclass
+class StopReport:
+    """How a requested stop ended: cleanly, or by escalation (and after how long)."""
+
+    clean: bool
+    escalated_to: str | None
+    seconds: float
+
+
+@dataclass
+class _OutputTail:
+    lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
+    partial: bytes = b""
+
+
+class Supervisor:
+    """Supervise one runner process hosting one engine.
+
+    Use as ``async with Supervisor(spec) as sup:``; leaving the block stops the runner within ``stop_timeout``.
+    """
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        *,
+        runner_id: str | None = None,
+        stop_timeout: float = 10.0,
+        start_timeout: float = 30.0,
+        send_timeout: float = 5.0,
+        heartbeat_interval: float = 0.5,
+        output_lines: int = 200,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.runner_id = runner_id or uuid.uuid4().hex[:8]
+        self.stop_timeout = stop_timeout
+        self.start_timeout = start_timeout
+        self.send_timeout = send_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.env = env
+        self.status: RunnerStatus = Idle()
+        self.hello: RunnerHello | None = None
+        self.last_heartbeat: float | None = None
+        self.exception: RunnerException | None = None
+        self.cause: Cause | None = None
+        self.stop_report: StopReport | None = None
+        self.process: RunnerProcess | None = None
+        self._output = _OutputTail(lines=collections.deque(maxlen=output_lines))
+        self._inflight: dict[str, _InFlight] = {}
+        self._finished: collections.OrderedDict[str, TaskState] = collections.OrderedDict()
+        self._listeners: list[Callable[[RunnerStatus], None]] = []
+        self._changed = anyio.Event()
+        self._exited = anyio.Event()
+        self._events_done = anyio.Event()
+        self._output_done = anyio.Event()
+        self._events_scope = anyio.CancelScope()
+        self._output_scope = anyio.CancelScope()
+        self._stop_requested = False
+        self._forced_cause: Cause | None = None
+        self._escalated_to: str | None = None
+        self._tg: TaskGroup | None = None
+        self._sender: AsyncSender | None = None
+        self._receiver: AsyncReceiver[Event] | None = None
+
+    # --- naming ---------------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        model = Path(self.spec.model).name if self.spec.model else "default model"
+        return f"runner {self.runner_id} ({self.spec.engine}: {model})"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and not self._exited.is_set()
+
+    @property
+    def output_tail(self) -> list[str]:
+        return list(self._output.lines)
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Supervisor:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await self.start()
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self.stop()
+            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.stop()
+        assert self._tg is not None
+        if not self._exited.is_set():  # unkillable (e.g. stuck in the kernel): do not hang the caller with it
+            self._tg.cancel_scope.cancel()
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    async def start(self) -> None:
+        """Spawn the runner and wait (bounded) for its hello."""
+        assert self._tg is not None, "use 'async with Supervisor(...)'"
+        config = RunnerConfig(
+            runner_id=self.runner_id,
+            spec=self.spec,
+            worker_pid=os.getpid(),
+            heartbeat_interval=self.heartbeat_interval,
+        )
+        try:
+            self.process = spawn_runner(config, env=self.env)
+        except OSError as exc:
+            self.cause = Cause(
+                kind=CauseKind.SPAWN_ERROR,
+                summary=f"{self.name} could not be started: {exc}",
+            )
+            self._set_status(Failed(self.cause))
+            self._exited.set()
+            raise RunnerUnavailable(self.cause.summary, self.cause) from exc
+        try:
+            self._sender = AsyncSender(self.process.tasks_fd)
+            self._receiver = AsyncReceiver(self.process.events_fd, Event)
+        except BaseException:  # nothing watches the runner yet: take it down here
+            self.process.kill_group(signal.SIGKILL)
+            os.waitpid(self.process.pid, 0)
+            self.process.close_fds()
+            self._exited.set()
+            raise
+        log.info("%s started, pid %d", self.name, self.process.pid)
+        self._tg.start_soon(self._pump_events)
+        self._tg.start_soon(self._pump_output)
+        self._tg.start_soon(self._watch)
+        try:
+            await self._wait_until(lambda: self.hello is not None or self._exited.is_set(), self.start_timeout)
+        except TimeoutError:
+            self._force_kill(
+                CauseKind.HANG, f"{self.name} did not report in within {self.start_timeout:.1f} s of starting"
+            )
+            await self._exited.wait()
+        if self.hello is None:
+            raise RunnerUnavailable(f"{self.name} failed to start", self.cause)
+
+    async def stop(self, timeout: float | None = None) -> StopReport | None:
+        """Stop the runner within ``timeout`` (default ``stop_timeout``): shutdown, then SIGTERM, then SIGKILL."""
+        if self.process is None or self._exited.is_set():
+            return self.stop_report
+        self._stop_requested = True
+        bound = self.stop_timeout if timeout is None else timeout
+        began = time.monotonic()
+        with anyio.move_on_after(bound * 0.5):
+            try:
+                await self._send(ShutdownTask(task_id=f"shutdown-{self.runner_id}"))
+            except (BrokenPipeError, RunnerUnavailable):
+                pass  # already going; the exit is what we wait for
+            await self._exited.wait()
+        for sig, share in ((signal.SIGTERM, 0.8), (signal.SIGKILL, 1.0)):
+            if self._exited.is_set():
+                break
+            self._escalated_to = sig.name
+            log.warning("%s did not shut down in time; sending %s to its process group", self.name, sig.name)
+            self.process.kill_group(sig)
+            with anyio.move_on_after(max(began + bound * share - time.monotonic(), 0.05)):
+                await self._exited.wait()
+        seconds = time.monotonic() - began
+        if not self._exited.is_set():
+            log.error("%s (pid %d) survived SIGKILL for %.1f s", self.name, self.process.pid, seconds)
+        self.stop_report = StopReport(
+            clean=self._escalated_to is None and isinstance(self.status, Shutdown),
+            escalated_to=self._escalated_to,
+            seconds=seconds,
+        )
+        return self.stop_report
+
+    # --- tasks ----------------------------------------------------------------------------------------------
+
+    async def submit(self, task: Task) -> TaskHandle:
+        """Send a task; its events (ending with one terminal TaskStatus) arrive on the returned handle."""
+        if self.process is None or self._exited.is_set() or self._stop_requested:
+            why = self.cause.summary if self.cause else "the runner is stopping or stopped"
+            raise RunnerUnavailable(f"{self.name} cannot take a task: {why}", self.cause)
+        tid = task.task_id
+        if tid in self._inflight or tid in self._finished:
+            raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
+        send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
+        self._inflight[tid] = _InFlight(task=task, send=send)
+        handle = TaskHandle(task_id=tid, kind=task_kind(task), _receive=receive)
+        try:
+            await self._send(task)
+        except BrokenPipeError:
+            pass  # the runner is dying: the watcher will end this task with the cause
+        return handle
+
+    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+        return await self.submit(GenerateTask(task_id=task_id or _new_id("gen"), params=params))
+
+    async def cancel(self, task_id: str) -> str:
+        """Ask the runner to cancel a task. Returns what happened, in words; unknown or finished is a no-op."""
+        if task_id in self._inflight:
+            try:
+                await self._send(Cancel(task_id))
+            except BrokenPipeError:
+                return "the runner is gone; the task ends with its cause"
+            return "cancel requested"
+        if task_id in self._finished:
+            return f"already {self._finished[task_id].value}"
+        return "unknown task"
+
+    async def load(self) -> None:
+        await self._run_to_completion(LoadTask(task_id=_new_id("load")))
+
+    async def warmup(self) -> None:
+        await self._run_to_completion(WarmupTask(task_id=_new_id("warmup")))
+
+    async def ready(self) -> None:
+        """Load then warm up: the runner is Ready afterwards, or TaskFailed says why not."""
+        await self.load()
+        await self.warmup()
+
+    async def _run_to_completion(self, task: Task) -> None:
+        status = await (await self.submit(task)).wait()
+        if status.state is not TaskState.COMPLETE:
+            raise TaskFailed(status)
+
+    def add_status_listener(self, callback: Callable[[RunnerStatus], None]) -> None:
+        self._listeners.append(callback)
+
+    async def wait_status(self, predicate: Callable[[RunnerStatus], bool], timeout: float) -> RunnerStatus:
+        await self._wait_until(lambda: predicate(self.status), timeout)
+        return self.status
+
+    async def wait_exit(self, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            await self._exited.wait()
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    async def _send(self, message: Any) -> None:
+        assert self._sender is not None
+        with anyio.move_on_after(self.send_timeout) as scope:
+            await self._sender.send(message)
+        if scope.cancelled_caught:
+            # A runner that has not read its task pipe for this long is stuck; a half-written frame is moot.
+            self._force_kill(
+                CauseKind.HANG, f"{self.name} stopped reading its task pipe for {self.send_timeout:.1f} s"
+            )
+            raise RunnerUnavailable(f"{self.name} is not reading tasks", self._forced_cause)
+
+    def _force_kill(self, kind: CauseKind, summary: str) -> None:
+        if self._forced_cause is None:
+            self._forced_cause = Cause(kind=kind, summary=summary, phase=_PHASES.get(type(self.status)))
+        if self.process is not None:
+            self.process.kill_group(signal.SIGKILL)
+
+    def _set_status(self, status: RunnerStatus) -> None:
+        self.status = status
+        for callback in self._listeners:
+            try:
+                callback(status)
+            except Exception:  # a listener must not break routing
+                log.exception("status listener failed")
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _wait_until(self, predicate: Callable[[], bool], timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            while not predicate():
+                await self._changed.wait()
+
+    def _dispatch(self, event: Event) -> None:
+        if isinstance(event, Chunk | TaskAcknowledged | TaskStatus | ErrorChunk):
+            record = self._inflight.get(event.task_id)
+            if record is None:
+                log.debug("%s: event for a task it does not track: %r", self.name, event)
+                return
+            if isinstance(event, Chunk):
+                record.tokens += event.tokens
+            record.send.send_nowait(event)
+            if isinstance(event, TaskStatus) and event.state.terminal:
+                self._finish(event.task_id, event.state)
+        elif isinstance(event, Heartbeat):
+            self.last_heartbeat = time.monotonic()
+        elif isinstance(event, StatusUpdate):
+            if not isinstance(event.status, Failed):  # only the supervisor may declare a runner failed
+                self._set_status(event.status)
+        elif isinstance(event, RunnerException):
+            self.exception = event
+        elif isinstance(event, RunnerHello):
+            self.hello = event
+            self._notify()
+
+    def _finish(self, task_id: str, state: TaskState) -> None:
+        record = self._inflight.pop(task_id)
+        record.send.close()
+        self._finished[task_id] = state
+        if len(self._finished) > RECENT_FINISHED:
+            self._finished.popitem(last=False)
+
+    async def _pump_events(self) -> None:
+        assert self._receiver is not None
+        try:
+            with self._events_scope:
+                while True:
+                    for event in await self._receiver.receive_batch():
+                        self._dispatch(event)
+        except EndOfStream:
+            pass
+        except ProtocolError as exc:
+            self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
+        finally:
+            self._events_done.set()
+
+    async def _pump_output(self) -> None:
+        assert self.process is not None
+        fd = self.process.output_fd
+        os.set_blocking(fd, False)
+        try:
+            with self._output_scope:
+                while True:
+                    await anyio.wait_readable(fd)
+                    if not self._read_output(fd):
+                        break
+        finally:
+            self._output_done.set()
+
+    def _read_output(self, fd: int) -> bool:
+        """Read what is available into the line tail; False at EOF."""
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return True
+            if not data:
+                if self._output.partial:  # a last line without a newline still counts
+                    self._add_line(self._output.partial)
+                    self._output.partial = b""
+                return False
+            *lines, self._output.partial = (self._output.partial + data).split(b"\n")
+            for line in lines:
+                self._add_line(line)
+
+    def _add_line(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        self._output.lines.append(line)
+        log.debug("[%s] %s", self.runner_id, line)
+
+    async def _watch(self) -> None:
+        assert self.process is not None and self._receiver is not None
+        proc = self.process
+        exit_status = await proc.wait_exit()
+        # The pumps only ever wait between whole reads, so cancelling them loses nothing; what they had not read
+        # yet is still in the pipes and is drained here, before anyone is told the runner is gone.
+        self._events_scope.cancel()
+        self._output_scope.cancel()
+        await self._events_done.wait()
+        await self._output_done.wait()
+        try:
+            for event in self._receiver.drain_nowait():
+                self._dispatch(event)
+        except ProtocolError as exc:
+            self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
+        self._read_output(proc.output_fd)
+        phase = _PHASES.get(type(self.status))
+        clean_stop = self._stop_requested and exit_status.code == 0 and isinstance(self.status, Shutdown)
+        escalated_stop = self._stop_requested and self._escalated_to is not None
+        if clean_stop or escalated_stop:
+            stopped: Cause | None = None
+            if escalated_stop:
+                stopped = Cause(
+                    kind=CauseKind.STOP_ESCALATED,
+                    summary=f"{self.name} did not shut down in time and was stopped with {self._escalated_to}",
+                    exit_code=exit_status.code,
+                    signal=exit_status.signal_name,
+                    phase=phase,
+                )
+            self._end_tasks(TaskState.CANCELLED, "the runner was stopped before the task finished", stopped)
+            self._set_status(Shutdown())
+            log.info("%s stopped (%s)", self.name, exit_status.describe())
+        else:
+            cause = self._forced_cause or diagnose(
+                Evidence(
+                    exit=exit_status,
+                    exception=self.exception,
+                    output_tail=self.output_tail,
+                    phase=phase,
+                    stop_requested=self._stop_requested,
+                    runner=self.name,
+                )
+            )
+            self.cause = cause
+            self._end_tasks(TaskState.FAILED, cause.summary, cause)
+            self._set_status(Failed(cause))
+            log.error("%s failed: %s", self.name, cause.render())
+        assert self._sender is not None
+        self._sender.close()
+        self._receiver.close()
+        os.close(proc.output_fd)
+        self._exited.set()
+        self._notify()
+
+    def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
+        for task_id in list(self._inflight):
+            record = self._inflight[task_id]
+            record.send.send_nowait(
+                TaskStatus(task_id=task_id, state=state, error=error, cause=cause, tokens=record.tokens)
+            )
+            self._finish(task_id, state)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
