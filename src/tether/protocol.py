@@ -21,6 +21,7 @@ FaultKind = Literal[
     "exit",  # os._exit(code), code 0 included
     "segv",  # SIGSEGV via a real invalid memory read (faulthandler prints the stack)
     "abort",  # SIGABRT via abort()
+    "sigkill",  # SIGKILL to itself: what the OOM killer or `kill -9` does, minus the cause
     "memory_error",  # raise MemoryError
     "oom",  # allocate and touch memory until the kernel kills the process
     "hang",  # loop forever in Python (GIL released between bytecodes: heartbeat keeps going)

@@ -120,7 +120,9 @@ class Runner:
                     self.cancel_everything()
                 self.tasks.put(message)
         except ProtocolError as exc:
-            print(f"tether runner: bad frame from the supervisor: {exc}", file=sys.stderr, flush=True)
+            # The main loop raises it: reported like any fatal error, not mistaken for a clean goodbye.
+            self.tasks.put(exc)
+            return
         # EOF: the supervisor is gone or closed the channel; there is nobody to serve.
         self.shutdown_requested.set()
         self.cancel_everything()
@@ -150,6 +152,8 @@ class Runner:
             if item is _EOF:
                 self.close_engine()
                 return 0
+            if isinstance(item, ProtocolError):
+                raise ProtocolError(f"bad frame from the supervisor: {item}")
             task = cast(Task, item)
             if self.shutdown_requested.is_set() and not isinstance(task, ShutdownTask):
                 self.refuse(task, TaskState.CANCELLED, "the runner is shutting down; the task was not started")

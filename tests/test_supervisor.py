@@ -1,0 +1,263 @@
+"""The supervisor against real runner processes (debug engine): lifecycle, routing, losslessness, stop bound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import anyio
+import pytest
+
+from conftest import pid_alive
+from tether.channel import AsyncReceiver, AsyncSender, EndOfStream
+from tether.process import spawn_runner
+from tether.protocol import (
+    CauseKind,
+    Chunk,
+    EngineSpec,
+    Event,
+    Failed,
+    Fault,
+    GenerateParams,
+    GenerateTask,
+    Idle,
+    Loaded,
+    Loading,
+    LoadTask,
+    Ready,
+    RunnerConfig,
+    RunnerHello,
+    RunnerStatus,
+    Running,
+    Shutdown,
+    ShuttingDown,
+    StatusUpdate,
+    TaskAcknowledged,
+    TaskState,
+    TaskStatus,
+    WarmingUp,
+    WarmupTask,
+)
+from tether.supervisor import RunnerUnavailable, Supervisor
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
+
+
+def debug(*faults: Fault, **options: object) -> EngineSpec:
+    return EngineSpec(engine="debug", options=dict(options), faults=faults)
+
+
+def prompt(max_tokens: int = 8, *faults: Fault) -> GenerateParams:
+    return GenerateParams(prompt="tell me about supervision", max_tokens=max_tokens, faults=faults)
+
+
+async def test_full_event_order_load_warmup_generate_shutdown() -> None:
+    statuses: list[RunnerStatus] = []
+    with anyio.fail_after(30):
+        async with Supervisor(debug()) as sup:
+            sup.add_status_listener(statuses.append)
+            load = await sup.submit(LoadTask(task_id="L"))
+            load_events = [e async for e in load]
+            warm = await sup.submit(WarmupTask(task_id="W"))
+            warm_events = [e async for e in warm]
+            gen = await sup.generate(prompt(5), task_id="G")
+            gen_events = [e async for e in gen]
+            runner_pid = sup.pid
+        assert sup.stop_report is not None and sup.stop_report.clean
+    assert runner_pid is not None and not pid_alive(runner_pid)
+
+    for events, tid in ((load_events, "L"), (warm_events, "W")):
+        assert events == [
+            TaskAcknowledged(tid),
+            TaskStatus(tid, TaskState.RUNNING),
+            TaskStatus(tid, TaskState.COMPLETE),
+        ]
+    assert gen_events[:2] == [TaskAcknowledged("G"), TaskStatus("G", TaskState.RUNNING)]
+    chunks = gen_events[2:-1]
+    assert len(chunks) == 5 and all(isinstance(c, Chunk) for c in chunks)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5  # type: ignore[union-attr]
+    assert gen_events[-1] == TaskStatus("G", TaskState.COMPLETE, tokens=5)
+
+    kinds = [type(s) for s in statuses]
+    loading = [s for s in statuses if isinstance(s, Loading)]
+    assert [p.progress for p in loading] == sorted(p.progress for p in loading) and loading[-1].progress == 1.0
+    compact = [k for i, k in enumerate(kinds) if (i == 0 or k is not kinds[i - 1]) and k is not Idle]
+    assert compact == [Loading, Loaded, WarmingUp, Ready, Running, Ready, ShuttingDown, Shutdown]
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "exit_code", "signal_name"),
+    [
+        (Fault(kind="exit", code=0, after_tokens=40), CauseKind.UNEXPECTED_EXIT, 0, None),
+        (Fault(kind="exit", code=3, after_tokens=40), CauseKind.EXIT_CODE, 3, None),
+        (Fault(kind="sigkill", after_tokens=40), CauseKind.SIGNAL, None, "SIGKILL"),
+    ],
+    ids=["exit0", "exit3", "sigkill"],
+)
+async def test_every_chunk_sent_before_death_arrives_then_one_terminal_failure(
+    fault: Fault, kind: CauseKind, exit_code: int | None, signal_name: str | None
+) -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug()) as sup:
+            await sup.ready()
+            handle = await sup.generate(prompt(1000, fault))
+            events = [e async for e in handle]
+            await sup.wait_exit(5)
+    chunks = [e for e in events if isinstance(e, Chunk)]
+    assert len(chunks) == 40, "every chunk the runner wrote before dying must be delivered"
+    terminal = [e for e in events if isinstance(e, TaskStatus) and e.state.terminal]
+    assert terminal == [events[-1]] and terminal[0].state is TaskState.FAILED
+    cause = terminal[0].cause
+    assert cause is not None and cause.kind is kind
+    assert cause.exit_code == exit_code and cause.signal == signal_name
+    assert cause.phase == "generating"
+    assert terminal[0].tokens == 40
+    assert isinstance(sup.status, Failed) and sup.status.cause == cause
+
+
+async def test_every_in_flight_and_queued_task_ends_when_the_runner_dies() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug(token_seconds=0.01)) as sup:
+            await sup.ready()
+            first = await sup.generate(prompt(500))
+            queued = [await sup.generate(prompt(5)) for _ in range(5)]
+            async for event in first:
+                if isinstance(event, Chunk):
+                    break
+            os.kill(sup.pid or 0, signal.SIGKILL)
+            finals = [await h.wait() for h in [first, *queued]]
+            with pytest.raises(RunnerUnavailable, match="killed by SIGKILL"):
+                await sup.generate(prompt(5))
+    assert [f.state for f in finals] == [TaskState.FAILED] * 6
+    assert {f.cause.kind for f in finals if f.cause} == {CauseKind.SIGNAL}
+    assert "killed by SIGKILL (Killed)" in finals[0].error  # type: ignore[operator]
+
+
+async def test_python_exception_arrives_with_its_traceback() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug()) as sup:
+            await sup.ready()
+            status = await (await sup.generate(prompt(10, Fault(kind="raise", after_tokens=2)))).wait()
+    cause = status.cause
+    assert cause is not None and cause.kind is CauseKind.EXCEPTION and cause.exit_code == 1
+    assert "RuntimeError" in cause.summary
+    assert any("faults.py" in line for line in cause.evidence)
+    assert cause.evidence[-1].startswith("RuntimeError")
+
+
+async def test_task_invalid_for_the_status_fails_clearly_and_runner_lives_on() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug()) as sup:
+            early = await (await sup.generate(prompt(3))).wait()
+            early_warmup = await (await sup.submit(WarmupTask(task_id="w0"))).wait()
+            await sup.ready()
+            second_load = await (await sup.submit(LoadTask(task_id="l2"))).wait()
+            text, ok = await (await sup.generate(prompt(3))).text()
+    assert early.state is TaskState.FAILED
+    assert early.error == (
+        "cannot run a generate task while the runner is idle: load and warm up the runner first"
+    )
+    assert early_warmup.state is TaskState.FAILED and "send a load task first" in (early_warmup.error or "")
+    assert second_load.state is TaskState.FAILED and "loads once" in (second_load.error or "")
+    assert ok.state is TaskState.COMPLETE and len(text.split()) == 3
+
+
+async def test_duplicate_task_id_is_refused_by_the_supervisor() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug()) as sup:
+            await sup.ready()
+            await (await sup.generate(prompt(2), task_id="same")).wait()
+            with pytest.raises(ValueError, match="duplicate task id 'same'"):
+                await sup.generate(prompt(2), task_id="same")
+
+
+async def test_duplicate_task_id_is_refused_by_the_runner_itself() -> None:
+    """Defence in depth: the runner refuses a repeated id even from a misbehaving supervisor."""
+    proc = spawn_runner(RunnerConfig(runner_id="raw", spec=debug(), worker_pid=os.getpid(), heartbeat_interval=0))
+    sender = AsyncSender(proc.tasks_fd)
+    receiver: AsyncReceiver[Event] = AsyncReceiver(proc.events_fd, Event)
+    events: list[Event] = []
+    try:
+        with anyio.fail_after(20):
+            await sender.send(LoadTask(task_id="x"))
+            await sender.send(GenerateTask(task_id="x", params=prompt(2)))
+            while not any(isinstance(e, TaskStatus) and e.error and "duplicate" in e.error for e in events):
+                events.extend(await receiver.receive_batch())
+            sender.close()  # EOF on its task pipe: the runner shuts down
+            try:
+                while True:
+                    events.extend(await receiver.receive_batch())
+            except EndOfStream:
+                pass
+            status = await proc.wait_exit()
+    finally:
+        proc.kill_group(signal.SIGKILL)
+        if proc.exit_status is None:
+            await proc.wait_exit()
+        proc.close_fds()
+    assert isinstance(events[0], RunnerHello) and events[1] == StatusUpdate(Idle())
+    refusals = [e for e in events if isinstance(e, TaskStatus) and e.state is TaskState.FAILED]
+    assert refusals == [TaskStatus("x", TaskState.FAILED, "duplicate task id 'x': every task needs a fresh id")]
+    assert status.code == 0
+
+
+async def test_cancel_mid_stream_ends_cancelled_and_unknown_cancel_is_harmless() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug(token_seconds=0.05)) as sup:
+            await sup.ready()
+            handle = await sup.generate(prompt(10_000))
+            tokens = 0
+            answer = None
+            async for event in handle:
+                if isinstance(event, Chunk):
+                    tokens += event.tokens
+                    if tokens == 3 and answer is None:
+                        answer = await sup.cancel(handle.task_id)
+            assert answer == "cancel requested"
+            assert handle.final is not None and handle.final.state is TaskState.CANCELLED
+            assert handle.final.tokens == tokens and tokens <= 3 + 1, "a cancel takes effect within one token"
+            assert await sup.cancel(handle.task_id) == "already cancelled"
+            assert await sup.cancel("never-submitted") == "unknown task"
+            text, done = await (await sup.generate(prompt(4))).text()
+            assert done.state is TaskState.COMPLETE
+
+
+async def test_stop_is_bounded_for_a_hung_runner_that_ignores_sigterm() -> None:
+    spec = debug(Fault(kind="ignore_sigterm", phase="load"))
+    with anyio.fail_after(30):
+        async with Supervisor(spec, stop_timeout=2.0) as sup:
+            await sup.ready()
+            handle = await sup.generate(prompt(100, Fault(kind="hang", after_tokens=1)))
+            async for event in handle:
+                if isinstance(event, Chunk):
+                    break
+            pid = sup.pid
+            began = time.monotonic()
+            report = await sup.stop()
+            took = time.monotonic() - began
+            final = await handle.wait()
+    assert report is not None and report.escalated_to == "SIGKILL" and not report.clean
+    assert took <= 2.0 + 0.5, f"stop took {took:.2f} s, bound 2.0 s"
+    assert pid is not None and not pid_alive(pid)
+    assert final.state is TaskState.CANCELLED and final.cause is not None
+    assert final.cause.kind is CauseKind.STOP_ESCALATED
+
+
+async def test_stop_of_a_healthy_runner_is_clean_and_fast() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(debug()) as sup:
+            await sup.ready()
+            report = await sup.stop()
+    assert report is not None and report.clean and report.escalated_to is None and report.seconds < 2
+    assert isinstance(sup.status, Shutdown)
+
+
+async def test_load_failure_is_a_failed_runner_with_the_reason() -> None:
+    spec = EngineSpec(engine="debug", options={"load_steps": "many"})
+    with anyio.fail_after(30):
+        async with Supervisor(spec) as sup:
+            with pytest.raises(Exception, match="invalid debug engine option"):
+                await sup.load()
+            await sup.wait_exit(5)
+    assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.EXCEPTION
