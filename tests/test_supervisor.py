@@ -155,9 +155,7 @@ async def test_task_invalid_for_the_status_fails_clearly_and_runner_lives_on() -
             second_load = await (await sup.submit(LoadTask(task_id="l2"))).wait()
             text, ok = await (await sup.generate(prompt(3))).text()
     assert early.state is TaskState.FAILED
-    assert early.error == (
-        "cannot run a generate task while the runner is idle: load and warm up the runner first"
-    )
+    assert early.error == ("cannot run a generate task while the runner is idle: load and warm up the runner first")
     assert early_warmup.state is TaskState.FAILED and "send a load task first" in (early_warmup.error or "")
     assert second_load.state is TaskState.FAILED and "loads once" in (second_load.error or "")
     assert ok.state is TaskState.COMPLETE and len(text.split()) == 3
@@ -219,7 +217,7 @@ async def test_cancel_mid_stream_ends_cancelled_and_unknown_cancel_is_harmless()
             assert handle.final.tokens == tokens and tokens <= 3 + 1, "a cancel takes effect within one token"
             assert await sup.cancel(handle.task_id) == "already cancelled"
             assert await sup.cancel("never-submitted") == "unknown task"
-            text, done = await (await sup.generate(prompt(4))).text()
+            _text, done = await (await sup.generate(prompt(4))).text()
             assert done.state is TaskState.COMPLETE
 
 
@@ -261,3 +259,21 @@ async def test_load_failure_is_a_failed_runner_with_the_reason() -> None:
                 await sup.load()
             await sup.wait_exit(5)
     assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.EXCEPTION
+
+
+async def test_a_cancelled_caller_still_stops_its_runner_cleanly() -> None:
+    """Ctrl-C or a timeout around the supervisor must not abandon the runner or its bookkeeping."""
+    sup = Supervisor(debug(token_seconds=0.05))
+    with anyio.fail_after(30):
+        with anyio.CancelScope() as outer:
+            async with sup:
+                await sup.ready()
+                handle = await sup.generate(prompt(100_000))
+                async for event in handle:
+                    if isinstance(event, Chunk):
+                        outer.cancel()
+                        await anyio.sleep(5)  # a checkpoint: the cancellation lands here, not a wait for settling
+        assert outer.cancelled_caught
+    assert sup.stop_report is not None and sup.stop_report.clean and sup.stop_report.seconds < 2
+    assert sup.pid is not None and not pid_alive(sup.pid)
+    assert handle.final is None or handle.final.state is TaskState.CANCELLED

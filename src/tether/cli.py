@@ -32,6 +32,10 @@ from tether.protocol import (
 )
 from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed
 
+# SmolLM2-135M answers plain questions well with a short neutral system message; the default system prompt its
+# template inserts otherwise ("... named SmolLM, trained by Hugging Face") derails it at temperature 0.
+DEFAULT_SYSTEM = "You are a helpful AI assistant."
+
 EXIT_OK = 0
 EXIT_RUNNER_FAILED = 2
 EXIT_INTERRUPTED = 130
@@ -67,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    run.add_argument("--system", default=None, help="system message for chat models")
+    run.add_argument(
+        "--system",
+        default=DEFAULT_SYSTEM,
+        help=f"system message for chat models (default {DEFAULT_SYSTEM!r}; '' = the model template's own)",
+    )
     run.add_argument("--raw", action="store_true", help="send the prompt as a raw completion, no chat template")
     run.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
     run.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")

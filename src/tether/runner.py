@@ -14,6 +14,7 @@ supervisor, not the runner, turns the exit into a cause and fails the in-flight 
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import os
 import queue
@@ -145,7 +146,10 @@ class Runner:
         threading.Thread(target=self._read_tasks, name="tether-reader", daemon=True).start()
         if self.config.heartbeat_interval > 0:
             threading.Thread(
-                target=self._heartbeat, args=(self.config.heartbeat_interval,), name="tether-heartbeat", daemon=True
+                target=self._heartbeat,
+                args=(self.config.heartbeat_interval,),
+                name="tether-heartbeat",
+                daemon=True,
             ).start()
         while True:
             item = self.tasks.get()
@@ -285,17 +289,15 @@ class Runner:
                 )
             )
             print(tb, file=sys.stderr, end="", flush=True)
-        except BaseException:  # noqa: BLE001 - the exit code still tells the supervisor something went wrong
+        except BaseException:
             pass
 
 
 def _hard_exit(code: int) -> NoReturn:
     """Exit without interpreter teardown: native engine threads must not be able to hang the exit."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
     os._exit(code)
 
 
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sender.send(StatusUpdate(runner.status))
     try:
         code = runner.serve()
-    except BaseException as exc:  # noqa: BLE001 - any escape ends the runner; report it first
+    except BaseException as exc:
         runner.report_fatal(exc)
         _hard_exit(1)
     _hard_exit(code)

@@ -12,13 +12,14 @@ Every wait here has a bound: start, sends, and stop (shutdown -> grace -> SIGTER
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -206,8 +207,10 @@ class Supervisor:
         self._exited = anyio.Event()
         self._events_done = anyio.Event()
         self._output_done = anyio.Event()
-        self._events_scope = anyio.CancelScope()
-        self._output_scope = anyio.CancelScope()
+        # The pumps and the watcher are shielded: when the caller is cancelled (Ctrl-C, a timeout), they must keep
+        # routing and watching until the runner is really gone; ``stop`` bounds how long that takes.
+        self._events_scope = anyio.CancelScope(shield=True)
+        self._output_scope = anyio.CancelScope(shield=True)
         self._stop_requested = False
         self._forced_cause: Cause | None = None
         self._escalated_to: str | None = None
@@ -309,10 +312,8 @@ class Supervisor:
         bound = self.stop_timeout if timeout is None else timeout
         began = time.monotonic()
         with anyio.move_on_after(bound * 0.5):
-            try:
+            with contextlib.suppress(BrokenPipeError, RunnerUnavailable):  # already going: wait for the exit
                 await self._send(ShutdownTask(task_id=f"shutdown-{self.runner_id}"))
-            except (BrokenPipeError, RunnerUnavailable):
-                pass  # already going; the exit is what we wait for
             await self._exited.wait()
         for sig, share in ((signal.SIGTERM, 0.8), (signal.SIGKILL, 1.0)):
             if self._exited.is_set():
@@ -345,10 +346,8 @@ class Supervisor:
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
         self._inflight[tid] = _InFlight(task=task, send=send)
         handle = TaskHandle(tid, task_kind(task), receive)
-        try:
+        with contextlib.suppress(BrokenPipeError):  # the runner is dying: the watcher ends the task with the cause
             await self._send(task)
-        except BrokenPipeError:
-            pass  # the runner is dying: the watcher will end this task with the cause
         return handle
 
     async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
@@ -401,9 +400,7 @@ class Supervisor:
             await self._sender.send(message)
         if scope.cancelled_caught:
             # A runner that has not read its task pipe for this long is stuck; a half-written frame is moot.
-            self._force_kill(
-                CauseKind.HANG, f"{self.name} stopped reading its task pipe for {self.send_timeout:.1f} s"
-            )
+            self._force_kill(CauseKind.HANG, f"{self.name} stopped reading its task pipe for {self.send_timeout:.1f} s")
             raise RunnerUnavailable(f"{self.name} is not reading tasks", self._forced_cause)
 
     def _force_kill(self, kind: CauseKind, summary: str) -> None:
@@ -509,12 +506,13 @@ class Supervisor:
 
     async def _watch(self) -> None:
         assert self.process is not None
-        exit_status = await self.process.wait_exit()
-        try:
-            await self._finalize(exit_status)
-        finally:
-            self._exited.set()
-            self._notify()
+        with anyio.CancelScope(shield=True):
+            exit_status = await self.process.wait_exit()
+            try:
+                await self._finalize(exit_status)
+            finally:
+                self._exited.set()
+                self._notify()
 
     async def _finalize(self, exit_status: ExitStatus) -> None:
         """After the exit: drain, diagnose, end every in-flight task, release the pipes."""
@@ -578,10 +576,8 @@ class Supervisor:
 
 def _deliver(record: _InFlight, event: TaskEvent) -> None:
     """Hand an event to its task's stream; a consumer that closed its handle must not break routing."""
-    try:
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
         record.send.send_nowait(event)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        pass
 
 
 def _new_id(prefix: str) -> str:

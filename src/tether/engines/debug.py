@@ -1,0 +1,166 @@
+"""A model-free engine for rehearsing the supervisor: deterministic tokens and real, injectable faults.
+
+Output is a pseudo-random word sequence seeded by a stable hash of the prompt (and ``params.seed``), so the
+same request always produces the same text, in any process, without a model. Faults come from the engine spec
+(load, warmup and generate phases; generate faults apply to every request) and from each request's params.
+
+Options (``spec.options``):
+  load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
+  load_step_seconds  delay per load step (default 0.001)
+  token_seconds      delay per generated token (default 0)
+  n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable, Iterator
+
+from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError
+from tether.engines.faults import fire
+from tether.protocol import EngineSpec, Fault, GenerateParams
+
+VOCAB = tuple(
+    " ".join(
+        (
+            "the quick brown fox jumps over a lazy dog while tether keeps every runner on a short leash",
+            "and no request ever hangs because each wait has a bound so heartbeats flow tokens stream",
+            "stacks dump pipes drain memory stays honest signals speak causes travel orphans vanish",
+        )
+    ).split()
+)
+
+
+class DebugEngine:
+    """Deterministic fake engine; see the module docstring for options and fault semantics."""
+
+    name = "debug"
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        options = spec.options
+        try:
+            self.load_steps = max(1, int(options.get("load_steps", 5)))
+            self.load_step_seconds = max(0.0, float(options.get("load_step_seconds", 0.001)))
+            self.token_seconds = max(0.0, float(options.get("token_seconds", 0.0)))
+            n_ctx = options.get("n_ctx")
+            self.n_ctx = int(n_ctx) if n_ctx is not None else None
+        except (TypeError, ValueError) as exc:
+            raise EngineLoadError(f"invalid debug engine option in {options!r}: {exc}") from exc
+        self._loaded = False
+
+    def load(self, progress: ProgressCallback) -> None:
+        """Report ``load_steps`` progress steps; load faults fire at step 0 (``slow`` at each step)."""
+        for step in range(self.load_steps):
+            fire(self.spec.faults, "load", step)
+            if self.load_step_seconds:
+                time.sleep(self.load_step_seconds)
+            progress((step + 1) / self.load_steps, f"debug engine load step {step + 1}/{self.load_steps}")
+        self._loaded = True
+
+    def warmup(self) -> None:
+        """Fire warmup-phase faults, then run a one-token generation like a real engine would."""
+        self._require_loaded()
+        fire(self.spec.faults, "warmup", 0)
+        for _ in self._stream(GenerateParams(prompt="warmup", max_tokens=1), lambda: False, faults=()):
+            pass
+
+    def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+        """Validate eagerly (a bad request raises ``RequestError`` now, not at the first ``next``)."""
+        self._require_loaded()
+        problem = params.check()
+        if problem is not None:
+            raise RequestError(problem)
+        if self.n_ctx is not None:
+            prompt_tokens = len(prompt_text(params).split())
+            if prompt_tokens > self.n_ctx:
+                raise RequestError(
+                    f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx"
+                )
+        return self._stream(params, cancelled, faults=self.spec.faults + params.faults)
+
+    def close(self) -> None:
+        self._loaded = False
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _require_loaded(self) -> None:
+        if not self._loaded:
+            raise RuntimeError("debug engine used before load() (or after close())")
+
+    def _stream(
+        self, params: GenerateParams, cancelled: Callable[[], bool], faults: tuple[Fault, ...]
+    ) -> Iterator[Delta]:
+        text = prompt_text(params)
+        prompt_tokens = len(text.split())
+        words = token_stream(text, params.seed)
+        stops = tuple(s for s in params.stop if s)
+        produced = ""  # all generated text, including text held back because it may start a stop string
+        emitted = 0  # how much of `produced` has been yielded
+        for done in range(params.max_tokens):
+            if cancelled():
+                yield _cancelled(prompt_tokens, done)
+                return
+            fire(faults, "generate", done)
+            if self.token_seconds:
+                time.sleep(self.token_seconds)
+            if cancelled():  # a slow step may have outlasted a cancel: never emit a token after one
+                yield _cancelled(prompt_tokens, done)
+                return
+            piece = next(words)
+            produced += piece if done == 0 else " " + piece
+            last = done + 1 == params.max_tokens
+            cut = _find_stop(produced, stops, emitted)
+            if cut is not None:
+                yield Delta(produced[emitted:cut], 1, "stop", prompt_tokens, done + 1)
+                return
+            if last:
+                yield Delta(produced[emitted:], 1, "length", prompt_tokens, done + 1)
+                return
+            safe = len(produced) - _held_back(produced, stops)
+            yield Delta(produced[emitted:safe], 1)
+            emitted = safe
+
+
+def prompt_text(params: GenerateParams) -> str:
+    """The text a request conditions on: the prompt, or the chat rendered as ``role: content`` lines."""
+    if params.prompt is not None:
+        return params.prompt
+    return "\n".join(f"{m.role}: {m.content}" for m in params.messages or ())
+
+
+def token_stream(text: str, seed: int | None = None) -> Iterator[str]:
+    """An endless deterministic word stream for ``text``: a stable hash (not ``hash()``, which is salted per
+    process) seeds a private RNG, so the same request yields the same words in every process."""
+    digest = hashlib.blake2b(f"{seed}\x00{text}".encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))
+    while True:
+        yield rng.choice(VOCAB)
+
+
+def _find_stop(produced: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Index where the earliest stop string starts, searching only where a new match can begin."""
+    if not stops:
+        return None
+    longest = max(len(s) for s in stops)
+    start = max(0, emitted - longest)
+    hits = [i for i in (produced.find(s, start) for s in stops) if i != -1]
+    return min(hits) if hits else None
+
+
+def _held_back(produced: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``produced`` that is a proper prefix of a stop string: that text must
+    wait, because the next token could complete the stop string and stop text is never emitted."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(produced)), best, -1):
+            if produced.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+def _cancelled(prompt_tokens: int, done: int) -> Delta:
+    return Delta("", 0, "cancelled", prompt_tokens, done)

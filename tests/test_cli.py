@@ -1,0 +1,109 @@
+"""`tether run` as a user runs it: a real process, real signals, the real default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import pid_alive
+
+TETHER = [sys.executable, "-m", "tether"]
+
+
+def _have_default_model() -> str | None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (run `make install`)"
+    try:
+        from tether.models import default_model_path
+
+        default_model_path()
+    except Exception as exc:
+        return f"the default model is missing: {exc}"
+    return None
+
+
+@pytest.mark.model
+@pytest.mark.timeout(180)
+def test_default_model_answers_the_capital_of_france() -> None:
+    missing = _have_default_model()
+    if missing:
+        pytest.skip(missing)
+    out = subprocess.run(
+        [*TETHER, "run", "What is the capital of France?", "--max-tokens", "32", "--threads", "2"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "loading 100.0%" in out.stderr and "tokens/s" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_json_mode_prints_every_event_in_order() -> None:
+    out = subprocess.run(
+        [*TETHER, "run", "hi", "--engine", "debug", "--max-tokens", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    types = [e["type"] for e in events]
+    assert types.count("chunk") == 4
+    statuses = [e["status"]["type"] for e in events if e["type"] == "status"]
+    assert statuses[statuses.index("loading") :][-1] == "shutdown"
+    assert {"loading", "loaded", "warming_up", "ready", "running", "shutting_down"} <= set(statuses)
+    task_states = [e["state"] for e in events if e["type"] == "task_status"]
+    assert task_states == ["running", "complete"]
+    assert types.index("ack") < types.index("chunk") < types.index("task_status", types.index("chunk"))
+
+
+@pytest.mark.timeout(60)
+def test_runner_crash_exits_non_zero_with_the_cause() -> None:
+    out = subprocess.run(
+        [*TETHER, "run", "hi", "--engine", "debug", "--max-tokens", "50", "--fault", "segv:generate:3"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 2
+    assert "crashed in native code while generating: killed by SIGSEGV (Segmentation fault)" in out.stderr
+    assert "Fatal Python error: Segmentation fault" in out.stderr
+    assert len(out.stdout.split()) == 3, "the three tokens produced before the crash are still printed"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_the_runner_and_leaves_nothing(sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [*TETHER, "run", "hi", "--engine", "debug", "--max-tokens", "100000", "--fault", "slow:generate:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        runner_pid = None
+        for line in proc.stderr:  # bounded by the test timeout; the pid line comes first
+            match = re.search(r": pid (\d+)$", line.strip())
+            if match:
+                runner_pid = int(match.group(1))
+                break
+        assert runner_pid is not None
+        first_token = proc.stdout.read(1)  # the runner is generating now
+        assert first_token
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=15) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not pid_alive(runner_pid)
