@@ -277,3 +277,25 @@ async def test_a_cancelled_caller_still_stops_its_runner_cleanly() -> None:
     assert sup.stop_report is not None and sup.stop_report.clean and sup.stop_report.seconds < 2
     assert sup.pid is not None and not pid_alive(sup.pid)
     assert handle.final is None or handle.final.state is TaskState.CANCELLED
+
+
+async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
+    """Corrupt the live events pipe of a real runner: the supervisor names the cause and ends the tasks."""
+    with anyio.fail_after(30):
+        async with Supervisor(debug(token_seconds=0.05)) as sup:
+            await sup.ready()
+            handle = await sup.generate(prompt(100_000))
+            assert sup.pid is not None
+            with open(f"/proc/{sup.pid}/cmdline", "rb") as f:
+                events_fd = int(f.read().split(b"\0")[-2])  # argv: ... tether.runner TASKS_FD EVENTS_FD
+            fd = os.open(f"/proc/{sup.pid}/fd/{events_fd}", os.O_WRONLY)  # the runner's own write end
+            try:
+                os.write(fd, (12).to_bytes(4, "little") + b"\xc1" * 12)  # 0xc1 is never valid msgpack
+            finally:
+                os.close(fd)
+            final = await handle.wait()
+            await sup.wait_exit(10)
+    assert final.state is TaskState.FAILED and final.cause is not None
+    assert final.cause.kind is CauseKind.PROTOCOL_ERROR
+    assert "is malformed" in final.cause.summary
+    assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.PROTOCOL_ERROR

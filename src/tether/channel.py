@@ -27,6 +27,7 @@ T = TypeVar("T")
 
 _HEADER = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size
+_pack_header = _HEADER.pack
 MAX_FRAME = 64 * 1024 * 1024  # a larger length prefix is corruption, not a message
 READ_SIZE = 256 * 1024
 
@@ -46,13 +47,13 @@ class FrameEncoder:
         self._encoder = msgspec.msgpack.Encoder()
 
     def frame(self, message: Any) -> bytes:
-        buf = bytearray(HEADER_SIZE)
-        self._encoder.encode_into(message, buf, HEADER_SIZE)
-        size = len(buf) - HEADER_SIZE
+        # encode() + a 4-byte prefix is ~2x cheaper than encode_into() a fresh bytearray (which reallocates)
+        # followed by a bytes() copy; the concatenation copies a small payload once.
+        payload = self._encoder.encode(message)
+        size = len(payload)
         if size > MAX_FRAME:
             raise ValueError(f"message of {size} bytes exceeds the {MAX_FRAME}-byte frame limit")
-        _HEADER.pack_into(buf, 0, size)
-        return bytes(buf)
+        return _pack_header(size) + payload
 
 
 class FrameDecoder(Generic[T]):
@@ -116,13 +117,26 @@ class SyncSender:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._encoder = FrameEncoder()
+        self._encode = msgspec.msgpack.Encoder().encode
         self._lock = threading.Lock()
+        self._acquire = self._lock.acquire  # bound once: cheaper than `with` on the per-token path
+        self._release = self._lock.release
 
     def send(self, message: Any) -> None:
-        frame = self._encoder.frame(message)  # msgspec encoders are thread-safe; framing happens outside the lock
-        with self._lock:
-            write_all(self.fd, frame)
+        # The per-token hot path, so FrameEncoder.frame is inlined: msgspec encoders are thread-safe, and
+        # framing happens outside the lock.
+        payload = self._encode(message)
+        size = len(payload)
+        if size > MAX_FRAME:
+            raise ValueError(f"message of {size} bytes exceeds the {MAX_FRAME}-byte frame limit")
+        frame = _pack_header(size) + payload
+        self._acquire()
+        try:
+            n = os.write(self.fd, frame)  # one syscall in the common case; a short write finishes below
+            if n != len(frame):
+                write_all(self.fd, memoryview(frame)[n:])
+        finally:
+            self._release()
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,25 @@
+"""Benchmarks must keep running: each prints one JSON object as its last line (figures are not asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.timeout(120)
+def test_ipc_bench_quick_run_prints_its_json_line() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "ipc.py"), "--quick"], capture_output=True, text=True, timeout=110
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "ipc"
+    assert result["lossless"] is True
+    for key in ("tether_events_per_s", "baseline_events_per_s", "ratio", "tether_p50_us", "tether_p99_us"):
+        assert result[key] > 0
