@@ -39,7 +39,7 @@ from tether.protocol import (
     WarmingUp,
     WarmupTask,
 )
-from tether.supervisor import RunnerUnavailable, Supervisor
+from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
 
@@ -258,7 +258,12 @@ async def test_load_failure_is_a_failed_runner_with_the_reason() -> None:
             with pytest.raises(Exception, match="invalid debug engine option"):
                 await sup.load()
             await sup.wait_exit(5)
-    assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.EXCEPTION
+    cause = sup.status.cause if isinstance(sup.status, Failed) else None
+    assert cause is not None and cause.kind is CauseKind.LOAD_ERROR and cause.phase == "loading"
+    assert (
+        cause.summary.startswith("runner ") and "could not load its model: invalid debug engine option" in cause.summary
+    )
+    assert cause.evidence == ()
 
 
 async def test_a_cancelled_caller_still_stops_its_runner_cleanly() -> None:
@@ -299,3 +304,17 @@ async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
     assert final.cause.kind is CauseKind.PROTOCOL_ERROR
     assert "is malformed" in final.cause.summary
     assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.PROTOCOL_ERROR
+
+
+async def test_a_load_that_outlasts_its_bound_kills_the_runner_with_a_hang_cause() -> None:
+    spec = EngineSpec(engine="debug", faults=(Fault(kind="slow", phase="load", seconds=5.0),))
+    with anyio.fail_after(30):
+        async with Supervisor(spec, load_timeout=0.5) as sup:
+            began = time.monotonic()
+            with pytest.raises(TaskFailed) as failed:
+                await sup.load()
+            took = time.monotonic() - began
+    cause = failed.value.status.cause
+    assert cause is not None and cause.kind is CauseKind.HANG and cause.phase == "loading"
+    assert "did not finish loading within 0.5 s" in cause.summary
+    assert took < 0.5 + 1.0

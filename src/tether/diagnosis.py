@@ -69,11 +69,18 @@ def diagnose(ev: Evidence) -> Cause:
 
     if ev.exception is not None:
         exc = ev.exception
+        if exc.load_error:
+            return Cause(
+                kind=CauseKind.LOAD_ERROR,
+                summary=f"{ev.runner} could not load its model: {exc.message}",
+                exit_code=status.code,
+                phase=ev.phase,
+            )
         kind = CauseKind.OUT_OF_MEMORY if exc.memory_error else CauseKind.EXCEPTION
-        what = "ran out of memory (MemoryError)" if exc.memory_error else f"raised {exc.exc_type}: {exc.message}"
+        what = "ran out of memory (MemoryError)" if exc.memory_error else f"raised {exc.exc_type}"
         return Cause(
             kind=kind,
-            summary=f"{ev.runner} {what}{where}",
+            summary=f"{ev.runner} {what}{where}: {exc.message}",
             evidence=tuple(diag_lines + exc.traceback.rstrip("\n").splitlines()),
             exit_code=status.code,
             signal=status.signal_name,

@@ -139,6 +139,7 @@ class CauseKind(enum.StrEnum):
     UNEXPECTED_EXIT = "unexpected_exit"  # exited with code 0 without being asked to stop
     SIGNAL = "signal"  # killed by a signal
     EXCEPTION = "exception"  # a Python exception escaped the engine
+    LOAD_ERROR = "load_error"  # the engine refused the model or its options (the user's to fix, not a crash)
     NATIVE_CRASH = "native_crash"  # a fatal signal with a faulthandler stack
     OUT_OF_MEMORY = "out_of_memory"
     HANG = "hang"
@@ -269,6 +270,7 @@ class RunnerException(msgspec.Struct, tag="exception", frozen=True):
     traceback: str
     phase: str
     memory_error: bool = False
+    load_error: bool = False  # an EngineLoadError: its message is the whole story, the traceback is noise
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -28,7 +28,7 @@ from typing import NoReturn, cast
 import msgspec
 
 from tether.channel import ProtocolError, SyncReceiver, SyncSender
-from tether.engines.base import Engine, RequestError, create_engine
+from tether.engines.base import Engine, EngineLoadError, RequestError, create_engine
 from tether.process import CONFIG_ENV
 from tether.protocol import (
     Cancel,
@@ -286,6 +286,7 @@ class Runner:
                     traceback=tb,
                     phase=self._phase,
                     memory_error=isinstance(exc, MemoryError),
+                    load_error=isinstance(exc, EngineLoadError),
                 )
             )
             print(tb, file=sys.stderr, end="", flush=True)

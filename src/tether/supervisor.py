@@ -181,6 +181,8 @@ class Supervisor:
         stop_timeout: float = 10.0,
         start_timeout: float = 30.0,
         send_timeout: float = 5.0,
+        load_timeout: float = 600.0,
+        warmup_timeout: float = 120.0,
         heartbeat_interval: float = 0.5,
         output_lines: int = 200,
         env: dict[str, str] | None = None,
@@ -190,6 +192,8 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.start_timeout = start_timeout
         self.send_timeout = send_timeout
+        self.load_timeout = load_timeout
+        self.warmup_timeout = warmup_timeout
         self.heartbeat_interval = heartbeat_interval
         self.env = env
         self.status: RunnerStatus = Idle()
@@ -365,21 +369,31 @@ class Supervisor:
             return f"already {self._finished[task_id].value}"
         return "unknown task"
 
-    async def load(self) -> None:
-        await self._run_to_completion(LoadTask(task_id=_new_id("load")))
+    async def load(self, timeout: float | None = None) -> None:
+        """Load the model (progress arrives as Loading statuses); a load that outlasts the bound kills the runner."""
+        await self._run_to_completion(LoadTask(task_id=_new_id("load")), timeout or self.load_timeout, "loading")
 
-    async def warmup(self) -> None:
-        await self._run_to_completion(WarmupTask(task_id=_new_id("warmup")))
+    async def warmup(self, timeout: float | None = None) -> None:
+        await self._run_to_completion(
+            WarmupTask(task_id=_new_id("warmup")), timeout or self.warmup_timeout, "warming up"
+        )
 
     async def ready(self) -> None:
         """Load then warm up: the runner is Ready afterwards, or TaskFailed says why not."""
         await self.load()
         await self.warmup()
 
-    async def _run_to_completion(self, task: Task) -> None:
-        status = await (await self.submit(task)).wait()
-        if status.state is not TaskState.COMPLETE:
-            raise TaskFailed(status)
+    async def _run_to_completion(self, task: Task, timeout: float, phase: str) -> None:
+        handle = await self.submit(task)
+        with anyio.move_on_after(timeout):
+            await handle.wait()
+        if handle.final is None:
+            self._force_kill(CauseKind.HANG, f"{self.name} did not finish {phase} within {timeout:g} s")
+            with anyio.fail_after(self.stop_timeout):  # the kill ends the task with that cause
+                await handle.wait()
+        assert handle.final is not None
+        if handle.final.state is not TaskState.COMPLETE:
+            raise TaskFailed(handle.final)
 
     def add_status_listener(self, callback: Callable[[RunnerStatus], None]) -> None:
         self._listeners.append(callback)
