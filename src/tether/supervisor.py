@@ -304,7 +304,8 @@ class Supervisor:
             self._force_kill(
                 CauseKind.HANG, f"{self.name} did not report in within {self.start_timeout:.1f} s of starting"
             )
-            await self._exited.wait()
+            with anyio.move_on_after(self.stop_timeout):
+                await self._exited.wait()
         if self.hello is None:
             raise RunnerUnavailable(f"{self.name} failed to start", self.cause)
 
