@@ -204,6 +204,21 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 RunnerStatus = Idle | Loading | Loaded | WarmingUp | Ready | Running | ShuttingDown | Shutdown | Failed
 
+_PHASES: dict[type, str] = {
+    Idle: "idle",
+    Loading: "loading",
+    Loaded: "idle after loading",
+    WarmingUp: "warming up",
+    Ready: "idle",
+    Running: "generating",
+    ShuttingDown: "shutting down",
+}
+
+
+def phase_of(status: RunnerStatus) -> str | None:
+    """What a runner in this status is doing, as words for a cause ("... while generating")."""
+    return _PHASES.get(type(status))
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Events: runner -> supervisor

@@ -57,6 +57,7 @@ from tether.protocol import (
     ToRunner,
     WarmingUp,
     WarmupTask,
+    phase_of,
     task_kind,
 )
 
@@ -95,7 +96,6 @@ class Runner:
         self.shutdown_requested = threading.Event()
         self._recent: collections.deque[str] = collections.deque()
         self._recent_set: set[str] = set()
-        self._phase = "idle"
 
     # --- events ---------------------------------------------------------------------------------------------
 
@@ -198,7 +198,6 @@ class Runner:
     def run_task(self, task: Task) -> None:
         tid = task.task_id
         if isinstance(task, LoadTask):
-            self._phase = "loading"
             self.task_status(tid, TaskState.RUNNING)
             self.set_status(Loading(0.0, "starting"))
             self.engine = create_engine(self.config.spec)
@@ -207,7 +206,6 @@ class Runner:
             self.task_status(tid, TaskState.COMPLETE)
         elif isinstance(task, WarmupTask):
             assert self.engine is not None
-            self._phase = "warming up"
             self.task_status(tid, TaskState.RUNNING)
             self.set_status(WarmingUp())
             self.engine.warmup()
@@ -219,7 +217,6 @@ class Runner:
     def generate(self, task: GenerateTask) -> None:
         assert self.engine is not None
         tid = task.task_id
-        self._phase = "generating"
         self.set_status(Running(tid))
         self.task_status(tid, TaskState.RUNNING)
         cancelled = self.cancelled
@@ -251,11 +248,9 @@ class Runner:
                 self.task_status(tid, TaskState.COMPLETE, tokens=tokens)
         finally:
             cancelled.discard(tid)
-            self._phase = "idle"
         self.set_status(Ready())
 
     def shutdown(self, task: ShutdownTask) -> None:
-        self._phase = "shutting down"
         self.task_status(task.task_id, TaskState.RUNNING)
         self.set_status(ShuttingDown())
         # Tasks queued behind the shutdown get an explicit answer rather than silence.
@@ -284,7 +279,7 @@ class Runner:
                     exc_type=type(exc).__qualname__,
                     message=str(exc),
                     traceback=tb,
-                    phase=self._phase,
+                    phase=phase_of(self.status) or "",
                     memory_error=isinstance(exc, MemoryError),
                     load_error=isinstance(exc, EngineLoadError),
                 )

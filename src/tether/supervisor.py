@@ -45,25 +45,20 @@ from tether.protocol import (
     GenerateTask,
     Heartbeat,
     Idle,
-    Loaded,
-    Loading,
     LoadTask,
-    Ready,
     RunnerConfig,
     RunnerException,
     RunnerHello,
     RunnerStatus,
-    Running,
     Shutdown,
     ShutdownTask,
-    ShuttingDown,
     StatusUpdate,
     Task,
     TaskAcknowledged,
     TaskState,
     TaskStatus,
-    WarmingUp,
     WarmupTask,
+    phase_of,
     task_kind,
 )
 
@@ -71,16 +66,6 @@ log = logging.getLogger("tether.supervisor")
 
 TaskEvent = TaskAcknowledged | TaskStatus | Chunk | ErrorChunk
 RECENT_FINISHED = 10_000
-
-_PHASES: dict[type, str] = {
-    Idle: "idle",
-    Loading: "loading",
-    Loaded: "loaded",
-    WarmingUp: "warming up",
-    Ready: "idle",
-    Running: "generating",
-    ShuttingDown: "shutting down",
-}
 
 
 class RunnerUnavailable(Exception):
@@ -420,7 +405,7 @@ class Supervisor:
 
     def _force_kill(self, kind: CauseKind, summary: str) -> None:
         if self._forced_cause is None:
-            self._forced_cause = Cause(kind=kind, summary=summary, phase=_PHASES.get(type(self.status)))
+            self._forced_cause = Cause(kind=kind, summary=summary, phase=phase_of(self.status))
         if self.process is not None:
             self.process.kill_group(signal.SIGKILL)
 
@@ -545,7 +530,7 @@ class Supervisor:
         except ProtocolError as exc:
             self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
         self._read_output(proc.output_fd)
-        phase = _PHASES.get(type(self.status))
+        phase = phase_of(self.status)
         clean_stop = self._stop_requested and exit_status.code == 0 and isinstance(self.status, Shutdown)
         escalated_stop = self._stop_requested and self._escalated_to is not None
         if clean_stop or escalated_stop:
