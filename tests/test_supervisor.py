@@ -318,3 +318,16 @@ async def test_a_load_that_outlasts_its_bound_kills_the_runner_with_a_hang_cause
     assert cause is not None and cause.kind is CauseKind.HANG and cause.phase == "loading"
     assert "did not finish loading within 0.5 s" in cause.summary
     assert took < 0.5 + 1.0
+
+
+async def test_a_runner_flooding_stderr_is_drained_and_only_a_bounded_tail_is_kept() -> None:
+    """A full stderr pipe would block the runner: the supervisor reads it continuously, keeping the last lines."""
+    flood = Fault(kind="stderr_flood", after_tokens=2, lines=50_000)
+    with anyio.fail_after(30):
+        async with Supervisor(debug(), output_lines=100) as sup:
+            await sup.ready()
+            text, final = await (await sup.generate(prompt(5, flood))).text()
+    tail = sup.output_tail  # complete once the runner is gone: the output pipe is drained before the exit is reported
+    assert final.state is TaskState.COMPLETE and len(text.split()) == 5
+    assert len(tail) == 100
+    assert tail[-1] == "stderr flood line 50000/50000"
