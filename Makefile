@@ -25,11 +25,13 @@ run: install
 
 test: install
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
 
 format: install
 	$(BIN)/ruff format src tests bench

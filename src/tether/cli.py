@@ -117,9 +117,9 @@ def _params(args: argparse.Namespace) -> GenerateParams:
         "faults": gen_faults,
     }
     if args.raw:
-        return GenerateParams(prompt=args.prompt, **common)  # type: ignore[arg-type]
+        return GenerateParams(prompt=args.prompt, **common)
     messages = ([ChatMessage("system", args.system)] if args.system else []) + [ChatMessage("user", args.prompt)]
-    return GenerateParams(messages=tuple(messages), **common)  # type: ignore[arg-type]
+    return GenerateParams(messages=tuple(messages), **common)
 
 
 class _Progress:

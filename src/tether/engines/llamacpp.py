@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError
 from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
-from tether.protocol import EngineSpec, GenerateParams
+from tether.protocol import EngineSpec, FinishReason, GenerateParams
 
 INSTALL_HINT = "run `make install` (or `pip install 'tether[llama]'`)"
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -241,7 +241,7 @@ class LlamaCppEngine:
                 tokens = 1 if text else 0
                 completion_tokens += tokens
                 if finish is not None:
-                    reason = "stop" if finish == "stop" else "length"
+                    reason: FinishReason = "stop" if finish == "stop" else "length"
                     yield Delta(text, tokens, reason, prompt_tokens, completion_tokens)
                     return
                 if text:
@@ -362,7 +362,7 @@ def _quiet_python_stderr(enabled: bool) -> Iterator[None]:
         yield
         return
     original = sys.stderr
-    sys.stderr = _ThreadFilteredStream(original, threading.get_ident())  # type: ignore[assignment]
+    sys.stderr = _ThreadFilteredStream(original, threading.get_ident())
     try:
         yield
     finally:
@@ -379,7 +379,8 @@ def _chat_formatter(llama_cpp: Any, llm: Any) -> Any:
     def token_text(token_id: int) -> str:
         if token_id == -1:
             return ""
-        return llm.detokenize([token_id], special=True).decode("utf-8", errors="replace")
+        piece: bytes = llm.detokenize([token_id], special=True)
+        return piece.decode("utf-8", errors="replace")
 
     eos_id = llm.token_eos()
     return llama_cpp.llama_chat_format.Jinja2ChatFormatter(
