@@ -41,7 +41,7 @@ class EndOfStream(Exception):
 
 
 class FrameEncoder:
-    """Encodes messages into frames, reusing one buffer to keep the hot path allocation-light."""
+    """Encodes messages into frames (length prefix + msgpack payload)."""
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
@@ -117,19 +117,13 @@ class SyncSender:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._frame = FrameEncoder().frame  # msgspec encoders are thread-safe; framing happens outside the lock
         self._lock = threading.Lock()
         self._acquire = self._lock.acquire  # bound once: cheaper than `with` on the per-token path
         self._release = self._lock.release
 
     def send(self, message: Any) -> None:
-        # The per-token hot path, so FrameEncoder.frame is inlined: msgspec encoders are thread-safe, and
-        # framing happens outside the lock.
-        payload = self._encode(message)
-        size = len(payload)
-        if size > MAX_FRAME:
-            raise ValueError(f"message of {size} bytes exceeds the {MAX_FRAME}-byte frame limit")
-        frame = _pack_header(size) + payload
+        frame = self._frame(message)
         self._acquire()
         try:
             n = os.write(self.fd, frame)  # one syscall in the common case; a short write finishes below
