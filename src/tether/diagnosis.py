@@ -37,7 +37,6 @@ class Evidence:
     exception: RunnerException | None = None
     output_tail: Sequence[str] = ()
     phase: str | None = None
-    stop_requested: bool = False
     runner: str = "runner"
 
 

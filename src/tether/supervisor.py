@@ -554,7 +554,6 @@ class Supervisor:
                     exception=self.exception,
                     output_tail=self.output_tail,
                     phase=phase,
-                    stop_requested=self._stop_requested,
                     runner=self.name,
                 )
             )
