@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,14 @@ from tether.protocol import EngineSpec
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets its own runner registry, so tests never see (or reap) each other's records or the user's."""
+    path = tmp_path_factory.mktemp("runtime")
+    monkeypatch.setenv("TETHER_RUNTIME_DIR", str(path))
+    return path
 
 
 @pytest.fixture

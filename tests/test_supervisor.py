@@ -11,7 +11,7 @@ import pytest
 
 from conftest import pid_alive
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream
-from tether.process import spawn_runner
+from tether.process import RunnerArgs, spawn_runner
 from tether.protocol import (
     CauseKind,
     Chunk,
@@ -292,7 +292,9 @@ async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
             handle = await sup.generate(prompt(100_000))
             assert sup.pid is not None
             with open(f"/proc/{sup.pid}/cmdline", "rb") as f:
-                events_fd = int(f.read().split(b"\0")[-2])  # argv: ... tether.runner TASKS_FD EVENTS_FD
+                args = RunnerArgs.from_cmdline(f.read().decode().split("\0")[:-1])
+            assert args is not None
+            events_fd = args.events_fd
             fd = os.open(f"/proc/{sup.pid}/fd/{events_fd}", os.O_WRONLY)  # the runner's own write end
             try:
                 os.write(fd, (12).to_bytes(4, "little") + b"\xc1" * 12)  # 0xc1 is never valid msgpack

@@ -52,10 +52,16 @@ def engine_diagnostics(lines: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _faulthandler_stack(lines: Sequence[str]) -> list[str]:
-    """The lines faulthandler printed for the fatal error, from "Fatal Python error" on."""
+    """What faulthandler printed for the fatal error: its header, then the crashing thread's stack first (it
+    is printed last, after every other thread's), then the other threads, up to ``EVIDENCE_LINES`` lines."""
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].startswith("Fatal Python error"):
-            return list(lines[i : i + EVIDENCE_LINES])
+            dump = list(lines[i:])
+            for j, line in enumerate(dump):
+                if line.startswith("Current thread"):
+                    dump = dump[:1] + dump[j:] + dump[1:j]
+                    break
+            return dump[:EVIDENCE_LINES]
     return []
 
 
@@ -87,7 +93,7 @@ def diagnose(ev: Evidence) -> Cause:
         )
     if status.signal is not None:
         name = status.signal_name or ""
-        stack = _faulthandler_stack(tail) if name in CRASH_SIGNALS else []
+        stack = _faulthandler_stack(ev.output_tail) if name in CRASH_SIGNALS else []
         if stack:
             return Cause(
                 kind=CauseKind.NATIVE_CRASH,

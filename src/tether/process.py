@@ -2,20 +2,29 @@
 
 Spawning uses ``subprocess`` (fork+exec in C, safe from a threaded async process) to start a fresh interpreter
 running ``python -m tether.runner``: nothing of the worker's state, threads or locks leaks into the runner. The
-runner gets exactly two pipe ends (tasks in, events out) via ``pass_fds``; every other descriptor of the worker is
-closed in the child, so no runner holds another runner's channel open. Each runner leads its own process group,
-so its engine's helper processes can be killed with it.
+runner gets exactly three descriptors (tasks in, events out, the lifeline's read end) via ``pass_fds``; every other
+descriptor of the worker is closed in the child, so no runner holds another runner's channel or the lifeline's write
+end. Each runner leads its own process group, so its engine's helper processes can be killed with it.
+
+All spawns happen on one long-lived daemon thread: ``PR_SET_PDEATHSIG`` fires when the thread that forked the
+child exits, so spawning from a pool thread (which exits when idle) would kill healthy runners.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -23,6 +32,48 @@ import msgspec
 from tether.protocol import RunnerConfig
 
 CONFIG_ENV = "TETHER_RUNNER_CONFIG"
+RUNNER_MODULE = "tether.runner"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    """A runner's command line: its pipe ends, plus its worker and id so ``ps`` and ``tether orphans`` see them."""
+
+    tasks_fd: int
+    events_fd: int
+    worker_pid: int
+    runner_id: str
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            RUNNER_MODULE,
+            str(self.tasks_fd),
+            str(self.events_fd),
+            f"--worker={self.worker_pid}",
+            f"--id={self.runner_id}",
+        ]
+
+    @classmethod
+    def parse(cls, args: list[str]) -> RunnerArgs:
+        """Parse the arguments after ``-m tether.runner``; raise ``ValueError`` when they are not a runner's."""
+        if len(args) != 4 or not args[2].startswith("--worker=") or not args[3].startswith("--id="):
+            raise ValueError(f"not a tether runner's arguments: {args!r}")
+        return cls(int(args[0]), int(args[1]), int(args[2].partition("=")[2]), args[3].partition("=")[2])
+
+    @classmethod
+    def from_cmdline(cls, cmdline: list[str]) -> RunnerArgs | None:
+        """The runner arguments of a process's full command line, or None when it is not a tether runner."""
+        for i in range(len(cmdline) - 1):
+            if cmdline[i] == "-m" and cmdline[i + 1] == RUNNER_MODULE:
+                try:
+                    return cls.parse(cmdline[i + 2 :])
+                except ValueError:
+                    return None
+        return None
 
 
 @dataclass(frozen=True)
@@ -134,22 +185,119 @@ def _open_pidfd(pid: int) -> int | None:
         return None
 
 
+class _SpawnThread:
+    """One daemon thread that performs every spawn, so every runner's parent thread lives as long as the worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future[object]]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the spawn thread and return its result (or raise its exception)."""
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="tether-spawner", daemon=True)
+                self._thread.start()
+            self._queue.put((fn, future))
+        return future.result()  # type: ignore[return-value]
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident if self._thread is not None else None
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def forget(self) -> None:
+        """After fork: the thread did not survive into the child; the next spawn starts a new one."""
+        self._lock = threading.Lock()
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+
+
+class _Lifeline:
+    """The worker's end of the lifeline: one pipe per worker process, created on first use.
+
+    Every runner gets the read end; only this process holds the write end, which is non-inheritable and closed in
+    forked children, so it closes exactly when the worker process dies, however it dies.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: tuple[int, int] | None = None
+
+    def read_fd(self) -> int:
+        with self._lock:
+            if self._fds is None:
+                self._fds = os.pipe()  # both ends non-inheritable; pass_fds hands the read end to each runner
+            return self._fds[0]
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's write end, or its runners would stay alive as long as we do."""
+        self._lock = threading.Lock()
+        if self._fds is not None:
+            for fd in self._fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds = None
+
+
+_SPAWNER = _SpawnThread()
+_LIFELINE = _Lifeline()
+
+
+def _after_fork_in_child() -> None:
+    _SPAWNER.forget()
+    _LIFELINE.forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def spawner_thread_ident() -> int | None:
+    """The ident of the thread that spawns runners (None before the first spawn)."""
+    return _SPAWNER.ident
+
+
+async def start_runner(config: RunnerConfig, *, env: dict[str, str] | None = None) -> RunnerProcess:
+    """Spawn a runner on the long-lived spawn thread, with the worker's lifeline, without blocking the loop.
+
+    Not abandoned on cancellation: a spawn that completes is always handed back, so no runner goes untracked.
+    """
+    config = msgspec.structs.replace(config, lifeline_fd=_LIFELINE.read_fd())
+    return await anyio.to_thread.run_sync(_SPAWNER.call, functools.partial(spawn_runner, config, env=env))
+
+
 def spawn_runner(config: RunnerConfig, *, env: dict[str, str] | None = None) -> RunnerProcess:
-    """Start a runner process. Call from a thread that lives as long as the worker (PR_SET_PDEATHSIG follows it)."""
+    """Start a runner process on the calling thread, which must live as long as the worker (``start_runner`` does).
+
+    ``config.lifeline_fd``, when set, is passed to the runner as is.
+    """
     tasks_r, tasks_w = os.pipe()
     events_r, events_w = os.pipe()
     output_r, output_w = os.pipe()
     child_env = dict(os.environ if env is None else env)
     child_env[CONFIG_ENV] = msgspec.json.encode(config).decode()
     child_env["PYTHONUNBUFFERED"] = "1"
-    argv = [sys.executable, "-m", "tether.runner", str(tasks_r), str(events_w)]
+    argv = RunnerArgs(tasks_r, events_w, config.worker_pid, config.runner_id).argv()
+    passed = (tasks_r, events_w) if config.lifeline_fd is None else (tasks_r, events_w, config.lifeline_fd)
     try:
         popen = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=output_w,
             stderr=output_w,
-            pass_fds=(tasks_r, events_w),
+            pass_fds=passed,
             close_fds=True,
             process_group=0,
             env=child_env,

@@ -65,6 +65,9 @@ class RunnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec: EngineSpec
     worker_pid: int
     heartbeat_interval: float = 0.5  # seconds; 0 disables the heartbeat thread
+    lifeline_fd: int | None = None  # read end of the worker's lifeline pipe (see ``lifeline``)
+    orphan_layers: tuple[str, ...] = ("pdeathsig", "lifeline", "poll")
+    orphan_poll_interval: float = 0.5  # seconds between parent-pid checks
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -27,9 +27,10 @@ from typing import NoReturn, cast
 
 import msgspec
 
+from tether import lifeline
 from tether.channel import ProtocolError, SyncReceiver, SyncSender
 from tether.engines.base import Engine, EngineLoadError, RequestError, create_engine
-from tether.process import CONFIG_ENV
+from tether.process import CONFIG_ENV, RunnerArgs
 from tether.protocol import (
     Cancel,
     Chunk,
@@ -298,13 +299,15 @@ def _hard_exit(code: int) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    argv = sys.argv[1:] if argv is None else argv
-    tasks_fd, events_fd = int(argv[0]), int(argv[1])
+    args = RunnerArgs.parse(sys.argv[1:] if argv is None else argv)
+    config = msgspec.json.decode(os.environ.pop(CONFIG_ENV), type=RunnerConfig)
+    # Orphan protection first, while this is the only thread: it forks the group guard.
+    lifeline.install(config.worker_pid, config.lifeline_fd, config.orphan_layers, config.orphan_poll_interval)
+    tasks_fd, events_fd = args.tasks_fd, args.events_fd
     os.set_inheritable(tasks_fd, False)  # the runner's own children must never hold its channel open
     os.set_inheritable(events_fd, False)
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # "show me your stacks"
-    config = msgspec.json.decode(os.environ.pop(CONFIG_ENV), type=RunnerConfig)
     sender = SyncSender(events_fd)
     sender.send(RunnerHello(pid=os.getpid(), pgid=os.getpgrp(), engine=config.spec.engine, model=config.spec.model))
     runner = Runner(config, sender, tasks_fd)

@@ -19,7 +19,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -29,9 +29,10 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from tether import lifeline
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.diagnosis import Evidence, diagnose
-from tether.process import ExitStatus, RunnerProcess, spawn_runner
+from tether.process import ExitStatus, RunnerProcess, start_runner
 from tether.protocol import (
     Cancel,
     Cause,
@@ -61,6 +62,7 @@ from tether.protocol import (
     phase_of,
     task_kind,
 )
+from tether.registry import Registry, record_for
 
 log = logging.getLogger("tether.supervisor")
 
@@ -171,6 +173,9 @@ class Supervisor:
         heartbeat_interval: float = 0.5,
         output_lines: int = 200,
         env: dict[str, str] | None = None,
+        orphan_layers: Sequence[str] = lifeline.LAYERS,
+        orphan_poll_interval: float = lifeline.DEFAULT_POLL_INTERVAL,
+        registry: Registry | None = None,
     ) -> None:
         self.spec = spec
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
@@ -181,6 +186,9 @@ class Supervisor:
         self.warmup_timeout = warmup_timeout
         self.heartbeat_interval = heartbeat_interval
         self.env = env
+        self.orphan_layers = lifeline.check_layers(orphan_layers)
+        self.orphan_poll_interval = orphan_poll_interval
+        self.registry = registry if registry is not None else Registry()
         self.status: RunnerStatus = Idle()
         self.hello: RunnerHello | None = None
         self.last_heartbeat: float | None = None
@@ -259,9 +267,11 @@ class Supervisor:
             spec=self.spec,
             worker_pid=os.getpid(),
             heartbeat_interval=self.heartbeat_interval,
+            orphan_layers=self.orphan_layers,
+            orphan_poll_interval=self.orphan_poll_interval,
         )
         try:
-            self.process = spawn_runner(config, env=self.env)
+            self.process = await start_runner(config, env=self.env)
         except OSError as exc:
             self.cause = Cause(
                 kind=CauseKind.SPAWN_ERROR,
@@ -280,6 +290,7 @@ class Supervisor:
             self._exited.set()
             raise
         log.info("%s started, pid %d", self.name, self.process.pid)
+        self._register(self.process)
         self._tg.start_soon(self._pump_events)
         self._tg.start_soon(self._pump_output)
         self._tg.start_soon(self._watch)
@@ -293,6 +304,27 @@ class Supervisor:
                 await self._exited.wait()
         if self.hello is None:
             raise RunnerUnavailable(f"{self.name} failed to start", self.cause)
+
+    def _register(self, process: RunnerProcess) -> None:
+        """Record the runner so that, should this worker die hard, ``tether orphans`` can still find it."""
+        environ = os.environ if self.env is None else self.env
+        watchdog = not lifeline.watchdog_disabled(environ)
+        if not watchdog:
+            log.warning("%s: %s is set: it will outlive this worker should it die", self.name, lifeline.DISABLE_ENV)
+        try:
+            self.registry.add(
+                record_for(
+                    process.pid,
+                    list(process.popen.args),  # type: ignore[arg-type]
+                    os.getpid(),
+                    self.runner_id,
+                    self.spec.engine,
+                    self.spec.model,
+                    watchdog,
+                )
+            )
+        except OSError as exc:  # the runner is still protected by its lifeline; only later discovery is weaker
+            log.warning("%s: could not write its runner record in %s: %s", self.name, self.registry.path, exc)
 
     async def stop(self, timeout: float | None = None) -> StopReport | None:
         """Stop the runner within ``timeout`` (default ``stop_timeout``): shutdown, then SIGTERM, then SIGKILL."""
@@ -565,6 +597,7 @@ class Supervisor:
         self._sender.close()
         self._receiver.close()
         os.close(proc.output_fd)
+        self.registry.remove(proc.pid)  # reaped and its group killed (``wait_exit``): nothing left to find
 
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
         for task_id in list(self._inflight):
