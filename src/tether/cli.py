@@ -2,6 +2,7 @@
 
 ``tether run PROMPT`` loads a model in a supervised runner, streams the answer, and exits non-zero with the
 runner's cause when the runner fails. SIGINT and SIGTERM stop the runner (bounded) before the command exits.
+``tether orphans`` lists (and with ``--reap`` stops) runners that outlived their worker.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from tether import orphans
 from tether.engines.base import ENGINE_NAMES
+from tether.memory import ProcessMemory, format_bytes
 from tether.protocol import (
     ChatMessage,
     Chunk,
@@ -30,6 +33,7 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
+from tether.registry import Registry
 from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed
 
 # SmolLM2-135M answers plain questions well with a short neutral system message; the default system prompt its
@@ -88,6 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
     )
     run.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping the runner (s)")
+    run.add_argument(
+        "--no-reap",
+        action="store_true",
+        help=f"do not reap runners of dead workers at start (also: {orphans.AUTO_REAP_ENV}=0)",
+    )
+
+    orph = sub.add_parser(
+        "orphans",
+        help="list tether runners that outlived their worker, with the memory they hold",
+        description="List tether runners whose worker is gone (and runner records whose process group lives on), "
+        "with their memory side by side: RSS, USS, PSS, anonymous, file-backed, swap and GPU. "
+        "Exit status: 0 when none are found or all were reaped, 1 when orphans are left.",
+    )
+    orph.add_argument("--reap", action="store_true", help="stop them: SIGTERM to the whole group, grace, SIGKILL")
+    orph.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    orph.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    orph.add_argument("--all", action="store_true", help="also list healthy runners (their worker is alive)")
     return parser
 
 
@@ -138,6 +159,17 @@ class _Progress:
         self.last_shown = status.progress
         end = "\r" if self.tty and status.progress < 1.0 else "\n"
         print(f"loading {status.progress * 100:5.1f}% {status.detail}", end=end, file=sys.stderr, flush=True)
+
+
+def _reap_at_start() -> None:
+    """A worker starting: reap the runners dead workers left behind, and say so even without -v."""
+    for result in orphans.reap_at_start():
+        state = "reaped" if result.ok else "could not reap"
+        print(
+            f"tether: {state} orphaned runner {result.group.pid} of dead worker {result.group.worker_pid}: "
+            f"freed {format_bytes(result.freed.footprint)}",
+            file=sys.stderr,
+        )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -229,12 +261,151 @@ async def _main_with_signals(args: argparse.Namespace) -> int:
     return result
 
 
+def _memory_json(m: ProcessMemory | None) -> dict[str, int | None] | None:
+    if m is None:
+        return None
+    return {
+        "rss": m.rss,
+        "uss": m.uss,
+        "pss": m.pss,
+        "anon": m.anon,
+        "file": m.file,
+        "swap": m.swap,
+        "gpu": m.gpu,
+        "footprint": m.footprint,
+    }
+
+
+def _group_json(group: orphans.RunnerGroup, now: float) -> dict[str, object]:
+    return {
+        "pid": group.pid,
+        "ppid": group.ppid,
+        "runner_alive": group.runner is not None,
+        "age_s": round(group.age(now), 3),
+        "runner_id": group.runner_id,
+        "worker_pid": group.worker_pid,
+        "engine": group.engine,
+        "model": group.model,
+        "orphan": group.orphan,
+        "reason": group.reason,
+        "watchdog": group.watchdog,
+        "memory": _memory_json(group.memory),
+        "members": [
+            {
+                "pid": p.pid,
+                "ppid": p.ppid,
+                "role": group.role(p),
+                "command": p.command,
+                "memory": _memory_json(p.memory),
+            }
+            for p in group.members
+        ],
+    }
+
+
+def _age(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _print_groups(groups: list[orphans.RunnerGroup], now: float) -> None:
+    header = ["PID", "PPID", "AGE", "RUNNER", "MODEL", "RSS", "USS", "PSS", "ANON", "FILE", "SWAP", "GPU", "PROCS"]
+    rows = [header]
+    for g in groups:
+        m = g.memory
+        model = Path(g.model).name if g.model else (f"{g.engine}: default model" if g.engine else "?")
+        sizes = (m.rss, m.uss, m.pss, m.anon, m.file, m.swap, m.gpu)
+        rows.append(
+            [str(g.pid), str(g.ppid or "-"), _age(g.age(now)), g.runner_id, model[:32]]
+            + [format_bytes(x) for x in sizes]
+            + [str(len(g.members))]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        if i:
+            g = groups[i - 1]
+            print(f"    {g.reason}")
+            print("    group: " + ", ".join(f"{p.pid} {g.role(p)}" for p in g.members))
+
+
+def _orphans(args: argparse.Namespace) -> int:
+    now = time.time()
+    found = orphans.scan()
+    results = [orphans.reap(g, grace=args.grace) for g in found.orphans] if args.reap else []
+    if args.reap:
+        registry = Registry()
+        for stale in found.stale:
+            registry.discard(stale.path)
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        report: dict[str, object] = {
+            "orphans": [_group_json(g, now) for g in found.orphans],
+            "stale_records": [{"path": str(s.path), "pid": s.pid, "why": s.why} for s in found.stale],
+            "gpu": {"available": found.gpu.available, "reason": found.gpu.reason},
+        }
+        if args.all:
+            report["healthy"] = [_group_json(g, now) for g in found.healthy]
+        if args.reap:
+            report["reaped"] = [
+                {
+                    "pid": r.group.pid,
+                    "ok": r.ok,
+                    "killed_with": r.killed_with,
+                    "gone": r.gone,
+                    "survivors": r.survivors,
+                    "refused": [{"pid": pid, "why": why} for pid, why in r.refused],
+                    "freed": _memory_json(r.freed),
+                    "seconds": round(r.seconds, 3),
+                }
+                for r in results
+            ]
+        print(_json.encode(report).decode())
+    else:
+        shown = found.orphans + (found.healthy if args.all else [])
+        if shown:
+            _print_groups(shown, now)
+        if shown and not found.gpu.available:
+            print(f"(GPU memory: n/a, {found.gpu.reason})", file=sys.stderr)
+        total = ProcessMemory.total(g.memory for g in found.orphans)
+        if not found.orphans:
+            print("no orphaned tether runners")
+        elif not args.reap:
+            print(
+                f"{len(found.orphans)} orphaned runner(s) holding {format_bytes(total.footprint)} "
+                f"(anonymous + swap + GPU; RSS {format_bytes(total.rss)}). Stop them: tether orphans --reap"
+            )
+        for r in results:
+            for pid, why in r.refused:
+                print(f"left pid {pid} alone: {why}")
+            if r.ok:
+                print(
+                    f"reaped runner {r.group.pid} ({len(r.gone)} processes) with {r.killed_with} in {r.seconds:.2f} s: "
+                    f"freed {format_bytes(r.freed.footprint)} (RSS {format_bytes(r.freed.rss)})"
+                )
+            else:
+                print(f"could not reap runner {r.group.pid}: {r.survivors} survived SIGKILL (stuck in the kernel?)")
+        if args.reap and found.stale:
+            print(f"removed {len(found.stale)} stale runner record(s) from {Registry().path}")
+    if args.reap:
+        return 1 if failed else 0
+    return 1 if found.orphans else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The command reports causes itself; logs are for -v (runner output lines need -vv).
     level = logging.CRITICAL + 1 if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "orphans":
+        return _orphans(args)
     if args.command == "run":
+        if not args.no_reap and orphans.auto_reap_enabled():
+            _reap_at_start()
         return anyio.run(_main_with_signals, args)
     return 2
 

@@ -125,6 +125,15 @@ class Runner:
             # The main loop raises it: reported like any fatal error, not mistaken for a clean goodbye.
             self.tasks.put(exc)
             return
+        if lifeline.watchdog_disabled():
+            # Asked to outlive the worker (debugging): keep the engine and its state for inspection.
+            print(
+                f"tether runner {os.getpid()}: the worker closed the channel; staying alive because "
+                f"{lifeline.DISABLE_ENV} is set",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         # EOF: the supervisor is gone or closed the channel; there is nobody to serve.
         self.shutdown_requested.set()
         self.cancel_everything()

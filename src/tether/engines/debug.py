@@ -9,12 +9,20 @@ Options (``spec.options``):
   load_step_seconds  delay per load step (default 0.001)
   token_seconds      delay per generated token (default 0)
   n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError
+  helpers            number of helper processes to start at the beginning of load (default 0), like an engine's
+                     tokenizer or compile workers; they live until close() and prove a runner's group dies with it
+  helper_kind        "exec" (a fresh ``sleep`` program, default) or "fork" (a forked copy of the runner that keeps
+                     every inherited descriptor, as multiprocessing's fork start method does)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import random
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -47,12 +55,22 @@ class DebugEngine:
             self.token_seconds = max(0.0, float(options.get("token_seconds", 0.0)))
             n_ctx = options.get("n_ctx")
             self.n_ctx = int(n_ctx) if n_ctx is not None else None
+            self.helpers = max(0, int(options.get("helpers", 0)))
+            self.helper_kind = str(options.get("helper_kind", "exec"))
+            if self.helper_kind not in ("exec", "fork"):
+                raise ValueError(f"helper_kind must be 'exec' or 'fork', got {self.helper_kind!r}")
         except (TypeError, ValueError) as exc:
             raise EngineLoadError(f"invalid debug engine option in {options!r}: {exc}") from exc
         self._loaded = False
+        self._helper_pids: list[int] = []
 
     def load(self, progress: ProgressCallback) -> None:
-        """Report ``load_steps`` progress steps; load faults fire at step 0 (``slow`` at each step)."""
+        """Start the helpers, then report ``load_steps`` progress steps; load faults fire at step 0 (``slow`` at
+        each step)."""
+        for _ in range(self.helpers):
+            self._helper_pids.append(_start_helper(self.helper_kind))
+        if self.helpers:
+            progress(0.0, f"started {self.helpers} helper processes ({self.helper_kind})")
         for step in range(self.load_steps):
             fire(self.spec.faults, "load", step)
             if self.load_step_seconds:
@@ -83,6 +101,12 @@ class DebugEngine:
 
     def close(self) -> None:
         self._loaded = False
+        for pid in self._helper_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self._helper_pids.clear()
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -122,6 +146,17 @@ class DebugEngine:
             safe = len(produced) - _held_back(produced, stops)
             yield Delta(produced[emitted:safe], 1)
             emitted = safe
+
+
+def _start_helper(kind: str) -> int:
+    """Start one helper process in the runner's process group and return its pid."""
+    if kind == "exec":
+        return subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL).pid
+    pid = os.fork()  # the runner has threads; the child only sleeps, so no lock it inherits is ever taken
+    if pid == 0:
+        while True:
+            signal.pause()
+    return pid
 
 
 def prompt_text(params: GenerateParams) -> str:

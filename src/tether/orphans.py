@@ -1,0 +1,385 @@
+"""Find runners that outlived their worker, show what they really hold, and reap them without hitting bystanders.
+
+Two sources, merged: every process of this user whose command line is a tether runner's (it names its worker:
+``--worker=PID``) and leads its own process group, and every registry record. A runner is an **orphan** when its
+parent is no longer its worker (the worker died: it was reparented to init or a subreaper). A record whose runner
+is gone but whose process group still has members (helpers that escaped a runner killed without its guard) is an
+orphan too. A record naming a live process with another start time or command line is **stale** (the pid was
+reused): it is reported, never acted on.
+
+Reaping signals each process through a pidfd opened *before* its identity (start time, command line, group) is
+checked, so a pid reused in between can never be hit: TERM to the whole group, a grace period, then KILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from tether.lifeline import watchdog_disabled
+from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory
+from tether.process import RunnerArgs
+from tether.registry import Registry, RunnerRecord, same_start
+
+log = logging.getLogger("tether.orphans")
+
+AUTO_REAP_ENV = "TETHER_AUTO_REAP"  # "0" turns off the reaping a starting worker does
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process as seen during a scan."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    start_time: float
+    cmdline: tuple[str, ...]
+    memory: ProcessMemory | None = None
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.cmdline) or "?"
+
+
+@dataclass
+class RunnerGroup:
+    """A tether runner and its process group (the runner may already be gone when a record names the group)."""
+
+    pgid: int  # == the runner's pid
+    worker_pid: int
+    runner_id: str
+    started: float  # the runner's start time, seconds since the epoch
+    runner: Proc | None  # None: the runner is gone, only other members of its group live on
+    members: list[Proc]  # every live process of the group, the runner first
+    orphan: bool
+    reason: str
+    record: RunnerRecord | None = None
+    record_path: Path | None = None
+    watchdog: bool = True
+
+    @property
+    def pid(self) -> int:
+        return self.pgid
+
+    @property
+    def ppid(self) -> int | None:
+        return self.runner.ppid if self.runner else None
+
+    @property
+    def model(self) -> str | None:
+        return self.record.model if self.record else None
+
+    @property
+    def engine(self) -> str | None:
+        return self.record.engine if self.record else None
+
+    @property
+    def memory(self) -> ProcessMemory:
+        return ProcessMemory.total(m.memory for m in self.members if m.memory is not None)
+
+    def age(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.started
+
+    def role(self, proc: Proc) -> str:
+        if proc.pid == self.pgid:
+            return "runner"
+        if self.runner is not None and proc.ppid == self.pgid and proc.cmdline == self.runner.cmdline:
+            return "guard"
+        return "helper"
+
+
+@dataclass(frozen=True)
+class StaleRecord:
+    path: Path
+    pid: int | None
+    why: str
+
+
+@dataclass
+class Scan:
+    orphans: list[RunnerGroup] = field(default_factory=list)
+    healthy: list[RunnerGroup] = field(default_factory=list)
+    stale: list[StaleRecord] = field(default_factory=list)
+    gpu: GpuUsage = field(default_factory=lambda: GpuUsage(False, "not queried"))
+
+
+@dataclass
+class ReapResult:
+    group: RunnerGroup
+    gone: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)  # (pid, why): identity no longer matches
+    killed_with: str | None = None  # "SIGTERM" when the grace sufficed, else "SIGKILL"
+    freed: ProcessMemory = field(default_factory=lambda: ProcessMemory(0, 0, 0, 0, 0, 0))
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.survivors
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scanning
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _own_processes() -> dict[int, Proc]:
+    uid = os.getuid()
+    procs: dict[int, Proc] = {}
+    for p in psutil.process_iter(["ppid", "cmdline", "create_time", "uids", "status"]):
+        info = p.info
+        if info["uids"] is None or info["uids"].real != uid or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            pgid = os.getpgid(p.pid)
+        except ProcessLookupError:
+            continue
+        procs[p.pid] = Proc(p.pid, info["ppid"] or 0, pgid, info["create_time"] or 0.0, tuple(info["cmdline"] or ()))
+    return procs
+
+
+def _with_memory(proc: Proc, gpu: GpuUsage) -> Proc:
+    return Proc(proc.pid, proc.ppid, proc.pgid, proc.start_time, proc.cmdline, process_memory(proc.pid, gpu))
+
+
+def scan(registry: Registry | None = None, *, memory: bool = True) -> Scan:
+    """Every tether runner of this user, sorted into orphans and healthy ones, plus stale records."""
+    registry = registry or Registry()
+    gpu = GpuUsage.snapshot() if memory else GpuUsage(False, "not queried")
+    result = Scan(gpu=gpu)
+    procs = _own_processes()
+    by_group: dict[int, list[Proc]] = defaultdict(list)
+    for proc in procs.values():
+        by_group[proc.pgid].append(proc)
+
+    def members(pgid: int, since: float) -> list[Proc]:
+        found = [p for p in by_group.get(pgid, []) if p.start_time >= since - 0.05]
+        found.sort(key=lambda p: (p.pid != pgid, p.pid))
+        return [_with_memory(p, gpu) for p in found] if memory else found
+
+    files = registry.records()
+    records = {f.record.pid: f for f in files if f.record is not None}
+    result.stale.extend(StaleRecord(f.path, None, f"unreadable record: {f.error}") for f in files if f.record is None)
+
+    # Runners found by their command line.
+    seen: set[int] = set()
+    for proc in procs.values():
+        args = RunnerArgs.from_cmdline(list(proc.cmdline))
+        if args is None or proc.pid != proc.pgid:
+            continue
+        seen.add(proc.pid)
+        file = records.get(proc.pid)
+        record = None
+        if file is not None and file.record is not None:
+            if same_start(file.record.start_time, proc.start_time) and tuple(file.record.cmdline) == proc.cmdline:
+                record = file.record
+            else:
+                result.stale.append(StaleRecord(file.path, proc.pid, "its runner is gone; the pid is another runner"))
+        worker = procs.get(args.worker_pid)
+        if proc.ppid == args.worker_pid:
+            orphan, reason = False, f"child of worker {args.worker_pid}"
+        elif worker is None:
+            orphan, reason = True, f"worker {args.worker_pid} is gone; reparented to {proc.ppid}"
+        else:
+            orphan, reason = True, f"its parent is {proc.ppid}, not worker {args.worker_pid} (that pid was reused)"
+        group = RunnerGroup(
+            pgid=proc.pid,
+            worker_pid=args.worker_pid,
+            runner_id=args.runner_id,
+            started=proc.start_time,
+            runner=_with_memory(proc, gpu) if memory else proc,
+            members=members(proc.pid, proc.start_time),
+            orphan=orphan,
+            reason=reason,
+            record=record,
+            record_path=file.path if record is not None and file is not None else None,
+            watchdog=record.watchdog if record is not None else not _watchdog_disabled_in(proc.pid),
+        )
+        (result.orphans if orphan else result.healthy).append(group)
+
+    # Records whose runner is gone: stale, unless its group lives on.
+    for pid, file in records.items():
+        assert file.record is not None
+        rec = file.record
+        if pid in seen:
+            continue
+        live = procs.get(pid)
+        if live is not None:
+            result.stale.append(StaleRecord(file.path, pid, f"pid {pid} now belongs to another process"))
+            continue
+        rest = members(rec.pgid, rec.start_time)
+        if not rest:
+            result.stale.append(StaleRecord(file.path, pid, "the runner exited"))
+            continue
+        result.orphans.append(
+            RunnerGroup(
+                pgid=rec.pgid,
+                worker_pid=rec.worker_pid,
+                runner_id=rec.runner_id,
+                started=rec.start_time,
+                runner=None,
+                members=rest,
+                orphan=True,
+                reason=f"runner {pid} is gone but {len(rest)} process(es) of its group live on",
+                record=rec,
+                record_path=file.path,
+                watchdog=rec.watchdog,
+            )
+        )
+    result.orphans.sort(key=lambda g: g.started)
+    result.healthy.sort(key=lambda g: g.started)
+    return result
+
+
+def _watchdog_disabled_in(pid: int) -> bool:
+    try:
+        return watchdog_disabled(psutil.Process(pid).environ())
+    except (psutil.Error, OSError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reaping
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _identity_mismatch(proc: Proc, pgid: int) -> str | None:
+    """Why ``proc`` is no longer the process that was scanned (None when it still is)."""
+    try:
+        live = psutil.Process(proc.pid)
+        if not same_start(live.create_time(), proc.start_time):
+            return f"pid {proc.pid} was reused (start time differs)"
+        if tuple(live.cmdline()) != proc.cmdline:
+            return f"pid {proc.pid} changed its command line"
+        if os.getpgid(proc.pid) != pgid:
+            return f"pid {proc.pid} left process group {pgid}"
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return None  # gone: nothing to signal, and it counts as gone
+    except psutil.Error as exc:
+        return f"pid {proc.pid} cannot be inspected: {exc}"
+    return None
+
+
+def _wait_gone(pidfds: dict[int, int], timeout: float) -> set[int]:
+    """Wait (bounded) until the processes behind ``pidfds`` (fd -> pid) exit; return the pids that did."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    gone: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(gone) < len(pidfds):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for fd, _ in poller.poll(remaining * 1000):
+            gone.add(pidfds[fd])
+            poller.unregister(fd)
+    return gone
+
+
+def reap(group: RunnerGroup, *, grace: float = 5.0, kill_wait: float = 5.0) -> ReapResult:
+    """Stop every process of an orphaned runner group: SIGTERM, ``grace`` seconds, then SIGKILL. Bounded."""
+    began = time.monotonic()
+    result = ReapResult(group=group)
+    pidfds: dict[int, int] = {}
+    procs: dict[int, Proc] = {}
+
+    def adopt(candidates: Iterable[Proc]) -> None:
+        for proc in candidates:
+            if proc.pid in procs:
+                continue
+            try:
+                fd = os.pidfd_open(proc.pid)  # first pin the process, then check it is the one we mean
+            except ProcessLookupError:
+                result.gone.append(proc.pid)
+                continue
+            why = _identity_mismatch(proc, group.pgid)
+            if why is not None:
+                os.close(fd)
+                result.refused.append((proc.pid, why))
+                continue
+            pidfds[fd] = proc.pid
+            procs[proc.pid] = proc
+
+    def send(sig: int, pids: set[int]) -> None:
+        for fd, pid in pidfds.items():
+            if pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, sig)
+
+    try:
+        adopt(group.members)
+        send(signal.SIGTERM, set(procs))
+        gone = _wait_gone(pidfds, grace)
+        result.killed_with = "SIGTERM"
+        # Anything forked meanwhile (a helper respawning) joins the group: take it too.
+        adopt(p for p in _own_processes().values() if p.pgid == group.pgid and p.start_time >= group.started - 0.05)
+        alive = set(procs) - gone
+        if alive:
+            result.killed_with = "SIGKILL"
+            send(signal.SIGKILL, alive)
+            gone |= _wait_gone({fd: pid for fd, pid in pidfds.items() if pid in alive}, kill_wait)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
+    result.gone.extend(sorted(gone))
+    result.survivors = sorted(set(procs) - gone)
+    result.freed = ProcessMemory.total(p.memory for p in procs.values() if p.pid in gone and p.memory is not None)
+    result.seconds = time.monotonic() - began
+    for pid in gone:  # our own zombies when we are their (sub)reaper; init reaps the others
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    if result.ok and group.record_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            group.record_path.unlink()
+    return result
+
+
+def auto_reap_enabled() -> bool:
+    return os.environ.get(AUTO_REAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def reap_at_start(registry: Registry | None = None, *, grace: float = 2.0) -> list[ReapResult]:
+    """What a starting worker does: reap the orphans of dead workers, drop stale records, log what was freed.
+
+    Runners started with the orphan watchdog disabled are left alone (someone wants them alive); they are logged.
+    """
+    registry = registry or Registry()
+    found = scan(registry)
+    for stale in found.stale:
+        registry.discard(stale.path)
+    results = []
+    for group in found.orphans:
+        if not group.watchdog:
+            log.warning(
+                "left orphaned runner %d alone: it was started with the orphan watchdog disabled (%s)",
+                group.pgid,
+                group.reason,
+            )
+            continue
+        result = reap(group, grace=grace)
+        results.append(result)
+        if result.ok:
+            log.warning(
+                "reaped orphaned runner %d (%s; %s) with %s: freed %s (RSS %s)",
+                group.pgid,
+                group.model or group.engine or "unknown model",
+                group.reason,
+                result.killed_with,
+                format_bytes(result.freed.footprint),
+                format_bytes(result.freed.rss),
+            )
+        else:
+            log.error("could not reap orphaned runner %d: %s survived SIGKILL", group.pgid, result.survivors)
+    return results
