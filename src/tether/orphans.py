@@ -323,8 +323,15 @@ def reap(group: RunnerGroup, *, grace: float = 5.0, kill_wait: float = 5.0) -> R
         send(signal.SIGTERM, set(procs))
         gone = _wait_gone(pidfds, grace)
         result.killed_with = "SIGTERM"
-        # Anything forked meanwhile (a helper respawning) joins the group: take it too.
-        adopt(p for p in _own_processes().values() if p.pgid == group.pgid and p.start_time >= group.started - 0.05)
+        # Anything forked meanwhile (a helper respawning) joins the group: take it too, but only while a verified
+        # member still holds the group id (until then it cannot be reused), and never a new group leader (a
+        # leader with the group's id that we did not verify is a reused pid, not our runner).
+        if set(procs) - gone:
+            adopt(
+                p
+                for p in _own_processes().values()
+                if p.pgid == group.pgid and p.pid != group.pgid and p.start_time >= group.started - 0.05
+            )
         alive = set(procs) - gone
         if alive:
             result.killed_with = "SIGKILL"

@@ -1,0 +1,346 @@
+"""No orphans: SIGKILL a real worker process and every runner and grandchild goes; survivors are found and reaped.
+
+The drills run in a separate process (``python -m tether.testing trial``) that makes itself a child subreaper, so
+orphans are reparented to it rather than to init: the case a "has my parent become pid 1?" watchdog misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from conftest import pid_alive
+from tether import lifeline, orphans
+from tether.channel import SyncReceiver, SyncSender
+from tether.process import RunnerProcess, start_runner
+from tether.protocol import EngineSpec, Event, RunnerConfig, RunnerHello, ShutdownTask, TaskState, TaskStatus
+from tether.registry import Registry, RegistryError, RunnerRecord, start_time
+from tether.supervisor import Supervisor
+
+TETHER = [sys.executable, "-m", "tether"]
+ALL_STATES = "idle,loading,generating"
+STUCK_STATES = "loading,generating"  # runners EOF on the task pipe cannot end: only a lifeline layer can
+
+
+def drill(*args: str, timeout: float = 60) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tether.testing", "trial", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def assert_all_gone(result: dict[str, Any]) -> None:
+    assert result["survivors"] == [], f"survived the worker's SIGKILL: {result['survivors']} ({result})"
+    assert set(result["runner_exit_ms"]) == set(result["runners"])
+    assert set(result["group_exit_ms"]) == set(result["runners"])
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait (bounded) on pidfds until ``pids`` exit; return those still alive."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    alive = set(fds.values())
+    deadline = time.monotonic() + timeout
+    try:
+        while alive and (remaining := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(remaining * 1000):
+                alive.discard(fds[fd])
+                poller.unregister(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return sorted(pid for pid in alive if pid_alive(pid))
+
+
+def kill_groups(pgids: list[int]) -> None:
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The worker dies: everything goes with it
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("helper_kind", ["exec", "fork"])
+def test_sigkilled_worker_takes_idle_loading_and_generating_runners_and_grandchildren(helper_kind: str) -> None:
+    result = drill(f"--states={ALL_STATES}", "--helpers=2", f"--helper-kind={helper_kind}")
+    assert_all_gone(result)
+    assert result["subreaper"] is True
+    states = {v: int(k) for k, v in result["runners"].items()}
+    # Every runner has its group guard; the loading and generating ones also started two helpers.
+    assert len(result["members"][str(states["idle"])]) == 2
+    assert len(result["members"][str(states["loading"])]) == 4
+    assert len(result["members"][str(states["generating"])]) == 4
+
+
+@pytest.mark.timeout(90)
+def test_without_a_subreaper_orphans_go_to_init_and_still_die() -> None:
+    assert_all_gone(drill(f"--states={ALL_STATES}", "--helpers=1", "--no-subreaper"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("layer", lifeline.LAYERS)
+def test_each_layer_alone_kills_the_orphan_and_its_group(layer: str) -> None:
+    result = drill(
+        f"--states={STUCK_STATES}", "--helpers=1", "--helper-kind=fork", f"--layers={layer}", "--poll-interval=0.2"
+    )
+    assert_all_gone(result)
+
+
+@pytest.mark.timeout(90)
+def test_with_no_layer_the_stuck_runners_survive_so_the_layer_tests_can_fail() -> None:
+    result = drill(f"--states={STUCK_STATES}", "--layers=", "--timeout=1.5")
+    assert sorted(result["survivors"]) == sorted(pid for pids in result["members"].values() for pid in pids)
+
+
+@pytest.mark.timeout(60)
+def test_the_thread_that_asked_for_a_spawn_may_exit_without_killing_the_runner() -> None:
+    """pdeathsig follows the forking thread: spawns happen on tether's long-lived spawn thread, not the caller's."""
+    holder: list[RunnerProcess] = []
+
+    def short_lived() -> None:
+        config = RunnerConfig(runner_id="thread", spec=EngineSpec(engine="debug"), worker_pid=os.getpid())
+        holder.append(anyio.run(start_runner, config))
+
+    thread = threading.Thread(target=short_lived)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and holder
+    proc = holder[0]
+    try:
+        events = iter(SyncReceiver[Event](proc.events_fd, Event))
+        assert isinstance(next(events), RunnerHello)
+        # The asking thread is gone; the runner still serves a shutdown, so the kernel did not kill it.
+        SyncSender(proc.tasks_fd).send(ShutdownTask(task_id="bye"))
+        assert any(isinstance(e, TaskStatus) and e.state is TaskState.COMPLETE for e in events)
+    finally:
+        proc.kill_group(signal.SIGKILL)
+        os.waitpid(proc.pid, 0)
+        proc.close_fds()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The escape hatch, and finding and reaping what it leaves
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_escape_hatch_warns_in_the_runner_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(lifeline.DISABLE_ENV, "1")
+    with anyio.fail_after(30):
+        async with Supervisor(EngineSpec(engine="debug")) as sup:
+            await sup.wait_status(lambda s: True, 5)
+        assert any(f"WARNING: {lifeline.DISABLE_ENV} is set" in line for line in sup.output_tail)
+
+
+@pytest.mark.timeout(120)
+def test_escape_hatch_keeps_runners_alive_then_tether_orphans_lists_and_reaps_them(private_runtime_dir: Path) -> None:
+    result = drill(
+        f"--states={ALL_STATES}",
+        "--helpers=1",
+        "--disable-watchdog",
+        "--timeout=1.5",
+        "--keep-survivors",
+        "--no-subreaper",
+    )
+    runners = sorted(int(pid) for pid in result["runners"])
+    everyone = sorted(pid for pids in result["members"].values() for pid in pids)
+    try:
+        assert sorted(result["survivors"]) == everyone  # 1.5 s after the kill: the poll layer would take 0.5 s
+        listed = subprocess.run([*TETHER, "orphans", "--json"], capture_output=True, text=True, timeout=30)
+        assert listed.returncode == 1, listed.stderr  # orphans found and left
+        report = json.loads(listed.stdout)
+        mine = {o["pid"]: o for o in report["orphans"] if o["pid"] in runners}
+        assert sorted(mine) == runners
+        for orphan in mine.values():
+            assert orphan["worker_pid"] == result["worker"]
+            assert orphan["ppid"] != result["worker"]
+            assert orphan["watchdog"] is False
+            assert orphan["engine"] == "debug"  # from the registry record
+            assert orphan["memory"]["rss"] > 0 and orphan["memory"]["anon"] > 0
+            assert {m["role"] for m in orphan["members"]} >= {"runner", "guard"}
+        text = subprocess.run([*TETHER, "orphans"], capture_output=True, text=True, timeout=30)
+        assert text.returncode == 1 and "tether orphans --reap" in text.stdout
+        reaped = subprocess.run([*TETHER, "orphans", "--reap", "--json"], capture_output=True, text=True, timeout=60)
+        assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+        done = {r["pid"]: r for r in json.loads(reaped.stdout)["reaped"]}
+        for pid in runners:
+            assert done[pid]["ok"] and done[pid]["killed_with"] == "SIGTERM"
+            assert done[pid]["freed"]["anon"] > 0
+        assert wait_gone(everyone, 10) == []
+        assert list(private_runtime_dir.glob("runner-*.json")) == []  # their records went with them
+        again = subprocess.run([*TETHER, "orphans", "--json"], capture_output=True, text=True, timeout=30)
+        assert [o for o in json.loads(again.stdout)["orphans"] if o["pid"] in runners] == []
+    finally:
+        kill_groups(runners)
+
+
+@pytest.mark.timeout(60)
+def test_reap_never_signals_a_process_whose_identity_changed() -> None:
+    """The pid-reuse guard inside reap: a member whose start time or command line differs is left alone."""
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        started = start_time(bystander.pid)
+        assert started is not None
+        for wrong in ({"start_time": started - 100.0}, {"cmdline": ("python", "-m", "tether.runner")}):
+            proc = orphans.Proc(
+                pid=bystander.pid,
+                ppid=os.getpid(),
+                pgid=bystander.pid,
+                start_time=wrong.get("start_time", started),  # type: ignore[arg-type]
+                cmdline=wrong.get("cmdline", ("sleep", "60")),  # type: ignore[arg-type]
+            )
+            group = orphans.RunnerGroup(
+                pgid=bystander.pid,
+                worker_pid=1,
+                runner_id="x",
+                started=started,
+                runner=proc,
+                members=[proc],
+                orphan=True,
+                reason="planted",
+            )
+            result = orphans.reap(group, grace=0.5, kill_wait=0.5)
+            assert [pid for pid, _ in result.refused] == [bystander.pid]
+            assert bystander.poll() is None  # still running
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_record_naming_a_reused_pid_is_stale_and_its_process_untouched(private_runtime_dir: Path) -> None:
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        Registry().add(
+            RunnerRecord(
+                pid=bystander.pid,
+                start_time=(start_time(bystander.pid) or 0) - 3600,
+                pgid=bystander.pid,
+                cmdline=[sys.executable, "-m", "tether.runner", "3", "4", "--worker=1", "--id=gone"],
+                worker_pid=1,
+                worker_start_time=0.0,
+                runner_id="gone",
+                engine="debug",
+                model=None,
+            )
+        )
+        out = subprocess.run([*TETHER, "orphans", "--reap", "--json"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stdout + out.stderr
+        report = json.loads(out.stdout)
+        assert bystander.pid not in [o["pid"] for o in report["orphans"]]
+        stale = [s for s in report["stale_records"] if s["pid"] == bystander.pid]
+        assert stale and "another process" in stale[0]["why"]
+        assert bystander.poll() is None
+        assert list(private_runtime_dir.glob("runner-*.json")) == []  # the stale record is cleaned up
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.timeout(120)
+def test_helpers_of_a_runner_killed_without_its_guard_are_found_through_the_record() -> None:
+    result = drill(
+        "--states=loading", "--helpers=2", "--disable-watchdog", "--timeout=1", "--keep-survivors", "--no-subreaper"
+    )
+    runner = int(next(iter(result["runners"])))
+    members = result["members"][str(runner)]
+    helpers = [pid for pid in members if pid != runner][1:]  # members are sorted: the guard is forked first
+    try:
+        guard = min(pid for pid in members if pid != runner)
+        os.kill(guard, signal.SIGKILL)
+        assert wait_gone([guard], 10) == []
+        os.kill(runner, signal.SIGKILL)
+        assert wait_gone([runner], 10) == []
+        out = subprocess.run([*TETHER, "orphans", "--json"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1
+        (group,) = [o for o in json.loads(out.stdout)["orphans"] if o["pid"] == runner]
+        assert group["runner_alive"] is False
+        assert sorted(m["pid"] for m in group["members"]) == sorted(helpers)
+        assert "is gone but 2 process(es) of its group live on" in group["reason"]
+        reaped = subprocess.run([*TETHER, "orphans", "--reap"], capture_output=True, text=True, timeout=60)
+        assert reaped.returncode == 0, reaped.stdout
+        assert wait_gone(helpers, 10) == []
+    finally:
+        kill_groups([runner])
+
+
+@pytest.mark.timeout(120)
+def test_a_starting_worker_reaps_dead_workers_runners_but_not_those_asked_to_live() -> None:
+    # Orphans with their watchdog on only exist when every layer failed: simulate that with no layer armed.
+    doomed = drill("--states=loading", "--layers=", "--timeout=1", "--keep-survivors", "--no-subreaper")
+    kept = drill("--states=loading", "--disable-watchdog", "--timeout=1", "--keep-survivors", "--no-subreaper")
+    doomed_pids = [pid for pids in doomed["members"].values() for pid in pids]
+    kept_runner = int(next(iter(kept["runners"])))
+    try:
+        assert len(doomed["survivors"]) == 2 and len(kept["survivors"]) == 2
+        skip = subprocess.run(
+            [*TETHER, "run", "hi", "--engine", "debug", "--no-reap"], capture_output=True, text=True, timeout=60
+        )
+        assert skip.returncode == 0 and "reaped" not in skip.stderr
+        assert all(pid_alive(pid) for pid in doomed_pids)
+        out = subprocess.run([*TETHER, "run", "hi", "--engine", "debug"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        doomed_runner = int(next(iter(doomed["runners"])))
+        assert f"reaped orphaned runner {doomed_runner} of dead worker {doomed['worker']}: freed" in out.stderr
+        assert wait_gone(doomed_pids, 10) == []
+        assert pid_alive(kept_runner)
+    finally:
+        kill_groups([int(p) for p in doomed["runners"]] + [kept_runner])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The registry directory
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_registry_is_private_and_refuses_a_directory_it_does_not_own(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "tether")
+    record = RunnerRecord(
+        pid=1,
+        start_time=0.0,
+        pgid=1,
+        cmdline=["x"],
+        worker_pid=1,
+        worker_start_time=0.0,
+        runner_id="r",
+        engine="debug",
+        model=None,
+    )
+    path = registry.add(record)
+    assert (tmp_path / "tether").stat().st_mode & 0o777 == 0o700
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [f.record for f in registry.records()] == [record]
+    path.write_text("{ not json")
+    (bad,) = registry.records()
+    assert bad.record is None and bad.error
+    other = tmp_path / "theirs"
+    other.mkdir(mode=0o700)
+    os.chown(other, 4242, -1)
+    with pytest.raises(RegistryError, match="belongs to uid 4242"):
+        Registry(other).ensure()
