@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 
 from conftest import pid_alive
 from tether import lifeline, orphans
 from tether.channel import SyncReceiver, SyncSender
-from tether.process import RunnerProcess, start_runner
+from tether.process import RunnerProcess, lifeline_read_fd, start_runner
 from tether.protocol import EngineSpec, Event, RunnerConfig, RunnerHello, ShutdownTask, TaskState, TaskStatus
 from tether.registry import Registry, RegistryError, RunnerRecord, start_time
 from tether.supervisor import Supervisor
@@ -344,3 +345,36 @@ def test_registry_is_private_and_refuses_a_directory_it_does_not_own(tmp_path: P
     os.chown(other, 4242, -1)
     with pytest.raises(RegistryError, match="belongs to uid 4242"):
         Registry(other).ensure()
+
+
+def _pipe_fds(pid: int, inode: int) -> list[int]:
+    """Access modes (0 read, 1 write) of ``pid``'s descriptors on the pipe ``inode``."""
+    modes = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != f"pipe:[{inode}]":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        except OSError:
+            continue
+        modes.append(flags & 0o3)
+    return modes
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_only_the_worker_holds_the_lifeline_write_end() -> None:
+    """Runners (and a forked helper, which inherits everything) hold the lifeline's read end only."""
+    spec = EngineSpec(engine="debug", options={"helpers": 1, "helper_kind": "fork"})
+    with anyio.fail_after(30):
+        async with Supervisor(spec) as a, Supervisor(spec) as b:
+            await a.ready()
+            await b.ready()
+            assert a.pid is not None and b.pid is not None
+            inode = os.fstat(lifeline_read_fd()).st_ino
+            for runner in (a.pid, b.pid):
+                for pid in [runner, *(p.pid for p in psutil.Process(runner).children())]:
+                    assert 1 not in _pipe_fds(pid, inode), f"pid {pid} holds the lifeline's write end"
+                assert _pipe_fds(runner, inode) == [0]
+            assert 1 in _pipe_fds(os.getpid(), inode)

@@ -205,10 +205,6 @@ class _SpawnThread:
             self._queue.put((fn, future))
         return future.result()  # type: ignore[return-value]
 
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident if self._thread is not None else None
-
     def _serve(self) -> None:
         while True:
             fn, future = self._queue.get()
@@ -264,9 +260,9 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def spawner_thread_ident() -> int | None:
-    """The ident of the thread that spawns runners (None before the first spawn)."""
-    return _SPAWNER.ident
+def lifeline_read_fd() -> int:
+    """The read end of this worker's lifeline, as every runner gets it (created on first use)."""
+    return _LIFELINE.read_fd()
 
 
 async def start_runner(config: RunnerConfig, *, env: dict[str, str] | None = None) -> RunnerProcess:
