@@ -23,3 +23,18 @@ def test_ipc_bench_quick_run_prints_its_json_line() -> None:
     assert result["lossless"] is True
     for key in ("tether_events_per_s", "baseline_events_per_s", "ratio", "tether_p50_us", "tether_p99_us"):
         assert result[key] > 0
+
+
+@pytest.mark.timeout(170)
+def test_orphan_exit_bench_quick_run_prints_its_json_line() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "orphan_exit.py"), "--quick"], capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "orphan_exit"
+    assert result["quick"] is True
+    assert result["survivors"] == 0, out.stdout
+    for key in ("default_p99_ms", "default_group_p99_ms", "pdeathsig_p99_ms", "lifeline_p99_ms", "poll_p99_ms"):
+        assert result[key] > 0
+    assert result["seed_poll_p99_ms"] > 0

@@ -120,6 +120,7 @@ class TrialResult:
     group_exit_ms: dict[int, float] = field(default_factory=dict)  # when the group's last process exited
     survivors: list[int] = field(default_factory=list)
     subreaper: bool = False
+    worker_exit_ms: float | None = None  # the worker's own exit: the kernel tears it down before any layer fires
 
     def kill_survivors(self) -> None:
         """Clean up after a drill that left processes alive on purpose (the escape hatch)."""
@@ -193,7 +194,8 @@ def run_trial(
     runners = {int(r["pid"]): str(r["state"]) for r in report["runners"]}  # type: ignore[attr-defined]
     members = {pid: group_members(pid) for pid in runners}
     result = TrialResult(worker=worker.pid, runners=runners, members=members, subreaper=is_subreaper)
-    pidfds: dict[int, int] = {}
+    worker_fd = os.pidfd_open(worker.pid)
+    pidfds: dict[int, int] = {worker_fd: worker.pid}
     for pids in members.values():
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -224,7 +226,8 @@ def run_trial(
             result.runner_exit_ms[runner] = exited[runner]
         if all(pid in exited for pid in pids):
             result.group_exit_ms[runner] = max(exited[pid] for pid in pids)
-    result.survivors = sorted(pid for pid in pidfds.values() if pid not in exited)
+    result.worker_exit_ms = exited.pop(worker.pid, None)
+    result.survivors = sorted(pid for pid in pidfds.values() if pid not in exited and pid != worker.pid)
     for pid in exited:  # under the subreaper the exited processes are our zombies now
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
