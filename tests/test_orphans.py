@@ -26,7 +26,17 @@ from conftest import pid_alive
 from tether import lifeline, orphans
 from tether.channel import SyncReceiver, SyncSender
 from tether.process import RunnerProcess, lifeline_read_fd, start_runner
-from tether.protocol import EngineSpec, Event, RunnerConfig, RunnerHello, ShutdownTask, TaskState, TaskStatus
+from tether.protocol import (
+    EngineSpec,
+    Event,
+    Fault,
+    GenerateParams,
+    RunnerConfig,
+    RunnerHello,
+    ShutdownTask,
+    TaskState,
+    TaskStatus,
+)
 from tether.registry import Registry, RegistryError, RunnerRecord, start_time
 from tether.supervisor import Supervisor
 
@@ -378,3 +388,20 @@ async def test_only_the_worker_holds_the_lifeline_write_end() -> None:
                     assert 1 not in _pipe_fds(pid, inode), f"pid {pid} holds the lifeline's write end"
                 assert _pipe_fds(runner, inode) == [0]
             assert 1 in _pipe_fds(os.getpid(), inode)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("helper_kind", ["exec", "fork"])
+async def test_a_crashed_runner_takes_its_helpers_along(helper_kind: str) -> None:
+    spec = EngineSpec(engine="debug", options={"helpers": 2, "helper_kind": helper_kind})
+    with anyio.fail_after(30):
+        async with Supervisor(spec) as sup:
+            await sup.ready()
+            assert sup.pid is not None
+            group = [p.pid for p in psutil.Process(sup.pid).children()]
+            assert len(group) == 3  # the guard and two helpers
+            crash = GenerateParams(prompt="x", max_tokens=5, faults=(Fault(kind="segv", after_tokens=1),))
+            final = await (await sup.generate(crash)).wait()
+            assert final.state is TaskState.FAILED
+        assert wait_gone(group, 10) == []
