@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tether.protocol import EngineSpec
+from tether.testing import live_processes
 
 
 @pytest.fixture
@@ -45,16 +46,14 @@ def no_leftover_runners() -> Iterator[None]:
     yield
     me = os.getpid()
     leftovers = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for proc in live_processes():
+        if proc.ppid != me:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
                 cmdline = f.read()
         except OSError:
             continue
-        if int(fields[1]) == me and b"tether.runner" in cmdline and fields[0] != "Z":
-            leftovers.append(int(entry))
+        if b"tether.runner" in cmdline:
+            leftovers.append(proc.pid)
     assert not leftovers, f"runner processes left behind: {leftovers}"

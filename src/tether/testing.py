@@ -45,9 +45,19 @@ def become_subreaper() -> bool:
         return False
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, from /proc."""
-    members = []
+@dataclass(frozen=True)
+class ProcStat:
+    """The few fields of /proc/PID/stat the drills need."""
+
+    pid: int
+    state: str  # "Z" for a zombie
+    ppid: int
+    pgid: int
+
+
+def live_processes() -> list[ProcStat]:
+    """Every process that exists and is not a zombie, from /proc (cheap enough to call per check)."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -56,9 +66,14 @@ def group_members(pgid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return sorted(members)
+        if fields[0] != "Z":
+            found.append(ProcStat(int(entry), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    return sorted(p.pid for p in live_processes() if p.pgid == pgid)
 
 
 # --------------------------------------------------------------------------------------------------------------
