@@ -335,12 +335,9 @@ def _print_groups(groups: list[orphans.RunnerGroup], now: float) -> None:
 
 def _orphans(args: argparse.Namespace) -> int:
     now = time.time()
-    found = orphans.scan()
-    results = [orphans.reap(g, grace=args.grace) for g in found.orphans] if args.reap else []
-    if args.reap:
-        registry = Registry()
-        for stale in found.stale:
-            registry.discard(stale.path)
+    registry = Registry()
+    found = orphans.scan(registry)
+    results = orphans.reap_all(found, registry, grace=args.grace) if args.reap else []
     failed = [r for r in results if not r.ok]
     if args.json:
         report: dict[str, object] = {
@@ -390,7 +387,7 @@ def _orphans(args: argparse.Namespace) -> int:
             else:
                 print(f"could not reap runner {r.group.pid}: {r.survivors} survived SIGKILL (stuck in the kernel?)")
         if args.reap and found.stale:
-            print(f"removed {len(found.stale)} stale runner record(s) from {Registry().path}")
+            print(f"removed {len(found.stale)} stale runner record(s) from {registry.path}")
     if args.reap:
         return 1 if failed else 0
     return 1 if found.orphans else 0

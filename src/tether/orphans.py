@@ -357,18 +357,17 @@ def auto_reap_enabled() -> bool:
     return os.environ.get(AUTO_REAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def reap_at_start(registry: Registry | None = None, *, grace: float = 2.0) -> list[ReapResult]:
-    """What a starting worker does: reap the orphans of dead workers, drop stale records, log what was freed.
+def reap_all(found: Scan, registry: Registry, *, grace: float = 5.0, spare_unwatched: bool = False) -> list[ReapResult]:
+    """Reap every orphan of a scan and drop its stale records; log each outcome.
 
-    Runners started with the orphan watchdog disabled are left alone (someone wants them alive); they are logged.
+    ``spare_unwatched`` leaves alone the runners started with the orphan watchdog disabled (someone wants them
+    alive): what a starting worker does, as opposed to someone asking for ``--reap``.
     """
-    registry = registry or Registry()
-    found = scan(registry)
     for stale in found.stale:
         registry.discard(stale.path)
     results = []
     for group in found.orphans:
-        if not group.watchdog:
+        if spare_unwatched and not group.watchdog:
             log.warning(
                 "left orphaned runner %d alone: it was started with the orphan watchdog disabled (%s)",
                 group.pgid,
@@ -390,3 +389,10 @@ def reap_at_start(registry: Registry | None = None, *, grace: float = 2.0) -> li
         else:
             log.error("could not reap orphaned runner %d: %s survived SIGKILL", group.pgid, result.survivors)
     return results
+
+
+def reap_at_start(registry: Registry | None = None, *, grace: float = 2.0) -> list[ReapResult]:
+    """What a starting worker does: reap the orphans of dead workers, except those asked to live, and drop stale
+    records."""
+    registry = registry or Registry()
+    return reap_all(scan(registry), registry, grace=grace, spare_unwatched=True)
