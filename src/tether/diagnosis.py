@@ -11,6 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tether.memory import format_bytes
+from tether.oom import OomEvidence
 from tether.process import ExitStatus
 from tether.protocol import Cause, CauseKind, RunnerException
 
@@ -38,6 +40,7 @@ class Evidence:
     output_tail: Sequence[str] = ()
     phase: str | None = None
     runner: str = "runner"
+    oom: OomEvidence | None = None  # gathered after a SIGKILL: the cgroup counter, kernel log lines, footprint
 
 
 def engine_diagnostics(lines: Sequence[str]) -> list[tuple[str, str]]:
@@ -93,6 +96,8 @@ def diagnose(ev: Evidence) -> Cause:
         )
     if status.signal is not None:
         name = status.signal_name or ""
+        if ev.oom is not None and (ev.oom.killed_by_oom or ev.oom.counter_rose):
+            return _oom_cause(ev, ev.oom, where, name, tail)
         stack = _faulthandler_stack(ev.output_tail) if name in CRASH_SIGNALS else []
         if stack:
             return Cause(
@@ -138,5 +143,32 @@ def diagnose(ev: Evidence) -> Cause:
         summary=f"{ev.runner} exited with code {status.code}{where}",
         evidence=tuple(tail[-10:]),
         exit_code=status.code,
+        phase=ev.phase,
+    )
+
+
+def _oom_cause(ev: Evidence, oom: OomEvidence, where: str, signal_name: str, tail: list[str]) -> Cause:
+    """A SIGKILL the OOM killer sent, with the numbers: last footprint, cgroup peak and limit."""
+    numbers = []
+    if oom.anon_at_kill is not None:
+        numbers.append(f"footprint {format_bytes(oom.anon_at_kill)} when killed")
+    elif oom.last_anon is not None:
+        numbers.append(
+            f"footprint {format_bytes(oom.last_anon)} at the last heartbeat (RSS {format_bytes(oom.last_rss)})"
+        )
+    if oom.peak is not None:
+        numbers.append(f"cgroup peak {format_bytes(oom.peak)}")
+    numbers.append(f"cgroup limit {format_bytes(oom.limit)}" if oom.limit is not None else "no cgroup limit")
+    who = (
+        "was killed by the out-of-memory killer"
+        if oom.killed_by_oom
+        else "was killed by SIGKILL, most likely by the out-of-memory killer (it acted in the runner's memory cgroup,"
+        " which other processes share, meanwhile)"
+    )
+    return Cause(
+        kind=CauseKind.OUT_OF_MEMORY,
+        summary=f"{ev.runner} {who}{where}: {', '.join(numbers)}",
+        evidence=tuple(oom.lines() + tail[-5:]),
+        signal=signal_name,
         phase=ev.phase,
     )

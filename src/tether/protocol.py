@@ -292,8 +292,13 @@ class RunnerException(msgspec.Struct, tag="exception", frozen=True):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """Proof of life, with the runner's memory then (from /proc/self/statm: cheap enough for every beat), so a
+    runner that dies of memory is reported with its last known footprint."""
+
     seq: int
     sent_ns: int
+    rss: int = 0  # bytes
+    anon: int = 0  # bytes: resident minus file-backed/shared pages
 
 
 class RunnerHello(msgspec.Struct, tag="hello", frozen=True):

@@ -148,7 +148,8 @@ class Runner:
         while True:
             time.sleep(interval)
             seq += 1
-            self.sender.send(Heartbeat(seq=seq, sent_ns=time.monotonic_ns()))
+            rss, anon = _statm()
+            self.sender.send(Heartbeat(seq=seq, sent_ns=time.monotonic_ns(), rss=rss, anon=anon))
 
     # --- task loop ------------------------------------------------------------------------------------------
 
@@ -297,6 +298,20 @@ class Runner:
             print(tb, file=sys.stderr, end="", flush=True)
         except BaseException:
             pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _statm() -> tuple[int, int]:
+    """This process's resident and anonymous bytes (resident minus shared/file-backed), 0s when unreadable."""
+    try:
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        resident, shared = int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+    return resident * _PAGE, max(resident - shared, 0) * _PAGE
 
 
 def _hard_exit(code: int) -> NoReturn:

@@ -32,6 +32,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tether import lifeline
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.diagnosis import Evidence, diagnose
+from tether.oom import OomWatch
 from tether.process import ExitStatus, RunnerProcess, start_runner
 from tether.protocol import (
     Cancel,
@@ -176,6 +177,7 @@ class Supervisor:
         orphan_layers: Sequence[str] = lifeline.LAYERS,
         orphan_poll_interval: float = lifeline.DEFAULT_POLL_INTERVAL,
         registry: Registry | None = None,
+        cgroup: Path | None = None,
     ) -> None:
         self.spec = spec
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
@@ -189,6 +191,9 @@ class Supervisor:
         self.orphan_layers = lifeline.check_layers(orphan_layers)
         self.orphan_poll_interval = orphan_poll_interval
         self.registry = registry if registry is not None else Registry()
+        self.cgroup = cgroup  # an existing cgroup directory the runner is moved into right after it starts
+        self.last_memory: tuple[int, int] | None = None  # (rss, anon) bytes from the latest heartbeat
+        self._oom: OomWatch | None = None
         self.status: RunnerStatus = Idle()
         self.hello: RunnerHello | None = None
         self.last_heartbeat: float | None = None
@@ -281,6 +286,10 @@ class Supervisor:
             self._exited.set()
             raise RunnerUnavailable(self.cause.summary, self.cause) from exc
         try:
+            if self.cgroup is not None:  # before the runner forks anything: its guard and helpers follow it
+                (self.cgroup / "cgroup.procs").write_text(str(self.process.pid))
+            self._oom = OomWatch(self.process.pid)
+            self._oom.observe()
             self._sender = AsyncSender(self.process.tasks_fd)
             self._receiver = AsyncReceiver(self.process.events_fd, Event)
         except BaseException:  # nothing watches the runner yet: take it down here
@@ -472,6 +481,10 @@ class Supervisor:
                 self._finish(event.task_id, event.state)
         elif isinstance(event, Heartbeat):
             self.last_heartbeat = time.monotonic()
+            if event.rss:
+                self.last_memory = (event.rss, event.anon)
+            if self._oom is not None:
+                self._oom.observe(event.rss, event.anon)
         elif isinstance(event, StatusUpdate):
             if not isinstance(event.status, Failed):  # only the supervisor may declare a runner failed
                 self._set_status(event.status)
@@ -580,6 +593,7 @@ class Supervisor:
                 self._set_status(Shutdown())
             log.info("%s stopped (%s)", self.name, exit_status.describe())
         else:
+            killed = exit_status.signal == signal.SIGKILL and self._forced_cause is None
             cause = self._forced_cause or diagnose(
                 Evidence(
                     exit=exit_status,
@@ -587,6 +601,7 @@ class Supervisor:
                     output_tail=self.output_tail,
                     phase=phase,
                     runner=self.name,
+                    oom=self._oom.evidence() if killed and self._oom is not None else None,
                 )
             )
             self.cause = cause

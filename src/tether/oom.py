@@ -1,0 +1,219 @@
+"""Evidence that the kernel's out-of-memory killer took a runner: its memory cgroup's counter and the kernel log.
+
+A SIGKILL alone says nothing about who sent it. The OOM killer leaves two traces: the ``oom_kill`` counter of the
+memory cgroup it acted in (v2 ``memory.events``, v1 ``memory.oom_control``), and a kernel log line naming the pid
+("Killed process 1234 (python)", "oom-kill:...,pid=1234,..."). The counter needs a baseline taken while the runner
+lives (an exited task is moved back to the root cgroup, so its cgroup cannot be read afterwards); the log line needs
+/dev/kmsg to be readable (root, or ``kernel.dmesg_restrict=0``) and is matched only after the runner's start, since
+pids are reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED_V1 = 1 << 60  # v1 reports "no limit" as a huge page-aligned number (9223372036854771712)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """A memory cgroup directory (v1 or v2)."""
+
+    path: Path
+    version: int
+
+    @classmethod
+    def of_pid(cls, pid: int) -> MemoryCgroup | None:
+        """The memory cgroup ``pid`` is in now; None when gone or when there is no memory controller."""
+        text = _read(Path(f"/proc/{pid}/cgroup"))
+        if text is None:
+            return None
+        unified: str | None = None
+        for line in text.splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                return cls(CGROUP_ROOT / "memory" / rel.lstrip("/"), 1)
+            if controllers == "":
+                unified = rel
+        if unified is not None and (CGROUP_ROOT / "cgroup.controllers").exists():
+            return cls(CGROUP_ROOT / unified.lstrip("/"), 2)
+        return None
+
+    def oom_kills(self) -> int | None:
+        """How many processes the OOM killer has killed in this cgroup (None where the kernel does not say)."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        text = _read(self.path / name)
+        if text is None:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
+    def limit(self) -> int | None:
+        """The memory limit in bytes; None when unlimited or unreadable."""
+        text = _read(self.path / ("memory.max" if self.version == 2 else "memory.limit_in_bytes"))
+        if text is None or text.strip() == "max":
+            return None
+        value = int(text)
+        return None if value >= _UNLIMITED_V1 else value
+
+    def peak(self) -> int | None:
+        """The highest usage recorded for this cgroup (v2 ``memory.peak`` needs Linux >= 5.19)."""
+        text = _read(self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+        return int(text) if text is not None and text.strip().isdigit() else None
+
+
+_KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)|(Out of memory)")
+
+
+def kernel_oom_lines(pid: int, since_boot_s: float, limit: int = 4) -> list[str]:
+    """Kernel log lines about the OOM killer taking ``pid``, logged at or after ``since_boot_s``.
+
+    Reads /dev/kmsg without blocking (each read returns one record); returns [] when it is not readable.
+    """
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    found: list[str] = []
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break  # the end of the buffer
+            except BrokenPipeError:
+                continue  # records were overwritten while reading: carry on from the oldest one left
+            except OSError:
+                break
+            if not record:
+                break
+            head, _, message = record.decode("utf-8", "replace").partition(";")
+            fields = head.split(",")
+            if len(fields) < 3 or int(fields[2]) / 1e6 < since_boot_s - 0.01:
+                continue
+            text = message.splitlines()[0] if message else ""
+            match = _KMSG_OOM.search(text)
+            if match and (match.group("a") == str(pid) or match.group("b") == str(pid)):
+                found.append(text.strip())
+    finally:
+        os.close(fd)
+    return found[-limit:]
+
+
+def started_since_boot(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since boot (the kernel log's clock), from /proc/PID/stat."""
+    text = _read(Path(f"/proc/{pid}/stat"))
+    if text is None:
+        return None
+    return int(text.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@dataclass
+class OomWatch:
+    """What the supervisor keeps about one runner so that, should it die by SIGKILL, it can tell an OOM kill.
+
+    ``observe`` is called at hello and on heartbeats: it notes the runner's memory cgroup and, the first time each
+    cgroup is seen, its ``oom_kill`` counter, so a later rise can be attributed to this runner's lifetime.
+    """
+
+    pid: int
+    since_boot_s: float = 0.0
+    cgroup: MemoryCgroup | None = None
+    baseline: int | None = None
+    shared: bool = True  # the cgroup holds processes outside the runner's group: its counter is weaker evidence
+    last_rss: int | None = None
+    last_anon: int | None = None
+
+    def __post_init__(self) -> None:
+        self.since_boot_s = started_since_boot(self.pid) or 0.0
+
+    def observe(self, rss: int | None = None, anon: int | None = None) -> None:
+        if rss:
+            self.last_rss, self.last_anon = rss, anon
+        cgroup = MemoryCgroup.of_pid(self.pid)
+        if cgroup is not None and cgroup != self.cgroup:
+            self.cgroup, self.baseline = cgroup, cgroup.oom_kills()
+            self.shared = any(_pgid(int(p)) != self.pid for p in (_read(cgroup.path / "cgroup.procs") or "").split())
+
+    def evidence(self) -> OomEvidence:
+        """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""
+        ev = OomEvidence(
+            kernel_lines=kernel_oom_lines(self.pid, self.since_boot_s),
+            last_rss=self.last_rss,
+            last_anon=self.last_anon,
+        )
+        if self.cgroup is not None:
+            ev.cgroup = str(self.cgroup.path)
+            ev.oom_kills_before = self.baseline
+            ev.oom_kills_after = self.cgroup.oom_kills()
+            ev.limit = self.cgroup.limit()
+            ev.peak = self.cgroup.peak()
+            ev.shared_cgroup = self.shared
+        return ev
+
+
+@dataclass
+class OomEvidence:
+    kernel_lines: list[str] = field(default_factory=list)
+    cgroup: str | None = None
+    oom_kills_before: int | None = None
+    oom_kills_after: int | None = None
+    limit: int | None = None
+    peak: int | None = None
+    shared_cgroup: bool = True
+    last_rss: int | None = None
+    last_anon: int | None = None
+
+    @property
+    def anon_at_kill(self) -> int | None:
+        """The runner's anonymous memory when the OOM killer took it, from the kernel's "Killed process" line."""
+        for line in self.kernel_lines:
+            match = re.search(r"anon-rss:(\d+)kB", line)
+            if match:
+                return int(match.group(1)) * 1024
+        return None
+
+    @property
+    def counter_rose(self) -> bool:
+        return (
+            self.oom_kills_before is not None
+            and self.oom_kills_after is not None
+            and self.oom_kills_after > self.oom_kills_before
+        )
+
+    @property
+    def killed_by_oom(self) -> bool:
+        """The kernel log names the pid, or the counter of a cgroup holding only this runner's group rose."""
+        return bool(self.kernel_lines) or (self.counter_rose and not self.shared_cgroup)
+
+    def lines(self) -> list[str]:
+        out = list(self.kernel_lines)
+        if self.cgroup is not None:
+            with contextlib.suppress(TypeError):
+                out.append(
+                    f"memory cgroup {self.cgroup}: oom_kill {self.oom_kills_before} -> {self.oom_kills_after}"
+                    + (" (shared with other processes)" if self.shared_cgroup else "")
+                )
+        return out
