@@ -19,9 +19,11 @@ def anyio_backend() -> str:
 
 @pytest.fixture(autouse=True)
 def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test gets its own runner registry, so tests never see (or reap) each other's records or the user's."""
+    """Each test gets its own runner registry and log directory, so tests never see (or reap) each other's records
+    or write into the user's."""
     path = tmp_path_factory.mktemp("runtime")
     monkeypatch.setenv("TETHER_RUNTIME_DIR", str(path))
+    monkeypatch.setenv("TETHER_LOG_DIR", str(tmp_path_factory.mktemp("logs")))
     return path
 
 

@@ -30,7 +30,9 @@ FaultKind = Literal[
     "stderr_flood",  # write `lines` lines to stderr
     "ignore_sigterm",  # ignore SIGTERM from now on (to prove stop escalates to SIGKILL)
 ]
-FaultPhase = Literal["load", "warmup", "generate"]
+# "idle": fires from a background thread ``seconds`` after warmup, while the runner waits for requests (as a native
+# engine thread crashing on its own would); only process-level kinds make sense there (no engine code is running).
+FaultPhase = Literal["load", "warmup", "generate", "idle"]
 
 
 class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,7 +42,7 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     phase: FaultPhase = "generate"
     after_tokens: int = 0
     code: int = 1  # exit code for "exit"
-    seconds: float = 0.05  # per-step delay for "slow"
+    seconds: float = 0.05  # per-step delay for "slow"; delay after warmup for the "idle" phase
     lines: int = 10_000  # for "stderr_flood"
 
 

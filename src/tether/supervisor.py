@@ -2,7 +2,8 @@
 
 Structure (all tasks owned by one task group, so nothing outlives the supervisor):
 - ``_pump_events``: reads the events pipe in the event loop and routes each event to its task's stream.
-- ``_pump_output``: reads the runner's stdout/stderr line by line into a bounded per-life tail.
+- ``_pump_output``: reads the runner's stdout/stderr into ``OutputCapture``: a bounded per-life tail of lines (the
+  evidence causes quote), the log, and size-bounded rotating files.
 - ``_watch``: awaits the runner's exit fd. On exit it stops the pumps, drains what the dead runner left in its
   pipes (nothing is lost), turns the evidence into one cause and ends every in-flight task with a terminal event.
 
@@ -20,7 +21,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,6 +34,7 @@ from tether import lifeline
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.diagnosis import Evidence, diagnose
 from tether.oom import OomWatch
+from tether.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
 from tether.process import ExitStatus, RunnerProcess, start_runner
 from tether.protocol import (
     Cancel,
@@ -149,12 +151,6 @@ class StopReport:
     seconds: float
 
 
-@dataclass
-class _OutputTail:
-    lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
-    partial: bytes = b""
-
-
 class Supervisor:
     """Supervise one runner process hosting one engine.
 
@@ -173,6 +169,9 @@ class Supervisor:
         warmup_timeout: float = 120.0,
         heartbeat_interval: float = 0.5,
         output_lines: int = 200,
+        log_dir: Path | None = None,
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
+        log_backups: int = DEFAULT_BACKUPS,
         env: dict[str, str] | None = None,
         orphan_layers: Sequence[str] = lifeline.LAYERS,
         orphan_poll_interval: float = lifeline.DEFAULT_POLL_INTERVAL,
@@ -201,7 +200,13 @@ class Supervisor:
         self.cause: Cause | None = None
         self.stop_report: StopReport | None = None
         self.process: RunnerProcess | None = None
-        self._output = _OutputTail(lines=collections.deque(maxlen=output_lines))
+        self._output = OutputCapture(
+            self.runner_id,
+            tail_lines=output_lines,
+            log_dir=log_dir if log_dir is not None else default_log_dir(),
+            max_bytes=log_max_bytes,
+            backups=log_backups,
+        )
         self._inflight: dict[str, _InFlight] = {}
         self._finished: collections.OrderedDict[str, TaskState] = collections.OrderedDict()
         self._listeners: list[Callable[[RunnerStatus], None]] = []
@@ -238,6 +243,11 @@ class Supervisor:
     @property
     def output_tail(self) -> list[str]:
         return list(self._output.lines)
+
+    @property
+    def output_log(self) -> Path | None:
+        """The file the runner's output is written to (rotated at ``log_max_bytes``), if it could be opened."""
+        return self._output.path
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -529,25 +539,15 @@ class Supervisor:
             self._output_done.set()
 
     def _read_output(self, fd: int) -> bool:
-        """Read what is available into the line tail; False at EOF."""
+        """Read what is available into the output capture; False at EOF."""
         while True:
             try:
                 data = os.read(fd, 65536)
             except BlockingIOError:
                 return True
             if not data:
-                if self._output.partial:  # a last line without a newline still counts
-                    self._add_line(self._output.partial)
-                    self._output.partial = b""
                 return False
-            *lines, self._output.partial = (self._output.partial + data).split(b"\n")
-            for line in lines:
-                self._add_line(line)
-
-    def _add_line(self, raw: bytes) -> None:
-        line = raw.decode("utf-8", "replace").rstrip("\r")
-        self._output.lines.append(line)
-        log.debug("[%s] %s", self.runner_id, line)
+            self._output.feed(data)
 
     async def _watch(self) -> None:
         assert self.process is not None
@@ -575,6 +575,7 @@ class Supervisor:
         except ProtocolError as exc:
             self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
         self._read_output(proc.output_fd)
+        self._output.flush()  # a forked helper may still hold the pipe open: do not wait for its EOF
         phase = phase_of(self.status)
         clean_stop = self._stop_requested and exit_status.code == 0 and isinstance(self.status, Shutdown)
         escalated_stop = self._stop_requested and self._escalated_to is not None
@@ -612,6 +613,7 @@ class Supervisor:
         self._sender.close()
         self._receiver.close()
         os.close(proc.output_fd)
+        self._output.close()
         self.registry.remove(proc.pid)  # reaped and its group killed (``wait_exit``): nothing left to find
 
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:

@@ -2,7 +2,7 @@
 
 Output is a pseudo-random word sequence seeded by a stable hash of the prompt (and ``params.seed``), so the
 same request always produces the same text, in any process, without a model. Faults come from the engine spec
-(load, warmup and generate phases; generate faults apply to every request) and from each request's params.
+(load, warmup, generate and idle phases; generate faults apply to every request) and from each request's params.
 
 Options (``spec.options``):
   load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
@@ -23,11 +23,12 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError
-from tether.engines.faults import fire
+from tether.engines.faults import faults_for, fire, trigger
 from tether.protocol import EngineSpec, Fault, GenerateParams
 
 VOCAB = tuple(
@@ -39,6 +40,9 @@ VOCAB = tuple(
         )
     ).split()
 )
+
+
+_NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow"})  # exceptions/stalls inside an engine call
 
 
 class DebugEngine:
@@ -59,6 +63,12 @@ class DebugEngine:
             self.helper_kind = str(options.get("helper_kind", "exec"))
             if self.helper_kind not in ("exec", "fork"):
                 raise ValueError(f"helper_kind must be 'exec' or 'fork', got {self.helper_kind!r}")
+            idle_exceptions = [f.kind for f in spec.faults if f.phase == "idle" and f.kind in _NEEDS_ENGINE_CODE]
+            if idle_exceptions:
+                raise ValueError(
+                    f"fault kinds {idle_exceptions} cannot fire while idle (no engine code runs then); use exit, "
+                    "segv, abort, sigkill or oom"
+                )
         except (TypeError, ValueError) as exc:
             raise EngineLoadError(f"invalid debug engine option in {options!r}: {exc}") from exc
         self._loaded = False
@@ -84,6 +94,10 @@ class DebugEngine:
         fire(self.spec.faults, "warmup", 0)
         for _ in self._stream(GenerateParams(prompt="warmup", max_tokens=1), lambda: False, faults=()):
             pass
+        for fault in faults_for(self.spec.faults, "idle"):
+            timer = threading.Timer(fault.seconds, trigger, args=(fault,))
+            timer.daemon = True
+            timer.start()
 
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
         """Validate eagerly (a bad request raises ``RequestError`` now, not at the first ``next``)."""
