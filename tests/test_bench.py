@@ -38,3 +38,17 @@ def test_orphan_exit_bench_quick_run_prints_its_json_line() -> None:
     for key in ("default_p99_ms", "default_group_p99_ms", "pdeathsig_p99_ms", "lifeline_p99_ms", "poll_p99_ms"):
         assert result[key] > 0
     assert result["seed_poll_p99_ms"] > 0
+
+
+@pytest.mark.timeout(170)
+def test_detect_bench_quick_run_prints_its_json_line() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "detect.py"), "--quick"], capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "detect"
+    assert result["quick"] is True
+    assert result["lost_events"] == 0, out.stdout
+    assert result["p99_ms"] > 0
+    assert result["baseline_p99_ms"] > 0

@@ -80,15 +80,35 @@ class MemoryCgroup:
 _KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)|(Out of memory)")
 
 
-def kernel_oom_lines(pid: int, since_boot_s: float, limit: int = 4) -> list[str]:
-    """Kernel log lines about the OOM killer taking ``pid``, logged at or after ``since_boot_s``.
+def open_kmsg() -> int | None:
+    """A non-blocking /dev/kmsg reader positioned at the end of the log (None when not readable).
 
-    Reads /dev/kmsg without blocking (each read returns one record); returns [] when it is not readable.
+    Opened when a runner starts, so its death costs reading only what was logged since, not the whole log (which
+    can hold thousands of records, e.g. earlier OOM dumps).
     """
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
-        return []
+        return None
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def kernel_oom_lines(pid: int, since_boot_s: float, fd: int | None = None, limit: int = 4) -> list[str]:
+    """Kernel log lines about the OOM killer taking ``pid``, logged at or after ``since_boot_s``.
+
+    Reads /dev/kmsg without blocking (each read returns one record) from ``fd``'s position, or the whole log when
+    no reader is given; returns [] when the log is not readable.
+    """
+    own = fd is None
+    if fd is None:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK) if os.access("/dev/kmsg", os.R_OK) else None
+        if fd is None:
+            return []
     found: list[str] = []
     try:
         while True:
@@ -111,7 +131,8 @@ def kernel_oom_lines(pid: int, since_boot_s: float, limit: int = 4) -> list[str]
             if match and (match.group("a") == str(pid) or match.group("b") == str(pid)):
                 found.append(text.strip())
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     return found[-limit:]
 
 
@@ -148,6 +169,12 @@ class OomWatch:
 
     def __post_init__(self) -> None:
         self.since_boot_s = started_since_boot(self.pid) or 0.0
+        self._kmsg = open_kmsg()
+
+    def close(self) -> None:
+        if self._kmsg is not None:
+            os.close(self._kmsg)
+            self._kmsg = None
 
     def observe(self, rss: int | None = None, anon: int | None = None) -> None:
         if rss:
@@ -160,7 +187,7 @@ class OomWatch:
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""
         ev = OomEvidence(
-            kernel_lines=kernel_oom_lines(self.pid, self.since_boot_s),
+            kernel_lines=kernel_oom_lines(self.pid, self.since_boot_s, self._kmsg) if self._kmsg is not None else [],
             last_rss=self.last_rss,
             last_anon=self.last_anon,
         )

@@ -306,6 +306,8 @@ class Supervisor:
             self.process.kill_group(signal.SIGKILL)
             os.waitpid(self.process.pid, 0)
             self.process.close_fds()
+            if self._oom is not None:
+                self._oom.close()
             self._exited.set()
             raise
         log.info("%s started, pid %d", self.name, self.process.pid)
@@ -615,6 +617,8 @@ class Supervisor:
         os.close(proc.output_fd)
         self._output.close()
         self.registry.remove(proc.pid)  # reaped and its group killed (``wait_exit``): nothing left to find
+        if self._oom is not None:
+            self._oom.close()
 
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
         for task_id in list(self._inflight):
