@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tether.process import live_processes
 from tether.protocol import EngineSpec
-from tether.testing import live_processes
 
 
 @pytest.fixture

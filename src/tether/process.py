@@ -185,6 +185,44 @@ def _open_pidfd(pid: int) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class ProcStat:
+    """The few fields of /proc/PID/stat the drills need."""
+
+    pid: int
+    state: str  # "Z" for a zombie
+    ppid: int
+    pgid: int
+
+
+def live_processes() -> list[ProcStat]:
+    """Every process that exists and is not a zombie, from /proc (cheap enough to call per check)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            found.append(ProcStat(int(entry), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group. Zombies do not count: they hold nothing but a pid, and one reparented to
+    an init that is slow to reap must not look like a survivor."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []  # the common case: no process at all, zombie or not
+    except PermissionError:
+        pass
+    return sorted(p.pid for p in live_processes() if p.pgid == pgid)
+
+
 class _SpawnThread:
     """One daemon thread that performs every spawn, so every runner's parent thread lives as long as the worker."""
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import anyio
 
 from tether import lifeline
+from tether.process import group_members
 from tether.protocol import EngineSpec, Fault, GenerateParams, Loading, LoadTask, RunnerStatus, Running
 from tether.supervisor import Supervisor
 
@@ -43,37 +44,6 @@ def become_subreaper() -> bool:
         return bool(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """The few fields of /proc/PID/stat the drills need."""
-
-    pid: int
-    state: str  # "Z" for a zombie
-    ppid: int
-    pgid: int
-
-
-def live_processes() -> list[ProcStat]:
-    """Every process that exists and is not a zombie, from /proc (cheap enough to call per check)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            found.append(ProcStat(int(entry), fields[0], int(fields[1]), int(fields[2])))
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    return sorted(p.pid for p in live_processes() if p.pgid == pgid)
 
 
 # --------------------------------------------------------------------------------------------------------------
