@@ -40,6 +40,7 @@ format: install
 bench: install
 	$(BIN)/python bench/ipc.py
 	$(BIN)/python bench/orphan_exit.py
+	$(BIN)/python bench/detect.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info
