@@ -10,7 +10,6 @@ pids are reused.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -77,7 +76,7 @@ class MemoryCgroup:
         return int(text) if text is not None and text.strip().isdigit() else None
 
 
-_KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)|(Out of memory)")
+_KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)")
 
 
 def open_kmsg() -> int | None:
@@ -98,41 +97,29 @@ def open_kmsg() -> int | None:
     return fd
 
 
-def kernel_oom_lines(pid: int, since_boot_s: float, fd: int | None = None, limit: int = 4) -> list[str]:
-    """Kernel log lines about the OOM killer taking ``pid``, logged at or after ``since_boot_s``.
-
-    Reads /dev/kmsg without blocking (each read returns one record) from ``fd``'s position, or the whole log when
-    no reader is given; returns [] when the log is not readable.
-    """
-    own = fd is None
-    if fd is None:
-        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK) if os.access("/dev/kmsg", os.R_OK) else None
-        if fd is None:
-            return []
+def kernel_oom_lines(fd: int, pid: int, since_boot_s: float, limit: int = 4) -> list[str]:
+    """Kernel log lines about the OOM killer taking ``pid``, logged at or after ``since_boot_s``, read without
+    blocking (each read returns one record) from the position of ``fd`` (see ``open_kmsg``) to the end."""
     found: list[str] = []
-    try:
-        while True:
-            try:
-                record = os.read(fd, 8192)
-            except BlockingIOError:
-                break  # the end of the buffer
-            except BrokenPipeError:
-                continue  # records were overwritten while reading: carry on from the oldest one left
-            except OSError:
-                break
-            if not record:
-                break
-            head, _, message = record.decode("utf-8", "replace").partition(";")
-            fields = head.split(",")
-            if len(fields) < 3 or int(fields[2]) / 1e6 < since_boot_s - 0.01:
-                continue
-            text = message.splitlines()[0] if message else ""
-            match = _KMSG_OOM.search(text)
-            if match and (match.group("a") == str(pid) or match.group("b") == str(pid)):
-                found.append(text.strip())
-    finally:
-        if own:
-            os.close(fd)
+    while True:
+        try:
+            record = os.read(fd, 8192)
+        except BlockingIOError:
+            break  # the end of the buffer
+        except BrokenPipeError:
+            continue  # records were overwritten while reading: carry on from the oldest one left
+        except OSError:
+            break
+        if not record:
+            break
+        head, _, message = record.decode("utf-8", "replace").partition(";")
+        fields = head.split(",")
+        if len(fields) < 3 or int(fields[2]) / 1e6 < since_boot_s - 0.01:
+            continue
+        text = message.splitlines()[0] if message else ""
+        match = _KMSG_OOM.search(text)
+        if match and (match.group("a") == str(pid) or match.group("b") == str(pid)):
+            found.append(text.strip())
     return found[-limit:]
 
 
@@ -187,7 +174,7 @@ class OomWatch:
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""
         ev = OomEvidence(
-            kernel_lines=kernel_oom_lines(self.pid, self.since_boot_s, self._kmsg) if self._kmsg is not None else [],
+            kernel_lines=[] if self._kmsg is None else kernel_oom_lines(self._kmsg, self.pid, self.since_boot_s),
             last_rss=self.last_rss,
             last_anon=self.last_anon,
         )
@@ -238,9 +225,8 @@ class OomEvidence:
     def lines(self) -> list[str]:
         out = list(self.kernel_lines)
         if self.cgroup is not None:
-            with contextlib.suppress(TypeError):
-                out.append(
-                    f"memory cgroup {self.cgroup}: oom_kill {self.oom_kills_before} -> {self.oom_kills_after}"
-                    + (" (shared with other processes)" if self.shared_cgroup else "")
-                )
+            out.append(
+                f"memory cgroup {self.cgroup}: oom_kill {self.oom_kills_before} -> {self.oom_kills_after}"
+                + (" (shared with other processes)" if self.shared_cgroup else "")
+            )
         return out
