@@ -66,7 +66,6 @@ import queue
 import random
 import select
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -78,6 +77,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from benchstats import PERCENTILE, fmt, ms, percentile
 from tether.oom import OomEvidence, OomWatch
 from tether.output import LOG_DIR_ENV
 from tether.protocol import (
@@ -102,29 +102,11 @@ DETECT_TIMEOUT = 10.0  # bound on SIGKILL -> all terminal events, per tether tri
 SEED_POLL_S = 5.0  # the seed system's liveness poll
 QUICK_POLL_S = 1.0
 TARGET_P99_MS = 10.0
-PERCENTILE = "statistics.quantiles(n=100, method='inclusive')"
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Statistics
 # --------------------------------------------------------------------------------------------------------------
-
-
-def percentile(samples: Sequence[float], pct: int) -> float:
-    """The ``pct``-th percentile, ``statistics.quantiles(method="inclusive")``; nan without samples."""
-    if not samples:
-        return float("nan")
-    if len(samples) == 1:
-        return float(samples[0])
-    return statistics.quantiles(samples, n=100, method="inclusive")[pct - 1]
-
-
-def _ms(value: float) -> float | None:
-    return None if value != value else round(value, 2)  # nan (no samples) -> null in the JSON
-
-
-def _fmt(value: float) -> str:
-    return "-" if value != value else f"{value:,.2f}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -494,9 +476,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             (
                 label,
                 str(len(samples)),
-                _fmt(percentile(samples, 50)),
-                _fmt(percentile(samples, 99)),
-                _fmt(max(samples, default=float("nan"))),
+                fmt(percentile(samples, 50)),
+                fmt(percentile(samples, 99)),
+                fmt(max(samples, default=float("nan"))),
             )
         )
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
@@ -508,19 +490,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))))
     for row in table:
         print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
-    print(f"percentiles: {PERCENTILE}; runner RSS at the kill: p50 {_fmt(percentile(rss, 50))} MiB")
+    print(f"percentiles: {PERCENTILE}; runner RSS at the kill: p50 {fmt(percentile(rss, 50))} MiB")
 
     result: dict[str, Any] = {
         "bench": "detect",
-        "p50_ms": _ms(p50),
-        "p99_ms": _ms(p99),
-        "max_ms": _ms(max(all_ms, default=float("nan"))),
-        "failed_status_p50_ms": _ms(percentile(failed_ms, 50)),
-        "failed_status_p99_ms": _ms(percentile(failed_ms, 99)),
-        "last_terminal_p99_ms": _ms(percentile(last_terminal_ms, 99)),
-        "baseline_p50_ms": _ms(b50),
-        "baseline_p99_ms": _ms(b99),
-        "baseline_max_ms": _ms(max(base_ms, default=float("nan"))),
+        "p50_ms": ms(p50),
+        "p99_ms": ms(p99),
+        "max_ms": ms(max(all_ms, default=float("nan"))),
+        "failed_status_p50_ms": ms(percentile(failed_ms, 50)),
+        "failed_status_p99_ms": ms(percentile(failed_ms, 99)),
+        "last_terminal_p99_ms": ms(percentile(last_terminal_ms, 99)),
+        "baseline_p50_ms": ms(b50),
+        "baseline_p99_ms": ms(b99),
+        "baseline_max_ms": ms(max(base_ms, default=float("nan"))),
         "ratio": round(b99 / p99, 1) if p99 > 0 and b99 == b99 else None,
         "target_p99_ms": TARGET_P99_MS,
         "meets_target": bool(p99 <= TARGET_P99_MS),  # nan compares False
@@ -529,12 +511,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "lost_events": lost,
         "wrong_cause": wrong,
         "baseline_lost_events": baseline_lost,
-        "exit_seen_p50_ms": _ms(percentile(exit_ms, 50)),
-        "exit_seen_p99_ms": _ms(percentile(exit_ms, 99)),
-        "oom_evidence_p50_ms": _ms(percentile(ev_dur, 50)),
-        "oom_evidence_p99_ms": _ms(percentile(ev_dur, 99)),
-        "without_oom_evidence_p99_ms": _ms(percentile(minus_ev, 99)),
-        "runner_rss_mib": _ms(percentile(rss, 50)),
+        "exit_seen_p50_ms": ms(percentile(exit_ms, 50)),
+        "exit_seen_p99_ms": ms(percentile(exit_ms, 99)),
+        "oom_evidence_p50_ms": ms(percentile(ev_dur, 50)),
+        "oom_evidence_p99_ms": ms(percentile(ev_dur, 99)),
+        "without_oom_evidence_p99_ms": ms(percentile(minus_ev, 99)),
+        "runner_rss_mib": ms(percentile(rss, 50)),
         "streams": STREAMS,
         "token_seconds": TOKEN_SECONDS,
         "baseline_poll_s": poll_s,
@@ -545,7 +527,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "quick": bool(args.quick),
     }
     print(
-        f"baseline ({poll_s:g} s poll) p99 / tether p99: {result['ratio']}x; tether p99 {_fmt(p99)} ms vs target "
+        f"baseline ({poll_s:g} s poll) p99 / tether p99: {result['ratio']}x; tether p99 {fmt(p99)} ms vs target "
         f"{TARGET_P99_MS:g} ms: {'met' if result['meets_target'] else 'NOT met'}"
     )
     if lost or wrong or baseline_lost:

@@ -56,15 +56,14 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchstats import PERCENTILE, fmt, ms, percentile
 from tether import lifeline
 from tether.registry import RUNTIME_DIR_ENV
 from tether.testing import TrialResult, become_subreaper, run_trial
@@ -117,19 +116,6 @@ class Outcome:
             self.runner_after_ms.extend(ms - worker for ms in result.runner_exit_ms.values())
 
 
-def percentile(samples: Sequence[float], pct: int) -> float:
-    """The ``pct``-th percentile, ``statistics.quantiles(method="inclusive")``; nan without samples."""
-    if not samples:
-        return float("nan")
-    if len(samples) == 1:
-        return float(samples[0])
-    return statistics.quantiles(samples, n=100, method="inclusive")[pct - 1]
-
-
-def _ms(value: float) -> float | None:
-    return None if value != value else round(value, 2)  # nan (no samples) -> null in the JSON
-
-
 def _trial(config: Config, kill_delay: float) -> TrialResult:
     return run_trial(
         STATES,
@@ -155,10 +141,6 @@ def run_config(config: Config, trials: int, rng: random.Random, workers: int) ->
             outcome.add(_trial(config, delay))
     outcome.seconds = time.monotonic() - began
     return outcome
-
-
-def _fmt(value: float) -> str:
-    return "-" if value != value else f"{value:,.2f}"
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,10 +173,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "+".join(c.layers),
                 f"{c.poll_interval:g}" if "poll" in c.layers else "-",
                 str(len(o.runner_ms)),
-                _fmt(percentile(o.runner_ms, 50)),
-                _fmt(percentile(o.runner_ms, 99)),
-                _fmt(max(o.runner_ms, default=float("nan"))),
-                _fmt(percentile(o.group_ms, 99)),
+                fmt(percentile(o.runner_ms, 50)),
+                fmt(percentile(o.runner_ms, 99)),
+                fmt(max(o.runner_ms, default=float("nan"))),
+                fmt(percentile(o.group_ms, 99)),
                 str(o.survivors),
                 f"{o.seconds:.1f}",
             )
@@ -205,9 +187,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "the SIGKILLed worker itself",
             "-",
             str(len(default.worker_ms)),
-            _fmt(percentile(default.worker_ms, 50)),
-            _fmt(percentile(default.worker_ms, 99)),
-            _fmt(max(default.worker_ms, default=float("nan"))),
+            fmt(percentile(default.worker_ms, 50)),
+            fmt(percentile(default.worker_ms, 99)),
+            fmt(max(default.worker_ms, default=float("nan"))),
             "-",
             "-",
             "-",
@@ -224,8 +206,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print("percentiles: statistics.quantiles(n=100, method='inclusive'); group = last process of the runner's group")
     print(
         "(worker): the worker's own exit after its SIGKILL (kernel teardown), in the default trials; "
-        f"there the runner exited p50 {_fmt(percentile(default.runner_after_ms, 50))} / "
-        f"p99 {_fmt(percentile(default.runner_after_ms, 99))} ms after the worker"
+        f"there the runner exited p50 {fmt(percentile(default.runner_after_ms, 50))} / "
+        f"p99 {fmt(percentile(default.runner_after_ms, 99))} ms after the worker"
     )
 
     default_p99 = p("default", 99)
@@ -233,20 +215,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     survivors = sum(o.survivors for o in outcomes)
     result: dict[str, Any] = {
         "bench": "orphan_exit",
-        "default_p50_ms": _ms(p("default", 50)),
-        "default_p99_ms": _ms(default_p99),
-        "default_max_ms": _ms(max(by_name["default"].runner_ms, default=float("nan"))),
-        "default_group_p99_ms": _ms(p("default", 99, group=True)),
-        "pdeathsig_p99_ms": _ms(p("pdeathsig", 99)),
-        "lifeline_p99_ms": _ms(p("lifeline", 99)),
-        "poll_p50_ms": _ms(p("poll", 50)),
-        "poll_p99_ms": _ms(p("poll", 99)),
-        "seed_poll_p50_ms": _ms(p("seed", 50)),
-        "seed_poll_p99_ms": _ms(seed_p99),
+        "default_p50_ms": ms(p("default", 50)),
+        "default_p99_ms": ms(default_p99),
+        "default_max_ms": ms(max(by_name["default"].runner_ms, default=float("nan"))),
+        "default_group_p99_ms": ms(p("default", 99, group=True)),
+        "pdeathsig_p99_ms": ms(p("pdeathsig", 99)),
+        "lifeline_p99_ms": ms(p("lifeline", 99)),
+        "poll_p50_ms": ms(p("poll", 50)),
+        "poll_p99_ms": ms(p("poll", 99)),
+        "seed_poll_p50_ms": ms(p("seed", 50)),
+        "seed_poll_p99_ms": ms(seed_p99),
         "ratio": round(seed_p99 / default_p99, 1) if default_p99 > 0 and seed_p99 == seed_p99 else None,
-        "worker_exit_p50_ms": _ms(percentile(default.worker_ms, 50)),
-        "worker_exit_p99_ms": _ms(percentile(default.worker_ms, 99)),
-        "runner_after_worker_p99_ms": _ms(percentile(default.runner_after_ms, 99)),
+        "worker_exit_p50_ms": ms(percentile(default.worker_ms, 50)),
+        "worker_exit_p99_ms": ms(percentile(default.worker_ms, 99)),
+        "runner_after_worker_p99_ms": ms(percentile(default.runner_after_ms, 99)),
         "target_p99_ms": TARGET_P99_MS,
         "meets_target": bool(default_p99 <= TARGET_P99_MS),  # nan compares False
         "trials": {o.config.name: o.trials for o in outcomes},
@@ -254,7 +236,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "survivors": survivors,
         "poll_interval_s": default_interval,
         "seed_poll_interval_s": seed_interval,
-        "percentile": "statistics.quantiles(n=100, method='inclusive')",
+        "percentile": PERCENTILE,
         "state": STATES[0],
         "helpers": HELPERS,
         "subreaper": subreaper,
@@ -262,7 +244,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(
         f"seed poll ({seed_interval:g} s) p99 / tether default p99: {result['ratio']}x; "
-        f"default p99 {_fmt(default_p99)} ms vs target {TARGET_P99_MS:g} ms: "
+        f"default p99 {fmt(default_p99)} ms vs target {TARGET_P99_MS:g} ms: "
         f"{'met' if result['meets_target'] else 'NOT met'}"
     )
     if survivors:

@@ -6,20 +6,27 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.mark.timeout(120)
-def test_ipc_bench_quick_run_prints_its_json_line() -> None:
+def quick_run(name: str, timeout: float = 150) -> dict[str, Any]:
+    """Run ``bench/<name>.py --quick`` and return its last line, which must be its JSON object."""
     out = subprocess.run(
-        [sys.executable, str(BENCH / "ipc.py"), "--quick"], capture_output=True, text=True, timeout=110
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick"], capture_output=True, text=True, timeout=timeout
     )
     assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "ipc"
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == name, out.stdout
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_ipc_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("ipc", timeout=110)
     assert result["lossless"] is True
     for key in ("tether_events_per_s", "baseline_events_per_s", "ratio", "tether_p50_us", "tether_p99_us"):
         assert result[key] > 0
@@ -27,14 +34,9 @@ def test_ipc_bench_quick_run_prints_its_json_line() -> None:
 
 @pytest.mark.timeout(170)
 def test_orphan_exit_bench_quick_run_prints_its_json_line() -> None:
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "orphan_exit.py"), "--quick"], capture_output=True, text=True, timeout=150
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "orphan_exit"
+    result = quick_run("orphan_exit")
     assert result["quick"] is True
-    assert result["survivors"] == 0, out.stdout
+    assert result["survivors"] == 0, result
     for key in ("default_p99_ms", "default_group_p99_ms", "pdeathsig_p99_ms", "lifeline_p99_ms", "poll_p99_ms"):
         assert result[key] > 0
     assert result["seed_poll_p99_ms"] > 0
@@ -42,13 +44,8 @@ def test_orphan_exit_bench_quick_run_prints_its_json_line() -> None:
 
 @pytest.mark.timeout(170)
 def test_detect_bench_quick_run_prints_its_json_line() -> None:
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "detect.py"), "--quick"], capture_output=True, text=True, timeout=150
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "detect"
+    result = quick_run("detect")
     assert result["quick"] is True
-    assert result["lost_events"] == 0, out.stdout
+    assert result["lost_events"] == 0, result
     assert result["p99_ms"] > 0
     assert result["baseline_p99_ms"] > 0
