@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tether.memory import sweep_stale_cgroups
 from tether.process import live_processes
 from tether.protocol import EngineSpec
 
@@ -25,6 +26,13 @@ def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
     monkeypatch.setenv("TETHER_RUNTIME_DIR", str(path))
     monkeypatch.setenv("TETHER_LOG_DIR", str(tmp_path_factory.mktemp("logs")))
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def sweep_runner_cgroups() -> Iterator[None]:
+    """Drills SIGKILL workers, which then cannot remove their runners' cgroups: sweep them when the session ends."""
+    yield
+    sweep_stale_cgroups()
 
 
 @pytest.fixture

@@ -12,11 +12,103 @@ Sources: ``/proc/PID/smaps_rollup`` (Linux ≥ 4.14; ``/proc/PID/smaps`` summed 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED_V1 = 1 << 60  # v1 reports "no limit" as a huge page-aligned number (9223372036854771712)
+
+
+def read_text(path: Path) -> str | None:
+    """A small kernel file's text, or None when it does not exist or cannot be read."""
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """A memory cgroup directory (v1 or v2)."""
+
+    path: Path
+    version: int
+
+    @classmethod
+    def of_pid(cls, pid: int) -> MemoryCgroup | None:
+        """The memory cgroup ``pid`` is in now; None when gone or when there is no memory controller."""
+        text = read_text(Path(f"/proc/{pid}/cgroup"))
+        if text is None:
+            return None
+        unified: str | None = None
+        for line in text.splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                return cls(CGROUP_ROOT / "memory" / rel.lstrip("/"), 1)
+            if controllers == "":
+                unified = rel
+        if unified is not None and (CGROUP_ROOT / "cgroup.controllers").exists():
+            return cls(CGROUP_ROOT / unified.lstrip("/"), 2)
+        return None
+
+    def oom_kills(self) -> int | None:
+        """How many processes the OOM killer has killed in this cgroup (None where the kernel does not say)."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        text = read_text(self.path / name)
+        if text is None:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
+    def limit(self) -> int | None:
+        """The memory limit in bytes; None when unlimited or unreadable."""
+        text = read_text(self.path / ("memory.max" if self.version == 2 else "memory.limit_in_bytes"))
+        if text is None or text.strip() == "max":
+            return None
+        value = int(text)
+        return None if value >= _UNLIMITED_V1 else value
+
+    def peak(self) -> int | None:
+        """The highest usage recorded for this cgroup (v2 ``memory.peak`` needs Linux >= 5.19)."""
+        text = read_text(self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+        return int(text) if text is not None and text.strip().isdigit() else None
+
+    def usage(self) -> int | None:
+        text = read_text(self.path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes"))
+        return int(text) if text is not None and text.strip().isdigit() else None
+
+    def stat(self) -> dict[str, int]:
+        text = read_text(self.path / "memory.stat") or ""
+        return {k: int(v) for k, _, v in (line.partition(" ") for line in text.splitlines()) if v.isdigit()}
+
+    def effective_limit(self) -> int | None:
+        """The tightest limit over this cgroup and its ancestors (a parent's limit binds its children too)."""
+        if self.version == 1:
+            value = self.stat().get("hierarchical_memory_limit")
+            if value is not None:
+                return None if value >= _UNLIMITED_V1 else value
+            return self.limit()
+        limits = []
+        path = self.path
+        while path != CGROUP_ROOT and CGROUP_ROOT in path.parents:
+            limit = MemoryCgroup(path, 2).limit()
+            if limit is not None:
+                limits.append(limit)
+            path = path.parent
+        return min(limits) if limits else None
+
+    def reclaimable(self) -> int:
+        """File cache the kernel can drop under pressure (inactive file pages), which "usage" counts as used."""
+        stat = self.stat()
+        return stat.get("total_inactive_file", stat.get("inactive_file", 0))
 
 
 @dataclass(frozen=True)
@@ -38,11 +130,13 @@ class ProcessMemory:
     swap: int
     gpu: int | None = None
     pss_anon: int | None = None  # anonymous memory with copy-on-write pages split among their sharers (Pss_Anon)
+    shmem: int = 0  # shared memory (memfd, /dev/shm, SysV), proportional to the sharers (Pss_Shmem)
 
     @property
     def footprint(self) -> int:
         """Memory killing this process would free: anonymous (proportional: ``pss_anon`` when the kernel reports it,
-        so a forked helper and its parent do not both count their shared copy-on-write pages) + swap + GPU.
+        so a forked helper and its parent do not both count their shared copy-on-write pages) + its share of shmem
+        (all of it when it alone maps it) + swap + GPU.
 
         Mapped files are left out (they are page cache: reclaimable, and still cached after the process dies), and
         so is shmem (it lives on while a file or another process holds it). GPU and unified memory are invisible to
@@ -51,7 +145,7 @@ class ProcessMemory:
         exec'd, so they share none.
         """
         anon = self.anon if self.pss_anon is None else self.pss_anon
-        return anon + self.swap + (self.gpu or 0)
+        return anon + self.shmem + self.swap + (self.gpu or 0)
 
     @classmethod
     def total(cls, items: Iterable[ProcessMemory]) -> ProcessMemory:
@@ -70,7 +164,18 @@ class ProcessMemory:
             swap=sum(m.swap for m in items),
             gpu=sum(gpus) if gpus else None,
             pss_anon=sum(m.anon if m.pss_anon is None else m.pss_anon for m in items) if items else None,
+            shmem=sum(m.shmem for m in items),
         )
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    """One GPU's memory as the driver reports it (free is device-wide: it already excludes every process's use)."""
+
+    index: int
+    name: str
+    total: int
+    free: int
 
 
 @dataclass(frozen=True)
@@ -85,6 +190,7 @@ class GpuUsage:
     available: bool
     reason: str | None = None
     by_pid: Mapping[int, int | None] = field(default_factory=lambda: MappingProxyType({}))
+    devices: tuple[GpuDevice, ...] = ()
 
     @classmethod
     def snapshot(cls) -> GpuUsage:
@@ -98,9 +204,17 @@ class GpuUsage:
         except (pynvml.NVMLError, OSError) as e:
             return cls(False, f"NVML: {e}")
         by_pid: dict[int, int | None] = {}
+        devices: list[GpuDevice] = []
         try:
             for index in range(int(pynvml.nvmlDeviceGetCount())):
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                name = pynvml.nvmlDeviceGetName(handle)
+                devices.append(
+                    GpuDevice(
+                        index, name.decode() if isinstance(name, bytes) else str(name), int(info.total), int(info.free)
+                    )
+                )
                 queries = (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses)
                 for query in queries:
                     try:
@@ -118,7 +232,7 @@ class GpuUsage:
         finally:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
-        return cls(True, None, MappingProxyType(by_pid))
+        return cls(True, None, MappingProxyType(by_pid), tuple(devices))
 
     def for_pid(self, pid: int) -> int | None:
         """GPU bytes held by ``pid``: ``None`` if unknown, 0 if NVML does not list it."""
@@ -157,6 +271,7 @@ def process_memory(pid: int, gpu: GpuUsage | None = None) -> ProcessMemory | Non
         swap=kb.get("Swap", 0) * 1024,
         gpu=gpu.for_pid(pid) if gpu is not None else None,
         pss_anon=kb["Pss_Anon"] * 1024 if "Pss_Anon" in kb else None,  # Linux >= 5.12
+        shmem=kb.get("Pss_Shmem", 0) * 1024,
     )
 
 
@@ -173,3 +288,161 @@ def format_bytes(n: int | None) -> str:
         return f"{sign}{int(value)} B"
     digits = 2 if value < 9.995 else 1 if value < 99.95 else 0
     return f"{sign}{value:.{digits}f} {_UNITS[unit]}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-runner containment
+# --------------------------------------------------------------------------------------------------------------
+
+
+def create_child_cgroup(name: str, memory_limit: int | None = None) -> tuple[MemoryCgroup | None, str | None]:
+    """A new memory cgroup below this process's own, with an optional limit: (cgroup, None) or (None, why not).
+
+    Below our own cgroup, so whatever limits the worker also limits its runners. On cgroup v2 the memory controller
+    must be delegated to our cgroup's children (``cgroup.subtree_control``); without it there is no containment.
+    """
+    parent = MemoryCgroup.of_pid(os.getpid())
+    if parent is None:
+        return None, "no memory cgroup controller is mounted"
+    if parent.version == 2 and "memory" not in (read_text(parent.path / "cgroup.subtree_control") or "").split():
+        return None, f"the memory controller is not delegated below {parent.path} (cgroup.subtree_control)"
+    path = parent.path / name
+    try:
+        path.mkdir()
+    except OSError as exc:
+        return None, f"cannot create {path}: {exc.strerror or exc}"
+    cgroup = MemoryCgroup(path, parent.version)
+    if memory_limit is not None:
+        try:
+            if parent.version == 2:
+                (path / "memory.max").write_text(str(memory_limit))
+                with contextlib.suppress(OSError):  # no swap accounting: the limit alone still binds
+                    (path / "memory.swap.max").write_text("0")
+            else:
+                (path / "memory.limit_in_bytes").write_text(str(memory_limit))
+                with contextlib.suppress(OSError):  # memsw exists only with swap accounting
+                    (path / "memory.memsw.limit_in_bytes").write_text(str(memory_limit))
+        except OSError as exc:
+            remove_cgroup(cgroup)
+            return None, f"cannot set a {format_bytes(memory_limit)} limit on {path}: {exc.strerror or exc}"
+    return cgroup, None
+
+
+RUNNER_CGROUP_PREFIX = "tether-"
+
+
+def runner_cgroup_name(runner_id: str) -> str:
+    """``tether-<runner id>-<worker pid>``: the worker pid lets a later sweep tell a dead worker's leftovers."""
+    return f"{RUNNER_CGROUP_PREFIX}{runner_id}-{os.getpid()}"
+
+
+def sweep_stale_cgroups() -> list[Path]:
+    """Remove the empty runner cgroups below ours whose worker is dead (a hard-killed worker cannot clean up)."""
+    parent = MemoryCgroup.of_pid(os.getpid())
+    if parent is None:
+        return []
+    removed = []
+    try:
+        children = [p for p in parent.path.iterdir() if p.name.startswith(RUNNER_CGROUP_PREFIX) and p.is_dir()]
+    except OSError:
+        return []
+    for child in children:
+        worker = child.name.rsplit("-", 1)[-1]
+        if not worker.isdigit() or os.path.exists(f"/proc/{worker}"):
+            continue
+        if remove_cgroup(MemoryCgroup(child, parent.version)):
+            removed.append(child)
+    return removed
+
+
+def remove_cgroup(cgroup: MemoryCgroup) -> bool:
+    """Remove an (empty) cgroup; False while processes are still leaving it."""
+    try:
+        cgroup.path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Node memory
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """What this node (as this worker sees it) can still give a model, and where each number comes from.
+
+    ``available`` = min(host MemAvailable, cgroup limit - (cgroup usage - reclaimable file cache)): in a container
+    the host's figure is not ours to spend, and a cgroup's "usage" counts page cache the kernel drops on demand.
+    """
+
+    available: int
+    source: str  # which bound won, e.g. "cgroup limit (/sys/fs/cgroup/memory/...)" or "host MemAvailable"
+    host_total: int
+    host_available: int
+    cgroup: str | None = None
+    cgroup_limit: int | None = None
+    cgroup_usage: int | None = None
+    cgroup_reclaimable: int | None = None
+    gpus: tuple[GpuDevice, ...] = ()
+    gpu_reason: str | None = None  # why there are no GPU figures
+
+    def describe(self) -> list[str]:
+        lines = [
+            f"available {format_bytes(self.available)} ({self.source})",
+            f"host: MemAvailable {format_bytes(self.host_available)} of MemTotal {format_bytes(self.host_total)} "
+            "(/proc/meminfo)",
+        ]
+        if self.cgroup is not None:
+            lines.append(
+                f"cgroup {self.cgroup}: limit {format_bytes(self.cgroup_limit)}, usage "
+                f"{format_bytes(self.cgroup_usage)}, reclaimable file cache {format_bytes(self.cgroup_reclaimable)}"
+            )
+        lines += [
+            f"GPU {g.index} ({g.name}): {format_bytes(g.free)} free of {format_bytes(g.total)} (NVML)"
+            for g in self.gpus
+        ]
+        if not self.gpus:
+            lines.append(f"GPU: n/a ({self.gpu_reason or 'no device'})")
+        return lines
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in (read_text(Path("/proc/meminfo")) or "").splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            out[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return out
+
+
+def node_memory(*, gpu: GpuUsage | None = None, pid: int | None = None) -> NodeMemory:
+    """Memory available to this worker now (its own cgroup, or ``pid``'s), with the source of each number."""
+    info = _meminfo()
+    host_total, host_available = info.get("MemTotal", 0), info.get("MemAvailable", info.get("MemFree", 0))
+    available, source = host_available, "host MemAvailable"
+    cgroup = MemoryCgroup.of_pid(os.getpid() if pid is None else pid)
+    limit = usage = reclaimable = None
+    if cgroup is not None:
+        limit, usage, reclaimable = cgroup.effective_limit(), cgroup.usage(), cgroup.reclaimable()
+        if limit is not None and usage is not None:
+            room = max(limit - (usage - reclaimable), 0)
+            if room < available:
+                available, source = room, f"cgroup limit ({cgroup.path})"
+    gpu = gpu if gpu is not None else GpuUsage.snapshot()
+    return NodeMemory(
+        available=available,
+        source=source,
+        host_total=host_total,
+        host_available=host_available,
+        cgroup=str(cgroup.path) if cgroup is not None else None,
+        cgroup_limit=limit,
+        cgroup_usage=usage,
+        cgroup_reclaimable=reclaimable,
+        gpus=gpu.devices,
+        gpu_reason=gpu.reason,
+    )

@@ -15,66 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-_UNLIMITED_V1 = 1 << 60  # v1 reports "no limit" as a huge page-aligned number (9223372036854771712)
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
-
-
-@dataclass(frozen=True)
-class MemoryCgroup:
-    """A memory cgroup directory (v1 or v2)."""
-
-    path: Path
-    version: int
-
-    @classmethod
-    def of_pid(cls, pid: int) -> MemoryCgroup | None:
-        """The memory cgroup ``pid`` is in now; None when gone or when there is no memory controller."""
-        text = _read(Path(f"/proc/{pid}/cgroup"))
-        if text is None:
-            return None
-        unified: str | None = None
-        for line in text.splitlines():
-            _, controllers, rel = line.split(":", 2)
-            if "memory" in controllers.split(","):
-                return cls(CGROUP_ROOT / "memory" / rel.lstrip("/"), 1)
-            if controllers == "":
-                unified = rel
-        if unified is not None and (CGROUP_ROOT / "cgroup.controllers").exists():
-            return cls(CGROUP_ROOT / unified.lstrip("/"), 2)
-        return None
-
-    def oom_kills(self) -> int | None:
-        """How many processes the OOM killer has killed in this cgroup (None where the kernel does not say)."""
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        text = _read(self.path / name)
-        if text is None:
-            return None
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return None
-
-    def limit(self) -> int | None:
-        """The memory limit in bytes; None when unlimited or unreadable."""
-        text = _read(self.path / ("memory.max" if self.version == 2 else "memory.limit_in_bytes"))
-        if text is None or text.strip() == "max":
-            return None
-        value = int(text)
-        return None if value >= _UNLIMITED_V1 else value
-
-    def peak(self) -> int | None:
-        """The highest usage recorded for this cgroup (v2 ``memory.peak`` needs Linux >= 5.19)."""
-        text = _read(self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
-        return int(text) if text is not None and text.strip().isdigit() else None
-
+from tether.memory import MemoryCgroup, read_text
 
 _KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)")
 
@@ -125,7 +66,7 @@ def kernel_oom_lines(fd: int, pid: int, since_boot_s: float, limit: int = 4) -> 
 
 def started_since_boot(pid: int) -> float | None:
     """When ``pid`` started, in seconds since boot (the kernel log's clock), from /proc/PID/stat."""
-    text = _read(Path(f"/proc/{pid}/stat"))
+    text = read_text(Path(f"/proc/{pid}/stat"))
     if text is None:
         return None
     return int(text.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
@@ -169,7 +110,9 @@ class OomWatch:
         cgroup = MemoryCgroup.of_pid(self.pid)
         if cgroup is not None and cgroup != self.cgroup:
             self.cgroup, self.baseline = cgroup, cgroup.oom_kills()
-            self.shared = any(_pgid(int(p)) != self.pid for p in (_read(cgroup.path / "cgroup.procs") or "").split())
+            self.shared = any(
+                _pgid(int(p)) != self.pid for p in (read_text(cgroup.path / "cgroup.procs") or "").split()
+            )
 
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from tether.lifeline import watchdog_disabled
-from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory
+from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory, sweep_stale_cgroups
 from tether.process import RunnerArgs
 from tether.registry import Registry, RunnerRecord, same_start
 
@@ -365,6 +365,8 @@ def reap_all(found: Scan, registry: Registry, *, grace: float = 5.0, spare_unwat
     """
     for stale in found.stale:
         registry.discard(stale.path)
+    for path in sweep_stale_cgroups():
+        log.info("removed the empty cgroup %s of a dead worker", path)
     results = []
     for group in found.orphans:
         if spare_unwatched and not group.watchdog:

@@ -33,9 +33,19 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tether import lifeline
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.diagnosis import Evidence, diagnose
+from tether.memory import (
+    GpuUsage,
+    MemoryCgroup,
+    ProcessMemory,
+    create_child_cgroup,
+    process_memory,
+    read_text,
+    remove_cgroup,
+    runner_cgroup_name,
+)
 from tether.oom import OomWatch
 from tether.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
-from tether.process import ExitStatus, RunnerProcess, start_runner
+from tether.process import ExitStatus, RunnerProcess, group_members, start_runner
 from tether.protocol import (
     Cancel,
     Cause,
@@ -68,6 +78,17 @@ from tether.protocol import (
 from tether.registry import Registry, record_for
 
 log = logging.getLogger("tether.supervisor")
+
+
+def _group_memory(pgid: int, cgroup: MemoryCgroup | None, with_gpu: bool) -> tuple[ProcessMemory | None, bool]:
+    """(total memory of a runner's processes, whether NVML is usable); runs in a worker thread (smaps_rollup walks
+    page tables: milliseconds for a big process)."""
+    pids = [int(p) for p in (read_text(cgroup.path / "cgroup.procs") or "").split()] if cgroup else []
+    pids = pids or group_members(pgid)
+    gpu = GpuUsage.snapshot() if with_gpu else None
+    samples = [m for m in (process_memory(pid, gpu) for pid in pids) if m is not None]
+    return (ProcessMemory.total(samples) if samples else None), bool(gpu and gpu.available)
+
 
 TaskEvent = TaskAcknowledged | TaskStatus | Chunk | ErrorChunk
 RECENT_FINISHED = 10_000
@@ -177,6 +198,9 @@ class Supervisor:
         orphan_poll_interval: float = lifeline.DEFAULT_POLL_INTERVAL,
         registry: Registry | None = None,
         cgroup: Path | None = None,
+        contain: bool = True,
+        memory_limit: int | None = None,
+        memory_interval: float = 2.0,
     ) -> None:
         self.spec = spec
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
@@ -190,7 +214,15 @@ class Supervisor:
         self.orphan_layers = lifeline.check_layers(orphan_layers)
         self.orphan_poll_interval = orphan_poll_interval
         self.registry = registry if registry is not None else Registry()
-        self.cgroup = cgroup  # an existing cgroup directory the runner is moved into right after it starts
+        # The runner's memory cgroup: an existing one (``cgroup``), else its own child cgroup when ``contain`` and the
+        # machine allows (an OOM then kills only this runner, certainly attributed, and usage is exact).
+        self.cgroup = cgroup
+        self.contain = contain and cgroup is None
+        self.memory_limit = memory_limit
+        self.memory_interval = memory_interval
+        self.footprint: ProcessMemory | None = None  # the runner's whole group, sampled every ``memory_interval`` s
+        self._own_cgroup: MemoryCgroup | None = None
+        self._gpu = True  # False once NVML said it is unavailable: do not ask again on every sample
         self.last_memory: tuple[int, int] | None = None  # (rss, anon) bytes from the latest heartbeat
         self._oom: OomWatch | None = None
         self.status: RunnerStatus = Idle()
@@ -285,6 +317,12 @@ class Supervisor:
             orphan_layers=self.orphan_layers,
             orphan_poll_interval=self.orphan_poll_interval,
         )
+        if self.contain:
+            self._own_cgroup, why = create_child_cgroup(runner_cgroup_name(self.runner_id), self.memory_limit)
+            if self._own_cgroup is not None:
+                self.cgroup = self._own_cgroup.path
+            else:
+                log.info("%s: no cgroup of its own (%s); its process group still contains it", self.name, why)
         try:
             self.process = await start_runner(config, env=self.env)
         except OSError as exc:
@@ -315,6 +353,8 @@ class Supervisor:
         self._tg.start_soon(self._pump_events)
         self._tg.start_soon(self._pump_output)
         self._tg.start_soon(self._watch)
+        if self.memory_interval > 0:
+            self._tg.start_soon(self._sample_memory_periodically)
         try:
             await self._wait_until(lambda: self.hello is not None or self._exited.is_set(), self.start_timeout)
         except TimeoutError:
@@ -346,6 +386,24 @@ class Supervisor:
             )
         except OSError as exc:  # the runner is still protected by its lifeline; only later discovery is weaker
             log.warning("%s: could not write its runner record in %s: %s", self.name, self.registry.path, exc)
+
+    async def sample_memory(self) -> ProcessMemory | None:
+        """Measure the runner's whole group now (runner, guard, engine helpers): ``footprint`` and the parts."""
+        if self.process is None or self._exited.is_set():
+            return self.footprint
+        pgid, cgroup, with_gpu = self.process.pgid, self._own_cgroup, self._gpu
+        memory, gpu_ok = await anyio.to_thread.run_sync(_group_memory, pgid, cgroup, with_gpu)
+        self._gpu = gpu_ok
+        if memory is not None:
+            self.footprint = memory
+        return self.footprint
+
+    async def _sample_memory_periodically(self) -> None:
+        while not self._exited.is_set():
+            with anyio.move_on_after(self.memory_interval):
+                await self._exited.wait()
+            if not self._exited.is_set():
+                await self.sample_memory()
 
     async def stop(self, timeout: float | None = None) -> StopReport | None:
         """Stop the runner within ``timeout`` (default ``stop_timeout``): shutdown, then SIGTERM, then SIGKILL."""
@@ -619,6 +677,18 @@ class Supervisor:
         self.registry.remove(proc.pid)  # reaped and its group killed (``wait_exit``): nothing left to find
         if self._oom is not None:
             self._oom.close()
+        if self._own_cgroup is not None and not remove_cgroup(self._own_cgroup):
+            assert self._tg is not None
+            self._tg.start_soon(self._remove_own_cgroup)  # its last members are still leaving
+
+    async def _remove_own_cgroup(self) -> None:
+        """Bounded: the killed group's members leave the cgroup as the kernel finishes tearing them down."""
+        assert self._own_cgroup is not None
+        with anyio.move_on_after(self.stop_timeout):
+            while not remove_cgroup(self._own_cgroup):
+                await anyio.sleep(0.01)
+            return
+        log.warning("%s: could not remove its cgroup %s: still in use", self.name, self._own_cgroup.path)
 
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
         for task_id in list(self._inflight):

@@ -1,0 +1,117 @@
+"""Node memory as a cgroup sees it, and each runner in a memory cgroup of its own (where the machine allows)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tether.memory import MemoryCgroup, create_child_cgroup, node_memory, remove_cgroup
+from tether.oom import OomEvidence
+from tether.protocol import CauseKind, EngineSpec, Fault, GenerateParams, TaskState
+from tether.supervisor import Supervisor
+
+MiB = 1 << 20
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture
+def own_cgroups() -> None:
+    """Skip (saying why) where this machine gives a process no memory cgroups of its own to create."""
+    probe, why = create_child_cgroup(f"tether-probe-{uuid.uuid4().hex[:8]}")
+    if probe is None:
+        pytest.skip(f"no per-runner cgroups here: {why}")
+    remove_cgroup(probe)
+
+
+@pytest.fixture
+def limited_cgroup() -> Iterator[Path]:
+    if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+        pytest.skip(f"no writable cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}")
+    path = CGROUP_V1_MEMORY / f"tether-test-node-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(str(256 * MiB))
+    except OSError as exc:
+        pytest.skip(f"cannot create a limited memory cgroup: {exc}")
+    yield path
+    path.rmdir()
+
+
+@pytest.mark.timeout(30)
+def test_node_memory_inside_a_limited_cgroup_is_the_limit_derived_figure(limited_cgroup: Path) -> None:
+    code = (
+        "import json, os, sys\n"
+        f"open({str(limited_cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+        "from tether.memory import node_memory\n"
+        "n = node_memory()\n"
+        "print(json.dumps(dict(available=n.available, source=n.source, limit=n.cgroup_limit, usage=n.cgroup_usage,"
+        " reclaimable=n.cgroup_reclaimable, host=n.host_available, lines=n.describe())))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    n = json.loads(out.stdout)
+    assert n["limit"] == 256 * MiB
+    assert n["source"] == f"cgroup limit ({limited_cgroup})"
+    assert n["available"] == 256 * MiB - (n["usage"] - n["reclaimable"]) < n["host"]
+    assert any(line.startswith("available ") and "cgroup limit" in line for line in n["lines"])
+
+
+def test_node_memory_outside_a_limit_is_the_hosts() -> None:
+    n = node_memory()
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert n.host_total == total
+    assert 0 < n.available <= n.host_available <= n.host_total
+    assert n.gpus or n.gpu_reason  # GPU figures, or why there are none
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+async def test_a_runner_gets_its_own_cgroup_and_it_is_removed_after_the_runner() -> None:
+    with anyio.fail_after(30):
+        async with Supervisor(EngineSpec(engine="debug", options={"helpers": 1}), memory_interval=0.05) as sup:
+            await sup.ready()
+            assert sup.pid is not None and sup.cgroup is not None
+            cgroup = MemoryCgroup.of_pid(sup.pid)
+            assert cgroup is not None and cgroup.path == sup.cgroup
+            members = {int(p) for p in (sup.cgroup / "cgroup.procs").read_text().split()}
+            assert sup.pid in members and len(members) == 3  # the runner, its guard and its helper
+            sampled = await sup.sample_memory()
+            assert sampled is not None and sampled.rss > 0 and sampled.footprint > 0
+            with anyio.fail_after(5):  # and the periodic sampler keeps it fresh
+                while sup.footprint is sampled:
+                    await anyio.sleep(0.05)
+        path = sup.cgroup
+    assert not path.exists()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+async def test_a_runner_in_its_own_limited_cgroup_killed_by_the_oom_killer_is_reported_as_such() -> None:
+    oom = GenerateParams(prompt="x", max_tokens=50, faults=(Fault(kind="oom", after_tokens=2),))
+    with anyio.fail_after(45):
+        async with Supervisor(EngineSpec(engine="debug"), memory_limit=128 * MiB) as sup:
+            await sup.ready()
+            final = await (await sup.generate(oom)).wait()
+    assert final.state is TaskState.FAILED
+    cause = sup.cause
+    assert cause is not None and cause.kind is CauseKind.OUT_OF_MEMORY, cause
+    assert "was killed by the out-of-memory killer while generating" in cause.summary, cause.summary
+    assert "cgroup limit 128 MiB" in cause.summary
+    counter = [line for line in cause.evidence if "oom_kill 0 -> 1" in line]
+    assert counter and "shared" not in counter[0]  # its own cgroup: the counter alone is certain evidence
+
+
+def test_the_counter_of_an_unshared_cgroup_is_enough_without_the_kernel_log() -> None:
+    own = OomEvidence(cgroup="/x", oom_kills_before=0, oom_kills_after=1, shared_cgroup=False)
+    shared = OomEvidence(cgroup="/x", oom_kills_before=0, oom_kills_after=1, shared_cgroup=True)
+    assert own.killed_by_oom and not shared.killed_by_oom and shared.counter_rose
