@@ -49,3 +49,30 @@ def test_detect_bench_quick_run_prints_its_json_line() -> None:
     assert result["lost_events"] == 0, result
     assert result["p99_ms"] > 0
     assert result["baseline_p99_ms"] > 0
+
+
+@pytest.mark.timeout(170)
+def test_memory_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("memory")
+    assert result["quick"] is True
+    for key in (
+        "footprint_sample_p50_us",
+        "footprint_sample_p99_us",
+        "debug_footprint_sample_p50_us",
+        "group_sample_p50_us",
+        "group_sample_p99_us",
+        "node_sample_p50_us",
+        "node_sample_p99_us",
+        "tokens_per_s_without_sampling",
+        "tokens_per_s_with_sampling",
+        "ratio",
+        "ratio_default_interval",
+        "sampling_interval_s",
+        "debug_ratio",
+        "runner_rss_mib",
+        "runner_footprint_mib",
+    ):
+        assert result[key] > 0, (key, result)
+    assert result["target_ratio"] == 0.99
+    assert isinstance(result["meets_target"], bool)
+    assert isinstance(result["gpu"], str) and result["gpu"]

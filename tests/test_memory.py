@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory
+import tether.memory as memory
+from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory, process_status_memory
 
 MiB = 1024 * 1024
 
@@ -117,6 +118,12 @@ class FakeNvmlError(Exception):
     def __init__(self, value: int) -> None:
         super().__init__(f"error {value}")
         self.value = value
+
+
+@pytest.fixture(autouse=True)
+def fresh_nvml_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GpuUsage remembers a missing NVML library for the process's life: each test starts without that memory."""
+    monkeypatch.setattr(memory, "_NVML_MISSING", None)
 
 
 def fake_pynvml(devices: list[tuple[list[tuple[int, int | None]], list[tuple[int, int | None]] | None]]) -> Any:
@@ -237,3 +244,14 @@ def test_shared_memory_counts_in_the_footprint_of_its_only_user() -> None:
     assert mem is not None
     assert mem.shmem >= 64 * MiB
     assert mem.footprint >= 64 * MiB
+
+
+def test_the_cheap_status_sample_agrees_with_smaps_and_leaves_pss_unknown() -> None:
+    with child("buf = bytearray(128 * 1024 * 1024)\nfor i in range(0, len(buf), 4096): buf[i] = 1") as proc:
+        detailed = process_memory(proc.pid)
+        cheap = process_status_memory(proc.pid)
+    assert detailed is not None and cheap is not None
+    assert cheap.pss is None and cheap.uss is None  # unknown, never a made-up figure
+    for a, b in ((cheap.rss, detailed.rss), (cheap.anon, detailed.anon), (cheap.footprint, detailed.footprint)):
+        assert abs(a - b) <= max(0.01 * b, 512 * 1024), (a, b)
+    assert ProcessMemory.total([cheap, detailed]).pss is None

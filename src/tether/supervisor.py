@@ -38,7 +38,7 @@ from tether.memory import (
     MemoryCgroup,
     ProcessMemory,
     create_child_cgroup,
-    process_memory,
+    process_status_memory,
     read_text,
     remove_cgroup,
     runner_cgroup_name,
@@ -81,12 +81,12 @@ log = logging.getLogger("tether.supervisor")
 
 
 def _group_memory(pgid: int, cgroup: MemoryCgroup | None, with_gpu: bool) -> tuple[ProcessMemory | None, bool]:
-    """(total memory of a runner's processes, whether NVML is usable); runs in a worker thread (smaps_rollup walks
-    page tables: milliseconds for a big process)."""
+    """(total memory of a runner's processes, whether NVML is usable), from the cheap per-process counters: a
+    periodic sample must not cost a page-table walk of a big model (``process_memory`` does that, on demand)."""
     pids = [int(p) for p in (read_text(cgroup.path / "cgroup.procs") or "").split()] if cgroup else []
     pids = pids or group_members(pgid)
     gpu = GpuUsage.snapshot() if with_gpu else None
-    samples = [m for m in (process_memory(pid, gpu) for pid in pids) if m is not None]
+    samples = [m for m in (process_status_memory(pid, gpu) for pid in pids) if m is not None]
     return (ProcessMemory.total(samples) if samples else None), bool(gpu and gpu.available)
 
 
