@@ -6,9 +6,13 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +111,53 @@ def test_signal_stops_the_runner_and_leaves_nothing(sig: signal.Signals) -> None
             proc.kill()
             proc.wait()
     assert not pid_alive(runner_pid)
+
+
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture
+def cgroup_600m() -> Iterator[Path]:
+    if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+        pytest.skip(f"no writable cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}: cannot set a node limit")
+    path = CGROUP_V1_MEMORY / f"tether-test-fit-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(str(600 << 20))
+    except OSError as exc:
+        pytest.skip(f"cannot create a limited memory cgroup: {exc}")
+    yield path
+    for child in path.iterdir():  # a runner cgroup its worker could not remove (none expected)
+        if child.is_dir():
+            child.rmdir()
+    path.rmdir()
+
+
+@pytest.mark.model
+@pytest.mark.timeout(120)
+def test_a_model_that_does_not_fit_is_refused_with_the_numbers_and_force_loads_it(cgroup_600m: Path) -> None:
+    """In a 600 MiB cgroup the default model at n_ctx 8192 is estimated at ~684 MiB: refused; --force loads it."""
+    if (why := _have_default_model()) is not None:
+        pytest.skip(why)
+    procs = cgroup_600m / "cgroup.procs"
+    run = ["run", "Say hi.", "--n-ctx", "8192", "--threads", "2", "--max-tokens", "4"]
+
+    def in_cgroup(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = " ".join(shlex.quote(a) for a in [*TETHER, *run, *extra])
+        return subprocess.run(
+            ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {argv}"],
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+
+    refused = in_cgroup()
+    assert refused.returncode == 3, refused.stderr
+    message = refused.stderr.strip().splitlines()[-1]
+    assert re.search(r"does not fit: needs ~\d+ MiB \(weights 92\.1 MiB \+ KV cache 180 MiB at n_ctx 8192", message)
+    assert re.search(r"\d+ MiB available \(cgroup limit \(" + re.escape(str(cgroup_600m)) + r"\)\)", message)
+    assert "--force" in message and "runner" not in refused.stderr  # refused before any runner started
+
+    forced = in_cgroup("--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "--force:" in forced.stderr and "[memory: estimated ~556 MiB" in forced.stderr

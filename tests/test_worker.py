@@ -408,3 +408,24 @@ async def test_a_group_that_keeps_a_live_member_is_reported_then_killed() -> Non
     finally:
         member.kill()
         member.wait()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_model_that_cannot_fit_the_node_is_refused_before_any_runner_starts() -> None:
+    """10 M tokens of context need ~220 GiB of KV cache for the default model: more than this node has."""
+    from tether.models import default_model_path
+
+    try:
+        default_model_path()
+    except Exception as exc:
+        pytest.skip(f"the default model is missing: {exc}")
+    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 10_000_000})
+    with anyio.fail_after(30):
+        async with Instance(spec) as inst:
+            failed = await inst.wait_state(lambda s: isinstance(s, InstanceFailed), 20)
+    assert isinstance(failed, InstanceFailed)
+    assert failed.cause.kind is CauseKind.DOES_NOT_FIT
+    assert "at n_ctx 10000000" in failed.cause.summary and "available (" in failed.cause.summary
+    assert inst.pids == []  # refused before load: no runner was ever spawned
+    assert inst.fit is None

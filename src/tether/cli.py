@@ -17,9 +17,10 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from tether import orphans
+from tether import fit, orphans
 from tether.engines.base import ENGINE_NAMES
-from tether.memory import ProcessMemory, format_bytes
+from tether.memory import ProcessMemory, format_bytes, node_memory, process_memory
+from tether.models import DefaultModelMissing
 from tether.protocol import (
     ChatMessage,
     Chunk,
@@ -42,6 +43,7 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
 EXIT_OK = 0
 EXIT_RUNNER_FAILED = 2
+EXIT_DOES_NOT_FIT = 3
 EXIT_INTERRUPTED = 130
 
 _json = msgspec.json.Encoder()
@@ -92,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
     )
     run.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping the runner (s)")
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="load even when the fit check says the model does not fit the memory available",
+    )
     run.add_argument(
         "--no-reap",
         action="store_true",
@@ -185,6 +192,19 @@ async def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(_json.encode(obj).decode() + "\n")
         sys.stdout.flush()
 
+    try:
+        estimate = fit.estimate_for_spec(spec)
+    except (fit.GgufError, DefaultModelMissing) as exc:
+        print(f"tether: {exc}", file=sys.stderr)
+        return EXIT_RUNNER_FAILED
+    if estimate is not None:
+        node = node_memory()
+        admitted = fit.check_fit(estimate, node.available, node.source, override=args.force)
+        if not admitted.ok:
+            print(f"tether: {admitted.message}", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        if admitted.overridden:
+            print(f"tether: --force: {admitted.message}", file=sys.stderr)
     supervisor = Supervisor(spec, stop_timeout=args.stop_timeout)
     if emit_json:
         supervisor.add_status_listener(lambda status: emit({"type": "status", "status": status}))
@@ -197,6 +217,10 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"{sup.name}: pid {sup.pid}", file=sys.stderr)
             await sup.ready()
             loaded = time.monotonic()
+            measured = None
+            if estimate is not None and sup.pid is not None:
+                memory = process_memory(sup.pid)
+                measured = fit.record_measured(estimate, memory) if memory is not None else None
             handle = await sup.generate(params)
             first: float | None = None
             final: TaskStatus | None = None
@@ -229,6 +253,8 @@ async def _run(args: argparse.Namespace) -> int:
                 f"{(tokens - 1) / decode_s if tokens > 1 else 0:.1f} tokens/s]",
                 file=sys.stderr,
             )
+            if measured is not None:
+                print(f"[memory: {measured.describe()}]", file=sys.stderr)
     if final.state is TaskState.FAILED:
         if not emit_json:
             detail = final.cause.render() if final.cause else final.error

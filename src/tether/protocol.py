@@ -152,6 +152,7 @@ class CauseKind(enum.StrEnum):
     PROTOCOL_ERROR = "protocol_error"  # the channel carried something that is not a valid frame
     SPAWN_ERROR = "spawn_error"  # the runner process could not be started
     STOP_ESCALATED = "stop_escalated"  # asked to stop, had to be terminated or killed
+    DOES_NOT_FIT = "does_not_fit"  # refused before load: the model's estimate exceeds the memory available
 
 
 class Cause(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -36,6 +36,10 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
+from tether import fit
+from tether.fit import DoesNotFit, FitResult, GgufError, MeasuredFit
+from tether.memory import node_memory, process_memory
+from tether.models import DefaultModelMissing
 from tether.process import ExitStatus, RunnerProcess, group_members
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, phase_of
 from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed, TaskHandle
@@ -334,8 +338,12 @@ class Instance:
         rng: random.Random | None = None,
         reap_timeout: float = 10.0,
         stop_timeout: float = 15.0,
+        force: bool = False,
     ) -> None:
         self.spec = spec
+        self.force = force  # load even when the fit check says the model does not fit
+        self.fit: FitResult | None = None  # the last placement decision, with its numbers
+        self.measured: MeasuredFit | None = None  # the last loaded runner's memory beside the estimate
         self.policy = policy if policy is not None else RestartPolicy()
         self.name = name or f"{spec.engine}-{uuid.uuid4().hex[:6]}"
         self.backoff = Backoff(self.policy, rng)
@@ -458,7 +466,11 @@ class Instance:
             self._life += 1
             life = self._life
             self._set_state(InstanceStarting(life=life))
-            await self._place()
+            try:
+                await self._place()
+            except (DoesNotFit, GgufError, DefaultModelMissing) as exc:
+                self._fail(Cause(kind=CauseKind.DOES_NOT_FIT, summary=str(exc)), "not placed: fix the cause or force")
+                return
             if life > 1:
                 self.restarts += 1
             sup = self._factory(self.spec, runner_id=f"{self.name}-{life}")
@@ -493,9 +505,17 @@ class Instance:
                     return
 
     async def _place(self) -> None:
-        """Placement seam (a later issue): decide whether this life fits (memory, devices) before it is spawned, or
-        raise a refusal that says why. Awaited after the previous life's process group is gone, so what it measures
-        no longer includes the predecessor."""
+        """Does this life fit the node's memory? Refuse with the numbers (``DoesNotFit``) unless ``force``.
+
+        Awaited after the previous life's process group is gone, so what it measures no longer includes the
+        predecessor. Device placement (GPUs) is not decided here yet.
+        """
+        estimate = fit.estimate_for_spec(self.spec)
+        if estimate is None:
+            return
+        node = await anyio.to_thread.run_sync(node_memory)
+        self.fit = fit.ensure_fits(estimate, node.available, node.source, override=self.force)
+        log.info("instance %s: %s", self.name, self.fit.message)
 
     async def _live(self, sup: Supervisor, life: int) -> Cause:
         """Run one life to its end: start, load and warm up, serve until the runner dies. Returns the cause."""
@@ -511,6 +531,7 @@ class Instance:
                     with contextlib.suppress(TimeoutError):  # a failed load or warmup ends the runner
                         await sup.wait_exit(sup.stop_timeout)
                 else:
+                    await self._record_measured(sup)
                     await self._serve_life(sup, life)
         except RunnerUnavailable as exc:  # it never said hello: spawn error, died or hung while starting
             self._record_pid(sup)
@@ -535,6 +556,15 @@ class Instance:
             )
             self._set_state(InstanceReady(life=life, pid=sup.pid, healthy=True))
             await sup.wait_exit(math.inf)
+
+    async def _record_measured(self, sup: Supervisor) -> None:
+        """After load: the runner's real memory beside the estimate it was admitted on (logged, and kept)."""
+        if self.fit is None or sup.pid is None:
+            return
+        memory = await anyio.to_thread.run_sync(process_memory, sup.pid)
+        if memory is not None:
+            self.measured = fit.record_measured(self.fit.estimate, memory)
+            log.info("instance %s: %s", self.name, self.measured.describe())
 
     def _give_up_reason(self, cause: Cause, now: float) -> str | None:
         p = self.policy
