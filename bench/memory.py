@@ -11,7 +11,8 @@ supervisor keeps draining heartbeats):
   debug-engine runner, without NVML;
 - ``await sup.sample_memory()``: one whole-group sample of the llama.cpp runner as the periodic sampler takes it
   (list the group from the runner's cgroup, or from /proc, then ``process_status_memory`` of each member),
-  including the hop to a worker thread and back. The first call (which asks NVML once) is not timed;
+  in the event loop when the runner has a cgroup of its own and NVML is absent (a worker thread otherwise). The
+  first call (which asks NVML once) is not timed;
 - ``node_memory()``: /proc/meminfo, this worker's memory cgroup and an NVML snapshot; and ``node_memory(gpu=...)``
   with an already-taken snapshot, to show what the NVML attempt itself costs. Where NVML is absent (no
   ``nvidia-ml-py``, or no driver library) the JSON says why in ``gpu``; the GPU figures are then unknown, not 0.
@@ -32,7 +33,8 @@ median of the per-round ratios, which is less sensitive to a slow stretch of the
   share the same CPUs;
 - the debug engine with ``token_seconds=0`` (``--debug-tokens`` tokens, default 200,000): the runner does nothing but
   write chunks, the supervisor's event loop does nothing but read them, so any time the sampler takes from the
-  event loop (the thread hop, the GIL) shows. Reported separately (``debug_*``).
+  event loop shows. Reported separately (``debug_*``). ``sampler_busy_fraction``: the time spent inside samples over
+  the generation time (median over the runs): the cost itself, free of the run-to-run noise of tokens/s.
 
 Samples the sampler took during each generation are counted (a ``Supervisor`` subclass times ``sample_memory``
 and calls the original: an observer, not a code path); the table shows them per run. So does the CPU every *other*
@@ -267,6 +269,8 @@ class Overhead:
     ratio_default: float
     pair_ratio: float  # median of the per-round ratios (fast / off)
     fast_samples: float  # median samples per generation at the aggressive interval
+    fast_busy: float  # median share of the generation's wall time spent inside samples, aggressive interval
+    default_busy: float  # the same at the default interval
 
 
 def summarize(runs: Sequence[Run]) -> Overhead:
@@ -275,6 +279,11 @@ def summarize(runs: Sequence[Run]) -> Overhead:
 
     def med(values: Sequence[float]) -> float:
         return statistics.median(values) if values else float("nan")
+
+    def busy(interval: float) -> list[float]:
+        """Time inside samples / generation time: what the sampler costs, measured without the run-to-run noise
+        of tokens/s (the samples run in the event loop, so this is time the loop was not streaming tokens)."""
+        return [sum(r.sample_us) / (r.seconds * 1e6) for r in runs if r.interval == interval and r.seconds > 0]
 
     off, fast, default = (med(rates(i)) for i in (0.0, AGGRESSIVE_INTERVAL_S, DEFAULT_INTERVAL_S))
     by_round: dict[int, dict[float, float]] = {}
@@ -289,6 +298,8 @@ def summarize(runs: Sequence[Run]) -> Overhead:
         ratio_default=default / off if off > 0 else float("nan"),
         pair_ratio=med(pairs),
         fast_samples=med([float(r.samples) for r in runs if r.interval == AGGRESSIVE_INTERVAL_S]),
+        fast_busy=med(busy(AGGRESSIVE_INTERVAL_S)),
+        default_busy=med(busy(DEFAULT_INTERVAL_S)),
     )
 
 
@@ -429,6 +440,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_per_round_median": r3(llama.pair_ratio),
         "ratio_default_interval": r3(llama.ratio_default),
         "sampling_interval_s": AGGRESSIVE_INTERVAL_S,
+        "sampler_busy_fraction": round(llama.fast_busy, 5),
+        "sampler_busy_fraction_default_interval": round(llama.default_busy, 6),
         "default_interval_s": DEFAULT_INTERVAL_S,
         "samples_per_generation": llama.fast_samples,
         "debug_tokens_per_s_without_sampling": ms(debug.off),

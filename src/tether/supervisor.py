@@ -392,7 +392,12 @@ class Supervisor:
         if self.process is None or self._exited.is_set():
             return self.footprint
         pgid, cgroup, with_gpu = self.process.pgid, self._own_cgroup, self._gpu
-        memory, gpu_ok = await anyio.to_thread.run_sync(_group_memory, pgid, cgroup, with_gpu)
+        if cgroup is not None and not with_gpu:
+            # The common case is a few constant-time reads (tens of µs each): cheaper in the loop than a thread hop,
+            # whose GIL hand-offs cost the event loop milliseconds while it streams tokens.
+            memory, gpu_ok = _group_memory(pgid, cgroup, with_gpu)
+        else:  # NVML calls, or a /proc scan to list the group: milliseconds, kept off the event loop
+            memory, gpu_ok = await anyio.to_thread.run_sync(_group_memory, pgid, cgroup, with_gpu)
         self._gpu = gpu_ok
         if memory is not None:
             self.footprint = memory
