@@ -1,9 +1,15 @@
-"""Statistics shared by the benchmarks: one percentile definition, and how figures are rounded and printed."""
+"""What the benchmarks share: one percentile definition, how figures are rounded and printed, and private dirs."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+
+from tether.output import LOG_DIR_ENV
+from tether.registry import RUNTIME_DIR_ENV
 
 PERCENTILE = "statistics.quantiles(n=100, method='inclusive')"
 
@@ -25,3 +31,23 @@ def ms(value: float) -> float | None:
 def fmt(value: float) -> str:
     """For the printed table; nan (no samples) becomes "-"."""
     return "-" if value != value else f"{value:,.2f}"
+
+
+@contextlib.contextmanager
+def private_tether_dirs(prefix: str) -> Iterator[None]:
+    """Point the runner registry and runner logs at a temporary directory for the run (the runners inherit it), so
+    a benchmark that SIGKILLs workers leaves nothing in the user's directories."""
+    saved = {name: os.environ.get(name) for name in (RUNTIME_DIR_ENV, LOG_DIR_ENV)}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for name in saved:
+            path = os.path.join(tmp, name.lower())
+            os.mkdir(path, 0o700)
+            os.environ[name] = path
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

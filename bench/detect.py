@@ -67,7 +67,6 @@ import random
 import select
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -77,9 +76,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from benchstats import PERCENTILE, fmt, ms, percentile
+from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
 from tether.oom import OomEvidence, OomWatch
-from tether.output import LOG_DIR_ENV
 from tether.protocol import (
     CauseKind,
     Chunk,
@@ -90,7 +88,6 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
-from tether.registry import RUNTIME_DIR_ENV
 from tether.supervisor import Supervisor, TaskHandle
 
 STREAMS = 8  # in-flight requests per trial
@@ -551,20 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         args.trials, args.baseline_trials = 5, 5
     if args.trials < 1 or args.baseline_trials < 1:
         parser.error("--trials and --baseline-trials must be at least 1")
-    saved = {name: os.environ.get(name) for name in (RUNTIME_DIR_ENV, LOG_DIR_ENV)}
-    with tempfile.TemporaryDirectory(prefix="tether-bench-detect-") as tmp:
-        for name in saved:
-            path = os.path.join(tmp, name.lower())
-            os.mkdir(path, 0o700)
-            os.environ[name] = path
-        try:
-            result = anyio.run(bench, args)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with private_tether_dirs("tether-bench-detect-"):
+        result = anyio.run(bench, args)
     print(json.dumps(result))
     return 0
 

@@ -64,7 +64,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,12 +71,10 @@ from typing import Any
 
 import anyio
 
-from benchstats import PERCENTILE, fmt, ms, percentile
+from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
 from tether.memory import GpuUsage, ProcessMemory, node_memory, process_memory, process_status_memory
-from tether.output import LOG_DIR_ENV
 from tether.process import group_members
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
-from tether.registry import RUNTIME_DIR_ENV
 from tether.supervisor import Supervisor
 
 DEFAULT_INTERVAL_S = float(inspect.signature(Supervisor).parameters["memory_interval"].default)
@@ -486,20 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         args.samples, args.pairs, args.max_tokens, args.debug_tokens = 200, 1, 64, 20_000
     if args.samples < 1 or args.pairs < 1 or args.max_tokens < 2 or args.debug_tokens < 2:
         parser.error("--samples and --pairs must be at least 1, --max-tokens and --debug-tokens at least 2")
-    saved = {name: os.environ.get(name) for name in (RUNTIME_DIR_ENV, LOG_DIR_ENV)}
-    with tempfile.TemporaryDirectory(prefix="tether-bench-memory-") as tmp:
-        for name in saved:
-            path = os.path.join(tmp, name.lower())
-            os.mkdir(path, 0o700)
-            os.environ[name] = path
-        try:
-            result = anyio.run(bench, args)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with private_tether_dirs("tether-bench-memory-"):
+        result = anyio.run(bench, args)
     print(json.dumps(result))
     return 0
 

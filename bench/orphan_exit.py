@@ -54,18 +54,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchstats import PERCENTILE, fmt, ms, percentile
+from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
 from tether import lifeline
-from tether.registry import RUNTIME_DIR_ENV
 from tether.testing import TrialResult, become_subreaper, run_trial
 
 STATES = ("loading",)  # see the docstring: an idle runner would also exit on its task pipe's EOF
@@ -263,16 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         args.trials = 3
     if args.trials < 1:
         parser.error("--trials must be at least 1")
-    previous = os.environ.get(RUNTIME_DIR_ENV)
-    with tempfile.TemporaryDirectory(prefix="tether-bench-orphan-") as runtime:
-        os.environ[RUNTIME_DIR_ENV] = runtime  # the drill workers inherit it
-        try:
-            result = bench(args)
-        finally:
-            if previous is None:
-                os.environ.pop(RUNTIME_DIR_ENV, None)
-            else:
-                os.environ[RUNTIME_DIR_ENV] = previous
+    with private_tether_dirs("tether-bench-orphan-"):  # the drill workers inherit it
+        result = bench(args)
     print(json.dumps(result))
     return 0
 

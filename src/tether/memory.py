@@ -257,6 +257,17 @@ def _sum_known(values: Iterable[int | None]) -> int | None:
     return total
 
 
+def _kib_fields(text: str) -> dict[str, int]:
+    """The ``Key:   123 kB`` lines of a /proc file, in KiB; repeated keys (smaps: one block per mapping) summed."""
+    kb: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        value = rest.split()
+        if len(value) == 2 and value[1] == "kB":
+            kb[key] = kb.get(key, 0) + int(value[0])
+    return kb
+
+
 def process_status_memory(pid: int, gpu: GpuUsage | None = None) -> ProcessMemory | None:
     """The cheap sample, from the kernel's per-process counters in /proc/PID/status (constant time: tens of µs).
 
@@ -269,12 +280,7 @@ def process_status_memory(pid: int, gpu: GpuUsage | None = None) -> ProcessMemor
             text = f.read()
     except (ProcessLookupError, FileNotFoundError, PermissionError):
         return None
-    kb: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        value = rest.split()
-        if len(value) == 2 and value[1] == "kB":
-            kb[key] = int(value[0]) * 1024
+    kb = {key: value * 1024 for key, value in _kib_fields(text).items()}
     if "VmRSS" not in kb:  # a zombie or a kernel thread: no address space
         return None
     return ProcessMemory(
@@ -301,12 +307,7 @@ def process_memory(pid: int, gpu: GpuUsage | None = None) -> ProcessMemory | Non
                 text = f.read()
     except (ProcessLookupError, FileNotFoundError, PermissionError):
         return None
-    kb: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        value = rest.split()
-        if len(value) == 2 and value[1] == "kB":
-            kb[key] = kb.get(key, 0) + int(value[0])
+    kb = _kib_fields(text)
     if not kb:  # smaps of a zombie or kernel thread is empty (smaps_rollup says ESRCH)
         return None
     rss, anon = kb.get("Rss", 0), kb.get("Anonymous", 0)
