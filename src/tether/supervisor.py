@@ -223,7 +223,6 @@ class Supervisor:
         self.footprint: ProcessMemory | None = None  # the runner's whole group, sampled every ``memory_interval`` s
         self._own_cgroup: MemoryCgroup | None = None
         self._gpu = True  # False once NVML said it is unavailable: do not ask again on every sample
-        self.last_memory: tuple[int, int] | None = None  # (rss, anon) bytes from the latest heartbeat
         self._oom: OomWatch | None = None
         self.status: RunnerStatus = Idle()
         self.hello: RunnerHello | None = None
@@ -332,6 +331,8 @@ class Supervisor:
             )
             self._set_status(Failed(self.cause))
             self._exited.set()
+            if self._own_cgroup is not None:
+                remove_cgroup(self._own_cgroup)
             raise RunnerUnavailable(self.cause.summary, self.cause) from exc
         try:
             if self.cgroup is not None:  # before the runner forks anything: its guard and helpers follow it
@@ -346,6 +347,8 @@ class Supervisor:
             self.process.close_fds()
             if self._oom is not None:
                 self._oom.close()
+            if self._own_cgroup is not None:  # best effort: a leftover is swept once this worker is gone
+                remove_cgroup(self._own_cgroup)
             self._exited.set()
             raise
         log.info("%s started, pid %d", self.name, self.process.pid)
@@ -556,8 +559,6 @@ class Supervisor:
                 self._finish(event.task_id, event.state)
         elif isinstance(event, Heartbeat):
             self.last_heartbeat = time.monotonic()
-            if event.rss:
-                self.last_memory = (event.rss, event.anon)
             if self._oom is not None:
                 self._oom.observe(event.rss, event.anon)
         elif isinstance(event, StatusUpdate):
