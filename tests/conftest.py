@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,47 @@ def no_leftover_runners() -> Iterator[None]:
         if b"tether.runner" in cmdline:
             leftovers.append(proc.pid)
     assert not leftovers, f"runner processes left behind: {leftovers}"
+
+
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+MakeCgroup = Callable[[int], Path]
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[MakeCgroup]:
+    """Make fresh cgroup-v1 memory cgroups with a limit (swap included), removed after the test.
+
+    Skips, saying why, where there is no writable v1 memory hierarchy: real OOM kills and limits need one.
+    """
+    created: list[Path] = []
+
+    def make(limit: int) -> Path:
+        if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+            pytest.skip(f"no cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}: cannot set a memory limit")
+        path = CGROUP_V1_MEMORY / f"tether-test-{uuid.uuid4().hex[:8]}"
+        try:
+            path.mkdir()
+        except OSError as exc:
+            pytest.skip(f"cannot create a memory cgroup at {path}: {exc}")
+        created.append(path)
+        try:
+            (path / "memory.limit_in_bytes").write_text(str(limit))
+            memsw = path / "memory.memsw.limit_in_bytes"
+            if memsw.exists():  # with swap, the process would swap instead of being killed
+                memsw.write_text(str(limit))
+        except OSError as exc:
+            pytest.skip(f"cannot set a memory limit on {path}: {exc}")
+        return path
+
+    yield make
+    for path in created:
+        for child in sorted((c for c in path.glob("**/*") if c.is_dir()), reverse=True):
+            child.rmdir()  # a runner cgroup below it that its worker could not remove
+        deadline = time.monotonic() + 5  # the last members leave as the kernel finishes tearing them down
+        while path.exists():
+            try:
+                path.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)

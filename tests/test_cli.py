@@ -10,13 +10,10 @@ import shlex
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive
+from conftest import MakeCgroup, pid_alive
 
 TETHER = [sys.executable, "-m", "tether"]
 
@@ -113,32 +110,13 @@ def test_signal_stops_the_runner_and_leaves_nothing(sig: signal.Signals) -> None
     assert not pid_alive(runner_pid)
 
 
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
-
-
-@pytest.fixture
-def cgroup_600m() -> Iterator[Path]:
-    if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip(f"no writable cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}: cannot set a node limit")
-    path = CGROUP_V1_MEMORY / f"tether-test-fit-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        (path / "memory.limit_in_bytes").write_text(str(600 << 20))
-    except OSError as exc:
-        pytest.skip(f"cannot create a limited memory cgroup: {exc}")
-    yield path
-    for child in path.iterdir():  # a runner cgroup its worker could not remove (none expected)
-        if child.is_dir():
-            child.rmdir()
-    path.rmdir()
-
-
 @pytest.mark.model
 @pytest.mark.timeout(120)
-def test_a_model_that_does_not_fit_is_refused_with_the_numbers_and_force_loads_it(cgroup_600m: Path) -> None:
+def test_a_model_that_does_not_fit_is_refused_with_the_numbers_and_force_loads_it(memory_cgroup: MakeCgroup) -> None:
     """In a 600 MiB cgroup the default model at n_ctx 8192 is estimated at ~684 MiB: refused; --force loads it."""
     if (why := _have_default_model()) is not None:
         pytest.skip(why)
+    cgroup_600m = memory_cgroup(600 << 20)
     procs = cgroup_600m / "cgroup.procs"
     run = ["run", "Say hi.", "--n-ctx", "8192", "--threads", "2", "--max-tokens", "4"]
 

@@ -6,19 +6,17 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import anyio
 import pytest
 
+from conftest import MakeCgroup
 from tether.memory import MemoryCgroup, create_child_cgroup, node_memory, remove_cgroup
 from tether.oom import OomEvidence
 from tether.protocol import CauseKind, EngineSpec, Fault, GenerateParams, TaskState
 from tether.supervisor import Supervisor
 
 MiB = 1 << 20
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 
 
 @pytest.fixture
@@ -30,22 +28,9 @@ def own_cgroups() -> None:
     remove_cgroup(probe)
 
 
-@pytest.fixture
-def limited_cgroup() -> Iterator[Path]:
-    if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip(f"no writable cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}")
-    path = CGROUP_V1_MEMORY / f"tether-test-node-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        (path / "memory.limit_in_bytes").write_text(str(256 * MiB))
-    except OSError as exc:
-        pytest.skip(f"cannot create a limited memory cgroup: {exc}")
-    yield path
-    path.rmdir()
-
-
 @pytest.mark.timeout(30)
-def test_node_memory_inside_a_limited_cgroup_is_the_limit_derived_figure(limited_cgroup: Path) -> None:
+def test_node_memory_inside_a_limited_cgroup_is_the_limit_derived_figure(memory_cgroup: MakeCgroup) -> None:
+    limited_cgroup = memory_cgroup(256 * MiB)
     code = (
         "import json, os, sys\n"
         f"open({str(limited_cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"

@@ -14,10 +14,7 @@ import select
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import pytest
@@ -42,7 +39,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixture
 
 PHASES = ("loading", "idle", "generating")
 DETECTION_BOUND_S = 0.5  # "well under a second"
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 
 
 @dataclass(frozen=True)
@@ -105,29 +101,6 @@ class ExitWatch:
         os.close(self.fd)
 
 
-@pytest.fixture
-def oom_cgroup() -> Iterator[Path]:
-    """A fresh cgroup-v1 memory cgroup limited to 128 MiB (swap included), removed afterwards."""
-    if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip(f"no writable cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}: cannot provoke a real OOM kill")
-    path = CGROUP_V1_MEMORY / f"tether-test-death-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        (path / "memory.limit_in_bytes").write_text(str(128 << 20))
-        memsw = path / "memory.memsw.limit_in_bytes"
-        if memsw.exists():
-            memsw.write_text(str(128 << 20))
-    except OSError as exc:
-        pytest.skip(f"cannot create a limited memory cgroup at {path}: {exc}")
-    yield path
-    for _ in range(50):  # the killed runner's group leaves the cgroup as the kernel finishes reaping it
-        try:
-            path.rmdir()
-            break
-        except OSError:
-            time.sleep(0.02)
-
-
 async def _collect(handle: TaskHandle, finals: list[TaskStatus]) -> None:
     terminals = [e async for e in handle if isinstance(e, TaskStatus) and e.state.terminal]
     assert len(terminals) == 1, f"task {handle.task_id}: {len(terminals)} terminal events"
@@ -154,7 +127,7 @@ async def test_every_death_in_every_phase_is_one_cause_with_evidence(
     name: str, phase: str, request: pytest.FixtureRequest
 ) -> None:
     case = CASES[name]
-    cgroup = request.getfixturevalue("oom_cgroup") if name == "oom" else None
+    cgroup = request.getfixturevalue("memory_cgroup")(128 << 20) if name == "oom" else None
     failed_at: list[float] = []
 
     def on_status(status: RunnerStatus) -> None:

@@ -7,14 +7,12 @@ timeout, processes are waited on with a timeout, and no test sleeps to let thing
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -22,6 +20,7 @@ from typing import IO
 import msgspec
 import pytest
 
+from conftest import MakeCgroup
 from tether.engines import Delta, EngineLoadError, RequestError, create_engine
 from tether.engines.debug import DebugEngine
 from tether.engines.faults import faults_for, trigger
@@ -490,41 +489,15 @@ def test_fault_ignore_sigterm(where: str, child_procs: list[subprocess.Popen]) -
     assert proc.wait(timeout=10) == -signal.SIGKILL
 
 
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
-
-
-def _make_memory_cgroup(limit: int) -> Path:
-    if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip(f"no cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}")
-    path = CGROUP_V1_MEMORY / f"tether-test-oom-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot create a memory cgroup at {path}: {exc}")
-    try:
-        (path / "memory.limit_in_bytes").write_text(str(limit))
-        memsw = path / "memory.memsw.limit_in_bytes"
-        if memsw.exists():  # with swap, the child would swap instead of being killed
-            memsw.write_text(str(limit))
-    except OSError as exc:
-        path.rmdir()
-        pytest.skip(f"cannot set a memory limit on {path}: {exc}")
-    return path
-
-
 @pytest.mark.timeout(60)
-def test_fault_oom_is_killed_by_the_kernel_in_a_limited_cgroup() -> None:
-    limit = 64 << 20
-    cgroup = _make_memory_cgroup(limit)
-    try:
-        procs = str(cgroup / "cgroup.procs")
-        body = f"import os\nopen({procs!r}, 'w').write(str(os.getpid()))\ntrigger(fault)"
-        result = run_fault_child(Fault(kind="oom"), body=body, timeout=45)
-        oom_control = dict(line.split() for line in (cgroup / "memory.oom_control").read_text().splitlines())
-        assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
-        assert int(oom_control["oom_kill"]) >= 1, oom_control
-    finally:
-        cgroup.rmdir()
+def test_fault_oom_is_killed_by_the_kernel_in_a_limited_cgroup(memory_cgroup: MakeCgroup) -> None:
+    cgroup = memory_cgroup(64 << 20)
+    procs = str(cgroup / "cgroup.procs")
+    body = f"import os\nopen({procs!r}, 'w').write(str(os.getpid()))\ntrigger(fault)"
+    result = run_fault_child(Fault(kind="oom"), body=body, timeout=45)
+    oom_control = dict(line.split() for line in (cgroup / "memory.oom_control").read_text().splitlines())
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert int(oom_control["oom_kill"]) >= 1, oom_control
 
 
 @pytest.mark.timeout(30)
