@@ -25,6 +25,7 @@ import pytest
 from conftest import pid_alive
 from tether import lifeline, orphans
 from tether.channel import SyncReceiver, SyncSender
+from tether.memory import MemoryCgroup, create_child_cgroup, remove_cgroup
 from tether.process import RunnerProcess, lifeline_read_fd, start_runner
 from tether.protocol import (
     EngineSpec,
@@ -39,6 +40,7 @@ from tether.protocol import (
 )
 from tether.registry import Registry, RegistryError, RunnerRecord, start_time
 from tether.supervisor import Supervisor
+from tether.testing import start_worker, worker_argv
 
 TETHER = [sys.executable, "-m", "tether"]
 ALL_STATES = "idle,loading,generating"
@@ -88,6 +90,15 @@ def kill_groups(pgids: list[int]) -> None:
     for pgid in pgids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.fixture
+def own_cgroups() -> None:
+    """Skip (saying why) where this machine gives runners no memory cgroups of their own."""
+    probe, why = create_child_cgroup(f"tether-probe-{os.getpid()}")
+    if probe is None:
+        pytest.skip(f"no per-runner cgroups here: {why}")
+    remove_cgroup(probe)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -405,3 +416,45 @@ async def test_a_crashed_runner_takes_its_helpers_along(helper_kind: str) -> Non
             final = await (await sup.generate(crash)).wait()
             assert final.state is TaskState.FAILED
         assert wait_gone(group, 10) == []
+
+
+def _cgroup_members(pid: int) -> list[int]:
+    cgroup = MemoryCgroup.of_pid(pid)
+    assert cgroup is not None and cgroup.path.name.startswith("tether-"), "the runner has no cgroup of its own"
+    return sorted(int(p) for p in (cgroup.path / "cgroup.procs").read_text().split())
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+async def test_a_helper_that_left_the_process_group_still_dies_with_its_crashed_runner() -> None:
+    spec = EngineSpec(engine="debug", options={"helpers": 1, "helper_kind": "setsid"})
+    with anyio.fail_after(30):
+        async with Supervisor(spec) as sup:
+            await sup.ready()
+            assert sup.pid is not None
+            members = _cgroup_members(sup.pid)
+            escaped = [p for p in members if os.getpgid(p) != sup.pid]
+            assert len(escaped) == 1  # the setsid helper: out of reach of the group kill
+            crash = GenerateParams(prompt="x", max_tokens=5, faults=(Fault(kind="segv", after_tokens=1),))
+            assert (await (await sup.generate(crash)).wait()).state is TaskState.FAILED
+    assert wait_gone(members, 10) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+def test_a_helper_that_left_the_process_group_dies_when_the_worker_is_sigkilled() -> None:
+    """No supervisor is left to clean up: the runner's guard kills what is in the runner's cgroup."""
+    argv = worker_argv(["loading"], helpers=1, helper_kind="setsid", layers=("pdeathsig",))
+    worker, report = start_worker(argv)
+    runner = int(report["runners"][0]["pid"])  # type: ignore[index]
+    members = _cgroup_members(runner)
+    try:
+        assert any(os.getpgid(p) != runner for p in members)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        assert wait_gone(members, 10) == []
+    finally:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,8 @@ Three independent layers end a runner whose worker is gone; any one of them is e
 
 Layers 2 and 3 kill the runner's whole process group. Layer 1 kills only the runner, so every runner also forks a
 tiny **group guard** at bootstrap (before any thread exists): it waits on the runner's pidfd and, when the runner
-dies for any reason, SIGKILLs the group, so an engine's helper processes never survive their runner.
+dies for any reason, SIGKILLs the group, and every process of the runner's own cgroup when it has one (which also
+catches a helper that left the group with ``setsid``), so an engine's helper processes never survive their runner.
 
 ``TETHER_DISABLE_ORPHAN_WATCHDOG=1`` disables the three layers (never the guard) for someone debugging a runner that
 must outlive its worker; the runner prints a warning saying so, and ``tether orphans --reap`` cleans up after.
@@ -31,6 +32,8 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import NoReturn
+
+from tether.memory import RUNNER_CGROUP_PREFIX, MemoryCgroup, kill_cgroup_members
 
 DISABLE_ENV = "TETHER_DISABLE_ORPHAN_WATCHDOG"
 LAYERS = ("pdeathsig", "lifeline", "poll")
@@ -159,6 +162,8 @@ def start_group_guard() -> int | None:
             os.close(pidfd)
         return pid
     try:  # the guard: never returns
+        own = MemoryCgroup.of_pid(os.getpid())  # the runner's own cgroup, when the worker gave it one
+        cgroup = own if own is not None and own.path.name.startswith(RUNNER_CGROUP_PREFIX) else None
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -178,6 +183,8 @@ def start_group_guard() -> int | None:
         else:
             while os.getppid() == runner:
                 time.sleep(0.05)
+        if cgroup is not None:  # helpers that left the process group (setsid) are still in the runner's cgroup
+            kill_cgroup_members(cgroup, spare=os.getpid())
         os.killpg(runner, signal.SIGKILL)
     finally:
         os._exit(0)

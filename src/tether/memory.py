@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -402,6 +403,34 @@ def sweep_stale_cgroups() -> list[Path]:
         if remove_cgroup(MemoryCgroup(child, parent.version)):
             removed.append(child)
     return removed
+
+
+def kill_cgroup_members(cgroup: MemoryCgroup, *, spare: int | None = None, rounds: int = 10) -> int:
+    """SIGKILL every process in ``cgroup`` but ``spare``, again while new ones appear (a fork racing the kill).
+
+    For a runner's own cgroup: it catches what a process-group kill misses (a helper that called ``setsid``). Each
+    process is pinned with a pidfd and checked to still be a member before it is signalled, so a pid reused
+    elsewhere is never hit. Returns how many were signalled.
+    """
+    killed = 0
+    for _ in range(rounds):
+        pids = [int(p) for p in (read_text(cgroup.path / "cgroup.procs") or "").split() if int(p) != spare]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                continue  # gone already
+            try:
+                if MemoryCgroup.of_pid(pid) == cgroup:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    killed += 1
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(fd)
+    return killed
 
 
 def remove_cgroup(cgroup: MemoryCgroup) -> bool:

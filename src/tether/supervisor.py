@@ -38,6 +38,7 @@ from tether.memory import (
     MemoryCgroup,
     ProcessMemory,
     create_child_cgroup,
+    kill_cgroup_members,
     process_status_memory,
     read_text,
     remove_cgroup,
@@ -619,6 +620,8 @@ class Supervisor:
         assert self.process is not None
         with anyio.CancelScope(shield=True):
             exit_status = await self.process.wait_exit()
+            if self._own_cgroup is not None:  # what the group kill missed: helpers that left the group (setsid)
+                kill_cgroup_members(self._own_cgroup)
             try:
                 await self._finalize(exit_status)
             finally:

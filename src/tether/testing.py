@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=("worker", "trial"))
     parser.add_argument("--states", default="idle")
     parser.add_argument("--helpers", type=int, default=0)
-    parser.add_argument("--helper-kind", default="exec", choices=("exec", "fork"))
+    parser.add_argument("--helper-kind", default="exec", choices=("exec", "setsid", "fork"))
     parser.add_argument("--layers", default=",".join(lifeline.LAYERS), help="comma-separated; empty for none")
     parser.add_argument("--poll-interval", type=float, default=lifeline.DEFAULT_POLL_INTERVAL)
     parser.add_argument("--disable-watchdog", action="store_true", help=f"set {lifeline.DISABLE_ENV}=1 (trial)")

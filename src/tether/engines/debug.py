@@ -11,8 +11,10 @@ Options (``spec.options``):
   n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError
   helpers            number of helper processes to start at the beginning of load (default 0), like an engine's
                      tokenizer or compile workers; they live until close() and prove a runner's group dies with it
-  helper_kind        "exec" (a fresh ``sleep`` program, default) or "fork" (a forked copy of the runner that keeps
-                     every inherited descriptor, as multiprocessing's fork start method does)
+  helper_kind        "exec" (a fresh ``sleep`` program, default), "setsid" (the same in a session and process group of
+                     its own, out of reach of a group kill: only the runner's cgroup holds it) or "fork" (a forked
+                     copy of the runner that keeps every inherited descriptor, as multiprocessing's fork start method
+                     does)
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class DebugEngine:
             self.n_ctx = int(n_ctx) if n_ctx is not None else None
             self.helpers = max(0, int(options.get("helpers", 0)))
             self.helper_kind = str(options.get("helper_kind", "exec"))
-            if self.helper_kind not in ("exec", "fork"):
-                raise ValueError(f"helper_kind must be 'exec' or 'fork', got {self.helper_kind!r}")
+            if self.helper_kind not in ("exec", "setsid", "fork"):
+                raise ValueError(f"helper_kind must be 'exec', 'setsid' or 'fork', got {self.helper_kind!r}")
             idle_exceptions = [f.kind for f in spec.faults if f.phase == "idle" and f.kind in _NEEDS_ENGINE_CODE]
             if idle_exceptions:
                 raise ValueError(
@@ -163,9 +165,9 @@ class DebugEngine:
 
 
 def _start_helper(kind: str) -> int:
-    """Start one helper process in the runner's process group and return its pid."""
-    if kind == "exec":
-        return subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL).pid
+    """Start one helper process (in the runner's process group unless ``setsid``) and return its pid."""
+    if kind in ("exec", "setsid"):
+        return subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL, start_new_session=kind == "setsid").pid
     pid = os.fork()  # the runner has threads; the child only sleeps, so no lock it inherits is ever taken
     if pid == 0:
         while True:
