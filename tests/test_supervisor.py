@@ -212,11 +212,17 @@ async def test_cancel_mid_stream_ends_cancelled_and_unknown_cancel_is_harmless()
                     tokens += event.tokens
                     if tokens == 3 and answer is None:
                         answer = await sup.cancel(handle.task_id)
-            assert answer == "cancel requested"
+            assert answer is not None and answer.outcome == "requested"
             assert handle.final is not None and handle.final.state is TaskState.CANCELLED
             assert handle.final.tokens == tokens and tokens <= 3 + 1, "a cancel takes effect within one token"
-            assert await sup.cancel(handle.task_id) == "already cancelled"
-            assert await sup.cancel("never-submitted") == "unknown task"
+            again = await sup.cancel(handle.task_id)
+            assert (again.outcome, again.state, again.detail) == (
+                "finished",
+                TaskState.CANCELLED,
+                "already cancelled: nothing to cancel",
+            )
+            unknown = await sup.cancel("never-submitted")
+            assert unknown.outcome == "unknown" and "no task 'never-submitted'" in unknown.detail
             _text, done = await (await sup.generate(prompt(4))).text()
             assert done.state is TaskState.COMPLETE
 
@@ -308,13 +314,13 @@ async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
     assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.PROTOCOL_ERROR
 
 
-async def test_a_load_that_outlasts_its_bound_kills_the_runner_with_a_hang_cause() -> None:
+async def test_a_load_that_outlasts_an_explicit_total_bound_kills_the_runner_with_a_hang_cause() -> None:
     spec = EngineSpec(engine="debug", faults=(Fault(kind="slow", phase="load", seconds=5.0),))
     with anyio.fail_after(30):
-        async with Supervisor(spec, load_timeout=0.5) as sup:
+        async with Supervisor(spec) as sup:
             began = time.monotonic()
             with pytest.raises(TaskFailed) as failed:
-                await sup.load()
+                await sup.load(timeout=0.5)
             took = time.monotonic() - began
     cause = failed.value.status.cause
     assert cause is not None and cause.kind is CauseKind.HANG and cause.phase == "loading"

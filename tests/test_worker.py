@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from conftest import pid_alive
+from tether.hangs import Deadlines
 from tether.process import ExitStatus, RunnerProcess, group_members
 from tether.protocol import CauseKind, EngineSpec, Fault, GenerateParams, TaskState
 from tether.supervisor import RunnerUnavailable, Supervisor
@@ -214,11 +215,11 @@ async def test_a_replacement_is_created_only_after_the_old_runner_and_its_whole_
     evidence: dict[int, tuple[bool, list[int], list[int]]] = {}  # old pid: (alive, group, live old members)
     holders: list[subprocess.Popen[bytes]] = []
 
-    def factory(spec: EngineSpec, *, runner_id: str) -> Supervisor:
+    def factory(spec: EngineSpec, *, runner_id: str, deadlines: Deadlines) -> Supervisor:
         if inst.pids:
             old = inst.pids[-1]
             evidence[old] = (pid_alive(old), group_members(old), [p for p in members_at_crash[old] if pid_alive(p)])
-        return Supervisor(spec, runner_id=runner_id)
+        return Supervisor(spec, runner_id=runner_id, deadlines=deadlines)
 
     inst = Instance(debug(helpers=2, helper_kind="fork"), FAST, supervisor_factory=factory)
     try:

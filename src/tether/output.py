@@ -43,6 +43,7 @@ class OutputCapture:
     ) -> None:
         self.runner_id = runner_id
         self.lines: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.count = 0  # lines seen in this life, so a caller can ask for those written since a moment (``since``)
         self._partial = b""
         self._file: logging.Handler | None = None
         self.path: Path | None = None
@@ -63,6 +64,13 @@ class OutputCapture:
         for line in lines:
             self._add(line)
 
+    def since(self, mark: int) -> list[str]:
+        """The lines added after the ``count`` was ``mark`` (as many of them as the tail still holds)."""
+        new = self.count - mark
+        if new <= 0:
+            return []
+        return list(self.lines)[-new:]
+
     def flush(self) -> None:
         """The runner is gone: a last line without a newline still counts."""
         if self._partial:
@@ -78,6 +86,7 @@ class OutputCapture:
     def _add(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")
         self.lines.append(line)
+        self.count += 1
         log.debug("[%s] %s", self.runner_id, line)
         if self._file is not None:
             self._file.handle(logging.LogRecord(log.name, logging.INFO, "", 0, line, None, None))

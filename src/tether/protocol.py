@@ -247,6 +247,15 @@ class StatusUpdate(msgspec.Struct, tag="status", frozen=True):
 
 
 class TaskAcknowledged(msgspec.Struct, tag="ack", frozen=True):
+    """Sent by the runner's reader thread the moment a task arrives (not when it starts): an unacknowledged task
+    means a runner that stopped reading, which the supervisor treats as hung."""
+
+    task_id: str
+
+
+class CancelAcknowledged(msgspec.Struct, tag="cancel_ack", frozen=True):
+    """The reader thread has set the task's cancel flag; the engine sees it before its next token."""
+
     task_id: str
 
 
@@ -313,7 +322,17 @@ class RunnerHello(msgspec.Struct, tag="hello", frozen=True):
     model: str | None
 
 
-Event = StatusUpdate | TaskAcknowledged | TaskStatus | Chunk | ErrorChunk | RunnerException | Heartbeat | RunnerHello
+Event = (
+    StatusUpdate
+    | TaskAcknowledged
+    | CancelAcknowledged
+    | TaskStatus
+    | Chunk
+    | ErrorChunk
+    | RunnerException
+    | Heartbeat
+    | RunnerHello
+)
 
 TERMINAL_STATES = frozenset({TaskState.COMPLETE, TaskState.CANCELLED, TaskState.FAILED})
 

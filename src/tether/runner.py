@@ -3,7 +3,8 @@
 Threads in a runner, and why each exists:
 - main thread: the task loop. It drives the engine (engines are not thread-safe; signal handlers need the main
   thread) and is the only thread that changes the runner's status.
-- reader thread: reads the tasks pipe. Cancellation is acted on here, at once, never queued behind generation.
+- reader thread: reads the tasks pipe and acknowledges every message as it arrives. Cancellation is acted on here,
+  at once (a flag the engine checks before every token), never queued behind generation.
 - heartbeat thread: proves the interpreter still runs (a GIL-holding native hang stops it too).
 
 Every event is written straight to the events pipe (see ``channel``), so a runner that dies loses nothing it sent.
@@ -33,6 +34,7 @@ from tether.engines.base import Engine, EngineLoadError, RequestError, create_en
 from tether.process import CONFIG_ENV, RunnerArgs
 from tether.protocol import (
     Cancel,
+    CancelAcknowledged,
     Chunk,
     ErrorChunk,
     GenerateTask,
@@ -94,6 +96,8 @@ class Runner:
         self.status: RunnerStatus = Idle()
         self.tasks: queue.SimpleQueue[Task | object] = queue.SimpleQueue()
         self.cancelled: set[str] = set()
+        self._ended: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)  # generations that ended, for
+        self._ended_set: set[str] = set()  # a cancel arriving after its task's end (not to be kept for ever)
         self.shutdown_requested = threading.Event()
         self._recent: collections.deque[str] = collections.deque()
         self._recent_set: set[str] = set()
@@ -110,12 +114,19 @@ class Runner:
     # --- threads --------------------------------------------------------------------------------------------
 
     def _read_tasks(self) -> None:
-        """Reader thread: cancels act immediately; tasks are queued for the main loop."""
+        """Reader thread: acknowledges each message on arrival; cancels act at once; tasks queue for the main loop.
+
+        The acknowledgements prove the runner still reads its pipe even while a long generation runs; they come
+        from this thread because the main loop may be busy for minutes.
+        """
         try:
             for message in SyncReceiver[ToRunner](self.tasks_fd, ToRunner):
                 if isinstance(message, Cancel):
-                    self.cancelled.add(message.task_id)
+                    if message.task_id not in self._ended_set:
+                        self.cancelled.add(message.task_id)
+                    self.sender.send(CancelAcknowledged(message.task_id))
                     continue
+                self.sender.send(TaskAcknowledged(message.task_id))
                 if isinstance(message, ShutdownTask):
                     # Stop whatever is generating now so the shutdown is not stuck behind it.
                     self.shutdown_requested.set()
@@ -181,7 +192,7 @@ class Runner:
             self.run_task(task)
 
     def accept(self, task: Task) -> bool:
-        """Acknowledge a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
+        """Take a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
         tid = task.task_id
         if tid in self._recent_set:
             self.task_status(tid, TaskState.FAILED, f"duplicate task id {tid!r}: every task needs a fresh id")
@@ -190,7 +201,6 @@ class Runner:
         self._recent_set.add(tid)
         if len(self._recent) > RECENT_IDS:
             self._recent_set.discard(self._recent.popleft())
-        self.sender.send(TaskAcknowledged(tid))
         if not isinstance(self.status, _VALID_IN[type(task)]):
             hint = _HINT[type(task)]
             self.task_status(
@@ -203,7 +213,6 @@ class Runner:
         return True
 
     def refuse(self, task: Task, state: TaskState, why: str) -> None:
-        self.sender.send(TaskAcknowledged(task.task_id))
         self.task_status(task.task_id, state, why)
 
     def run_task(self, task: Task) -> None:
@@ -258,6 +267,10 @@ class Runner:
             else:
                 self.task_status(tid, TaskState.COMPLETE, tokens=tokens)
         finally:
+            if len(self._ended) == self._ended.maxlen:
+                self._ended_set.discard(self._ended[0])
+            self._ended.append(tid)
+            self._ended_set.add(tid)
             cancelled.discard(tid)
         self.set_status(Ready())
 

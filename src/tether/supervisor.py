@@ -6,8 +6,12 @@ Structure (all tasks owned by one task group, so nothing outlives the supervisor
   evidence causes quote), the log, and size-bounded rotating files.
 - ``_watch``: awaits the runner's exit fd. On exit it stops the pumps, drains what the dead runner left in its
   pipes (nothing is lost), turns the evidence into one cause and ends every in-flight task with a terminal event.
+- ``_watch_deadlines``: sleeps until the next progress deadline (``hangs``: heartbeat, load stall, warm-up, first
+  token, token gap, acknowledgements). When one expires it asks the runner for its stacks, kills its group and so
+  fails everything in flight with cause "hung in <phase> for <s> s".
 
-Every wait here has a bound: start, sends, and stop (shutdown -> grace -> SIGTERM -> grace -> SIGKILL).
+Every wait here has a bound: start, sends, acknowledgements, every phase, and stop (shutdown -> grace -> SIGTERM ->
+grace -> SIGKILL). Nothing here waits on another runner: each supervisor's tasks are its own.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import logging
 import math
 import os
+import select
 import signal
 import time
 import uuid
@@ -24,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup
@@ -33,6 +38,17 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tether import lifeline
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.diagnosis import Evidence, diagnose
+from tether.hangs import (
+    STACK_QUIET,
+    STACK_SIGNAL_NAME,
+    STATE_WORDS,
+    Deadlines,
+    Hang,
+    ProgressWatch,
+    process_state,
+    stack_dump,
+    stack_dump_complete,
+)
 from tether.memory import (
     GpuUsage,
     MemoryCgroup,
@@ -49,6 +65,7 @@ from tether.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, def
 from tether.process import ExitStatus, RunnerProcess, group_members, start_runner
 from tether.protocol import (
     Cancel,
+    CancelAcknowledged,
     Cause,
     CauseKind,
     Chunk,
@@ -164,6 +181,17 @@ class TaskHandle:
         self._receive.close()
 
 
+@dataclass(frozen=True)
+class CancelReply:
+    """What a cancel did: ``requested`` (the task ends CANCELLED within one token), ``finished`` (it had already
+    ended, in ``state``), ``unknown`` (no such task) or ``runner_gone`` (the task ends with the runner's cause)."""
+
+    task_id: str
+    outcome: Literal["requested", "finished", "unknown", "runner_gone"]
+    detail: str
+    state: TaskState | None = None
+
+
 @dataclass
 class StopReport:
     """How a requested stop ended: cleanly, or by escalation (and after how long)."""
@@ -187,8 +215,7 @@ class Supervisor:
         stop_timeout: float = 10.0,
         start_timeout: float = 30.0,
         send_timeout: float = 5.0,
-        load_timeout: float = 600.0,
-        warmup_timeout: float = 120.0,
+        deadlines: Deadlines | None = None,
         heartbeat_interval: float = 0.5,
         output_lines: int = 200,
         log_dir: Path | None = None,
@@ -208,9 +235,16 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.start_timeout = start_timeout
         self.send_timeout = send_timeout
-        self.load_timeout = load_timeout
-        self.warmup_timeout = warmup_timeout
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
+        problem = self.deadlines.check(heartbeat_interval)
+        if problem is not None:
+            raise ValueError(f"invalid deadlines: {problem}")
         self.heartbeat_interval = heartbeat_interval
+        self._progress = ProgressWatch(self.deadlines, heartbeat=heartbeat_interval > 0)
+        self._progress.on_earlier = self._rearm_deadlines
+        self._rearm = anyio.Event()
+        self._output_event: anyio.Event | None = None  # set by the output pump while stacks are awaited
+        self.hang: Hang | None = None  # the deadline that expired, once one did
         self.env = env
         self.orphan_layers = lifeline.check_layers(orphan_layers)
         self.orphan_poll_interval = orphan_poll_interval
@@ -357,6 +391,7 @@ class Supervisor:
         self._tg.start_soon(self._pump_events)
         self._tg.start_soon(self._pump_output)
         self._tg.start_soon(self._watch)
+        self._tg.start_soon(self._watch_deadlines)
         if self.memory_interval > 0:
             self._tg.start_soon(self._sample_memory_periodically)
         try:
@@ -419,6 +454,7 @@ class Supervisor:
         if self.process is None or self._exited.is_set():
             return self.stop_report
         self._stop_requested = True
+        self._rearm_deadlines()  # stopping has its own bounds: the deadline watch ends
         bound = self.stop_timeout if timeout is None else timeout
         began = time.monotonic()
         with anyio.move_on_after(bound * 0.5):
@@ -456,6 +492,7 @@ class Supervisor:
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
         self._inflight[tid] = _InFlight(task=task, send=send)
         handle = TaskHandle(tid, task_kind(task), receive)
+        self._progress.sent("task", tid, time.monotonic())  # before the write: the ack may beat our next line
         with contextlib.suppress(BrokenPipeError):  # the runner is dying: the watcher ends the task with the cause
             await self._send(task)
         return handle
@@ -463,38 +500,46 @@ class Supervisor:
     async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
         return await self.submit(GenerateTask(task_id=task_id or _new_id("gen"), params=params))
 
-    async def cancel(self, task_id: str) -> str:
-        """Ask the runner to cancel a task. Returns what happened, in words; unknown or finished is a no-op."""
+    async def cancel(self, task_id: str) -> CancelReply:
+        """Ask the runner to cancel a task; returns at once with what happened (``CancelReply``).
+
+        The runner's reader thread sets the task's flag and acknowledges; the engine stops before its next token and
+        the task ends with a CANCELLED status carrying the tokens produced so far. A cancel not acknowledged within
+        the ``ack`` deadline means a runner that stopped reading: it is declared hung. Cancelling a finished or
+        unknown task changes nothing and says so.
+        """
         if task_id in self._inflight:
+            self._progress.sent("cancel", task_id, time.monotonic())
             try:
                 await self._send(Cancel(task_id))
-            except BrokenPipeError:
-                return "the runner is gone; the task ends with its cause"
-            return "cancel requested"
+            except (BrokenPipeError, RunnerUnavailable):
+                return CancelReply(task_id, "runner_gone", "the runner is gone or stuck; the task ends with its cause")
+            return CancelReply(task_id, "requested", "cancel requested: the task ends cancelled within one token")
         if task_id in self._finished:
-            return f"already {self._finished[task_id].value}"
-        return "unknown task"
+            state = self._finished[task_id]
+            return CancelReply(task_id, "finished", f"already {state.value}: nothing to cancel", state)
+        return CancelReply(task_id, "unknown", f"no task {task_id!r} on {self.name}: nothing to cancel")
 
     async def load(self, timeout: float | None = None) -> None:
-        """Load the model (progress arrives as Loading statuses); a load that outlasts the bound kills the runner."""
-        await self._run_to_completion(LoadTask(task_id=_new_id("load")), timeout or self.load_timeout, "loading")
+        """Load the model (progress arrives as Loading statuses). A load that stops progressing for the
+        ``load_stall`` deadline is declared hung; ``timeout`` adds a bound on the whole load."""
+        await self._run_to_completion(LoadTask(task_id=_new_id("load")), timeout, "loading")
 
     async def warmup(self, timeout: float | None = None) -> None:
-        await self._run_to_completion(
-            WarmupTask(task_id=_new_id("warmup")), timeout or self.warmup_timeout, "warming up"
-        )
+        """Warm up (bounded by the ``warmup`` deadline; ``timeout`` may bound it further)."""
+        await self._run_to_completion(WarmupTask(task_id=_new_id("warmup")), timeout, "warming up")
 
     async def ready(self) -> None:
         """Load then warm up: the runner is Ready afterwards, or TaskFailed says why not."""
         await self.load()
         await self.warmup()
 
-    async def _run_to_completion(self, task: Task, timeout: float, phase: str) -> None:
+    async def _run_to_completion(self, task: Task, timeout: float | None, phase: str) -> None:
         handle = await self.submit(task)
-        with anyio.move_on_after(timeout):
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
             await handle.wait()
         if handle.final is None:
-            self._force_kill(CauseKind.HANG, f"{self.name} did not finish {phase} within {timeout:g} s")
+            self._force_kill(CauseKind.HANG, f"{self.name} did not finish {phase} within {timeout or 0:g} s")
             with anyio.fail_after(self.stop_timeout):  # the kill ends the task with that cause
                 await handle.wait()
         assert handle.final is not None
@@ -520,14 +565,109 @@ class Supervisor:
             await self._sender.send(message)
         if scope.cancelled_caught:
             # A runner that has not read its task pipe for this long is stuck; a half-written frame is moot.
-            self._force_kill(CauseKind.HANG, f"{self.name} stopped reading its task pipe for {self.send_timeout:.1f} s")
-            raise RunnerUnavailable(f"{self.name} is not reading tasks", self._forced_cause)
+            hang = Hang(
+                self._progress.phase,
+                self.send_timeout,
+                "send",
+                self.send_timeout,
+                f"it stopped reading its task pipe (a write did not complete in {self.send_timeout:g} s)",
+            )
+            assert self._tg is not None
+            self._tg.start_soon(self._declare_hung, hang)
+            raise RunnerUnavailable(f"{self.name} is not reading tasks: {hang.summary(self.name)}", self._forced_cause)
 
-    def _force_kill(self, kind: CauseKind, summary: str) -> None:
+    def _force_kill(
+        self, kind: CauseKind, summary: str, evidence: tuple[str, ...] = (), phase: str | None = None
+    ) -> None:
         if self._forced_cause is None:
-            self._forced_cause = Cause(kind=kind, summary=summary, phase=phase_of(self.status))
+            self._forced_cause = Cause(
+                kind=kind, summary=summary, evidence=evidence, phase=phase or phase_of(self.status)
+            )
         if self.process is not None:
             self.process.kill_group(signal.SIGKILL)
+
+    # --- hangs ----------------------------------------------------------------------------------------------
+
+    def _rearm_deadlines(self) -> None:
+        self._rearm.set()
+
+    async def _watch_deadlines(self) -> None:
+        """Sleep until the next deadline (woken early when an earlier one appears); declare the first that expires."""
+        progress = self._progress
+        rechecks = 0
+        while not (self._exited.is_set() or self._stop_requested or self._forced_cause is not None):
+            now = time.monotonic()
+            hang = progress.expired(now)
+            if hang is not None:
+                if rechecks < 10 and self._events_pending():
+                    rechecks += 1  # progress may be sitting in the pipe, unread: let the pump route it first
+                    await anyio.sleep(0)
+                    continue
+                await self._declare_hung(hang)
+                return
+            rechecks = 0
+            progress.armed = progress.next_expiry()
+            self._rearm = anyio.Event()
+            with anyio.move_on_after(max(progress.armed - now, 0.0)):
+                await self._rearm.wait()
+            progress.armed = math.inf
+
+    def _events_pending(self) -> bool:
+        """Whether the events pipe holds unread bytes (poll with no wait)."""
+        if self.process is None:
+            return False
+        poller = select.poll()
+        poller.register(self.process.events_fd, select.POLLIN)
+        try:
+            return bool(poller.poll(0))
+        except OSError:
+            return False
+
+    async def _declare_hung(self, hang: Hang) -> None:
+        """Ask the hung runner for its stacks, then kill its group: everything in flight fails with the hang."""
+        if self.hang is not None or self._exited.is_set() or self._stop_requested or self._forced_cause is not None:
+            return
+        self.hang = hang
+        summary = hang.summary(self.name)
+        log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
+        stacks, note = await self._collect_stacks()
+        evidence = ((note,) if note else ()) + tuple(stacks) + (hang.hint(),)
+        self._force_kill(CauseKind.HANG, summary, evidence, hang.phase)
+
+    async def _collect_stacks(self) -> tuple[list[str], str | None]:
+        """The runner's thread stacks (faulthandler, on ``SIGUSR1``), waited for at most the ``stacks`` deadline.
+
+        faulthandler writes from its C signal handler, so even a runner stuck in native code holding the GIL answers;
+        a stopped one cannot (its state says so instead).
+        """
+        assert self.process is not None
+        state = process_state(self.process.pid)
+        why = f"process state {state}: {STATE_WORDS[state]}" if state in STATE_WORDS else None
+        if state in ("T", "t", "Z", None):
+            return [], why or "the runner is gone"
+        mark = self._output.count
+        self.process.signal(getattr(signal, STACK_SIGNAL_NAME))
+        limit = self.deadlines.stacks
+        deadline = time.monotonic() + limit
+        while not self._exited.is_set():
+            dump = stack_dump(self._output.since(mark))
+            if stack_dump_complete(dump):
+                break
+            dumped = bool(dump)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._output_event = anyio.Event()
+            with anyio.move_on_after(min(remaining, STACK_QUIET) if dumped else remaining) as scope:
+                await self._output_event.wait()
+            if dumped and scope.cancelled_caught:
+                break  # the dump is written in one go: output went quiet after it, so it is complete
+        self._output_event = None
+        stacks = stack_dump(self._output.since(mark))
+        if not stacks:
+            missing = f"no stacks within {limit:g} s of {STACK_SIGNAL_NAME}"
+            why = f"{why}; {missing}" if why else missing
+        return stacks, why
 
     def _set_status(self, status: RunnerStatus) -> None:
         self.status = status
@@ -547,7 +687,7 @@ class Supervisor:
             while not predicate():
                 await self._changed.wait()
 
-    def _dispatch(self, event: Event) -> None:
+    def _dispatch(self, event: Event, now: float) -> None:
         if isinstance(event, Chunk | TaskAcknowledged | TaskStatus | ErrorChunk):
             record = self._inflight.get(event.task_id)
             if record is None:
@@ -555,24 +695,39 @@ class Supervisor:
                 return
             if isinstance(event, Chunk):
                 record.tokens += event.tokens
+                self._progress.token(event.task_id, now)
+            elif isinstance(event, TaskAcknowledged):
+                self._progress.acknowledged("task", event.task_id)
+            elif (
+                isinstance(event, TaskStatus)
+                and event.state is TaskState.RUNNING
+                and isinstance(record.task, GenerateTask)
+            ):
+                self._progress.generation_started(event.task_id, now)
             _deliver(record, event)
             if isinstance(event, TaskStatus) and event.state.terminal:
                 self._finish(event.task_id, event.state)
         elif isinstance(event, Heartbeat):
-            self.last_heartbeat = time.monotonic()
+            self.last_heartbeat = now
+            self._progress.beat(now)
             if self._oom is not None:
                 self._oom.observe(event.rss, event.anon)
+        elif isinstance(event, CancelAcknowledged):
+            self._progress.acknowledged("cancel", event.task_id)
         elif isinstance(event, StatusUpdate):
             if not isinstance(event.status, Failed):  # only the supervisor may declare a runner failed
+                self._progress.status(event.status, now)
                 self._set_status(event.status)
         elif isinstance(event, RunnerException):
             self.exception = event
         elif isinstance(event, RunnerHello):
             self.hello = event
+            self._progress.beat(now)
             self._notify()
 
     def _finish(self, task_id: str, state: TaskState) -> None:
         record = self._inflight.pop(task_id)
+        self._progress.ended(task_id)
         record.send.close()
         self._finished[task_id] = state
         if len(self._finished) > RECENT_FINISHED:
@@ -583,8 +738,10 @@ class Supervisor:
         try:
             with self._events_scope:
                 while True:
-                    for event in await self._receiver.receive_batch():
-                        self._dispatch(event)
+                    batch = await self._receiver.receive_batch()
+                    now = time.monotonic()
+                    for event in batch:
+                        self._dispatch(event, now)
         except EndOfStream:
             pass
         except ProtocolError as exc:
@@ -615,6 +772,8 @@ class Supervisor:
             if not data:
                 return False
             self._output.feed(data)
+            if self._output_event is not None:  # stacks are awaited
+                self._output_event.set()
 
     async def _watch(self) -> None:
         assert self.process is not None
@@ -627,6 +786,9 @@ class Supervisor:
             finally:
                 self._exited.set()
                 self._notify()
+                self._rearm_deadlines()
+                if self._output_event is not None:
+                    self._output_event.set()
 
     async def _finalize(self, exit_status: ExitStatus) -> None:
         """After the exit: drain, diagnose, end every in-flight task, release the pipes."""
@@ -639,8 +801,9 @@ class Supervisor:
         await self._events_done.wait()
         await self._output_done.wait()
         try:
+            now = time.monotonic()
             for event in self._receiver.drain_nowait():
-                self._dispatch(event)
+                self._dispatch(event, now)
         except ProtocolError as exc:
             self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
         self._read_output(proc.output_fd)

@@ -38,6 +38,7 @@ from anyio.abc import TaskGroup
 
 from tether import fit
 from tether.fit import DoesNotFit, FitResult, GgufError, MeasuredFit
+from tether.hangs import Deadlines
 from tether.memory import node_memory, process_memory
 from tether.models import DefaultModelMissing
 from tether.process import ExitStatus, RunnerProcess, group_members
@@ -224,7 +225,7 @@ InstanceState = (
 class SupervisorFactory(Protocol):
     """Builds the supervisor of one runner life (``Supervisor`` itself is one)."""
 
-    def __call__(self, spec: EngineSpec, *, runner_id: str) -> Supervisor: ...
+    def __call__(self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines) -> Supervisor: ...
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -339,8 +340,10 @@ class Instance:
         reap_timeout: float = 10.0,
         stop_timeout: float = 15.0,
         force: bool = False,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.spec = spec
+        self.deadlines = deadlines if deadlines is not None else Deadlines()  # per phase, for every life's runner
         self.force = force  # load even when the fit check says the model does not fit
         self.fit: FitResult | None = None  # the last placement decision, with its numbers
         self.measured: MeasuredFit | None = None  # the last loaded runner's memory beside the estimate
@@ -473,7 +476,7 @@ class Instance:
                 return
             if life > 1:
                 self.restarts += 1
-            sup = self._factory(self.spec, runner_id=f"{self.name}-{life}")
+            sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
             cause = await self._live(sup, life)
             self.history.append(Failure(at=time.time(), cause=cause, life=life, pid=sup.pid))
             now = self._clock()
