@@ -139,3 +139,33 @@ def test_a_model_that_does_not_fit_is_refused_with_the_numbers_and_force_loads_i
     forced = in_cgroup("--force")
     assert forced.returncode == 0, forced.stderr
     assert "--force:" in forced.stderr and "[memory: estimated ~556 MiB" in forced.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_runner_is_reported_with_its_stacks_within_the_deadline_set_on_the_command_line() -> None:
+    out = subprocess.run(
+        [*TETHER, "run", "hi", "--engine", "debug", "--fault", "hang:generate:2", "--deadline", "token_gap=1"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 2, out.stderr
+    assert re.search(r"hung in decode for 1\.\d s: no token since the previous one", out.stderr), out.stderr
+    assert "Current thread 0x" in out.stderr and "in _hang" in out.stderr
+    assert "raise the 'token_gap' deadline (now 1 s" in out.stderr
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("flag", "message", "code"),
+    [
+        ("token_gap=-1", "token_gap must be a positive number of seconds, got -1.0", 64),
+        ("gap=1", "bad deadline 'gap=1': use NAME=SECONDS with NAME one of heartbeat, load_stall", 2),
+        ("token_gap=soon", "'soon' is not a number of seconds", 2),
+    ],
+)
+def test_a_bad_deadline_is_refused_with_the_reason(flag: str, message: str, code: int) -> None:
+    out = subprocess.run(
+        [*TETHER, "run", "hi", "--engine", "debug", "--deadline", flag], capture_output=True, text=True, timeout=25
+    )
+    assert out.returncode == code and message in out.stderr, out.stderr

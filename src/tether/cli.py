@@ -19,6 +19,7 @@ import msgspec
 
 from tether import fit, orphans
 from tether.engines.base import ENGINE_NAMES
+from tether.hangs import Deadlines
 from tether.memory import ProcessMemory, format_bytes, node_memory, process_memory
 from tether.models import DefaultModelMissing
 from tether.protocol import (
@@ -44,6 +45,7 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant."
 EXIT_OK = 0
 EXIT_RUNNER_FAILED = 2
 EXIT_DOES_NOT_FIT = 3
+EXIT_USAGE = 64  # EX_USAGE: the command line is wrong
 EXIT_INTERRUPTED = 130
 
 _json = msgspec.json.Encoder()
@@ -61,6 +63,19 @@ def _parse_fault(text: str) -> Fault:
         return msgspec.convert(fields, Fault)
     except (msgspec.ValidationError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"bad fault {text!r}: {exc} (format KIND[:PHASE[:AFTER_TOKENS]])") from exc
+
+
+def _parse_deadline(text: str) -> tuple[str, float]:
+    """``NAME=SECONDS``, e.g. ``token_gap=60``; NAME is a field of ``tether.hangs.Deadlines``."""
+    name, sep, value = text.partition("=")
+    names = ", ".join(Deadlines.__struct_fields__)
+    if not sep or name not in Deadlines.__struct_fields__:
+        raise argparse.ArgumentTypeError(f"bad deadline {text!r}: use NAME=SECONDS with NAME one of {names}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad deadline {text!r}: {value!r} is not a number of seconds") from None
+    return name, seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
     )
     run.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping the runner (s)")
+    defaults = Deadlines()
+    run.add_argument(
+        "--deadline",
+        type=_parse_deadline,
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="how long a phase may go without progress before the runner counts as hung (repeatable); defaults: "
+        + ", ".join(f"{name}={getattr(defaults, name):g}" for name in Deadlines.__struct_fields__),
+    )
     run.add_argument(
         "--force",
         action="store_true",
@@ -205,7 +230,12 @@ async def _run(args: argparse.Namespace) -> int:
             return EXIT_DOES_NOT_FIT
         if admitted.overridden:
             print(f"tether: --force: {admitted.message}", file=sys.stderr)
-    supervisor = Supervisor(spec, stop_timeout=args.stop_timeout)
+    try:
+        deadlines = msgspec.structs.replace(Deadlines(), **dict(args.deadline))
+    except ValueError as exc:
+        print(f"tether: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    supervisor = Supervisor(spec, stop_timeout=args.stop_timeout, deadlines=deadlines)
     if emit_json:
         supervisor.add_status_listener(lambda status: emit({"type": "status", "status": status}))
     else:

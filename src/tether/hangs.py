@@ -88,7 +88,8 @@ class Hang:
             return "what to do: see the stacks above; a runner that stops reading its tasks is stuck"
         return (
             f"what to do: see the stacks above for where it was stuck; if this phase is legitimately this slow, "
-            f"raise the '{self.deadline}' deadline (now {self.limit:g} s)"
+            f"raise the '{self.deadline}' deadline (now {self.limit:g} s; `tether run --deadline "
+            f"{self.deadline}=SECONDS`)"
         )
 
 
