@@ -41,6 +41,9 @@ bench: install
 	$(BIN)/python bench/ipc.py
 	$(BIN)/python bench/orphan_exit.py
 	$(BIN)/python bench/detect.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/hang.py
+	$(BIN)/python bench/cancel.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -76,3 +76,22 @@ def test_memory_bench_quick_run_prints_its_json_line() -> None:
     assert result["target_ratio"] == 0.99
     assert isinstance(result["meets_target"], bool)
     assert isinstance(result["gpu"], str) and result["gpu"]
+
+
+@pytest.mark.timeout(120)
+def test_hang_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("hang", timeout=110)
+    assert result["quick"] is True
+    assert result["wrong_cause"] == 0 and result["errors"] == 0, result
+    assert result["stacks_captured"] == result["stacks_expected"] > 0, result
+    assert result["all_declared_p99_ms"] is not None
+
+
+@pytest.mark.timeout(150)
+def test_cancel_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("cancel", timeout=140)
+    assert result["quick"] is True
+    assert result["wrong_state"] == 0 and result["extra_mismatch"] == 0, result
+    assert result["debug_tokens_after_max"] <= 1, result
+    if result["llama_skipped"] is None:
+        assert result["llama_tokens_after_max"] <= 1, result
