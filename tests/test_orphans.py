@@ -25,7 +25,7 @@ import pytest
 from conftest import pid_alive
 from tether import lifeline, orphans
 from tether.channel import SyncReceiver, SyncSender
-from tether.memory import MemoryCgroup, create_child_cgroup, remove_cgroup
+from tether.memory import MemoryCgroup
 from tether.process import RunnerProcess, lifeline_read_fd, start_runner
 from tether.protocol import (
     EngineSpec,
@@ -90,15 +90,6 @@ def kill_groups(pgids: list[int]) -> None:
     for pgid in pgids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
-
-
-@pytest.fixture
-def own_cgroups() -> None:
-    """Skip (saying why) where this machine gives runners no memory cgroups of their own."""
-    probe, why = create_child_cgroup(f"tether-probe-{os.getpid()}")
-    if probe is None:
-        pytest.skip(f"no per-runner cgroups here: {why}")
-    remove_cgroup(probe)
 
 
 # --------------------------------------------------------------------------------------------------------------
