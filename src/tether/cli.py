@@ -2,13 +2,17 @@
 
 ``tether run PROMPT`` loads a model in a supervised runner, streams the answer, and exits non-zero with the
 runner's cause when the runner fails. SIGINT and SIGTERM stop the runner (bounded) before the command exits.
-``tether orphans`` lists (and with ``--reap`` stops) runners that outlived their worker.
+``tether serve`` runs a worker with the HTTP API (OpenAI-compatible, admin, metrics) in front of a model instance;
+``tether status`` shows the instances of a running server. ``tether orphans`` lists (and with ``--reap`` stops)
+runners that outlived their worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -78,6 +82,16 @@ def _parse_deadline(text: str) -> tuple[str, float]:
     return name, seconds
 
 
+def _parse_size(text: str) -> int:
+    """Bytes, or a number with a K/M/G/T suffix (binary: 512M = 512 MiB)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    value, unit = (text[:-1], text[-1].lower()) if text and text[-1].lower() in units else (text, "")
+    try:
+        return int(float(value) * units.get(unit, 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes or a number with K, M, G or T") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tether", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: runner output too)")
@@ -129,6 +143,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"do not reap runners of dead workers at start (also: {orphans.AUTO_REAP_ENV}=0)",
     )
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP: OpenAI-compatible API, instance admin, /metrics",
+        description="Start a worker with one model instance (the built-in default model unless --model) in a "
+        "supervised runner, and the HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /v1/instances, "
+        "/healthz, /readyz, /metrics. SIGINT/SIGTERM stop it within the stop bound.",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
+    srv.add_argument("--engine", choices=ENGINE_NAMES, default="llama.cpp")
+    srv.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--name", default=None, help="the instance's id and model name (default: the GGUF's stem)")
+    srv.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
+    srv.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
+    srv.add_argument("--restart", choices=("on-failure", "never"), default="on-failure", help="restart policy")
+    srv.add_argument("--max-queue", type=int, default=16, help="generations in flight before 503 (default 16)")
+    srv.add_argument("--max-body", type=_parse_size, default="4M", help="request body limit (default 4M)")
+    srv.add_argument("--memory-limit", type=_parse_size, default=None, help="memory limit of the runner's cgroup")
+    srv.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping a runner (s)")
+    srv.add_argument(
+        "--deadline", type=_parse_deadline, action="append", default=[], metavar="NAME=SECONDS", help="hang deadline"
+    )
+    srv.add_argument("--fault", type=_parse_fault, action="append", default=[], help="debug engine fault")
+    srv.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
+    srv.add_argument("--no-reap", action="store_true", help="do not reap runners of dead workers at start")
+
+    st = sub.add_parser("status", help="show the instances and runners of a running tether server")
+    st.add_argument("--url", default=None, help="the server (default http://127.0.0.1:PORT)")
+    st.add_argument("--port", type=int, default=8000)
+    st.add_argument("--api-key", default=None, help="its API key (also: TETHER_API_KEY)")
+    st.add_argument("--json", action="store_true", help="the server's JSON as it is")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
 
     orph = sub.add_parser(
         "orphans",
@@ -368,6 +416,73 @@ def _age(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
+def _table(rows: list[list[str]]) -> list[str]:
+    """Rows (the first is the header) as aligned lines."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Ask a running server for its instances and print them as a table (or its JSON)."""
+    import httpx
+
+    from tether.serving import API_KEY_ENV
+
+    url = (args.url or f"http://127.0.0.1:{args.port}").rstrip("/")
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.get(f"{url}/v1/instances", headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        print(
+            f"tether: cannot reach a tether server at {url}: {exc}; is `tether serve` running there?", file=sys.stderr
+        )
+        return 1
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:200]
+        print(f"tether: {url} answered {response.status_code}: {message}", file=sys.stderr)
+        return 1
+    instances = response.json()["data"]
+    if args.json:
+        print(json.dumps(instances, indent=2))
+        return 0
+    if not instances:
+        print(f"no instances at {url}")
+        return 0
+    rows = [["INSTANCE", "STATE", "PID", "ENGINE", "MODEL", "FOOTPRINT", "RSS", "RESTARTS", "QUEUE", "FAILURES"]]
+    for inst in instances:
+        runner = inst.get("runner") or {}
+        memory = runner.get("footprint") or {}
+        model = Path(inst["model"]).name if inst.get("model") else "default model"
+        rows.append(
+            [
+                inst["id"],
+                inst["state"],
+                str(runner.get("pid", "-")),
+                inst["engine"],
+                model[:40],
+                format_bytes(memory.get("footprint")) if memory else "-",
+                format_bytes(memory.get("rss")) if memory else "-",
+                str(inst["restarts"]),
+                f"{inst['queue']['in_flight']}/{inst['queue']['limit']}",
+                str(len(inst["history"])),
+            ]
+        )
+    lines = _table(rows)
+    print(lines[0])
+    for line, inst in zip(lines[1:], instances, strict=True):
+        print(line)
+        if not inst["ready"]:
+            print(f"    {inst['reason']}")
+        for failure in inst["history"][-3:]:
+            when = time.strftime("%H:%M:%S", time.localtime(failure["at"]))
+            print(f"    {when} life {failure['life']} (pid {failure['pid']}): {failure['cause']['summary']}")
+    return 0
+
+
 def _print_groups(groups: list[orphans.RunnerGroup], now: float) -> None:
     header = ["PID", "PPID", "AGE", "RUNNER", "MODEL", "RSS", "USS", "PSS", "ANON", "FILE", "SWAP", "GPU", "PROCS"]
     rows = [header]
@@ -380,9 +495,8 @@ def _print_groups(groups: list[orphans.RunnerGroup], now: float) -> None:
             + [format_bytes(x) for x in sizes]
             + [str(len(g.members))]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for i, row in enumerate(rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for i, line in enumerate(_table(rows)):
+        print(line)
         if i:
             g = groups[i - 1]
             print(f"    {g.reason}")
@@ -460,6 +574,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_reap and orphans.auto_reap_enabled():
             _reap_at_start()
         return anyio.run(_main_with_signals, args)
+    if args.command == "serve":
+        from tether import serving  # the HTTP stack is imported only by the command that needs it
+
+        if not args.no_reap and orphans.auto_reap_enabled():
+            _reap_at_start()
+        return anyio.run(serving.serve, args)
+    if args.command == "status":
+        return _status(args)
     return 2
 
 

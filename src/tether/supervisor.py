@@ -245,6 +245,9 @@ class Supervisor:
         self._rearm = anyio.Event()
         self._output_event: anyio.Event | None = None  # set by the output pump while stacks are awaited
         self.hang: Hang | None = None  # the deadline that expired, once one did
+        # Failure detection latency: from the exit seen (or the hang's deadline) to every task ended with the cause.
+        self.detection_seconds: float | None = None
+        self._detect_from: float | None = None
         self.env = env
         self.orphan_layers = lifeline.check_layers(orphan_layers)
         self.orphan_poll_interval = orphan_poll_interval
@@ -628,6 +631,7 @@ class Supervisor:
         if self.hang is not None or self._exited.is_set() or self._stop_requested or self._forced_cause is not None:
             return
         self.hang = hang
+        self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
         log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
         stacks, note = await self._collect_stacks()
@@ -779,10 +783,14 @@ class Supervisor:
         assert self.process is not None
         with anyio.CancelScope(shield=True):
             exit_status = await self.process.wait_exit()
+            if self._detect_from is None:  # a death: detection runs from the moment the exit was seen
+                self._detect_from = time.monotonic()
             if self._own_cgroup is not None:  # what the group kill missed: helpers that left the group (setsid)
                 kill_cgroup_members(self._own_cgroup)
             try:
                 await self._finalize(exit_status)
+                if self.cause is not None:
+                    self.detection_seconds = time.monotonic() - self._detect_from
             finally:
                 self._exited.set()
                 self._notify()

@@ -168,12 +168,14 @@ class Backoff:
 
 
 class Failure(msgspec.Struct, frozen=True):
-    """One runner life that failed: when (wall clock, ``time.time()``), why, which life and which pid."""
+    """One runner life that failed: when (wall clock, ``time.time()``), why, which life and which pid, and how long
+    the supervisor took to end every task with the cause (from the exit, or from the hang's deadline)."""
 
     at: float
     cause: Cause
     life: int
     pid: int | None
+    detected_in: float | None = None
 
 
 class InstanceStarting(msgspec.Struct, tag="starting", frozen=True):
@@ -478,7 +480,9 @@ class Instance:
                 self.restarts += 1
             sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
             cause = await self._live(sup, life)
-            self.history.append(Failure(at=time.time(), cause=cause, life=life, pid=sup.pid))
+            self.history.append(
+                Failure(at=time.time(), cause=cause, life=life, pid=sup.pid, detected_in=sup.detection_seconds)
+            )
             now = self._clock()
             attempt = self.backoff.record_failure(now)
             reason = self._give_up_reason(cause, now)

@@ -1,0 +1,248 @@
+"""OpenAI's wire format: request bodies in, completion objects and SSE chunks out, errors in OpenAI's shape.
+
+Bodies are decoded with msgspec (typed, with the offending field named in the error) into structs that ignore fields
+tether does not use (clients send many) but refuse the ones whose meaning it cannot honour (``n`` > 1, ``echo``,
+tools) rather than silently answering something else.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from tether.protocol import Cause, ChatMessage, GenerateParams
+
+DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+
+class BadRequest(Exception):
+    """A request tether refuses (400): the message says which field and why."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class MessageIn(msgspec.Struct):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[MessageIn]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | CompletionRequest:
+    try:
+        request: ChatRequest | CompletionRequest = (
+            _chat_decoder.decode(body) if kind == "chat" else _completion_decoder.decode(body)
+        )
+    except msgspec.ValidationError as exc:  # "Expected `float`, got `str` - at `$.temperature`"
+        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
+        raise BadRequest(f"invalid request: {exc}", param) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    return request
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4:
+        raise BadRequest(f"stop takes at most 4 sequences, got {len(stops)}", "stop")
+    return tuple(stops)
+
+
+def _common(request: _Sampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
+    if request.n != 1:
+        raise BadRequest(f"n must be 1 (one runner generates one choice per request), got {request.n}", "n")
+    return {
+        "max_tokens": default_max if max_tokens is None else max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "stop": _stops(request.stop),
+        "seed": request.seed,
+    }
+
+
+def _checked(params: GenerateParams) -> GenerateParams:
+    problem = params.check()
+    if problem is not None:
+        raise BadRequest(problem, problem.split(" ", 1)[0])
+    return params
+
+
+def chat_params(request: ChatRequest) -> GenerateParams:
+    if request.tools:
+        raise BadRequest("tools are not supported by this server", "tools")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise BadRequest("response_format other than 'text' is not supported by this server", "response_format")
+    if not request.messages:
+        raise BadRequest("messages must hold at least one message", "messages")
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise BadRequest(f"messages[{i}]: only text content parts are supported", f"messages[{i}].content")
+            content = "".join(part.text or "" for part in content)
+        messages.append(ChatMessage(role=message.role, content=content or ""))
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return _checked(GenerateParams(messages=tuple(messages), **_common(request, max_tokens, DEFAULT_MAX_TOKENS)))
+
+
+def completion_params(request: CompletionRequest) -> GenerateParams:
+    if request.echo:
+        raise BadRequest("echo is not supported by this server", "echo")
+    if request.suffix:
+        raise BadRequest("suffix is not supported by this server", "suffix")
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise BadRequest(f"prompt must be one string (got a list of {len(prompt)})", "prompt")
+        prompt = prompt[0]
+    return _checked(
+        GenerateParams(prompt=prompt, **_common(request, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS))
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------------------------
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_body(message: str, type_: str, *, code: str | None = None, param: str | None = None, **extra: Any) -> bytes:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` (extra keys for tether's causes)."""
+    return _encode({"error": {"message": message, "type": type_, "param": param, "code": code, **extra}})
+
+
+def cause_json(cause: Cause) -> dict[str, Any]:
+    return {
+        "kind": cause.kind.value,
+        "summary": cause.summary,
+        "evidence": list(cause.evidence),
+        "phase": cause.phase,
+        "exit_code": cause.exit_code,
+        "signal": cause.signal,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class Shaper:
+    """Builds one request's response objects (chat or completion), sharing its id, creation time and model."""
+
+    def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False) -> bytes:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
+            if first:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return self._sse(
+            {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        )
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._sse(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens),
+            }
+        )
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return _encode(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens),
+            }
+        )
+
+    @staticmethod
+    def error_event(message: str, type_: str, code: str | None = None, **extra: Any) -> bytes:
+        """An SSE event the openai client raises as an ``APIError``: the stream ends with it, never with [DONE]."""
+        return b"data: " + error_body(message, type_, code=code, **extra) + b"\n\n"
+
+    @staticmethod
+    def _sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + _encode(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

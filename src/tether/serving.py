@@ -1,0 +1,159 @@
+"""``tether serve``: a worker with one model instance loaded and the HTTP API in front of it.
+
+The worker owns the fleet; uvicorn serves the app on a socket bound before the model loads (a taken port fails fast,
+not after a load). SIGINT/SIGTERM are handled here, not by uvicorn (which would re-raise them after its own shutdown
+and kill the worker before its runners are stopped): the server stops accepting, open requests get a short grace,
+then every instance stops within its bound, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+import anyio
+import uvicorn
+
+from tether import fit
+from tether.api import create_app
+from tether.fleet import Fleet, InstanceConfig
+from tether.hangs import Deadlines
+from tether.models import DefaultModelMissing
+from tether.worker import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
+
+log = logging.getLogger("tether.serve")
+
+API_KEY_ENV = "TETHER_API_KEY"
+EXIT_OK = 0
+EXIT_FAILED = 2
+EXIT_DOES_NOT_FIT = 3
+EXIT_CANNOT_BIND = 4
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the worker decides how to stop (runners first, then exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def instance_config(args: argparse.Namespace) -> InstanceConfig:
+    options: dict[str, object] = {}
+    if args.n_ctx is not None:
+        options["n_ctx"] = args.n_ctx
+    if args.threads is not None:
+        options["n_threads"] = args.threads
+    return InstanceConfig(
+        id=args.name,
+        engine=args.engine,
+        model=str(args.model) if args.model else None,
+        options=options,
+        faults=tuple(args.fault),
+        restart=RestartPolicy(mode=args.restart),
+        deadlines=Deadlines(**dict(args.deadline)),
+        memory_limit=args.memory_limit,
+        max_queue=args.max_queue,
+        force=args.force,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; the exit status says how it ended."""
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in ("127.0.0.1", "::1", "localhost") and not api_key:
+        print(
+            f"tether: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
+            f"(set --api-key or {API_KEY_ENV})",
+            file=sys.stderr,
+        )
+    try:
+        config = instance_config(args)
+    except ValueError as exc:
+        print(f"tether: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"tether: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose another --port",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_BIND
+    began = time.monotonic()
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    async with Fleet(stop_timeout=args.stop_timeout) as fleet:
+        try:
+            hosted = await fleet.add(config)
+        except fit.DoesNotFit as exc:
+            print(f"tether: {exc}", file=sys.stderr)
+            sock.close()
+            return EXIT_DOES_NOT_FIT
+        except (ValueError, fit.GgufError, DefaultModelMissing) as exc:
+            print(f"tether: {exc}", file=sys.stderr)
+            sock.close()
+            return EXIT_FAILED
+
+        def report(state: InstanceState) -> None:
+            if isinstance(state, InstanceReady) and not state.healthy:
+                print(
+                    f"tether: {hosted.id} ready (runner pid {state.pid}, life {state.life}) after "
+                    f"{time.monotonic() - began:.1f} s; serving {url}/v1",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif isinstance(state, InstanceRestarting):
+                print(
+                    f"tether: {hosted.id}: {state.cause.summary}; restarting in {state.delay:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif isinstance(state, InstanceFailed):
+                print(f"tether: {hosted.id} failed: {state.cause.render()}\n  {state.reason}", file=sys.stderr)
+
+        hosted.instance.add_state_listener(report)
+        print(f"tether: listening on {url} (loading {hosted.id})", file=sys.stderr, flush=True)
+        app = create_app(fleet, api_key=api_key, max_body=args.max_body)
+        server = _Server(
+            uvicorn.Config(
+                app,
+                lifespan="off",
+                access_log=args.verbose > 0,
+                log_level="info" if args.verbose else "warning",
+                timeout_graceful_shutdown=max(1, int(args.stop_timeout / 4)),
+            )
+        )
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        print(f"tether: {signal.Signals(signum).name} received, stopping", file=sys.stderr, flush=True)
+                        server.should_exit = True
+                        return
+
+            tg.start_soon(watch_signals)
+            await server.serve(sockets=[sock])
+            tg.cancel_scope.cancel()
+    print(f"tether: stopped after {time.monotonic() - began:.1f} s", file=sys.stderr)
+    return EXIT_OK
