@@ -1,0 +1,467 @@
+"""`tether serve` as users run it: a live server process, the real `openai` client, httpx for the rest."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from conftest import pid_alive
+from tether.process import live_processes
+
+TETHER = [sys.executable, "-m", "tether"]
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]
+
+
+class Server:
+    """A `tether serve` child: its URL once it listens, its stderr lines as they come, a bounded stop."""
+
+    def __init__(self, *args: str, api_key: str | None = None) -> None:
+        argv = [*TETHER, "serve", "--port", "0", *args]
+        if api_key:
+            argv += ["--api-key", api_key]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        listening = self.wait_for(r"listening on (http://\S+)", 30)
+        self.url = listening.group(1)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first stderr line (seen or to come) matching ``pattern``; fails after ``timeout`` s."""
+        for line in self.seen:
+            if m := re.search(pattern, line):
+                return m
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(
+            f"no line matching {pattern!r} within {timeout} s; stderr so far:\n" + "\n".join(self.seen)
+        )
+
+    def wait_ready(self, timeout: float = 60) -> int:
+        """Wait for the next 'ready' report; return the runner pid."""
+        return int(self.wait_for(r"ready \(runner pid (\d+)", timeout).group(1))
+
+    def openai(self, **kwargs: Any) -> openai.OpenAI:
+        key = self.headers.get("Authorization", "Bearer none").split(" ", 1)[1]
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120, **kwargs)
+
+    def instance(self, instance_id: str) -> dict[str, Any]:
+        response = self.http.get(f"/v1/instances/{instance_id}")
+        assert response.status_code == 200, response.text
+        data: dict[str, Any] = response.json()
+        return data
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.http.close()
+
+
+@contextlib.contextmanager
+def serving(*args: str, api_key: str | None = None, ready: bool = True) -> Iterator[Server]:
+    server = Server(*args, api_key=api_key)
+    try:
+        if ready:
+            server.wait_ready()
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+        server.proc.kill() if server.proc.poll() is None else None
+
+
+def debug_server(*args: str, **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
+    return serving("--engine", "debug", *args, **kwargs)
+
+
+def _have_default_model() -> str | None:
+    try:
+        import llama_cpp  # noqa: F401
+
+        from tether.models import default_model_path
+
+        default_model_path()
+    except Exception as exc:
+        return f"the default model or llama-cpp-python is missing: {exc}"
+    return None
+
+
+QUESTION: Any = [
+    {"role": "system", "content": "You are a helpful AI assistant."},  # as `tether run` sends (see cli.DEFAULT_SYSTEM)
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """One sample of /metrics (0 when absent)."""
+    text = server.http.get("/metrics").text
+    for line in text.splitlines():
+        named = line.startswith(name + "{") or line.startswith(name + " ")
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    """Re-check a server-side condition until it holds (bounded); the server has no push channel to wait on."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The default model through the openai client
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_server() -> Iterator[Server]:
+    missing = _have_default_model()
+    if missing:
+        pytest.skip(missing)
+    with serving("--threads", "2", "--n-ctx", "1024") as server:
+        yield server
+
+
+@pytest.mark.model
+@pytest.mark.timeout(180)
+def test_chat_streaming_on_the_default_model_says_paris(model_server: Server) -> None:
+    client = model_server.openai()
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "Paris" in text
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 5
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+@pytest.mark.model
+@pytest.mark.timeout(180)
+def test_chat_and_completions_without_streaming_on_the_default_model(model_server: Server) -> None:
+    client = model_server.openai()
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, seed=1, temperature=0)
+    assert chat.object == "chat.completion" and "Paris" in (chat.choices[0].message.content or "")
+    assert chat.usage is not None and chat.usage.completion_tokens > 0
+    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert completion.object == "text_completion" and completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage is not None and completion.usage.completion_tokens <= 8
+    pieces = list(
+        client.completions.create(model=model, prompt="One, two, three,", max_tokens=8, temperature=0, stream=True)
+    )
+    assert pieces and "".join(p.choices[0].text for p in pieces).strip()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Failures, recovery, cancellation, back-pressure
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _admin_debug_instance(server: Server, instance_id: str, **config: Any) -> dict[str, Any]:
+    body = {"id": instance_id, "engine": "debug", **config}
+    response = server.http.post("/v1/instances", json=body)
+    assert response.status_code == 201, response.text
+    wait_until(lambda: server.instance(instance_id)["ready"], 30, f"instance {instance_id} ready")
+    return server.instance(instance_id)
+
+
+def test_a_runner_killed_mid_stream_ends_the_stream_with_its_cause_and_the_instance_recovers() -> None:
+    with debug_server() as server:
+        _admin_debug_instance(server, "slow", options={"token_seconds": 0.01}, restart={"initial_backoff": 0.05})
+        client = server.openai()
+        pid = server.instance("slow")["runner"]["pid"]
+        stream = client.chat.completions.create(
+            model="slow", messages=[{"role": "user", "content": "go on"}], max_tokens=10_000, stream=True
+        )
+        received = 0
+        with pytest.raises(openai.APIError) as raised:
+            for _chunk in stream:
+                received += 1
+                if received == 5:
+                    os.kill(pid, signal.SIGKILL)
+        error = raised.value.body
+        assert isinstance(error, dict), error
+        assert error["code"] == "signal" and "SIGKILL" in error["cause"]["summary"], error
+        assert error["completion_tokens"] >= 4
+        wait_until(
+            lambda: (i := server.instance("slow"))["ready"] and i["runner"]["pid"] != pid, 30, "a new runner ready"
+        )
+        after = server.instance("slow")
+        assert after["restarts"] == 1 and after["runner"]["pid"] != pid
+        assert after["history"][0]["cause"]["kind"] == "signal" and after["history"][0]["detected_in"] is not None
+        answer = client.chat.completions.create(
+            model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert answer.choices[0].finish_reason == "length"
+        assert metric(server, "tether_runner_failures_total", instance="slow", cause="signal") == 1
+        assert metric(server, "tether_instance_restarts_total", instance="slow") == 1
+        assert metric(server, "tether_failure_detection_seconds_count", cause="signal") == 1
+        status = subprocess.run(
+            [*TETHER, "status", "--url", server.url], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert re.search(r"^slow\s+ready\s+\d+\s+debug", status, re.M), status
+        assert "killed by SIGKILL" in status, status
+
+
+def test_a_native_crash_before_the_first_token_is_a_500_with_the_cause_and_its_stack() -> None:
+    with debug_server() as server:
+        crash = [{"kind": "segv", "after_tokens": 0}]
+        _admin_debug_instance(server, "crashy", faults=crash, restart={"mode": "never"})
+        response = server.http.post(
+            "/v1/chat/completions", json={"model": "crashy", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert error["code"] == "native_crash" and "SIGSEGV" in error["message"]
+        assert any("Segmentation fault" in line for line in error["cause"]["evidence"]), error
+        again = server.http.post(
+            "/v1/chat/completions", json={"model": "crashy", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert again.status_code == 503 and "failed" in again.json()["error"]["message"]
+        assert "Retry-After" not in again.headers  # restart policy 'never': retrying cannot help
+
+
+def test_a_client_that_disconnects_cancels_its_generation() -> None:
+    with debug_server() as server:
+        _admin_debug_instance(server, "slow", options={"token_seconds": 0.01})
+        body = {"model": "slow", "messages": [{"role": "user", "content": "go"}], "max_tokens": 100_000, "stream": True}
+        with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            for n, _ in enumerate(sse_events(response)):
+                if n == 3:
+                    break  # leaving the block closes the connection
+        wait_until(
+            lambda: metric(server, "tether_requests_total", instance="slow", outcome="cancelled") == 1,
+            10,
+            "the generation cancelled",
+        )
+        assert server.instance("slow")["queue"]["in_flight"] == 0
+        gone = server.http.post(f"/v1/requests/{request_id}/cancel").json()
+        assert gone["outcome"] == "finished"
+        # Not still generating 100,000 tokens: the runner is free for the next request at once.
+        began = time.monotonic()
+        quick = server.http.post(
+            "/v1/completions", json={"model": "slow", "prompt": "hi", "max_tokens": 3}, timeout=10
+        ).json()
+        assert quick["choices"][0]["finish_reason"] == "length" and time.monotonic() - began < 5
+
+
+def test_a_request_can_be_cancelled_by_id() -> None:
+    with debug_server() as server:
+        _admin_debug_instance(server, "slow", options={"token_seconds": 0.01})
+        body = {"model": "slow", "prompt": "go", "max_tokens": 100_000, "stream": True}
+        with server.http.stream("POST", "/v1/completions", json=body) as response:
+            request_id = response.headers["x-request-id"]
+            events = sse_events(response)
+            next(events)
+            reply = server.http.post(f"/v1/requests/{request_id}/cancel").json()
+            assert reply["outcome"] == "requested", reply
+            rest = list(events)
+        assert rest and isinstance(rest[-1], dict) and rest[-1]["error"]["type"] == "cancelled", rest[-3:]
+        assert "[DONE]" not in rest
+        unknown = server.http.post("/v1/requests/nope/cancel").json()
+        assert unknown["outcome"] == "unknown" and "nothing to cancel" in unknown["detail"]
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_failure() -> None:
+    with debug_server() as server:
+        _admin_debug_instance(server, "q", options={"token_seconds": 0.01}, max_queue=2, restart={"mode": "never"})
+        body = {"model": "q", "prompt": "go", "max_tokens": 100_000, "stream": True}
+        waited: list[httpx.Response] = []
+
+        def wait_in_queue() -> None:  # a non-streaming request answers only at its end: it needs a thread
+            with httpx.Client(base_url=server.url, timeout=30) as client:
+                waited.append(client.post("/v1/completions", json={**body, "stream": False}))
+
+        with server.http.stream("POST", "/v1/completions", json=body) as first:
+            events = sse_events(first)
+            next(events)  # the first is generating
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            wait_until(lambda: server.instance("q")["queue"]["in_flight"] == 2, 10, "two requests in flight")
+            full = server.http.post("/v1/completions", json=body)
+            assert full.status_code == 503 and full.headers["Retry-After"] == "1", full.text
+            assert "queue holds 2" in full.json()["error"]["message"]
+            os.kill(server.instance("q")["runner"]["pid"], signal.SIGKILL)
+            last = list(events)[-1]
+            assert isinstance(last, dict) and last["error"]["code"] == "signal"
+            waiter.join(30)
+        assert waited and waited[0].status_code == 500, waited
+        assert waited[0].json()["error"]["code"] == "signal", waited[0].text
+        assert metric(server, "tether_requests_total", instance="q", outcome="rejected") == 1
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation, security, admin, operations
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": 5},
+            "temperature",
+            "temperature must be in [0, 2]",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+            "max_tokens",
+            "max_tokens must be >= 1",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", "n must be 1"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages", "Expected `array`, got `str`"),
+        ("/v1/chat/completions", {"model": "debug"}, None, "missing required field `messages`"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens", "Expected `int | null`"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "echo is not supported"),
+    ],
+)
+def test_bad_parameters_are_a_400_naming_the_field(
+    path: str, body: dict[str, Any], param: str | None, message: str, debug_shared: Server
+) -> None:
+    response = debug_shared.http.post(path, json={"model": "debug", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.fixture(scope="module")
+def debug_shared() -> Iterator[Server]:
+    with debug_server() as server:
+        yield server
+
+
+def test_malformed_json_and_oversized_bodies_are_refused(debug_shared: Server) -> None:
+    broken = debug_shared.http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    huge = debug_shared.http.post("/v1/completions", json={"prompt": "x" * (5 << 20)})
+    assert huge.status_code == 413 and "exceeds the limit of 4194304 bytes" in huge.json()["error"]["message"]
+    ok = debug_shared.http.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_the_api_key_is_required_everywhere_but_the_probes() -> None:
+    with debug_server(api_key="s3cret") as server:
+        bare = httpx.Client(base_url=server.url, timeout=10)
+        for path in ("/v1/models", "/metrics", "/v1/instances"):
+            assert bare.get(path).status_code == 401
+            assert bare.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        denied = bare.post("/v1/completions", json={"prompt": "hi"})
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert bare.get("/healthz").status_code == 200 and bare.get("/readyz").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        answer = server.openai().completions.create(model="debug", prompt="hi", max_tokens=2)
+        assert answer.choices[0].text
+        bare.close()
+
+
+def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanly() -> None:
+    with debug_server() as server:
+        missing = _have_default_model()
+        if missing is None:
+            huge = server.http.post("/v1/instances", json={"id": "huge", "options": {"n_ctx": 50_000_000}})
+            assert huge.status_code == 507, huge.text
+            message = huge.json()["error"]["message"]
+            assert re.search(r"does not fit: needs ~[\d.]+ (G|T)iB .* available", message), message
+        bad = server.http.post("/v1/instances", json={"id": "x", "engine": "debug", "max_queue": 0})
+        assert bad.status_code == 400 and "max_queue must be >= 1" in bad.json()["error"]["message"]
+        typo = server.http.post("/v1/instances", json={"id": "x", "engien": "debug"})
+        assert typo.status_code == 400 and "unknown field `engien`" in typo.json()["error"]["message"]
+        taken = server.http.post("/v1/instances", json={"id": "debug", "engine": "debug"})
+        assert taken.status_code == 409
+        second = _admin_debug_instance(server, "second")
+        pid = second["runner"]["pid"]
+        listed = server.http.get("/v1/instances").json()["data"]
+        assert {i["id"] for i in listed} == {"debug", "second"}
+        assert second["runner"]["footprint"]["rss"] > 0 and second["state"] == "ready"
+        unknown_model = server.http.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+        assert unknown_model.status_code == 404 and "debug, second" in unknown_model.json()["error"]["message"]
+        deleted = server.http.delete("/v1/instances/second")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        assert not pid_alive(pid)
+        assert server.http.get("/v1/instances/second").status_code == 404
+        assert server.http.delete("/v1/instances/debug").status_code == 200
+        ready = server.http.get("/readyz")
+        assert ready.status_code == 503 and ready.json() == {"ready": False, "instances": {}}
+
+
+def test_sigterm_stops_the_server_and_leaves_no_process_behind() -> None:
+    server = Server("--engine", "debug", "--stop-timeout", "5")
+    try:
+        pid = server.wait_ready()
+        body = {"model": "debug", "prompt": "go", "max_tokens": 10_000_000, "stream": True}
+        with server.http.stream("POST", "/v1/completions", json=body) as response:
+            next(sse_events(response))  # a generation in flight when the signal comes
+            began = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(15)
+            took = time.monotonic() - began
+    finally:
+        server.proc.kill()
+    assert code == 0, "\n".join(server.seen)
+    assert took < 5 + 3
+    assert not pid_alive(pid)
+    assert not [p for p in live_processes() if p.ppid == server.proc.pid], "children left behind"
