@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tether-installed
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run ask test lint format bench clean
 
 install: $(STAMP)
 
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import llama_cpp, tether.models as m; print('default model:', m.default_model_path())"
 	touch $(STAMP)
 
+# The main job: serve the default model over HTTP (OpenAI-compatible) on 127.0.0.1:$(PORT) until Ctrl-C.
+PORT ?= 8000
 run: install
+	$(BIN)/tether serve --port $(PORT)
+
+# One question, one answer, no server.
+ask: install
 	$(BIN)/tether run "$(PROMPT)"
 
 test: install

@@ -436,7 +436,8 @@ def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanl
         pid = second["runner"]["pid"]
         listed = server.http.get("/v1/instances").json()["data"]
         assert {i["id"] for i in listed} == {"debug", "second"}
-        assert second["runner"]["footprint"]["rss"] > 0 and second["state"] == "ready"
+        memory = second["runner"]["memory"]
+        assert 0 < memory["footprint"] < memory["rss"] and second["state"] == "ready"
         unknown_model = server.http.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
         assert unknown_model.status_code == 404 and "debug, second" in unknown_model.json()["error"]["message"]
         deleted = server.http.delete("/v1/instances/second")

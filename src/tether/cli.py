@@ -455,7 +455,7 @@ def _status(args: argparse.Namespace) -> int:
     rows = [["INSTANCE", "STATE", "PID", "ENGINE", "MODEL", "FOOTPRINT", "RSS", "RESTARTS", "QUEUE", "FAILURES"]]
     for inst in instances:
         runner = inst.get("runner") or {}
-        memory = runner.get("footprint") or {}
+        memory = runner.get("memory") or {}
         model = Path(inst["model"]).name if inst.get("model") else "default model"
         rows.append(
             [

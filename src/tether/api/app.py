@@ -289,7 +289,8 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         runner = {
             "pid": sup.pid,
             "status": str(type(sup.status).__struct_config__.tag),
-            "footprint": msgspec.to_builtins(memory) if memory is not None else None,
+            # footprint: what killing the group frees (anonymous + shmem + swap + GPU), beside the raw figures
+            "memory": {"footprint": memory.footprint, **msgspec.to_builtins(memory)} if memory is not None else None,
             "log": str(sup.output_log) if sup.output_log else None,
         }
     cause = state.cause if isinstance(state, InstanceRestarting | InstanceFailed) else None
