@@ -192,12 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine_spec(args: argparse.Namespace) -> EngineSpec:
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options a command line sets (``--n-ctx``, ``--threads``), for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
     if args.threads is not None:
         options["n_threads"] = args.threads
+    return options
+
+
+def _engine_spec(args: argparse.Namespace) -> EngineSpec:
+    options = engine_options(args)
     load_faults = tuple(f for f in args.fault if f.phase != "generate")
     return EngineSpec(
         engine=args.engine,

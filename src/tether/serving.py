@@ -23,6 +23,7 @@ import uvicorn
 
 from tether import fit
 from tether.api import create_app
+from tether.cli import engine_options
 from tether.fleet import Fleet, InstanceConfig
 from tether.hangs import Deadlines
 from tether.models import DefaultModelMissing
@@ -59,16 +60,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def instance_config(args: argparse.Namespace) -> InstanceConfig:
-    options: dict[str, object] = {}
-    if args.n_ctx is not None:
-        options["n_ctx"] = args.n_ctx
-    if args.threads is not None:
-        options["n_threads"] = args.threads
     return InstanceConfig(
         id=args.name,
         engine=args.engine,
-        model=str(args.model) if args.model else None,
-        options=options,
+        model=str(args.model.resolve()) if args.model else None,
+        options=engine_options(args),
         faults=tuple(args.fault),
         restart=RestartPolicy(mode=args.restart),
         deadlines=Deadlines(**dict(args.deadline)),
