@@ -95,3 +95,13 @@ def test_cancel_bench_quick_run_prints_its_json_line() -> None:
     assert result["debug_tokens_after_max"] <= 1, result
     if result["llama_skipped"] is None:
         assert result["llama_tokens_after_max"] <= 1, result
+
+
+@pytest.mark.timeout(200)
+def test_serve_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("serve", timeout=190)
+    if result.get("skipped"):
+        pytest.skip(result["skipped"])
+    assert result["quick"] is True and result["error"] is None, result
+    assert result["errors"] == 0 and result["leftover_processes"] == 0, result
+    assert result["tokens_per_s_ratio"] > 0 and result["ttft_added_ms"] is not None
