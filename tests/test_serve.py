@@ -449,7 +449,22 @@ def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanl
         assert ready.status_code == 503 and ready.json() == {"ready": False, "instances": {}}
 
 
-def test_sigterm_stops_the_server_and_leaves_no_process_behind() -> None:
+def test_an_instance_memory_limit_is_its_runners_cgroup_limit() -> None:
+    with debug_server() as server:
+        limited = _admin_debug_instance(server, "small", memory_limit=256 << 20)
+        pid = limited["runner"]["pid"]
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = [line.strip().split(":", 2) for line in f]
+        memory = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
+        limit_file = f"/sys/fs/cgroup/memory{memory[0]}/memory.limit_in_bytes" if memory else ""
+        if not memory or not os.path.exists(limit_file):
+            pytest.skip("no cgroup v1 memory hierarchy: runners get no memory cgroup of their own here")
+        with open(limit_file) as f:
+            assert int(f.read()) == 256 << 20
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_server_and_leaves_no_process_behind(sig: signal.Signals) -> None:
     server = Server("--engine", "debug", "--stop-timeout", "5")
     try:
         pid = server.wait_ready()
@@ -457,7 +472,7 @@ def test_sigterm_stops_the_server_and_leaves_no_process_behind() -> None:
         with server.http.stream("POST", "/v1/completions", json=body) as response:
             next(sse_events(response))  # a generation in flight when the signal comes
             began = time.monotonic()
-            server.proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(sig)
             code = server.proc.wait(15)
             took = time.monotonic() - began
     finally:
