@@ -139,17 +139,21 @@ async def serve(args: argparse.Namespace) -> int:
                 timeout_graceful_shutdown=max(1, int(args.stop_timeout / 4)),
             )
         )
+        stopping: list[float] = []
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for signum in signals:
                         print(f"tether: {signal.Signals(signum).name} received, stopping", file=sys.stderr, flush=True)
+                        stopping.append(time.monotonic())
                         server.should_exit = True
                         return
 
             tg.start_soon(watch_signals)
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
-    print(f"tether: stopped after {time.monotonic() - began:.1f} s", file=sys.stderr)
+    now = time.monotonic()
+    took = f" in {now - stopping[0]:.1f} s" if stopping else ""
+    print(f"tether: stopped{took} (up {now - began:.1f} s)", file=sys.stderr)
     return EXIT_OK
