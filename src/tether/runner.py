@@ -83,6 +83,24 @@ _HINT: dict[type, str] = {
 _EOF = object()
 
 
+class _RecentIds:
+    """The last ``size`` ids added, for membership tests (a set bounded by forgetting the oldest)."""
+
+    def __init__(self, size: int) -> None:
+        self._order: collections.deque[str] = collections.deque()
+        self._ids: set[str] = set()
+        self._size = size
+
+    def add(self, task_id: str) -> None:
+        self._order.append(task_id)
+        self._ids.add(task_id)
+        if len(self._order) > self._size:
+            self._ids.discard(self._order.popleft())
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._ids
+
+
 def _status_name(status: RunnerStatus) -> str:
     return type(status).__struct_config__.tag  # type: ignore[return-value]
 
@@ -96,11 +114,9 @@ class Runner:
         self.status: RunnerStatus = Idle()
         self.tasks: queue.SimpleQueue[Task | object] = queue.SimpleQueue()
         self.cancelled: set[str] = set()
-        self._ended: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)  # generations that ended, for
-        self._ended_set: set[str] = set()  # a cancel arriving after its task's end (not to be kept for ever)
+        self._ended = _RecentIds(RECENT_IDS)  # generations that ended: a cancel arriving after the end is not kept
         self.shutdown_requested = threading.Event()
-        self._recent: collections.deque[str] = collections.deque()
-        self._recent_set: set[str] = set()
+        self._recent = _RecentIds(RECENT_IDS)  # task ids taken: a duplicate is refused
 
     # --- events ---------------------------------------------------------------------------------------------
 
@@ -122,7 +138,7 @@ class Runner:
         try:
             for message in SyncReceiver[ToRunner](self.tasks_fd, ToRunner):
                 if isinstance(message, Cancel):
-                    if message.task_id not in self._ended_set:
+                    if message.task_id not in self._ended:
                         self.cancelled.add(message.task_id)
                     self.sender.send(CancelAcknowledged(message.task_id))
                     continue
@@ -194,13 +210,10 @@ class Runner:
     def accept(self, task: Task) -> bool:
         """Take a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
         tid = task.task_id
-        if tid in self._recent_set:
+        if tid in self._recent:
             self.task_status(tid, TaskState.FAILED, f"duplicate task id {tid!r}: every task needs a fresh id")
             return False
-        self._recent.append(tid)
-        self._recent_set.add(tid)
-        if len(self._recent) > RECENT_IDS:
-            self._recent_set.discard(self._recent.popleft())
+        self._recent.add(tid)
         if not isinstance(self.status, _VALID_IN[type(task)]):
             hint = _HINT[type(task)]
             self.task_status(
@@ -267,10 +280,7 @@ class Runner:
             else:
                 self.task_status(tid, TaskState.COMPLETE, tokens=tokens)
         finally:
-            if len(self._ended) == self._ended.maxlen:
-                self._ended_set.discard(self._ended[0])
-            self._ended.append(tid)
-            self._ended_set.add(tid)
+            self._ended.add(tid)
             cancelled.discard(tid)
         self.set_status(Ready())
 
