@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -134,10 +134,10 @@ class Fleet:
     def __init__(self, *, stop_timeout: float = 15.0) -> None:
         self.stop_timeout = stop_timeout
         self._hosted: dict[str, Hosted] = {}
-        self._requests: dict[str, tuple[Hosted, str]] = {}  # request id -> (instance, task id), while in flight
+        self._requests: dict[str, Hosted] = {}  # request id (= the runner's task id) -> its instance, while in flight
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
         self._tg: TaskGroup | None = None
-        self.listeners: list[Any] = []  # callables(Hosted) told of every instance added (metrics)
+        self.listeners: list[Callable[[Hosted], None]] = []  # told of every instance added (metrics)
 
     async def __aenter__(self) -> Fleet:
         self._tg = anyio.create_task_group()
@@ -255,7 +255,7 @@ class Fleet:
                 handle = await hosted.instance.generate(params, task_id=request_id)
             except RunnerUnavailable as exc:
                 raise Unavailable(str(exc), retry_after=hosted.retry_after(), cause=exc.cause) from exc
-            self._requests[request_id] = (hosted, request_id)
+            self._requests[request_id] = hosted
             try:
                 yield handle
             finally:
@@ -271,12 +271,11 @@ class Fleet:
 
     async def cancel(self, request_id: str) -> CancelReply:
         """Cancel a request by id; a finished or unknown one is a no-op that says so."""
-        entry = self._requests.get(request_id)
-        if entry is not None:
-            hosted, task_id = entry
+        hosted = self._requests.get(request_id)
+        if hosted is not None:
             sup = hosted.supervisor
             if sup is not None:
-                return await sup.cancel(task_id)
+                return await sup.cancel(request_id)
             return CancelReply(request_id, "runner_gone", "the runner is gone; the request ends with its cause")
         if request_id in self._recent:
             return CancelReply(request_id, "finished", f"already {self._recent[request_id]}: nothing to cancel")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from tether.process import proc_stat
 from tether.protocol import Loading, RunnerStatus, Running, WarmingUp
 
 STACK_SIGNAL_NAME = "SIGUSR1"  # the runner registers faulthandler on it (``runner.main``)
@@ -245,14 +246,8 @@ class ProgressWatch:
 
 def process_state(pid: int) -> str | None:
     """The kernel's one-letter state of ``pid`` (R, S, D, T, t, Z, ...), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: the state follows its last ")".
-    rest = stat.rsplit(b")", 1)[-1].split()
-    return rest[0].decode() if rest else None
+    stat = proc_stat(pid)
+    return stat.state if stat is not None else None
 
 
 STATE_WORDS = {

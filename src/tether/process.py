@@ -195,19 +195,23 @@ class ProcStat:
     pgid: int
 
 
+def proc_stat(pid: int) -> ProcStat | None:
+    """One process's /proc/PID/stat fields, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: the fields follow its last ")".
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]))
+
+
 def live_processes() -> list[ProcStat]:
     """Every process that exists and is not a zombie, from /proc (cheap enough to call per check)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            found.append(ProcStat(int(entry), fields[0], int(fields[1]), int(fields[2])))
+        if entry.isdigit() and (stat := proc_stat(int(entry))) is not None and stat.state not in ("Z", "X"):
+            found.append(stat)
     return found
 
 

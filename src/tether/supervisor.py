@@ -264,7 +264,6 @@ class Supervisor:
         self._oom: OomWatch | None = None
         self.status: RunnerStatus = Idle()
         self.hello: RunnerHello | None = None
-        self.last_heartbeat: float | None = None
         self.exception: RunnerException | None = None
         self.cause: Cause | None = None
         self.stop_report: StopReport | None = None
@@ -308,6 +307,11 @@ class Supervisor:
     @property
     def alive(self) -> bool:
         return self.process is not None and not self._exited.is_set()
+
+    @property
+    def last_heartbeat(self) -> float | None:
+        """When the runner last proved its interpreter runs (a heartbeat, or its hello), ``time.monotonic()``."""
+        return self._progress.last_beat
 
     @property
     def output_tail(self) -> list[str]:
@@ -712,7 +716,6 @@ class Supervisor:
             if isinstance(event, TaskStatus) and event.state.terminal:
                 self._finish(event.task_id, event.state)
         elif isinstance(event, Heartbeat):
-            self.last_heartbeat = now
             self._progress.beat(now)
             if self._oom is not None:
                 self._oom.observe(event.rss, event.anon)
