@@ -14,7 +14,6 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import anyio
@@ -469,5 +468,4 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
         log.exception("unexpected error in the API")
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
 
-    guard: Callable[[Scope, Receive, Send], Awaitable[None]] = Guard(app, api_key, max_body)
-    return guard
+    return Guard(app, api_key, max_body)
