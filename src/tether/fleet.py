@@ -291,8 +291,3 @@ def _cause_of(state: Any) -> Cause | None:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def state_name(state: Any) -> str:
-    """The tag of an instance state ("ready", "restarting", ...)."""
-    return str(type(state).__struct_config__.tag)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tether.process import proc_stat
-from tether.protocol import Loading, RunnerStatus, Running, WarmingUp
+from tether.protocol import Loading, RunnerStatus, Running, WarmingUp, tag_of
 
 STACK_SIGNAL_NAME = "SIGUSR1"  # the runner registers faulthandler on it (``runner.main``)
 # faulthandler's header for each thread: "Thread 0x00007f... (most recent call first):" or "Current thread 0x...".
@@ -152,8 +152,7 @@ class ProgressWatch:
             self._status_phase = "warmup"
         else:
             self._phase = None
-            tag = str(type(status).__struct_config__.tag)
-            self._status_phase = {"shutting_down": "shutdown", "running": "prefill"}.get(tag, "idle")
+            self._status_phase = {"shutting_down": "shutdown", "running": "prefill"}.get(tag_of(status), "idle")
         self._running = status.task_id if isinstance(status, Running) else None
 
     def sent(self, kind: str, task_id: str, now: float) -> None:

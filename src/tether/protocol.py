@@ -337,5 +337,10 @@ Event = (
 TERMINAL_STATES = frozenset({TaskState.COMPLETE, TaskState.CANCELLED, TaskState.FAILED})
 
 
+def tag_of(message: msgspec.Struct) -> str:
+    """The tag a tagged struct travels under: a status's name ("loading"), a task's kind ("generate")."""
+    return str(type(message).__struct_config__.tag)
+
+
 def task_kind(task: Task) -> str:
-    return type(task).__struct_config__.tag  # type: ignore[return-value]
+    return tag_of(task)

@@ -61,6 +61,7 @@ from tether.protocol import (
     WarmingUp,
     WarmupTask,
     phase_of,
+    tag_of,
     task_kind,
 )
 
@@ -99,10 +100,6 @@ class _RecentIds:
 
     def __contains__(self, task_id: object) -> bool:
         return task_id in self._ids
-
-
-def _status_name(status: RunnerStatus) -> str:
-    return type(status).__struct_config__.tag  # type: ignore[return-value]
 
 
 class Runner:
@@ -219,7 +216,7 @@ class Runner:
             self.task_status(
                 tid,
                 TaskState.FAILED,
-                f"cannot run a {task_kind(task)} task while the runner is {_status_name(self.status)}"
+                f"cannot run a {task_kind(task)} task while the runner is {tag_of(self.status)}"
                 + (f": {hint}" if hint else ""),
             )
             return False

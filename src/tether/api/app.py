@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tether import fit
 from tether.api import openai
 from tether.api.metrics import CONTENT_TYPE, Metrics
-from tether.fleet import Fleet, Hosted, InstanceConfig, NotFound, Unavailable, new_request_id, state_name
+from tether.fleet import Fleet, Hosted, InstanceConfig, NotFound, Unavailable, new_request_id
 from tether.models import DefaultModelMissing
-from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus
+from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
 from tether.supervisor import TaskHandle
 from tether.worker import InstanceFailed, InstanceReady, InstanceRestarting
 
@@ -287,7 +287,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         memory = sup.footprint
         runner = {
             "pid": sup.pid,
-            "status": str(type(sup.status).__struct_config__.tag),
+            "status": tag_of(sup.status),
             # footprint: what killing the group frees (anonymous + shmem + swap + GPU), beside the raw figures
             "memory": {"footprint": memory.footprint, **msgspec.to_builtins(memory)} if memory is not None else None,
             "log": str(sup.output_log) if sup.output_log else None,
@@ -300,7 +300,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         "engine": hosted.config.engine,
         "model": hosted.config.model,
         "options": hosted.config.options,
-        "state": state_name(state),
+        "state": tag_of(state),
         "detail": msgspec.to_builtins(state),
         "reason": inst.unavailable_reason(),
         "ready": isinstance(state, InstanceReady),
@@ -439,9 +439,7 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     @app.delete("/v1/instances/{instance_id}")
     async def delete_instance(instance_id: str) -> Response:
         hosted = await fleet.remove(instance_id)
-        return _json(
-            {"id": hosted.id, "object": "instance", "deleted": True, "state": state_name(hosted.instance.state)}
-        )
+        return _json({"id": hosted.id, "object": "instance", "deleted": True, "state": tag_of(hosted.instance.state)})
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel_request(request_id: str) -> Response:
@@ -455,7 +453,7 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        states = {h.id: state_name(h.instance.state) for h in fleet.list()}
+        states = {h.id: tag_of(h.instance.state) for h in fleet.list()}
         ready = any(state == "ready" for state in states.values())
         return _json({"ready": ready, "instances": states}, status=200 if ready else 503)
 

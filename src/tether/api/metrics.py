@@ -15,7 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tether.fleet import Fleet, Hosted, state_name
+from tether.fleet import Fleet, Hosted
+from tether.protocol import tag_of
 from tether.worker import InstanceFailed, InstanceRestarting, InstanceState
 
 STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
@@ -45,7 +46,7 @@ class _FleetCollector(Collector):
         )
         rss = GaugeMetricFamily("tether_runner_rss_bytes", "Resident memory of the runner's group", labels=["instance"])
         for hosted in self.fleet.list():
-            name = state_name(hosted.instance.state)
+            name = tag_of(hosted.instance.state)
             for candidate in STATES:
                 state.add_metric([hosted.id, candidate], 1.0 if candidate == name else 0.0)
             restarts.add_metric([hosted.id], hosted.instance.restarts)
