@@ -35,7 +35,6 @@ from tether.protocol import Cause, EngineSpec, Fault, GenerateParams
 from tether.supervisor import CancelReply, RunnerUnavailable, Supervisor, TaskHandle
 from tether.worker import (
     Instance,
-    InstanceFailed,
     InstanceReady,
     InstanceRestarting,
     InstanceStarting,
@@ -239,7 +238,7 @@ class Fleet:
         state = hosted.instance.state
         if not isinstance(state, InstanceReady):
             raise Unavailable(
-                hosted.instance.unavailable_reason(), retry_after=hosted.retry_after(), cause=_cause_of(state)
+                hosted.instance.unavailable_reason(), retry_after=hosted.retry_after(), cause=hosted.instance.cause
             )
         limit = hosted.config.max_queue
         if hosted.in_flight >= limit:
@@ -280,13 +279,6 @@ class Fleet:
         if request_id in self._recent:
             return CancelReply(request_id, "finished", f"already {self._recent[request_id]}: nothing to cancel")
         return CancelReply(request_id, "unknown", f"no request {request_id!r}: nothing to cancel")
-
-
-def _cause_of(state: Any) -> Cause | None:
-    if isinstance(state, InstanceRestarting | InstanceFailed):
-        cause: Cause = state.cause
-        return cause
-    return None
 
 
 def new_request_id(prefix: str) -> str:

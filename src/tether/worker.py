@@ -596,6 +596,12 @@ class Instance:
         if pid is not None and (not self.pids or self.pids[-1] != pid):
             self.pids.append(pid)
 
+    @property
+    def cause(self) -> Cause | None:
+        """Why this instance cannot serve now, while it is restarting or failed; None otherwise."""
+        state = self.state
+        return state.cause if isinstance(state, InstanceRestarting | InstanceFailed) else None
+
     def _last_cause(self) -> Cause | None:
         return self.history[-1].cause if self.history else None
 

@@ -29,7 +29,7 @@ from tether.fleet import Fleet, Hosted, InstanceConfig, NotFound, Unavailable, n
 from tether.models import DefaultModelMissing
 from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
 from tether.supervisor import TaskHandle
-from tether.worker import InstanceFailed, InstanceReady, InstanceRestarting
+from tether.worker import InstanceReady
 
 log = logging.getLogger("tether.api")
 
@@ -84,7 +84,7 @@ class Guard:
                 return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            await self._too_large(scope, receive, send, int(declared))
+            await _too_large(BodyTooLarge(int(declared), self.max_body))(scope, receive, send)
             return
         seen = 0
 
@@ -99,19 +99,16 @@ class Guard:
 
         await self.app(scope, limited, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
-        reply = _error(
-            413,
-            f"request body of {size} bytes exceeds the limit of {self.max_body} bytes (--max-body)",
-            "invalid_request_error",
-            code="request_too_large",
-        )
-        await reply(scope, receive, send)
-
 
 class BodyTooLarge(Exception):
+    """A body over the limit: declared so up front, or found so while it arrives (then ``size`` is a lower bound)."""
+
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of more than {size} bytes exceeds the limit of {limit} bytes (--max-body)")
+        super().__init__(f"request body of at least {size} bytes exceeds the limit of {limit} bytes (--max-body)")
+
+
+def _too_large(exc: BodyTooLarge) -> Response:
+    return _error(413, str(exc), "invalid_request_error", code="request_too_large")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -292,7 +289,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
             "memory": {"footprint": memory.footprint, **msgspec.to_builtins(memory)} if memory is not None else None,
             "log": str(sup.output_log) if sup.output_log else None,
         }
-    cause = state.cause if isinstance(state, InstanceRestarting | InstanceFailed) else None
+    cause = inst.cause
     return {
         "id": hosted.id,
         "object": "instance",
@@ -356,7 +353,7 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(_: Request, exc: BodyTooLarge) -> Response:
-        return _error(413, str(exc), "invalid_request_error", code="request_too_large")
+        return _too_large(exc)
 
     async def generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
         started = time.monotonic()
