@@ -202,6 +202,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     return options
 
 
+def deadlines_from(args: argparse.Namespace) -> Deadlines:
+    """The hang deadlines ``--deadline NAME=SECONDS`` set, the rest at their defaults; ``ValueError`` says what is
+    wrong with a value."""
+    return Deadlines(**dict(args.deadline))
+
+
 def _engine_spec(args: argparse.Namespace) -> EngineSpec:
     options = engine_options(args)
     load_faults = tuple(f for f in args.fault if f.phase != "generate")
@@ -285,7 +291,7 @@ async def _run(args: argparse.Namespace) -> int:
         if admitted.overridden:
             print(f"tether: --force: {admitted.message}", file=sys.stderr)
     try:
-        deadlines = msgspec.structs.replace(Deadlines(), **dict(args.deadline))
+        deadlines = deadlines_from(args)
     except ValueError as exc:
         print(f"tether: {exc}", file=sys.stderr)
         return EXIT_USAGE

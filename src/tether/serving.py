@@ -23,9 +23,8 @@ import uvicorn
 
 from tether import fit
 from tether.api import create_app
-from tether.cli import engine_options
+from tether.cli import deadlines_from, engine_options
 from tether.fleet import Fleet, InstanceConfig
-from tether.hangs import Deadlines
 from tether.models import DefaultModelMissing
 from tether.worker import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 
@@ -67,7 +66,7 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
         options=engine_options(args),
         faults=tuple(args.fault),
         restart=RestartPolicy(mode=args.restart),
-        deadlines=Deadlines(**dict(args.deadline)),
+        deadlines=deadlines_from(args),
         memory_limit=args.memory_limit,
         max_queue=args.max_queue,
         force=args.force,
