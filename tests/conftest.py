@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.memory import create_child_cgroup, remove_cgroup, sweep_stale_cgroups
+from tether.memory import create_child_cgroup, remove_cgroup
+from tether.orphans import sweep_stale_cgroups
 from tether.process import live_processes
 from tether.protocol import EngineSpec
 

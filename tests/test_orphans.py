@@ -295,7 +295,7 @@ def test_helpers_of_a_runner_killed_without_its_guard_are_found_through_the_reco
         (group,) = [o for o in json.loads(out.stdout)["orphans"] if o["pid"] == runner]
         assert group["runner_alive"] is False
         assert sorted(m["pid"] for m in group["members"]) == sorted(helpers)
-        assert "is gone but 2 process(es) of its group live on" in group["reason"]
+        assert "is gone but 2 process(es) of its group" in group["reason"]
         reaped = subprocess.run([*TETHER, "orphans", "--reap"], capture_output=True, text=True, timeout=60)
         assert reaped.returncode == 0, reaped.stdout
         assert wait_gone(helpers, 10) == []
@@ -320,7 +320,10 @@ def test_a_starting_worker_reaps_dead_workers_runners_but_not_those_asked_to_liv
         out = subprocess.run([*TETHER, "run", "hi", "--engine", "debug"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         doomed_runner = int(next(iter(doomed["runners"])))
-        assert f"reaped orphaned runner {doomed_runner} of dead worker {doomed['worker']}: freed" in out.stderr
+        assert (
+            f"reaped orphaned runner {doomed_runner} of dead worker {doomed['worker']} (2 processes): freed"
+            in out.stderr
+        )
         assert wait_gone(doomed_pids, 10) == []
         assert pid_alive(kept_runner)
     finally:
@@ -409,10 +412,15 @@ async def test_a_crashed_runner_takes_its_helpers_along(helper_kind: str) -> Non
         assert wait_gone(group, 10) == []
 
 
-def _cgroup_members(pid: int) -> list[int]:
-    cgroup = MemoryCgroup.of_pid(pid)
+def _in_cgroup(runner: int) -> tuple[MemoryCgroup, list[int]]:
+    """The runner's own cgroup and every process in it."""
+    cgroup = MemoryCgroup.of_pid(runner)
     assert cgroup is not None and cgroup.path.name.startswith("tether-"), "the runner has no cgroup of its own"
-    return sorted(int(p) for p in (cgroup.path / "cgroup.procs").read_text().split())
+    return cgroup, sorted(int(p) for p in (cgroup.path / "cgroup.procs").read_text().split())
+
+
+def _cgroup_members(pid: int) -> list[int]:
+    return _in_cgroup(pid)[1]
 
 
 @pytest.mark.anyio
@@ -449,3 +457,157 @@ def test_a_helper_that_left_the_process_group_dies_when_the_worker_is_sigkilled(
         for pid in members:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers that leave the runner's process group: only its cgroup still holds them
+# --------------------------------------------------------------------------------------------------------------
+
+ESCAPING = "setsid,setpgid,double_fork"  # one helper of each way out of the runner's process group
+
+
+def _left_in_runner_cgroups(worker: int) -> list[int]:
+    """Live processes still in the runner cgroups of a dead drill worker (which made them below our cgroup), each
+    SIGKILLed here once counted: a leak must fail its test, not the next one."""
+    own = MemoryCgroup.of_pid(os.getpid())
+    assert own is not None
+    left = []
+    for path in own.path.glob(f"tether-*-{worker}"):
+        pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        left += [pid for pid in pids if pid_alive(pid)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.parametrize("layers", ["pdeathsig,lifeline,poll", "pdeathsig", "lifeline", "poll"])
+@pytest.mark.parametrize("kinds", ["setsid", ESCAPING])
+def test_helpers_that_left_the_group_die_with_a_sigkilled_worker_whichever_layer_fires(layers: str, kinds: str) -> None:
+    """The lifeline and the poll used to kill the runner's group, guard included, before the guard could kill the
+    cgroup's members: every helper that had left the group survived, reparented to init."""
+    result = drill(
+        f"--states={STUCK_STATES}",
+        "--helpers=3",
+        f"--helper-kind={kinds}",
+        f"--layers={layers}",
+        "--poll-interval=0.2",
+    )
+    assert _left_in_runner_cgroups(result["worker"]) == []  # the outside view: nothing alive in any runner cgroup
+    assert_all_gone(result)
+    for pids in result["members"].values():
+        assert len(pids) == 5, result  # the runner, its guard and three helpers, in its cgroup
+    everyone = [pid for pids in result["members"].values() for pid in pids]
+    assert [pid for pid in everyone if pid_alive(pid)] == []  # and /proc agrees
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("own_cgroups")
+def test_repeated_worker_sigkills_leave_no_helper_behind_in_any_state() -> None:
+    """A race lost one time in several must show: twelve workers, each with an idle, a loading and a generating
+    runner, the busy ones with a helper of each escaping kind, SIGKILLed at once after they report."""
+    survivors: list[int] = []
+    for _ in range(12):
+        result = drill(f"--states={ALL_STATES}", "--helpers=3", f"--helper-kind={ESCAPING}")
+        survivors += result["survivors"] + _left_in_runner_cgroups(result["worker"])
+        assert sum(len(pids) for pids in result["members"].values()) == 2 + 5 + 5
+    assert survivors == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.parametrize("record", ["with its record", "without a record"])
+def test_helpers_left_in_a_dead_workers_runner_cgroup_are_listed_and_reaped(
+    private_runtime_dir: Path, record: str
+) -> None:
+    """Were a runner and its guard both killed outright, only the runner's cgroup would name the helpers that left
+    its group: `tether orphans` finds them there (by the record's cgroup, or by the cgroup's name alone)."""
+    result = drill(
+        "--states=loading",
+        "--helpers=2",
+        "--helper-kind=setsid,double_fork",
+        "--disable-watchdog",
+        "--timeout=1",
+        "--keep-survivors",
+        "--no-subreaper",
+    )
+    runner = int(next(iter(result["runners"])))
+    cgroup, members = _in_cgroup(runner)
+    escaped = [pid for pid in members if os.getpgid(pid) != runner]
+    try:
+        assert len(escaped) == 2 and len(members) == 4
+        (guard,) = [pid for pid in members if pid != runner and pid not in escaped]
+        for pid in (guard, runner):  # the guard first, or it would take the helpers along
+            os.kill(pid, signal.SIGKILL)
+            assert wait_gone([pid], 10) == []
+        if record == "without a record":
+            for path in private_runtime_dir.glob("runner-*.json"):
+                path.unlink()
+        out = subprocess.run([*TETHER, "orphans", "--json"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1, out.stdout + out.stderr
+        (group,) = [o for o in json.loads(out.stdout)["orphans"] if o["cgroup"] == str(cgroup.path)]
+        assert group["runner_alive"] is False
+        assert sorted(m["pid"] for m in group["members"]) == escaped
+        if record == "with its record":
+            assert group["pid"] == runner and "of its group and cgroup live on" in group["reason"]
+        else:
+            assert group["pid"] is None and f"its runner cgroup {cgroup.path} still holds 2" in group["reason"]
+        text = subprocess.run([*TETHER, "orphans"], capture_output=True, text=True, timeout=30)
+        assert text.returncode == 1 and "tether orphans --reap" in text.stdout
+        reaped = subprocess.run([*TETHER, "orphans", "--reap", "--json"], capture_output=True, text=True, timeout=60)
+        assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+        (done,) = [r for r in json.loads(reaped.stdout)["reaped"] if set(r["gone"]) == set(escaped)]
+        assert done["ok"] and done["killed_with"] == "SIGTERM"
+        assert wait_gone(escaped, 10) == []
+        assert not cgroup.path.exists()  # emptied, then removed
+    finally:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("own_cgroups")
+def test_a_starting_worker_reaps_what_a_dead_workers_runner_cgroup_still_holds() -> None:
+    result = drill(
+        "--states=loading", "--helpers=1", "--helper-kind=setsid", "--layers=", "--timeout=1", "--keep-survivors"
+    )
+    runner = int(next(iter(result["runners"])))
+    cgroup, members = _in_cgroup(runner)
+    (helper,) = [pid for pid in members if os.getpgid(pid) != runner]
+    try:
+        os.killpg(runner, signal.SIGKILL)  # the runner and its guard: what no layer armed leaves to the next worker
+        assert wait_gone([runner], 10) == []
+        assert pid_alive(helper)
+        out = subprocess.run([*TETHER, "run", "hi", "--engine", "debug"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"reaped orphaned runner {runner} of dead worker {result['worker']} (1 process)" in out.stderr
+        assert wait_gone([helper], 10) == []
+        assert not cgroup.path.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper, signal.SIGKILL)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.parametrize("helper_kind", ["setsid", "setpgid", "double_fork"])
+async def test_each_escaping_helper_kind_leaves_the_group_but_not_the_cgroup(helper_kind: str) -> None:
+    spec = EngineSpec(engine="debug", options={"helpers": 1, "helper_kind": helper_kind})
+    with anyio.fail_after(30):
+        async with Supervisor(spec) as sup:
+            await sup.ready()
+            assert sup.pid is not None
+            _, members = _in_cgroup(sup.pid)
+            (helper,) = [pid for pid in members if os.getpgid(pid) != sup.pid]
+            session, parent = os.getsid(helper), psutil.Process(helper).ppid()
+            if helper_kind == "setsid":
+                assert session == helper and parent == sup.pid
+            elif helper_kind == "setpgid":
+                assert session == os.getsid(sup.pid) and os.getpgid(helper) == helper and parent == sup.pid
+            else:  # a daemon: a session of its own, and not the runner's child any more
+                assert session not in (helper, os.getsid(sup.pid)) and parent != sup.pid
+    assert wait_gone(members, 10) == []

@@ -481,3 +481,66 @@ def test_a_signal_stops_the_server_and_leaves_no_process_behind(sig: signal.Sign
     assert took < 5 + 3
     assert not pid_alive(pid)
     assert not [p for p in live_processes() if p.ppid == server.proc.pid], "children left behind"
+
+
+def _add_helpers_instance(server: Server, instance_id: str = "helpers") -> dict[str, Any]:
+    """A debug instance whose engine starts a helper of each kind that leaves the runner's process group."""
+    return _admin_debug_instance(
+        server, instance_id, options={"helpers": 3, "helper_kind": "setsid,setpgid,double_fork"}
+    )
+
+
+def _cgroup_pids(path: str) -> list[int]:
+    with open(os.path.join(path, "cgroup.procs")) as f:
+        return [int(p) for p in f.read().split()]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("own_cgroups")
+def test_a_sigkilled_server_takes_every_helper_along_even_those_that_left_the_group() -> None:
+    """The acceptance drill: helpers that called setsid (or setpgid, or daemonized) stayed alive after the worker's
+    SIGKILL; now every process in every runner's cgroup goes, and the next worker's start removes the cgroups."""
+    from test_orphans import wait_gone  # the same pidfd wait the orphan drills use
+
+    cgroups: list[str] = []
+    for _ in range(5):
+        server = Server("--engine", "debug", "--no-reap")  # leave the cgroups for the last check
+        try:
+            server.wait_ready()
+            inst = _add_helpers_instance(server)
+            path = inst["runner"]["cgroup"]
+            assert path is not None
+            cgroups.append(path)
+            members = _cgroup_pids(path)
+            assert len(members) == 5  # the runner, its guard and three helpers
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait(10)
+            assert wait_gone(members, 10) == [], f"survived the worker's SIGKILL: {members}"
+        finally:
+            server.proc.kill()
+            server.http.close()
+    assert all(os.path.exists(path) for path in cgroups)  # a SIGKILLed worker cannot remove them...
+    again = Server("--engine", "debug")  # ...the next one does, as it starts
+    try:
+        again.wait_ready()
+        assert [path for path in cgroups if os.path.exists(path)] == []
+    finally:
+        assert again.stop() == 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("own_cgroups")
+def test_a_clean_stop_leaves_no_runner_cgroup_behind() -> None:
+    """The cgroup removal used to be a background task that the stopping worker cancelled, about one stop in four."""
+    left: list[str] = []
+    for _ in range(6):
+        server = Server("--engine", "debug", "--stop-timeout", "5")
+        try:
+            server.wait_ready()
+            paths = [_add_helpers_instance(server)["runner"]["cgroup"], server.instance("debug")["runner"]["cgroup"]]
+            assert all(paths)
+        finally:
+            code = server.stop()
+        assert code == 0, "\n".join(server.seen)
+        left += [path for path in paths if os.path.exists(path)]
+    assert left == []

@@ -258,7 +258,8 @@ def _reap_at_start() -> None:
     for result in orphans.reap_at_start():
         state = "reaped" if result.ok else "could not reap"
         print(
-            f"tether: {state} orphaned runner {result.group.pid} of dead worker {result.group.worker_pid}: "
+            f"tether: {state} orphaned {result.group.label} of dead worker {result.group.worker_pid} "
+            f"({len(result.gone)} process{'' if len(result.gone) == 1 else 'es'}): "
             f"freed {format_bytes(result.freed.footprint)}",
             file=sys.stderr,
         )
@@ -405,6 +406,7 @@ def _group_json(group: orphans.RunnerGroup, now: float) -> dict[str, object]:
         "orphan": group.orphan,
         "reason": group.reason,
         "watchdog": group.watchdog,
+        "cgroup": str(group.cgroup.path) if group.cgroup is not None else None,
         "memory": _memory_json(group.memory),
         "members": [
             {
@@ -503,7 +505,7 @@ def _print_groups(groups: list[orphans.RunnerGroup], now: float) -> None:
         model = Path(g.model).name if g.model else (f"{g.engine}: default model" if g.engine else "?")
         sizes = (m.rss, m.uss, m.pss, m.anon, m.file, m.swap, m.gpu)
         rows.append(
-            [str(g.pid), str(g.ppid or "-"), _age(g.age(now)), g.runner_id, model[:32]]
+            [str(g.pid or "-"), str(g.ppid or "-"), _age(g.age(now)), g.runner_id, model[:32]]
             + [format_bytes(x) for x in sizes]
             + [str(len(g.members))]
         )
@@ -512,7 +514,7 @@ def _print_groups(groups: list[orphans.RunnerGroup], now: float) -> None:
         if i:
             g = groups[i - 1]
             print(f"    {g.reason}")
-            print("    group: " + ", ".join(f"{p.pid} {g.role(p)}" for p in g.members))
+            print("    processes: " + ", ".join(f"{p.pid} {g.role(p)}" for p in g.members))
 
 
 def _orphans(args: argparse.Namespace) -> int:
@@ -563,11 +565,11 @@ def _orphans(args: argparse.Namespace) -> int:
                 print(f"left pid {pid} alone: {why}")
             if r.ok:
                 print(
-                    f"reaped runner {r.group.pid} ({len(r.gone)} processes) with {r.killed_with} in {r.seconds:.2f} s: "
+                    f"reaped {r.group.label} ({len(r.gone)} processes) with {r.killed_with} in {r.seconds:.2f} s: "
                     f"freed {format_bytes(r.freed.footprint)} (RSS {format_bytes(r.freed.rss)})"
                 )
             else:
-                print(f"could not reap runner {r.group.pid}: {r.survivors} survived SIGKILL (stuck in the kernel?)")
+                print(f"could not reap {r.group.label}: {r.survivors} survived SIGKILL (stuck in the kernel?)")
         if args.reap and found.stale:
             print(f"removed {len(found.stale)} stale runner record(s) from {registry.path}")
     if args.reap:

@@ -11,10 +11,13 @@ Three independent layers end a runner whose worker is gone; any one of them is e
 3. ``poll``: a thread compares ``getppid()`` with the worker pid every ``poll_interval`` seconds (not with 1: under
    a subreaper the new parent is not init). The last resort.
 
-Layers 2 and 3 kill the runner's whole process group. Layer 1 kills only the runner, so every runner also forks a
-tiny **group guard** at bootstrap (before any thread exists): it waits on the runner's pidfd and, when the runner
-dies for any reason, SIGKILLs the group, and every process of the runner's own cgroup when it has one (which also
-catches a helper that left the group with ``setsid``), so an engine's helper processes never survive their runner.
+Layer 1 kills only the runner, so every runner also forks a tiny **group guard** at bootstrap (before any thread
+exists): it waits on the runner's pidfd and, when the runner dies for any reason, SIGKILLs every process of the
+runner's own memory cgroup (which holds the helpers that left the process group: ``setsid``, ``setpgid``, a double
+fork), waits until each has exited, and then kills the group. Layers 2 and 3 kill the cgroup's members and the group
+themselves on the way out, but never the guard while it lives: it has the last word, so whichever layer wins, an
+engine's helper processes never survive their runner. Without a cgroup of its own, a helper that leaves the process
+group is out of reach (the supervisor logs why there is no cgroup).
 
 ``TETHER_DISABLE_ORPHAN_WATCHDOG=1`` disables the three layers (never the guard) for someone debugging a runner that
 must outlive its worker; the runner prints a warning saying so, and ``tether orphans --reap`` cleans up after.
@@ -33,14 +36,20 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import NoReturn
 
-from tether.memory import RUNNER_CGROUP_PREFIX, MemoryCgroup, kill_cgroup_members
+from tether.memory import MemoryCgroup, kill_cgroup_members
 
 DISABLE_ENV = "TETHER_DISABLE_ORPHAN_WATCHDOG"
 LAYERS = ("pdeathsig", "lifeline", "poll")
 DEFAULT_POLL_INTERVAL = 0.5  # seconds; the issue's bound is <= 1 s, the seed's watchdog used 5 s
 
+GUARD_WAIT = 5.0  # seconds the guard waits for the cgroup's members to exit (each one already SIGKILLed)
+
 _PR_SET_PDEATHSIG = 1
 _TRUE = frozenset({"1", "true", "yes", "on"})
+
+# Set once at bootstrap, for ``orphan_exit`` (which may run on any thread, even while the main thread is wedged).
+_own_cgroup: MemoryCgroup | None = None  # the runner's own memory cgroup, when the worker made one
+_guard: tuple[int, int | None] | None = None  # the group guard's pid and pidfd
 
 
 def watchdog_disabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -59,13 +68,51 @@ def check_layers(layers: Iterable[str]) -> tuple[str, ...]:
 
 
 def orphan_exit(reason: str) -> NoReturn:
-    """Leave at once, taking the runner's process group (engine helpers, the guard) along when it leads one."""
+    """Leave at once, taking along everything this runner started (engine helpers), except a live guard.
+
+    The guard is spared so that, should the kernel's SIGKILL (pdeathsig) cut this sweep short, it still sweeps once
+    the runner is gone; and it sweeps again anyway, after every exit, catching a helper forked meanwhile. Without a
+    live guard, the group is killed here, this runner included.
+    """
     with contextlib.suppress(OSError):  # the worker, which read our stderr, is usually gone: EPIPE is fine
         os.write(2, f"tether runner {os.getpid()}: {reason}; exiting\n".encode())
-    if os.getpgrp() == os.getpid():
+    me = os.getpid()
+    guard = _guard_alive()
+    if _own_cgroup is not None:
+        kill_cgroup_members(_own_cgroup, spare=(me,) if guard is None else (me, guard))
+        if guard is not None:
+            os._exit(70)
+    if os.getpgrp() == me:
         with contextlib.suppress(OSError):
-            os.killpg(os.getpid(), signal.SIGKILL)
+            os.killpg(me, signal.SIGKILL)
     os._exit(70)
+
+
+def _guard_alive() -> int | None:
+    """The guard's pid while it lives (its pidfd is not readable yet), else None."""
+    if _guard is None:
+        return None
+    pid, pidfd = _guard
+    if pidfd is None:
+        return pid if os.waitpid(pid, os.WNOHANG) == (0, 0) else None
+    return None if select.select([pidfd], [], [], 0)[0] else pid
+
+
+def join_cgroup(path: str) -> MemoryCgroup | None:
+    """Move this process into the memory cgroup at ``path`` before it forks anything (its guard and every helper
+    then start inside it); None, with a warning on stderr, when that is not allowed."""
+    try:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as exc:
+        print(
+            f"tether runner {os.getpid()}: WARNING: cannot join memory cgroup {path} ({exc.strerror or exc}): "
+            "a helper process that leaves the runner's process group will not be contained",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    return MemoryCgroup.of_pid(os.getpid())
 
 
 def set_pdeathsig(sig: int) -> bool:
@@ -104,12 +151,17 @@ def install(
     lifeline_fd: int | None,
     layers: Iterable[str] = LAYERS,
     poll_interval: float = DEFAULT_POLL_INTERVAL,
+    own_cgroup: MemoryCgroup | None = None,
 ) -> tuple[str, ...]:
     """Arm the chosen layers; return the ones armed. Call first thing in the runner, before any other thread.
 
-    Also starts the group guard when this runner leads its own process group. When the escape hatch is set, no
-    layer is armed and a warning is printed to stderr (the supervisor keeps it in the runner's output tail).
+    Also starts the group guard when this runner leads its own process group. ``own_cgroup`` is the memory cgroup
+    the worker made for this runner alone (the runner has joined it already): the guard and the layers kill every
+    process in it. When the escape hatch is set, no layer is armed and a warning is printed to stderr (the
+    supervisor keeps it in the runner's output tail).
     """
+    global _own_cgroup
+    _own_cgroup = own_cgroup
     chosen = set(check_layers(layers))
     if watchdog_disabled():
         print(
@@ -148,8 +200,10 @@ def start_group_guard() -> int | None:
     """Fork the group guard; return its pid (None when this process does not lead its own group).
 
     The guard holds no descriptor but the runner's pidfd (so it never keeps a pipe open), ignores SIGTERM and
-    SIGINT (a stop escalates to SIGKILL for the group anyway), and ends by SIGKILLing the group, itself included.
+    SIGINT (a stop escalates to SIGKILL for the group anyway), asks the OOM killer to spare it (it is tiny, and the
+    last word), and ends by SIGKILLing the group, itself included.
     """
+    global _guard
     runner = os.getpid()
     if os.getpgrp() != runner:
         return None
@@ -160,12 +214,17 @@ def start_group_guard() -> int | None:
     if pid:
         if pidfd is not None:
             os.close(pidfd)
+        guard_fd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            guard_fd = os.pidfd_open(pid)
+        _guard = (pid, guard_fd)
         return pid
     try:  # the guard: never returns
-        own = MemoryCgroup.of_pid(os.getpid())  # the runner's own cgroup, when the worker gave it one
-        cgroup = own if own is not None and own.path.name.startswith(RUNNER_CGROUP_PREFIX) else None
+        cgroup = _own_cgroup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:  # needs CAP_SYS_RESOURCE
+            f.write("-1000")
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -183,8 +242,8 @@ def start_group_guard() -> int | None:
         else:
             while os.getppid() == runner:
                 time.sleep(0.05)
-        if cgroup is not None:  # helpers that left the process group (setsid) are still in the runner's cgroup
-            kill_cgroup_members(cgroup, spare=os.getpid())
+        if cgroup is not None:  # helpers that left the process group are still in the runner's cgroup
+            kill_cgroup_members(cgroup, spare=(os.getpid(),), wait=GUARD_WAIT)
         os.killpg(runner, signal.SIGKILL)
     finally:
         os._exit(0)

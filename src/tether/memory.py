@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+
+from tether.process import signal_pinned, wait_pidfds
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _NVML_MISSING: str | None = None  # set once NVML's library is known to be absent: not worth a dlopen per sample
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+_KILL_ROUNDS = 1000  # listings of a cgroup being emptied: ends a fork race long before it is reached
 _UNLIMITED_V1 = 1 << 60  # v1 reports "no limit" as a huge page-aligned number (9223372036854771712)
 
 
@@ -42,6 +47,11 @@ class MemoryCgroup:
     version: int
 
     @classmethod
+    def at(cls, path: Path) -> MemoryCgroup:
+        """The cgroup at ``path`` (v1 below the memory controller's mount, else v2)."""
+        return cls(path, 1 if CGROUP_ROOT / "memory" in path.parents else 2)
+
+    @classmethod
     def of_pid(cls, pid: int) -> MemoryCgroup | None:
         """The memory cgroup ``pid`` is in now; None when gone or when there is no memory controller."""
         text = read_text(Path(f"/proc/{pid}/cgroup"))
@@ -57,6 +67,10 @@ class MemoryCgroup:
         if unified is not None and (CGROUP_ROOT / "cgroup.controllers").exists():
             return cls(CGROUP_ROOT / unified.lstrip("/"), 2)
         return None
+
+    def pids(self) -> list[int]:
+        """The processes in this cgroup now (none when it is gone)."""
+        return [int(p) for p in (read_text(self.path / "cgroup.procs") or "").split()]
 
     def oom_kills(self) -> int | None:
         """How many processes the OOM killer has killed in this cgroup (None where the kernel does not say)."""
@@ -386,50 +400,96 @@ def runner_cgroup_name(runner_id: str) -> str:
     return f"{RUNNER_CGROUP_PREFIX}{runner_id}-{os.getpid()}"
 
 
-def sweep_stale_cgroups() -> list[Path]:
-    """Remove the empty runner cgroups below ours whose worker is dead (a hard-killed worker cannot clean up)."""
-    parent = MemoryCgroup.of_pid(os.getpid())
-    if parent is None:
-        return []
-    removed = []
-    try:
-        children = [p for p in parent.path.iterdir() if p.name.startswith(RUNNER_CGROUP_PREFIX) and p.is_dir()]
-    except OSError:
-        return []
-    for child in children:
-        worker = child.name.rsplit("-", 1)[-1]
-        if not worker.isdigit() or os.path.exists(f"/proc/{worker}"):
-            continue
-        if remove_cgroup(MemoryCgroup(child, parent.version)):
-            removed.append(child)
-    return removed
+_RUNNER_CGROUP = re.compile(rf"^{RUNNER_CGROUP_PREFIX}(?P<runner>.+)-(?P<worker>\d+)$")
+_WALK_DEPTH = 16
 
 
-def kill_cgroup_members(cgroup: MemoryCgroup, *, spare: int | None = None, rounds: int = 10) -> int:
+@dataclass(frozen=True)
+class RunnerCgroup:
+    """A runner's own cgroup, found by its name (``runner_cgroup_name``) anywhere in the memory hierarchy."""
+
+    cgroup: MemoryCgroup
+    runner_id: str
+    worker_pid: int
+    created: float  # seconds since the epoch (the directory's change time: set when it was made)
+
+
+def runner_cgroups() -> list[RunnerCgroup]:
+    """Every runner cgroup of the memory hierarchy this process sees, live workers' included (``orphans`` tells the
+    dead workers' apart). Workers make them below their own cgroup, which a later worker may not share."""
+    own = MemoryCgroup.of_pid(os.getpid())
+    if own is None:
+        return []
+    root = CGROUP_ROOT / "memory" if own.version == 1 else CGROUP_ROOT
+    found: list[RunnerCgroup] = []
+    level = [root]
+    for _ in range(_WALK_DEPTH):
+        below: list[Path] = []
+        for path in level:
+            try:
+                entries = [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for entry in entries:
+                match = _RUNNER_CGROUP.match(entry.name)
+                if match is None:
+                    below.append(Path(entry.path))
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append(
+                        RunnerCgroup(
+                            MemoryCgroup(Path(entry.path), own.version),
+                            match["runner"],
+                            int(match["worker"]),
+                            min(st.st_ctime, st.st_mtime),
+                        )
+                    )
+        if not below:
+            break
+        level = below
+    return found
+
+
+def kill_cgroup_members(cgroup: MemoryCgroup, *, spare: Collection[int] = (), wait: float = 0.0) -> int:
     """SIGKILL every process in ``cgroup`` but ``spare``, again while new ones appear (a fork racing the kill).
 
-    For a runner's own cgroup: it catches what a process-group kill misses (a helper that called ``setsid``). Each
-    process is pinned with a pidfd and checked to still be a member before it is signalled, so a pid reused
-    elsewhere is never hit. Returns how many were signalled.
+    For a runner's own cgroup: it catches what a process-group kill misses (a helper that called ``setsid`` or
+    ``setpgid``, or daemonized with a double fork). Each process is pinned with a pidfd and checked to still be a
+    member before it is signalled, so a pid reused elsewhere is never hit. With ``wait`` > 0 it then waits (on the
+    pidfds, at most ``wait`` seconds) for every one to exit, listing the cgroup again after each exit: a child
+    forked just before its parent was killed joins the cgroup a moment later and is caught then, so when this
+    returns (within the bound) nobody but ``spare`` is left. Returns how many were signalled.
     """
+    spared = set(spare)
+    pinned: dict[int, int] = {}  # pidfd -> pid: signalled, not yet seen to exit
     killed = 0
-    for _ in range(rounds):
-        pids = [int(p) for p in (read_text(cgroup.path / "cgroup.procs") or "").split() if int(p) != spare]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except (OSError, AttributeError):
-                continue  # gone already
-            try:
-                if MemoryCgroup.of_pid(pid) == cgroup:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+
+    def member(pid: int) -> bool:
+        return MemoryCgroup.of_pid(pid) == cgroup
+
+    try:
+        for _ in range(_KILL_ROUNDS):
+            signalled = set(pinned.values())
+            new = [pid for pid in cgroup.pids() if pid not in spared and pid not in signalled]
+            for pid in new:
+                fd = signal_pinned(pid, signal.SIGKILL, member)
+                if fd is not None:
+                    pinned[fd] = pid
                     killed += 1
-            except ProcessLookupError:
-                pass
-            finally:
+            if new:
+                continue  # list again at once: what they forked meanwhile
+            remaining = deadline - time.monotonic()
+            if not pinned or remaining <= 0:
+                break
+            exited = wait_pidfds(pinned, remaining, any_exit=True)
+            for fd in [fd for fd, pid in pinned.items() if pid in exited]:
+                del pinned[fd]
                 os.close(fd)
+    finally:
+        for fd in pinned:
+            os.close(fd)
     return killed
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from tether.memory import MemoryCgroup, read_text
+from tether.memory import MemoryCgroup
+from tether.process import proc_stat
 
 _KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)")
 
@@ -64,14 +64,6 @@ def kernel_oom_lines(fd: int, pid: int, since_boot_s: float, limit: int = 4) -> 
     return found[-limit:]
 
 
-def started_since_boot(pid: int) -> float | None:
-    """When ``pid`` started, in seconds since boot (the kernel log's clock), from /proc/PID/stat."""
-    text = read_text(Path(f"/proc/{pid}/stat"))
-    if text is None:
-        return None
-    return int(text.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-
-
 def _pgid(pid: int) -> int | None:
     try:
         return os.getpgid(pid)
@@ -88,16 +80,22 @@ class OomWatch:
     """
 
     pid: int
+    cgroup: MemoryCgroup | None = None  # given: the cgroup the runner joins at bootstrap; else found on observation
+    own: bool = False  # the given cgroup is the runner's alone (every member is its descendant)
     since_boot_s: float = 0.0
-    cgroup: MemoryCgroup | None = None
     baseline: int | None = None
     shared: bool = True  # the cgroup holds processes outside the runner's group: its counter is weaker evidence
     last_rss: int | None = None
     last_anon: int | None = None
 
     def __post_init__(self) -> None:
-        self.since_boot_s = started_since_boot(self.pid) or 0.0
+        stat = proc_stat(self.pid)
+        self.since_boot_s = stat.started_since_boot if stat is not None else 0.0
         self._kmsg = open_kmsg()
+        self._given = self.cgroup is not None
+        if self.cgroup is not None:
+            self.baseline = self.cgroup.oom_kills()
+            self.shared = not self.own
 
     def close(self) -> None:
         if self._kmsg is not None:
@@ -107,12 +105,17 @@ class OomWatch:
     def observe(self, rss: int | None = None, anon: int | None = None) -> None:
         if rss:
             self.last_rss, self.last_anon = rss, anon
+        if self._given:
+            if not self.own and self.cgroup is not None and self.pid in self.cgroup.pids():
+                self.shared = self._holds_others(self.cgroup)
+            return
         cgroup = MemoryCgroup.of_pid(self.pid)
         if cgroup is not None and cgroup != self.cgroup:
             self.cgroup, self.baseline = cgroup, cgroup.oom_kills()
-            self.shared = any(
-                _pgid(int(p)) != self.pid for p in (read_text(cgroup.path / "cgroup.procs") or "").split()
-            )
+            self.shared = self._holds_others(cgroup)
+
+    def _holds_others(self, cgroup: MemoryCgroup) -> bool:
+        return any(_pgid(pid) != self.pid for pid in cgroup.pids())
 
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""

@@ -1,14 +1,19 @@
 """Find runners that outlived their worker, show what they really hold, and reap them without hitting bystanders.
 
-Two sources, merged: every process of this user whose command line is a tether runner's (it names its worker:
-``--worker=PID``) and leads its own process group, and every registry record. A runner is an **orphan** when its
-parent is no longer its worker (the worker died: it was reparented to init or a subreaper). A record whose runner
-is gone but whose process group still has members (helpers that escaped a runner killed without its guard) is an
-orphan too. A record naming a live process with another start time or command line is **stale** (the pid was
-reused): it is reported, never acted on.
+Three sources, merged: every process of this user whose command line is a tether runner's (it names its worker:
+``--worker=PID``) and leads its own process group, every registry record, and every runner cgroup (named
+``tether-<runner id>-<worker pid>``) of a dead worker. A runner is an **orphan** when its parent is no longer its
+worker (the worker died: it was reparented to init or a subreaper). A record whose runner is gone but whose process
+group still has members (helpers that escaped a runner killed without its guard) is an orphan too, and so is a dead
+worker's runner cgroup that still holds processes (helpers that left the group: ``setsid``, ``setpgid``, a double
+fork; only the cgroup still names them). A record naming a live process with another start time or command line is
+**stale** (the pid was reused): it is reported, never acted on.
 
-Reaping signals each process through a pidfd opened *before* its identity (start time, command line, group) is
-checked, so a pid reused in between can never be hit: TERM to the whole group, a grace period, then KILL.
+Identity, before anything is signalled: a member of a group must still be in that process group, or in that runner
+cgroup, and must have started no earlier than the runner (or the cgroup). A worker counts as dead when its pid is
+gone or now belongs to a process that started after the cgroup was made. Reaping signals each process through a
+pidfd opened *before* its identity (start time, command line, group or cgroup) is checked, so a pid reused in
+between can never be hit: TERM to every member, a grace period, then KILL; then the emptied cgroup is removed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import signal
 import time
 from collections import defaultdict
@@ -27,8 +31,17 @@ from pathlib import Path
 import psutil
 
 from tether.lifeline import watchdog_disabled
-from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory, sweep_stale_cgroups
-from tether.process import RunnerArgs
+from tether.memory import (
+    GpuUsage,
+    MemoryCgroup,
+    ProcessMemory,
+    RunnerCgroup,
+    format_bytes,
+    process_memory,
+    remove_cgroup,
+    runner_cgroups,
+)
+from tether.process import RunnerArgs, proc_stat, wait_pidfds
 from tether.registry import Registry, RunnerRecord, same_start
 
 log = logging.getLogger("tether.orphans")
@@ -54,9 +67,9 @@ class Proc:
 
 @dataclass
 class RunnerGroup:
-    """A tether runner and its process group (the runner may already be gone when a record names the group)."""
+    """A tether runner and what it started: its process group and its own cgroup (the runner may be gone already)."""
 
-    pgid: int  # == the runner's pid
+    pgid: int | None  # == the runner's pid; None when only the runner's cgroup is known (it names no pid)
     worker_pid: int
     runner_id: str
     started: float  # the runner's start time, seconds since the epoch
@@ -67,10 +80,26 @@ class RunnerGroup:
     record: RunnerRecord | None = None
     record_path: Path | None = None
     watchdog: bool = True
+    cgroup: MemoryCgroup | None = None  # the runner's own cgroup, when it had one: it holds what left the group
 
     @property
-    def pid(self) -> int:
+    def pid(self) -> int | None:
         return self.pgid
+
+    @property
+    def label(self) -> str:
+        """How messages name it: by pid, or by id and cgroup when the pid is unknown."""
+        if self.pgid is not None:
+            return f"runner {self.pgid}"
+        where = f" (cgroup {self.cgroup.path})" if self.cgroup is not None else ""
+        return f"runner {self.runner_id}{where}"
+
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is in this runner's process group or its own cgroup now."""
+        with contextlib.suppress(ProcessLookupError):
+            if self.pgid is not None and os.getpgid(pid) == self.pgid:
+                return True
+        return self.cgroup is not None and MemoryCgroup.of_pid(pid) == self.cgroup
 
     @property
     def ppid(self) -> int | None:
@@ -153,6 +182,32 @@ def _with_memory(proc: Proc, gpu: GpuUsage) -> Proc:
     return Proc(proc.pid, proc.ppid, proc.pgid, proc.start_time, proc.cmdline, process_memory(proc.pid, gpu))
 
 
+CGROUP_START_TOLERANCE = 1.0  # seconds: psutil's start times are within 1 s (it takes a whole-second boot time)
+
+
+WORKER_REUSE_MARGIN = 2.0  # seconds: a wall-clock step could shift a live worker's start past its cgroup's making
+
+
+def _worker_gone(found: RunnerCgroup) -> bool:
+    """Whether the worker that made a runner cgroup is dead: its pid is gone, or names a process started later."""
+    stat = proc_stat(found.worker_pid)
+    return stat is None or stat.state in ("Z", "X") or stat.started_at > found.created + WORKER_REUSE_MARGIN
+
+
+def _same_pid_namespace(pid: int) -> bool:
+    """Whether ``pid`` lives in this process's pid namespace: a container's worker names pids of its own, which
+    mean other processes here, so its cgroups are never judged from outside."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
+
+
+def dead_workers_cgroups() -> list[RunnerCgroup]:
+    """The runner cgroups whose worker is dead (each may still hold processes; see ``scan``)."""
+    return [found for found in runner_cgroups() if _worker_gone(found)]
+
+
 def scan(registry: Registry | None = None, *, memory: bool = True) -> Scan:
     """Every tether runner of this user, sorted into orphans and healthy ones, plus stale records."""
     registry = registry or Registry()
@@ -163,10 +218,40 @@ def scan(registry: Registry | None = None, *, memory: bool = True) -> Scan:
     for proc in procs.values():
         by_group[proc.pgid].append(proc)
 
+    def measured(found: list[Proc]) -> list[Proc]:
+        return [_with_memory(p, gpu) for p in found] if memory else found
+
     def members(pgid: int, since: float) -> list[Proc]:
         found = [p for p in by_group.get(pgid, []) if p.start_time >= since - 0.05]
         found.sort(key=lambda p: (p.pid != pgid, p.pid))
-        return [_with_memory(p, gpu) for p in found] if memory else found
+        return measured(found)
+
+    # Runner cgroups of dead workers, with the processes of ours still in them (started after the cgroup was made).
+    dead: dict[Path, tuple[RunnerCgroup, list[Proc]]] = {}
+    for found in dead_workers_cgroups():
+        inside = [procs[pid] for pid in found.cgroup.pids() if pid in procs]
+        if not all(_same_pid_namespace(p.pid) for p in inside):
+            continue
+        inside = [p for p in inside if p.start_time >= found.created - CGROUP_START_TOLERANCE]
+        dead[found.cgroup.path] = (found, sorted(inside, key=lambda p: p.pid))
+
+    def claim(group: RunnerGroup, path: Path | None) -> None:
+        """Attach a dead worker's runner cgroup to the group it belongs to, adding the members only it names."""
+        if path is None or path not in dead:
+            path = next(
+                (
+                    p
+                    for p, (found, _) in dead.items()
+                    if found.runner_id == group.runner_id and found.worker_pid == group.worker_pid
+                ),
+                None,
+            )
+        if path is None:
+            return
+        found, inside = dead.pop(path)
+        group.cgroup = found.cgroup
+        known = {m.pid for m in group.members}
+        group.members.extend(measured([p for p in inside if p.pid not in known]))
 
     files = registry.records()
     records = {f.record.pid: f for f in files if f.record is not None}
@@ -206,9 +291,15 @@ def scan(registry: Registry | None = None, *, memory: bool = True) -> Scan:
             record_path=file.path if record is not None and file is not None else None,
             watchdog=record.watchdog if record is not None else not _watchdog_disabled_in(proc.pid),
         )
+        if orphan:
+            claim(group, _record_cgroup(record))
         (result.orphans if orphan else result.healthy).append(group)
 
-    # Records whose runner is gone: stale, unless its group lives on.
+    for group in result.healthy:  # belt and braces: a cgroup holding a runner its live worker still parents is live
+        for path in [path for path, (_, inside) in dead.items() if any(p.pid == group.pgid for p in inside)]:
+            del dead[path]
+
+    # Records whose runner is gone: stale, unless its group or its cgroup lives on.
     for pid, file in records.items():
         assert file.record is not None
         rec = file.record
@@ -218,28 +309,54 @@ def scan(registry: Registry | None = None, *, memory: bool = True) -> Scan:
         if live is not None:
             result.stale.append(StaleRecord(file.path, pid, f"pid {pid} now belongs to another process"))
             continue
-        rest = members(rec.pgid, rec.start_time)
-        if not rest:
+        group = RunnerGroup(
+            pgid=rec.pgid,
+            worker_pid=rec.worker_pid,
+            runner_id=rec.runner_id,
+            started=rec.start_time,
+            runner=None,
+            members=members(rec.pgid, rec.start_time),
+            orphan=True,
+            reason="",
+            record=rec,
+            record_path=file.path,
+            watchdog=rec.watchdog,
+        )
+        claim(group, _record_cgroup(rec))
+        if not group.members:
             result.stale.append(StaleRecord(file.path, pid, "the runner exited"))
+            continue
+        where = "its group and cgroup" if group.cgroup is not None else "its group"
+        group.reason = f"runner {pid} is gone but {len(group.members)} process(es) of {where} live on"
+        result.orphans.append(group)
+
+    # Dead workers' runner cgroups that no runner or record accounts for (a worker whose records are elsewhere).
+    for found, inside in dead.values():
+        if not inside:
             continue
         result.orphans.append(
             RunnerGroup(
-                pgid=rec.pgid,
-                worker_pid=rec.worker_pid,
-                runner_id=rec.runner_id,
-                started=rec.start_time,
+                pgid=None,
+                worker_pid=found.worker_pid,
+                runner_id=found.runner_id,
+                started=found.created,
                 runner=None,
-                members=rest,
+                members=measured(inside),
                 orphan=True,
-                reason=f"runner {pid} is gone but {len(rest)} process(es) of its group live on",
-                record=rec,
-                record_path=file.path,
-                watchdog=rec.watchdog,
+                reason=(
+                    f"worker {found.worker_pid} is gone but its runner cgroup {found.cgroup.path} still holds "
+                    f"{len(inside)} process(es)"
+                ),
+                cgroup=found.cgroup,
             )
         )
     result.orphans.sort(key=lambda g: g.started)
     result.healthy.sort(key=lambda g: g.started)
     return result
+
+
+def _record_cgroup(record: RunnerRecord | None) -> Path | None:
+    return Path(record.cgroup) if record is not None and record.cgroup is not None else None
 
 
 def _watchdog_disabled_in(pid: int) -> bool:
@@ -254,7 +371,7 @@ def _watchdog_disabled_in(pid: int) -> bool:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _identity_mismatch(proc: Proc, pgid: int) -> str | None:
+def _identity_mismatch(proc: Proc, group: RunnerGroup) -> str | None:
     """Why ``proc`` is no longer the process that was scanned (None when it still is)."""
     try:
         live = psutil.Process(proc.pid)
@@ -262,30 +379,16 @@ def _identity_mismatch(proc: Proc, pgid: int) -> str | None:
             return f"pid {proc.pid} was reused (start time differs)"
         if tuple(live.cmdline()) != proc.cmdline:
             return f"pid {proc.pid} changed its command line"
-        if os.getpgid(proc.pid) != pgid:
-            return f"pid {proc.pid} left process group {pgid}"
+        if not group.holds(proc.pid):
+            where = f"process group {group.pgid}" if group.pgid is not None else ""
+            if group.cgroup is not None:
+                where += f"{' and ' if where else ''}cgroup {group.cgroup.path}"
+            return f"pid {proc.pid} left {where}"
     except (psutil.NoSuchProcess, ProcessLookupError):
         return None  # gone: nothing to signal, and it counts as gone
     except psutil.Error as exc:
         return f"pid {proc.pid} cannot be inspected: {exc}"
     return None
-
-
-def _wait_gone(pidfds: dict[int, int], timeout: float) -> set[int]:
-    """Wait (bounded) until the processes behind ``pidfds`` (fd -> pid) exit; return the pids that did."""
-    poller = select.poll()
-    for fd in pidfds:
-        poller.register(fd, select.POLLIN)
-    gone: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while len(gone) < len(pidfds):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        for fd, _ in poller.poll(remaining * 1000):
-            gone.add(pidfds[fd])
-            poller.unregister(fd)
-    return gone
 
 
 def reap(group: RunnerGroup, *, grace: float = 5.0, kill_wait: float = 5.0) -> ReapResult:
@@ -304,7 +407,7 @@ def reap(group: RunnerGroup, *, grace: float = 5.0, kill_wait: float = 5.0) -> R
             except ProcessLookupError:
                 result.gone.append(proc.pid)
                 continue
-            why = _identity_mismatch(proc, group.pgid)
+            why = _identity_mismatch(proc, group)
             if why is not None:
                 os.close(fd)
                 result.refused.append((proc.pid, why))
@@ -321,22 +424,24 @@ def reap(group: RunnerGroup, *, grace: float = 5.0, kill_wait: float = 5.0) -> R
     try:
         adopt(group.members)
         send(signal.SIGTERM, set(procs))
-        gone = _wait_gone(pidfds, grace)
+        gone = wait_pidfds(pidfds, grace)
         result.killed_with = "SIGTERM"
-        # Anything forked meanwhile (a helper respawning) joins the group: take it too, but only while a verified
-        # member still holds the group id (until then it cannot be reused), and never a new group leader (a
-        # leader with the group's id that we did not verify is a reused pid, not our runner).
+        # Anything forked meanwhile (a helper respawning) joins the group or the cgroup: take it too, but only while
+        # a verified member still holds the group id (until then it cannot be reused), and never a new group leader
+        # (a leader with the group's id that we did not verify is a reused pid, not our runner).
         if set(procs) - gone:
+            in_cgroup = set(group.cgroup.pids()) if group.cgroup is not None else set()
             adopt(
                 p
                 for p in _own_processes().values()
-                if p.pgid == group.pgid and p.pid != group.pgid and p.start_time >= group.started - 0.05
+                if (p.pid in in_cgroup or (p.pgid == group.pgid and p.pid != group.pgid))
+                and p.start_time >= group.started - CGROUP_START_TOLERANCE
             )
         alive = set(procs) - gone
         if alive:
             result.killed_with = "SIGKILL"
             send(signal.SIGKILL, alive)
-            gone |= _wait_gone({fd: pid for fd, pid in pidfds.items() if pid in alive}, kill_wait)
+            gone |= wait_pidfds({fd: pid for fd, pid in pidfds.items() if pid in alive}, kill_wait)
     finally:
         for fd in pidfds:
             os.close(fd)
@@ -347,10 +452,22 @@ def reap(group: RunnerGroup, *, grace: float = 5.0, kill_wait: float = 5.0) -> R
     for pid in gone:  # our own zombies when we are their (sub)reaper; init reaps the others
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-    if result.ok and group.record_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            group.record_path.unlink()
+    if result.ok:
+        if group.cgroup is not None:
+            remove_cgroup(group.cgroup)  # empty now (an exited process has left it); else the next sweep
+        if group.record_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                group.record_path.unlink()
     return result
+
+
+def sweep_stale_cgroups() -> list[Path]:
+    """Remove the empty runner cgroups of dead workers (a hard-killed worker cannot remove its own)."""
+    removed = []
+    for found in dead_workers_cgroups():
+        if not found.cgroup.pids() and remove_cgroup(found.cgroup):
+            removed.append(found.cgroup.path)
+    return removed
 
 
 def auto_reap_enabled() -> bool:
@@ -365,14 +482,12 @@ def reap_all(found: Scan, registry: Registry, *, grace: float = 5.0, spare_unwat
     """
     for stale in found.stale:
         registry.discard(stale.path)
-    for path in sweep_stale_cgroups():
-        log.info("removed the empty cgroup %s of a dead worker", path)
     results = []
     for group in found.orphans:
         if spare_unwatched and not group.watchdog:
             log.warning(
-                "left orphaned runner %d alone: it was started with the orphan watchdog disabled (%s)",
-                group.pgid,
+                "left orphaned %s alone: it was started with the orphan watchdog disabled (%s)",
+                group.label,
                 group.reason,
             )
             continue
@@ -380,8 +495,8 @@ def reap_all(found: Scan, registry: Registry, *, grace: float = 5.0, spare_unwat
         results.append(result)
         if result.ok:
             log.warning(
-                "reaped orphaned runner %d (%s; %s) with %s: freed %s (RSS %s)",
-                group.pgid,
+                "reaped orphaned %s (%s; %s) with %s: freed %s (RSS %s)",
+                group.label,
                 group.model or group.engine or "unknown model",
                 group.reason,
                 result.killed_with,
@@ -389,7 +504,9 @@ def reap_all(found: Scan, registry: Registry, *, grace: float = 5.0, spare_unwat
                 format_bytes(result.freed.rss),
             )
         else:
-            log.error("could not reap orphaned runner %d: %s survived SIGKILL", group.pgid, result.survivors)
+            log.error("could not reap orphaned %s: %s survived SIGKILL", group.label, result.survivors)
+    for path in sweep_stale_cgroups():  # after the reaping: the cgroups it emptied go too
+        log.info("removed the empty cgroup %s of a dead worker", path)
     return results
 
 

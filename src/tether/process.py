@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -176,7 +177,8 @@ def _wait_for_exit_without_reaping(pid: int) -> None:
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
 
-def _open_pidfd(pid: int) -> int | None:
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (a handle that cannot come to mean another process), or None when gone or unsupported."""
     if not hasattr(os, "pidfd_open"):
         return None
     try:
@@ -185,14 +187,69 @@ def _open_pidfd(pid: int) -> int | None:
         return None
 
 
+def signal_pinned(pid: int, sig: int, belongs: Callable[[int], bool]) -> int | None:
+    """Signal ``pid`` only if it is still the process we mean; return its pidfd (the caller closes it), else None.
+
+    The pidfd is opened *before* ``belongs(pid)`` checks its identity (group, cgroup, start time): from then on the
+    pid cannot be reused, so a process that replaced ours under the same pid is never hit. None when the process is
+    gone, does not belong, or pidfds are missing (then nothing is signalled: a bare pid could be anyone's by now).
+    """
+    fd = open_pidfd(pid)
+    if fd is None:
+        return None
+    try:
+        if belongs(pid):
+            signal.pidfd_send_signal(fd, sig)
+            return fd
+    except ProcessLookupError:  # exited between the check and the signal: it counts as gone
+        pass
+    os.close(fd)
+    return None
+
+
+def wait_pidfds(pidfds: dict[int, int], timeout: float, *, any_exit: bool = False) -> set[int]:
+    """Wait (bounded) until the processes behind ``pidfds`` (fd -> pid) exit; return the pids that did.
+
+    With ``any_exit``, return as soon as at least one has exited (or the timeout passes).
+    """
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    gone: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(gone) < len(pidfds) and not (any_exit and gone):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for fd, _ in poller.poll(remaining * 1000):
+            gone.add(pidfds[fd])
+            poller.unregister(fd)
+    return gone
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class ProcStat:
-    """The few fields of /proc/PID/stat the drills need."""
+    """The few fields of /proc/PID/stat tether needs."""
 
     pid: int
     state: str  # "Z" for a zombie
     ppid: int
     pgid: int
+    start_ticks: int = 0  # start time in clock ticks since boot (CLOCK_BOOTTIME, the kernel log's clock)
+
+    @property
+    def started_since_boot(self) -> float:
+        """When it started, in seconds since boot."""
+        return self.start_ticks / _CLOCK_TICKS
+
+    @property
+    def started_at(self) -> float:
+        """When it started, in seconds since the epoch, to a clock tick (psutil's figure is only within 1 s: it
+        takes the boot time from /proc/stat, in whole seconds)."""
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + self.started_since_boot
 
 
 def proc_stat(pid: int) -> ProcStat | None:
@@ -203,7 +260,7 @@ def proc_stat(pid: int) -> ProcStat | None:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]))
+    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
 
 
 def live_processes() -> list[ProcStat]:
@@ -348,5 +405,5 @@ def spawn_runner(config: RunnerConfig, *, env: dict[str, str] | None = None) -> 
     for fd in (tasks_r, events_w, output_w):
         os.close(fd)
     return RunnerProcess(
-        popen=popen, tasks_fd=tasks_w, events_fd=events_r, output_fd=output_r, pidfd=_open_pidfd(popen.pid)
+        popen=popen, tasks_fd=tasks_w, events_fd=events_r, output_fd=output_r, pidfd=open_pidfd(popen.pid)
     )

@@ -70,6 +70,8 @@ class RunnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lifeline_fd: int | None = None  # read end of the worker's lifeline pipe (see ``lifeline``)
     orphan_layers: tuple[str, ...] = ("pdeathsig", "lifeline", "poll")
     orphan_poll_interval: float = 0.5  # seconds between parent-pid checks
+    cgroup: str | None = None  # the memory cgroup the runner joins before it forks anything
+    own_cgroup: bool = False  # that cgroup is the runner's alone: everything in it dies with the runner
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -45,6 +45,7 @@ class RunnerRecord(msgspec.Struct, frozen=True, kw_only=True):
     engine: str
     model: str | None
     watchdog: bool = True  # False when the runner was started with the orphan watchdog disabled
+    cgroup: str | None = None  # the runner's own memory cgroup: it also holds helpers that left the process group
     created: float = msgspec.field(default_factory=time.time)
     version: int = 1
 
@@ -141,7 +142,14 @@ class Registry:
 
 
 def record_for(
-    pid: int, cmdline: list[str], worker_pid: int, runner_id: str, engine: str, model: str | None, watchdog: bool
+    pid: int,
+    cmdline: list[str],
+    worker_pid: int,
+    runner_id: str,
+    engine: str,
+    model: str | None,
+    watchdog: bool,
+    cgroup: Path | None = None,
 ) -> RunnerRecord:
     """A record for a freshly spawned runner (the runner leads its own group: pgid == pid)."""
     return RunnerRecord(
@@ -155,4 +163,5 @@ def record_for(
         engine=engine,
         model=model,
         watchdog=watchdog,
+        cgroup=str(cgroup) if cgroup is not None else None,
     )

@@ -345,8 +345,16 @@ def _hard_exit(code: int) -> NoReturn:
 def main(argv: list[str] | None = None) -> NoReturn:
     args = RunnerArgs.parse(sys.argv[1:] if argv is None else argv)
     config = msgspec.json.decode(os.environ.pop(CONFIG_ENV), type=RunnerConfig)
-    # Orphan protection first, while this is the only thread: it forks the group guard.
-    lifeline.install(config.worker_pid, config.lifeline_fd, config.orphan_layers, config.orphan_poll_interval)
+    # Into the memory cgroup, then orphan protection, while this is the only thread: the guard it forks, and every
+    # helper the engine starts later, begin inside the cgroup, out of which none of them can move.
+    cgroup = lifeline.join_cgroup(config.cgroup) if config.cgroup is not None else None
+    lifeline.install(
+        config.worker_pid,
+        config.lifeline_fd,
+        config.orphan_layers,
+        config.orphan_poll_interval,
+        own_cgroup=cgroup if config.own_cgroup else None,
+    )
     tasks_fd, events_fd = args.tasks_fd, args.events_fd
     os.set_inheritable(tasks_fd, False)  # the runner's own children must never hold its channel open
     os.set_inheritable(events_fd, False)

@@ -56,13 +56,12 @@ from tether.memory import (
     create_child_cgroup,
     kill_cgroup_members,
     process_status_memory,
-    read_text,
     remove_cgroup,
     runner_cgroup_name,
 )
 from tether.oom import OomWatch
 from tether.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
-from tether.process import ExitStatus, RunnerProcess, group_members, start_runner
+from tether.process import ExitStatus, RunnerProcess, group_members, open_pidfd, start_runner
 from tether.protocol import (
     Cancel,
     CancelAcknowledged,
@@ -101,8 +100,7 @@ log = logging.getLogger("tether.supervisor")
 def _group_memory(pgid: int, cgroup: MemoryCgroup | None, with_gpu: bool) -> tuple[ProcessMemory | None, bool]:
     """(total memory of a runner's processes, whether NVML is usable), from the cheap per-process counters: a
     periodic sample must not cost a page-table walk of a big model (``process_memory`` does that, on demand)."""
-    pids = [int(p) for p in (read_text(cgroup.path / "cgroup.procs") or "").split()] if cgroup else []
-    pids = pids or group_members(pgid)
+    pids = (cgroup.pids() if cgroup else []) or group_members(pgid)
     gpu = GpuUsage.snapshot() if with_gpu else None
     samples = [m for m in (process_status_memory(pid, gpu) for pid in pids) if m is not None]
     return (ProcessMemory.total(samples) if samples else None), bool(gpu and gpu.available)
@@ -350,6 +348,17 @@ class Supervisor:
     async def start(self) -> None:
         """Spawn the runner and wait (bounded) for its hello."""
         assert self._tg is not None, "use 'async with Supervisor(...)'"
+        if self.contain:
+            self._own_cgroup, why = create_child_cgroup(runner_cgroup_name(self.runner_id), self.memory_limit)
+            if self._own_cgroup is not None:
+                self.cgroup = self._own_cgroup.path
+            else:
+                log.info(
+                    "%s: no cgroup of its own (%s); its process group still contains it, but not a helper that "
+                    "leaves the group (setsid, setpgid, a double fork)",
+                    self.name,
+                    why,
+                )
         config = RunnerConfig(
             runner_id=self.runner_id,
             spec=self.spec,
@@ -357,13 +366,9 @@ class Supervisor:
             heartbeat_interval=self.heartbeat_interval,
             orphan_layers=self.orphan_layers,
             orphan_poll_interval=self.orphan_poll_interval,
+            cgroup=str(self.cgroup) if self.cgroup is not None else None,  # joined before the runner forks anything
+            own_cgroup=self._own_cgroup is not None,
         )
-        if self.contain:
-            self._own_cgroup, why = create_child_cgroup(runner_cgroup_name(self.runner_id), self.memory_limit)
-            if self._own_cgroup is not None:
-                self.cgroup = self._own_cgroup.path
-            else:
-                log.info("%s: no cgroup of its own (%s); its process group still contains it", self.name, why)
         try:
             self.process = await start_runner(config, env=self.env)
         except OSError as exc:
@@ -377,10 +382,8 @@ class Supervisor:
                 remove_cgroup(self._own_cgroup)
             raise RunnerUnavailable(self.cause.summary, self.cause) from exc
         try:
-            if self.cgroup is not None:  # before the runner forks anything: its guard and helpers follow it
-                (self.cgroup / "cgroup.procs").write_text(str(self.process.pid))
-            self._oom = OomWatch(self.process.pid)
-            self._oom.observe()
+            cgroup = MemoryCgroup.at(self.cgroup) if self.cgroup is not None else None
+            self._oom = OomWatch(self.process.pid, cgroup, own=self._own_cgroup is not None)
             self._sender = AsyncSender(self.process.tasks_fd)
             self._receiver = AsyncReceiver(self.process.events_fd, Event)
         except BaseException:  # nothing watches the runner yet: take it down here
@@ -428,6 +431,7 @@ class Supervisor:
                     self.spec.engine,
                     self.spec.model,
                     watchdog,
+                    self._own_cgroup.path if self._own_cgroup is not None else None,
                 )
             )
         except OSError as exc:  # the runner is still protected by its lifeline; only later discovery is weaker
@@ -730,6 +734,10 @@ class Supervisor:
         elif isinstance(event, RunnerHello):
             self.hello = event
             self._progress.beat(now)
+            if self.cgroup is not None and MemoryCgroup.of_pid(event.pid) != MemoryCgroup.at(self.cgroup):
+                log.warning("%s is not in its memory cgroup %s (see its output for why)", self.name, self.cgroup)
+            if self._oom is not None:
+                self._oom.observe()
             self._notify()
 
     def _finish(self, task_id: str, state: TaskState) -> None:
@@ -800,6 +808,8 @@ class Supervisor:
                 self._rearm_deadlines()
                 if self._output_event is not None:
                     self._output_event.set()
+                if self._own_cgroup is not None:  # still shielded: a stopping worker must not leave it behind
+                    await self._remove_own_cgroup(self._own_cgroup)
 
     async def _finalize(self, exit_status: ExitStatus) -> None:
         """After the exit: drain, diagnose, end every in-flight task, release the pipes."""
@@ -860,18 +870,30 @@ class Supervisor:
         self.registry.remove(proc.pid)  # reaped and its group killed (``wait_exit``): nothing left to find
         if self._oom is not None:
             self._oom.close()
-        if self._own_cgroup is not None and not remove_cgroup(self._own_cgroup):
-            assert self._tg is not None
-            self._tg.start_soon(self._remove_own_cgroup)  # its last members are still leaving
 
-    async def _remove_own_cgroup(self) -> None:
-        """Bounded: the killed group's members leave the cgroup as the kernel finishes tearing them down."""
-        assert self._own_cgroup is not None
+    async def _remove_own_cgroup(self, cgroup: MemoryCgroup) -> None:
+        """Remove the runner's cgroup once its last members (SIGKILLed at the exit) have left it: awaited on their
+        pidfds, within ``stop_timeout``; a leftover (a process stuck in the kernel) is logged and swept later."""
         with anyio.move_on_after(self.stop_timeout):
-            while not remove_cgroup(self._own_cgroup):
-                await anyio.sleep(0.01)
+            while not remove_cgroup(cgroup):
+                kill_cgroup_members(cgroup)  # anything forked since the exit
+                leaving = [fd for fd in (open_pidfd(pid) for pid in cgroup.pids()) if fd is not None]
+                try:
+                    for fd in leaving:
+                        await anyio.wait_readable(fd)
+                finally:
+                    for fd in leaving:
+                        os.close(fd)
+                if not leaving:
+                    await anyio.sleep(0.005)  # no pidfds here, or gone between the listing and the pin
             return
-        log.warning("%s: could not remove its cgroup %s: still in use", self.name, self._own_cgroup.path)
+        log.warning(
+            "%s: could not remove its cgroup %s within %g s: still in use by %s",
+            self.name,
+            cgroup.path,
+            self.stop_timeout,
+            cgroup.pids(),
+        )
 
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
         for task_id in list(self._inflight):

@@ -6,7 +6,8 @@ Shared by the tests and ``bench/orphan_exit.py`` so both exercise exactly the sa
   loading, generating) on the debug engine, optionally with helper processes. When every runner is in its state it
   prints one JSON line (its pid and its runners' pids) and waits to be killed.
 - ``run_trial`` (or ``python -m tether.testing trial ...``, which prints the result as JSON) starts that worker,
-  snapshots every process of every runner's group, SIGKILLs the worker and waits (bounded) on each process's pidfd.
+  snapshots every process each runner started (its process group and its own cgroup, which also holds the helpers
+  that left the group), SIGKILLs the worker and waits (bounded) on each process's pidfd.
   By default the drill process is a child subreaper (``PR_SET_CHILD_SUBREAPER``): orphans are reparented to it rather
   than to init, the case where "is my parent pid 1?" watchdogs never fire, and it can reap what it observes.
 """
@@ -30,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 import anyio
 
 from tether import lifeline
+from tether.engines.debug import HELPER_KINDS
+from tether.memory import RUNNER_CGROUP_PREFIX, MemoryCgroup
 from tether.process import group_members
 from tether.protocol import EngineSpec, Fault, GenerateParams, Loading, LoadTask, RunnerStatus, Running
 from tether.supervisor import Supervisor
@@ -100,7 +103,7 @@ class TrialResult:
 
     worker: int
     runners: dict[int, str]  # runner pid -> state
-    members: dict[int, list[int]]  # runner pid -> every process of its group (runner, guard, helpers)
+    members: dict[int, list[int]]  # runner pid -> every process it started (``runner_processes``), itself included
     runner_exit_ms: dict[int, float] = field(default_factory=dict)
     group_exit_ms: dict[int, float] = field(default_factory=dict)  # when the group's last process exited
     survivors: list[int] = field(default_factory=list)
@@ -112,9 +115,26 @@ class TrialResult:
         for pgid in self.members:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+        for pid in self.survivors:  # those that left the group (seconds ago: their pids cannot have been reused)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         for pid in self.survivors:
             with contextlib.suppress(ChildProcessError, ProcessLookupError):
                 os.waitpid(pid, 0)
+
+
+def runner_processes(runner: int) -> list[int]:
+    """Every live process a runner started: its process group, and its own memory cgroup when it has one (which
+    also holds the helpers that left the group)."""
+    pids = set(group_members(runner))
+    cgroup = MemoryCgroup.of_pid(runner)
+    if (
+        cgroup is not None
+        and cgroup.path.name.startswith(RUNNER_CGROUP_PREFIX)
+        and cgroup != MemoryCgroup.of_pid(os.getpid())
+    ):
+        pids.update(cgroup.pids())
+    return sorted(pids)
 
 
 def worker_argv(
@@ -177,7 +197,7 @@ def run_trial(
     argv = worker_argv(states, helpers=helpers, helper_kind=helper_kind, layers=layers, poll_interval=poll_interval)
     worker, report = start_worker(argv, disable_watchdog=disable_watchdog)
     runners = {int(r["pid"]): str(r["state"]) for r in report["runners"]}  # type: ignore[attr-defined]
-    members = {pid: group_members(pid) for pid in runners}
+    members = {pid: runner_processes(pid) for pid in runners}
     result = TrialResult(worker=worker.pid, runners=runners, members=members, subreaper=is_subreaper)
     worker_fd = os.pidfd_open(worker.pid)
     pidfds: dict[int, int] = {worker_fd: worker.pid}
@@ -224,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=("worker", "trial"))
     parser.add_argument("--states", default="idle")
     parser.add_argument("--helpers", type=int, default=0)
-    parser.add_argument("--helper-kind", default="exec", choices=("exec", "setsid", "fork"))
+    parser.add_argument("--helper-kind", default="exec", help=f"one of {', '.join(HELPER_KINDS)} or a comma list")
     parser.add_argument("--layers", default=",".join(lifeline.LAYERS), help="comma-separated; empty for none")
     parser.add_argument("--poll-interval", type=float, default=lifeline.DEFAULT_POLL_INTERVAL)
     parser.add_argument("--disable-watchdog", action="store_true", help=f"set {lifeline.DISABLE_ENV}=1 (trial)")

@@ -288,6 +288,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
             # footprint: what killing the group frees (anonymous + shmem + swap + GPU), beside the raw figures
             "memory": {"footprint": memory.footprint, **msgspec.to_builtins(memory)} if memory is not None else None,
             "log": str(sup.output_log) if sup.output_log else None,
+            "cgroup": str(sup.cgroup) if sup.cgroup is not None else None,
         }
     cause = inst.cause
     return {

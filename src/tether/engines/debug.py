@@ -11,10 +11,13 @@ Options (``spec.options``):
   n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError
   helpers            number of helper processes to start at the beginning of load (default 0), like an engine's
                      tokenizer or compile workers; they live until close() and prove a runner's group dies with it
-  helper_kind        "exec" (a fresh ``sleep`` program, default), "setsid" (the same in a session and process group of
-                     its own, out of reach of a group kill: only the runner's cgroup holds it) or "fork" (a forked
-                     copy of the runner that keeps every inherited descriptor, as multiprocessing's fork start method
-                     does)
+  helper_kind        "exec" (a fresh ``sleep`` program, default), "fork" (a forked copy of the runner that keeps every
+                     inherited descriptor, as multiprocessing's fork start method does), or one that leaves the
+                     runner's process group, out of reach of a group kill (only the runner's cgroup still holds it):
+                     "setsid" (``sleep`` in a session of its own), "setpgid" (``sleep`` in a process group of its own)
+                     or "double_fork" (a daemon: fork, setsid, fork again, the middle process exits, so ``sleep`` is
+                     reparented to init and nothing links it to the runner but its cgroup); a comma-separated list
+                     gives helper ``i`` the kind ``i`` modulo its length
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ VOCAB = tuple(
 )
 
 
+HELPER_KINDS = ("exec", "fork", "setsid", "setpgid", "double_fork")
 _NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow"})  # exceptions/stalls inside an engine call
 
 
@@ -63,8 +67,10 @@ class DebugEngine:
             self.n_ctx = int(n_ctx) if n_ctx is not None else None
             self.helpers = max(0, int(options.get("helpers", 0)))
             self.helper_kind = str(options.get("helper_kind", "exec"))
-            if self.helper_kind not in ("exec", "setsid", "fork"):
-                raise ValueError(f"helper_kind must be 'exec', 'setsid' or 'fork', got {self.helper_kind!r}")
+            self._kinds = self.helper_kind.split(",")
+            unknown = [kind for kind in self._kinds if kind not in HELPER_KINDS]
+            if unknown:
+                raise ValueError(f"helper_kind must be one of {', '.join(HELPER_KINDS)} (or several, comma-separated)")
             idle_exceptions = [f.kind for f in spec.faults if f.phase == "idle" and f.kind in _NEEDS_ENGINE_CODE]
             if idle_exceptions:
                 raise ValueError(
@@ -79,8 +85,8 @@ class DebugEngine:
     def load(self, progress: ProgressCallback) -> None:
         """Start the helpers, then report ``load_steps`` progress steps; load faults fire at step 0 (``slow`` at
         each step)."""
-        for _ in range(self.helpers):
-            self._helper_pids.append(_start_helper(self.helper_kind))
+        for i in range(self.helpers):
+            self._helper_pids.append(_start_helper(self._kinds[i % len(self._kinds)]))
         if self.helpers:
             progress(0.0, f"started {self.helpers} helper processes ({self.helper_kind})")
         for step in range(self.load_steps):
@@ -165,13 +171,47 @@ class DebugEngine:
 
 
 def _start_helper(kind: str) -> int:
-    """Start one helper process (in the runner's process group unless ``setsid``) and return its pid."""
-    if kind in ("exec", "setsid"):
-        return subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL, start_new_session=kind == "setsid").pid
+    """Start one helper process of ``kind`` (see the module docstring) and return its pid."""
+    if kind in ("exec", "setsid", "setpgid"):
+        return subprocess.Popen(
+            ["sleep", "infinity"],
+            stdin=subprocess.DEVNULL,
+            start_new_session=kind == "setsid",
+            process_group=0 if kind == "setpgid" else None,
+        ).pid
+    if kind == "double_fork":
+        return _daemon()
     pid = os.fork()  # the runner has threads; the child only sleeps, so no lock it inherits is ever taken
     if pid == 0:
         while True:
             signal.pause()
+    return pid
+
+
+def _daemon() -> int:
+    """The classic daemon: fork, setsid, fork again and let the middle process exit; the grandchild closes what it
+    inherited and execs ``sleep``. Its pid comes back through a pipe (it is nobody's child once the middle exits)."""
+    read_end, write_end = os.pipe()
+    middle = os.fork()  # only async-signal-safe calls follow in the children: no lock of the threaded runner
+    if middle == 0:
+        try:
+            os.setsid()
+            grandchild = os.fork()
+            if grandchild == 0:
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                os.execvp("sleep", ["sleep", "infinity"])
+            os.write(write_end, str(grandchild).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        pid = int(os.read(read_end, 32))
+    finally:
+        os.close(read_end)
+        os.waitpid(middle, 0)
     return pid
 
 
