@@ -90,3 +90,54 @@ def test_the_counter_of_an_unshared_cgroup_is_enough_without_the_kernel_log() ->
     own = OomEvidence(cgroup="/x", oom_kills_before=0, oom_kills_after=1, shared_cgroup=False)
     shared = OomEvidence(cgroup="/x", oom_kills_before=0, oom_kills_after=1, shared_cgroup=True)
     assert own.killed_by_oom and not shared.killed_by_oom and shared.counter_rose
+
+
+_OOM_UNDER_AN_ENCLOSING_LIMIT = """
+import json, os, sys
+open(sys.argv[1] + "/cgroup.procs", "w").write(str(os.getpid()))  # the worker, in the limited cgroup
+import anyio
+from tether.protocol import EngineSpec, Fault, GenerateParams
+from tether.supervisor import Supervisor
+
+async def main():
+    oom = GenerateParams(prompt="x", max_tokens=50, faults=(Fault(kind="oom", after_tokens=2),))
+    async with Supervisor(EngineSpec(engine="debug")) as sup:  # its own cgroup, with no limit of its own
+        await sup.ready()
+        own = str(sup.cgroup)
+        await (await sup.generate(oom)).wait()
+    print(json.dumps({"kind": sup.cause.kind.value, "summary": sup.cause.summary, "own": own}))
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+def test_an_oom_kill_under_an_enclosing_cgroups_limit_names_that_limit_and_where_it_is_set(
+    memory_cgroup: MakeCgroup,
+) -> None:
+    """The runner's own cgroup has no limit; the worker's has 171 MiB. The cause used to say "no cgroup limit"."""
+    limited = memory_cgroup(171 * MiB)
+    out = subprocess.run(
+        [sys.executable, "-c", _OOM_UNDER_AN_ENCLOSING_LIMIT, str(limited)], capture_output=True, text=True, timeout=45
+    )
+    assert out.returncode == 0, out.stderr
+    cause = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cause["kind"] == "out_of_memory", cause
+    assert cause["own"].startswith(str(limited) + "/tether-")  # the runner's own cgroup, below the limited one
+    assert f"cgroup limit 171 MiB set on the enclosing cgroup {limited}" in cause["summary"], cause["summary"]
+    assert "no cgroup limit" not in cause["summary"]
+
+
+def test_the_binding_limit_is_the_tightest_on_the_way_to_the_root(memory_cgroup: MakeCgroup) -> None:
+    outer = memory_cgroup(300 * MiB)
+    inner = outer / "inner"
+    inner.mkdir()
+    try:
+        (inner / "memory.limit_in_bytes").write_text(str(400 * MiB))  # looser than its parent's: the parent binds
+        assert MemoryCgroup(inner, 1).binding_limit() == (300 * MiB, outer)
+        (inner / "memory.limit_in_bytes").write_text(str(200 * MiB))
+        assert MemoryCgroup(inner, 1).binding_limit() == (200 * MiB, inner)
+        assert MemoryCgroup(inner, 1).effective_limit() == 200 * MiB
+    finally:
+        inner.rmdir()

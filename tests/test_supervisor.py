@@ -7,10 +7,12 @@ import signal
 import time
 
 import anyio
+import msgspec
 import pytest
 
 from conftest import pid_alive
-from tether.channel import AsyncReceiver, AsyncSender, EndOfStream
+from tether.channel import PARTIAL_FRAME_STALL, AsyncReceiver, AsyncSender, EndOfStream
+from tether.hangs import Deadlines
 from tether.process import RunnerArgs, spawn_runner
 from tether.protocol import (
     CauseKind,
@@ -290,6 +292,14 @@ async def test_a_cancelled_caller_still_stops_its_runner_cleanly() -> None:
     assert handle.final is None or handle.final.state is TaskState.CANCELLED
 
 
+def _events_write_end(pid: int) -> int:
+    """A write end of a live runner's events pipe, opened through /proc as a stray native write would use it."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = RunnerArgs.from_cmdline(f.read().decode().split("\0")[:-1])
+    assert args is not None
+    return os.open(f"/proc/{pid}/fd/{args.events_fd}", os.O_WRONLY)
+
+
 async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
     """Corrupt the live events pipe of a real runner: the supervisor names the cause and ends the tasks."""
     with anyio.fail_after(30):
@@ -297,11 +307,7 @@ async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
             await sup.ready()
             handle = await sup.generate(prompt(100_000))
             assert sup.pid is not None
-            with open(f"/proc/{sup.pid}/cmdline", "rb") as f:
-                args = RunnerArgs.from_cmdline(f.read().decode().split("\0")[:-1])
-            assert args is not None
-            events_fd = args.events_fd
-            fd = os.open(f"/proc/{sup.pid}/fd/{events_fd}", os.O_WRONLY)  # the runner's own write end
+            fd = _events_write_end(sup.pid)  # the runner's own write end
             try:
                 os.write(fd, (12).to_bytes(4, "little") + b"\xc1" * 12)  # 0xc1 is never valid msgpack
             finally:
@@ -312,6 +318,112 @@ async def test_garbage_on_the_channel_is_a_protocol_error_not_a_hang() -> None:
     assert final.cause.kind is CauseKind.PROTOCOL_ERROR
     assert "is malformed" in final.cause.summary
     assert isinstance(sup.status, Failed) and sup.status.cause.kind is CauseKind.PROTOCOL_ERROR
+
+
+@pytest.mark.parametrize("mimic", [False, True], ids=["garbage", "garbage that looks like a message"])
+@pytest.mark.parametrize("heartbeat_deadline", [1.0, 5.0])
+async def test_garbage_with_a_plausible_length_is_a_protocol_error_with_its_bytes_not_a_hang(
+    mimic: bool, heartbeat_deadline: float
+) -> None:
+    """A length prefix the reader would wait for used to swallow every heartbeat behind it, and the runner was then
+    reported hung. Garbage that does not begin like a message is refused at once; garbage that does is given away
+    by bytes that keep arriving without completing it (or, when the heartbeat deadline comes first, at that
+    moment)."""
+    size = (1 << 20) if mimic else 4096  # a MiB: more than the runner's traffic fills before the reader sees through it
+    body = msgspec.msgpack.encode({"type": "heartbeat"})[:-1] if mimic else b"\x00\x13\x37 not a frame"
+    with anyio.fail_after(30):
+        async with Supervisor(
+            debug(token_seconds=0.02), deadlines=Deadlines(heartbeat=heartbeat_deadline, token_gap=60)
+        ) as sup:
+            await sup.ready()
+            handle = await sup.generate(prompt(100_000))
+            async for event in handle:
+                if isinstance(event, Chunk):
+                    break  # generating: the runner keeps writing after the garbage
+            assert sup.pid is not None
+            fd = _events_write_end(sup.pid)
+            try:
+                os.write(fd, size.to_bytes(4, "little") + body)
+            finally:
+                os.close(fd)
+            began = time.monotonic()
+            final = await handle.wait()
+            took = time.monotonic() - began
+            await sup.wait_exit(10)
+    assert final.state is TaskState.FAILED and final.cause is not None
+    cause = final.cause
+    assert cause.kind is CauseKind.PROTOCOL_ERROR, cause.render()
+    assert "garbage on the pipe" in cause.summary and "hung" not in cause.summary
+    prefix = size.to_bytes(4, "little").hex(" ")
+    assert any(line.startswith(f"bytes: {prefix}") for line in cause.evidence), cause.evidence
+    assert took < (0.5 if not mimic else min(PARTIAL_FRAME_STALL, heartbeat_deadline) + 1.0), took
+
+
+async def test_the_garbage_fault_writes_garbage_from_inside_the_runner() -> None:
+    garbage = Fault(kind="garbage", after_tokens=3, size=1 << 20, mimic=True)
+    with anyio.fail_after(30):
+        async with Supervisor(debug(token_seconds=0.02)) as sup:
+            await sup.ready()
+            final = await (await sup.generate(prompt(100_000, garbage))).wait()
+            await sup.wait_exit(10)
+    assert final.state is TaskState.FAILED and final.cause is not None, final
+    assert final.cause.kind is CauseKind.PROTOCOL_ERROR and "garbage on the pipe" in final.cause.summary
+    assert final.tokens == 3
+
+
+async def test_a_task_write_that_times_out_raises_with_the_hang_as_its_cause() -> None:
+    """The send timeout used to raise before the hang's cause existed (it is declared in the background)."""
+    with anyio.fail_after(30):
+        async with Supervisor(debug(), send_timeout=0.3) as sup:
+            await sup.ready()
+            assert sup.pid is not None
+            os.kill(sup.pid, signal.SIGSTOP)  # reads nothing more: the pipe fills
+            big = GenerateParams(prompt="word " * 200_000, max_tokens=1)  # 1 MB: more than any pipe holds
+            with pytest.raises(RunnerUnavailable) as raised:
+                await sup.generate(big)
+            await sup.wait_exit(10)
+    cause = raised.value.cause
+    assert cause is not None and cause.kind is CauseKind.HANG, raised.value
+    assert "a write did not complete in 0.3 s" in cause.summary
+    assert sup.cause is not None and sup.cause.kind is CauseKind.HANG
+
+
+async def test_a_task_that_cannot_be_encoded_is_refused_and_leaves_the_runner_serving() -> None:
+    """An integer msgpack cannot carry used to be registered, fail on the wire, and get the runner declared hung
+    when its acknowledgement never came."""
+    with anyio.fail_after(30):
+        async with Supervisor(debug(), deadlines=Deadlines(ack=0.5)) as sup:
+            await sup.ready()
+            with pytest.raises(ValueError, match="cannot encode"):
+                await sup.submit(GenerateTask("huge", GenerateParams(prompt="x", seed=1 << 70)))
+            with anyio.move_on_after(1.0):  # twice the ack deadline: it must not fire
+                await sup.wait_exit(2)
+            assert sup.alive
+            _text, done = await (await sup.generate(prompt(3))).text()
+    assert done.state is TaskState.COMPLETE
+
+
+@pytest.mark.parametrize("phase", ["loading", "warming up"])
+async def test_a_runner_stopped_while_loading_or_warming_up_exits_at_once_and_cleanly(phase: str) -> None:
+    """It used to spend half the stop bound (5 s) unable to read the shutdown, then be SIGTERMed."""
+    slow = Fault(kind="slow", phase="load" if phase == "loading" else "warmup", seconds=3600)
+    spec = debug(slow, helpers=1, helper_kind="setsid")
+    with anyio.fail_after(30):
+        async with Supervisor(spec, stop_timeout=10) as sup:
+            task = await sup.submit(LoadTask("load"))
+            if phase == "warming up":
+                assert (await task.wait()).state is TaskState.COMPLETE
+                task = await sup.submit(WarmupTask("warmup"))
+            await sup.wait_status(lambda s: isinstance(s, Loading | WarmingUp), 10)
+            assert sup.pid is not None and sup.cgroup is not None
+            members = [int(p) for p in (sup.cgroup / "cgroup.procs").read_text().split()]
+            report = await sup.stop()
+            final = await task.wait()
+    assert report is not None and report.clean and report.escalated_to is None, report
+    assert report.seconds < 1.0, report
+    assert final.state is TaskState.CANCELLED and final.error == f"the runner was shut down while {phase}"
+    assert isinstance(sup.status, Shutdown)
+    assert [pid for pid in members if pid_alive(pid)] == []
 
 
 async def test_a_load_that_outlasts_an_explicit_total_bound_kills_the_runner_with_a_hang_cause() -> None:

@@ -158,7 +158,12 @@ def _oom_cause(ev: Evidence, oom: OomEvidence, where: str, signal_name: str, tai
         )
     if oom.peak is not None:
         numbers.append(f"cgroup peak {format_bytes(oom.peak)}")
-    numbers.append(f"cgroup limit {format_bytes(oom.limit)}" if oom.limit is not None else "no cgroup limit")
+    if oom.limit is None:
+        numbers.append("no cgroup limit")
+    elif oom.limit_set_on is not None:
+        numbers.append(f"cgroup limit {format_bytes(oom.limit)} set on the enclosing cgroup {oom.limit_set_on}")
+    else:
+        numbers.append(f"cgroup limit {format_bytes(oom.limit)}")
     who = (
         "was killed by the out-of-memory killer"
         if oom.killed_by_oom

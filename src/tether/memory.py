@@ -107,19 +107,26 @@ class MemoryCgroup:
 
     def effective_limit(self) -> int | None:
         """The tightest limit over this cgroup and its ancestors (a parent's limit binds its children too)."""
-        if self.version == 1:
-            value = self.stat().get("hierarchical_memory_limit")
-            if value is not None:
-                return None if value >= _UNLIMITED_V1 else value
-            return self.limit()
-        limits = []
+        binding = self.binding_limit()
+        return binding[0] if binding is not None else None
+
+    def binding_limit(self) -> tuple[int, Path] | None:
+        """(the tightest limit over this cgroup and its ancestors, the cgroup it is set on); None when unlimited.
+
+        A limit set on an ancestor (the worker's cgroup, a container's) binds this cgroup as tightly as its own, and
+        an out-of-memory kill it causes is counted here: a cause must name that limit and where it is set.
+        """
+        root = CGROUP_ROOT / "memory" if self.version == 1 else CGROUP_ROOT
+        best: tuple[int, Path] | None = None
         path = self.path
-        while path != CGROUP_ROOT and CGROUP_ROOT in path.parents:
-            limit = MemoryCgroup(path, 2).limit()
-            if limit is not None:
-                limits.append(limit)
+        while path == root or root in path.parents:
+            limit = MemoryCgroup(path, self.version).limit()
+            if limit is not None and (best is None or limit < best[0]):
+                best = (limit, path)
+            if path == root:
+                break
             path = path.parent
-        return min(limits) if limits else None
+        return best
 
     def reclaimable(self) -> int:
         """File cache the kernel can drop under pressure (inactive file pages), which "usage" counts as used."""

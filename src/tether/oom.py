@@ -128,7 +128,10 @@ class OomWatch:
             ev.cgroup = str(self.cgroup.path)
             ev.oom_kills_before = self.baseline
             ev.oom_kills_after = self.cgroup.oom_kills()
-            ev.limit = self.cgroup.limit()
+            binding = self.cgroup.binding_limit()
+            if binding is not None:
+                ev.limit, where = binding
+                ev.limit_set_on = str(where) if where != self.cgroup.path else None
             ev.peak = self.cgroup.peak()
             ev.shared_cgroup = self.shared
         return ev
@@ -140,7 +143,8 @@ class OomEvidence:
     cgroup: str | None = None
     oom_kills_before: int | None = None
     oom_kills_after: int | None = None
-    limit: int | None = None
+    limit: int | None = None  # the limit that binds the cgroup: its own, or an ancestor's (then ``limit_set_on``)
+    limit_set_on: str | None = None  # the ancestor cgroup the binding limit is set on; None when it is the cgroup's own
     peak: int | None = None
     shared_cgroup: bool = True
     last_rss: int | None = None

@@ -29,6 +29,7 @@ FaultKind = Literal[
     "slow",  # sleep `seconds` before every token / load step
     "stderr_flood",  # write `lines` lines to stderr
     "ignore_sigterm",  # ignore SIGTERM from now on (to prove stop escalates to SIGKILL)
+    "garbage",  # write bytes that are no frame to the events pipe (a length prefix of `size`), then carry on
 ]
 # "idle": fires from a background thread ``seconds`` after warmup, while the runner waits for requests (as a native
 # engine thread crashing on its own would); only process-level kinds make sense there (no engine code is running).
@@ -44,6 +45,8 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     code: int = 1  # exit code for "exit"
     seconds: float = 0.05  # per-step delay for "slow"; delay after warmup for the "idle" phase
     lines: int = 10_000  # for "stderr_flood"
+    size: int = 4096  # for "garbage": the frame length its prefix declares
+    mimic: bool = False  # for "garbage": begin like a real message, so only its never-completing length betrays it
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import msgspec
 
 from tether import lifeline
 from tether.channel import ProtocolError, SyncReceiver, SyncSender
+from tether.engines import faults
 from tether.engines.base import Engine, EngineLoadError, RequestError, create_engine
 from tether.process import CONFIG_ENV, RunnerArgs
 from tether.protocol import (
@@ -114,12 +115,38 @@ class Runner:
         self._ended = _RecentIds(RECENT_IDS)  # generations that ended: a cancel arriving after the end is not kept
         self.shutdown_requested = threading.Event()
         self._recent = _RecentIds(RECENT_IDS)  # task ids taken: a duplicate is refused
+        self._status_lock = threading.Lock()  # the reader thread may end the runner while the main thread reports
+        self._final = False  # no status after the last one
+        self.current: str | None = None  # the load or warm-up task the main thread is running
 
     # --- events ---------------------------------------------------------------------------------------------
 
     def set_status(self, status: RunnerStatus) -> None:
-        self.status = status
-        self.sender.send(StatusUpdate(status))
+        with self._status_lock:
+            if self._final:
+                return
+            self.status = status
+            self.sender.send(StatusUpdate(status))
+
+    def shutdown_now(self, task: ShutdownTask) -> None:
+        """Shut down from the reader thread while the main thread is busy loading or warming up: a load can take
+        minutes and cannot be interrupted, and there is nothing to finish (no request has been served). The load
+        or warm-up task ends cancelled, the shutdown completes, and the process exits at once (the guard then
+        takes every helper the engine had started)."""
+        with self._status_lock:
+            if not isinstance(self.status, Loading | WarmingUp):  # it finished meanwhile: the task loop shuts down
+                return
+            phase = "loading" if isinstance(self.status, Loading) else "warming up"
+            self.task_status(task.task_id, TaskState.RUNNING)
+            self.status = ShuttingDown()
+            self.sender.send(StatusUpdate(self.status))
+            if self.current is not None:
+                self.task_status(self.current, TaskState.CANCELLED, f"the runner was shut down while {phase}")
+            self.task_status(task.task_id, TaskState.COMPLETE)
+            self.status = Shutdown()
+            self.sender.send(StatusUpdate(self.status))
+            self._final = True  # the main thread's progress reports from here on are dropped
+            _hard_exit(0)
 
     def task_status(self, task_id: str, state: TaskState, error: str | None = None, tokens: int = 0) -> None:
         self.sender.send(TaskStatus(task_id=task_id, state=state, error=error, tokens=tokens))
@@ -144,6 +171,8 @@ class Runner:
                     # Stop whatever is generating now so the shutdown is not stuck behind it.
                     self.shutdown_requested.set()
                     self.cancel_everything()
+                    if isinstance(self.status, Loading | WarmingUp):
+                        self.shutdown_now(message)  # the main thread is inside the engine with nothing to finish
                 self.tasks.put(message)
         except ProtocolError as exc:
             # The main loop raises it: reported like any fatal error, not mistaken for a clean goodbye.
@@ -228,21 +257,31 @@ class Runner:
     def run_task(self, task: Task) -> None:
         tid = task.task_id
         if isinstance(task, LoadTask):
+            self.current = tid
             self.task_status(tid, TaskState.RUNNING)
             self.set_status(Loading(0.0, "starting"))
             self.engine = create_engine(self.config.spec)
             self.engine.load(lambda fraction, detail: self.set_status(Loading(min(max(fraction, 0.0), 1.0), detail)))
-            self.set_status(Loaded())
-            self.task_status(tid, TaskState.COMPLETE)
+            self.finish_current(tid, Loaded())
         elif isinstance(task, WarmupTask):
             assert self.engine is not None
+            self.current = tid
             self.task_status(tid, TaskState.RUNNING)
             self.set_status(WarmingUp())
             self.engine.warmup()
-            self.set_status(Ready())
-            self.task_status(tid, TaskState.COMPLETE)
+            self.finish_current(tid, Ready())
         elif isinstance(task, GenerateTask):
             self.generate(task)
+
+    def finish_current(self, task_id: str, status: RunnerStatus) -> None:
+        """End the load or warm-up task: its status and completion go out together, unless a shutdown ended it."""
+        with self._status_lock:
+            if self._final:
+                return
+            self.current = None
+            self.status = status
+            self.sender.send(StatusUpdate(status))
+            self.task_status(task_id, TaskState.COMPLETE)
 
     def generate(self, task: GenerateTask) -> None:
         assert self.engine is not None
@@ -358,6 +397,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     tasks_fd, events_fd = args.tasks_fd, args.events_fd
     os.set_inheritable(tasks_fd, False)  # the runner's own children must never hold its channel open
     os.set_inheritable(events_fd, False)
+    faults.events_fd = events_fd
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # "show me your stacks"
     sender = SyncSender(events_fd)

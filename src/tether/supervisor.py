@@ -500,12 +500,14 @@ class Supervisor:
         tid = task.task_id
         if tid in self._inflight or tid in self._finished:
             raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
+        assert self._sender is not None
+        frame = self._sender.frame(task)  # ValueError before anything is tracked: a task that cannot travel is no task
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
         self._inflight[tid] = _InFlight(task=task, send=send)
         handle = TaskHandle(tid, task_kind(task), receive)
         self._progress.sent("task", tid, time.monotonic())  # before the write: the ack may beat our next line
         with contextlib.suppress(BrokenPipeError):  # the runner is dying: the watcher ends the task with the cause
-            await self._send(task)
+            await self._send(frame)
         return handle
 
     async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
@@ -571,9 +573,11 @@ class Supervisor:
     # --- internals ------------------------------------------------------------------------------------------
 
     async def _send(self, message: Any) -> None:
+        """Send a message (or a frame made of one), bounded by ``send_timeout``: past it the runner is hung."""
         assert self._sender is not None
+        frame = message if isinstance(message, bytes) else self._sender.frame(message)
         with anyio.move_on_after(self.send_timeout) as scope:
-            await self._sender.send(message)
+            await self._sender.send_frame(frame)
         if scope.cancelled_caught:
             # A runner that has not read its task pipe for this long is stuck; a half-written frame is moot.
             hang = Hang(
@@ -584,8 +588,16 @@ class Supervisor:
                 f"it stopped reading its task pipe (a write did not complete in {self.send_timeout:g} s)",
             )
             assert self._tg is not None
-            self._tg.start_soon(self._declare_hung, hang)
-            raise RunnerUnavailable(f"{self.name} is not reading tasks: {hang.summary(self.name)}", self._forced_cause)
+            self._tg.start_soon(self._declare_hung, hang)  # stacks, then the kill: the cause is made now, without them
+            cause = self._forced_cause or self._hang_cause(hang)
+            raise RunnerUnavailable(f"{self.name} is not reading tasks: {cause.summary}", cause)
+
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        self._force_kill(
+            CauseKind.PROTOCOL_ERROR,
+            f"{self.name} sent an invalid frame on its events pipe: {exc}",
+            (*exc.evidence, *self.output_tail[-5:]),
+        )
 
     def _force_kill(
         self, kind: CauseKind, summary: str, evidence: tuple[str, ...] = (), phase: str | None = None
@@ -638,13 +650,22 @@ class Supervisor:
         """Ask the hung runner for its stacks, then kill its group: everything in flight fails with the hang."""
         if self.hang is not None or self._exited.is_set() or self._stop_requested or self._forced_cause is not None:
             return
+        if self._receiver is not None and self._receiver.garbage_suspected():
+            self._detect_from = time.monotonic()
+            self._protocol_error(self._receiver.stalled())  # the silence is garbage swallowing its messages
+            return
         self.hang = hang
         self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
         log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
         stacks, note = await self._collect_stacks()
-        evidence = ((note,) if note else ()) + tuple(stacks) + (hang.hint(),)
-        self._force_kill(CauseKind.HANG, summary, evidence, hang.phase)
+        cause = self._hang_cause(hang, ((note,) if note else ()) + tuple(stacks))
+        self._force_kill(cause.kind, cause.summary, cause.evidence, cause.phase)
+
+    def _hang_cause(self, hang: Hang, evidence: tuple[str, ...] = ()) -> Cause:
+        return Cause(
+            kind=CauseKind.HANG, summary=hang.summary(self.name), evidence=(*evidence, hang.hint()), phase=hang.phase
+        )
 
     async def _collect_stacks(self) -> tuple[list[str], str | None]:
         """The runner's thread stacks (faulthandler, on ``SIGUSR1``), waited for at most the ``stacks`` deadline.
@@ -760,7 +781,7 @@ class Supervisor:
         except EndOfStream:
             pass
         except ProtocolError as exc:
-            self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
+            self._protocol_error(exc)
         finally:
             self._events_done.set()
 
@@ -826,7 +847,7 @@ class Supervisor:
             for event in self._receiver.drain_nowait():
                 self._dispatch(event, now)
         except ProtocolError as exc:
-            self._force_kill(CauseKind.PROTOCOL_ERROR, f"{self.name} sent an invalid frame: {exc}")
+            self._protocol_error(exc)
         self._read_output(proc.output_fd)
         self._output.flush()  # a forked helper may still hold the pipe open: do not wait for its EOF
         phase = phase_of(self.status)

@@ -16,13 +16,17 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import struct
 import sys
 import threading
 import time
 from collections.abc import Iterable
 
+import msgspec
+
 from tether.protocol import Fault, FaultPhase
 
+events_fd: int | None = None  # the runner's events pipe, set at bootstrap (for "garbage")
 OOM_CHUNK_BYTES = 64 << 20  # allocation step for "oom": big enough to be quick, small enough to overshoot little
 
 # Faults after which the process is gone or never makes progress again.
@@ -56,7 +60,8 @@ def fire(faults: Iterable[Fault], phase: FaultPhase, tokens_done: int = 0) -> No
 def trigger(fault: Fault) -> None:
     """Perform ``fault`` for real in this process.
 
-    Returns only for ``slow``, ``stderr_flood`` and ``ignore_sigterm``; ``raise`` and ``memory_error`` raise.
+    Returns only for ``slow``, ``stderr_flood``, ``ignore_sigterm`` and ``garbage``; ``raise`` and ``memory_error``
+    raise.
     """
     handler = _HANDLERS.get(fault.kind)
     if handler is None:  # msgspec validates kinds on decode; a hand-built Fault could still be wrong
@@ -186,6 +191,17 @@ def _ignore_sigterm(fault: Fault) -> None:
         raise OSError(ctypes.get_errno(), "signal(SIGTERM, SIG_IGN) failed")
 
 
+def _garbage(fault: Fault) -> None:
+    """Bytes on the events pipe that are no frame, as a native library writing to the wrong descriptor leaves: a
+    length prefix declaring ``size`` bytes, then a few bytes (which look like the start of a message with ``mimic``).
+    The runner carries on, so its later messages arrive behind them and are swallowed into the frame that never
+    completes, unless the reader sees through it."""
+    if events_fd is None:
+        raise RuntimeError("the 'garbage' fault needs the runner's events pipe (it runs only inside a runner)")
+    body = msgspec.msgpack.encode({"type": "heartbeat"})[:-1] if fault.mimic else b"\x00\x13\x37 not a frame"
+    os.write(events_fd, struct.pack("<I", fault.size) + body)
+
+
 def _flush_std_streams() -> None:
     """Flush Python's stdio buffers before a death that skips cleanup, so nothing written so far is lost."""
     for stream in (sys.stdout, sys.stderr):
@@ -209,4 +225,5 @@ _HANDLERS = {
     "slow": _slow,
     "stderr_flood": _stderr_flood,
     "ignore_sigterm": _ignore_sigterm,
+    "garbage": _garbage,
 }
