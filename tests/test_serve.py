@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -79,6 +80,14 @@ class Server:
         assert response.status_code == 200, response.text
         data: dict[str, Any] = response.json()
         return data
+
+    def drain(self) -> list[str]:
+        """Every stderr line so far (those not waited for included)."""
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return list(self.seen)
 
     def stop(self, timeout: float = 20) -> int:
         if self.proc.poll() is None:
@@ -365,7 +374,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
             "max_tokens",
-            "max_tokens must be >= 1",
+            "max_tokens must be in [1, 2147483647]",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", "n must be 1"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages", "Expected `array`, got `str`"),
@@ -402,6 +411,110 @@ def test_malformed_json_and_oversized_bodies_are_refused(debug_shared: Server) -
     assert ok.status_code == 200
 
 
+CHAT = b'"model": "debug", "messages": [{"role": "user", "content": "hi"}]'
+DEEP = 1_000  # levels: past the interpreter's recursion limit, where msgspec raised RecursionError (a 500)
+
+
+def _chat(extra: bytes) -> bytes:
+    return b"{" + CHAT + b", " + extra + b"}"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        (
+            "/v1/chat/completions",
+            _chat(b'"x": ' + b"[" * DEEP + b"]" * DEEP),
+            None,
+            "nests arrays or objects too deeply",
+        ),
+        ("/v1/chat/completions", _chat(b'"x": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP), None, "too deeply"),
+        (
+            "/v1/instances",
+            b'{"id": "deep", "engine": "debug", "options": {"a": ' + b"[" * DEEP + b"]" * DEEP + b"}}",
+            None,
+            "too deeply",
+        ),
+        ("/v1/chat/completions", _chat(b'"max_tokens": ' + b"9" * 400), "max_tokens", "max_tokens must be in"),
+        ("/v1/chat/completions", _chat(b'"seed": ' + b"9" * 30), "seed", "seed must be a 64-bit integer"),
+        ("/v1/chat/completions", _chat(b'"temperature": 1e400'), "temperature", "Number out of range"),
+        ("/v1/chat/completions", _chat(b'"temperature": NaN'), None, "not valid JSON"),
+        ("/v1/chat/completions", _chat(b'"top_p": -Infinity'), None, "not valid JSON"),
+        ("/v1/completions", b'{"model": "debug", "prompt": "a lone \\ud800 surrogate"}', None, "not valid JSON"),
+        ("/v1/completions", b'{"model": "debug", "prompt": "invalid \xff\xfe utf-8"}', None, "not valid JSON"),
+        ("/v1/completions", b'{"model": "debug", "prompt": "x", "stop": ["\\udfff"]}', None, "not valid JSON"),
+        (
+            "/v1/instances",
+            b'{"id": "m", "engine": "debug", "memory_limit": ' + b"9" * 30 + b"}",
+            "memory_limit",
+            "memory_limit must be at least 16 MiB",
+        ),
+        ("/v1/instances", b'{"id": "q", "engine": "debug", "max_queue": ' + b"9" * 30 + b"}", "max_queue", "in [1, "),
+        ("/v1/instances", b"[" * DEEP + b"]" * DEEP, None, "Expected `object`, got `array`"),
+    ],
+    ids=lambda value: value if isinstance(value, str) and len(value) < 40 else None,
+)
+def test_hostile_bodies_are_a_400_and_the_connection_serves_on(
+    path: str, body: bytes, param: str | None, message: str, debug_shared: Server
+) -> None:
+    """Each used to reach a 500 (RecursionError, OverflowError deep in the channel: the latter also left the task
+    unacknowledged, so the runner was declared hung and killed). Now: a 400 in OpenAI's shape, no traceback, the
+    same keep-alive connection answers the next request, and no runner died for it."""
+    pid = debug_shared.instance("debug")["runner"]["pid"]
+    host, port = debug_shared.url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 400, error
+        assert response.getheader("connection") != "close"
+        assert error["type"] == "invalid_request_error" and message in error["message"], error
+        assert error["param"] == param, error
+        sock = connection.sock
+        ok = json.dumps({"model": "debug", "prompt": "still serving", "max_tokens": 2})
+        connection.request("POST", "/v1/completions", body=ok, headers={"Content-Type": "application/json"})
+        again = connection.getresponse()
+        assert again.status == 200, again.read()
+        again.read()
+        assert connection.sock is sock  # the very same connection
+    finally:
+        connection.close()
+    assert debug_shared.instance("debug")["runner"]["pid"] == pid  # no runner paid for it
+    assert not [line for line in debug_shared.drain() if "Traceback" in line]
+
+
+def test_a_chat_message_with_a_role_no_template_knows_is_refused_naming_it(debug_shared: Server) -> None:
+    base = {"model": "debug", "messages": [{"role": "user", "content": "hi"}]}
+    for role in ("wizard", "tool", "function"):
+        messages = [{"role": "system", "content": "be brief"}, {"role": role, "content": "hi"}]
+        response = debug_shared.http.post("/v1/chat/completions", json={**base, "messages": messages})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages[1].role" and repr(role) in error["message"], error
+    developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    answered = debug_shared.http.post("/v1/chat/completions", json={**base, "messages": developer, "max_tokens": 2})
+    assert answered.status_code == 200, answered.text  # OpenAI's newer name for system
+
+
+def test_an_unknown_engine_is_refused_up_front_listing_the_engines(debug_shared: Server) -> None:
+    response = debug_shared.http.post("/v1/instances", json={"id": "nope", "engine": "nope"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "engine" and "'llama.cpp', 'debug'" in error["message"], error
+    assert debug_shared.http.get("/v1/instances/nope").status_code == 404  # nothing was started
+
+
+def test_without_a_model_among_several_the_request_is_told_model_is_required() -> None:
+    with debug_server() as server:
+        _admin_debug_instance(server, "second")
+        response = server.http.post("/v1/completions", json={"prompt": "hi"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and "'model' is required" in error["message"], error
+        assert "debug, second" in error["message"]
+
+
 def test_the_api_key_is_required_everywhere_but_the_probes() -> None:
     with debug_server(api_key="s3cret") as server:
         bare = httpx.Client(base_url=server.url, timeout=10)
@@ -427,7 +540,8 @@ def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanl
             message = huge.json()["error"]["message"]
             assert re.search(r"does not fit: needs ~[\d.]+ (G|T)iB .* available", message), message
         bad = server.http.post("/v1/instances", json={"id": "x", "engine": "debug", "max_queue": 0})
-        assert bad.status_code == 400 and "max_queue must be >= 1" in bad.json()["error"]["message"]
+        assert bad.status_code == 400 and "max_queue must be in [1, " in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == "max_queue"
         typo = server.http.post("/v1/instances", json={"id": "x", "engien": "debug"})
         assert typo.status_code == 400 and "unknown field `engien`" in typo.json()["error"]["message"]
         taken = server.http.post("/v1/instances", json={"id": "debug", "engine": "debug"})

@@ -28,6 +28,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from tether import fit
+from tether.engines.base import spec_problem, unknown_engine
 from tether.hangs import Deadlines
 from tether.memory import node_memory
 from tether.models import DefaultModelMissing, default_model_path
@@ -45,6 +46,7 @@ log = logging.getLogger("tether.fleet")
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RECENT_REQUESTS = 10_000
+MAX_QUEUE_LIMIT = 1 << 20
 
 
 class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,15 +63,25 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queue: int = 16  # generations in flight (running + waiting) before requests are refused with 503
     force: bool = False  # load even when the fit check says it does not fit
 
-    def check(self) -> str | None:
+    def check(self) -> InvalidConfig | None:
+        """What is wrong with this config (naming the field), or None."""
         if self.id is not None and not ID_PATTERN.match(self.id):
-            return f"id must match {ID_PATTERN.pattern} (letters, digits, '.', '_', '-'; at most 64), got {self.id!r}"
-        if self.max_queue < 1:
-            return f"max_queue must be >= 1, got {self.max_queue}"
-        if self.memory_limit is not None and self.memory_limit < (16 << 20):
-            return f"memory_limit must be at least 16 MiB (16777216 bytes), got {self.memory_limit}"
+            return InvalidConfig(
+                f"id must match {ID_PATTERN.pattern} (letters, digits, '.', '_', '-'; at most 64), got {self.id!r}",
+                "id",
+            )
+        problem = unknown_engine(self.engine)
+        if problem is not None:
+            return InvalidConfig(problem, "engine")
+        if not 1 <= self.max_queue <= MAX_QUEUE_LIMIT:
+            return InvalidConfig(f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}", "max_queue")
+        if self.memory_limit is not None and not (16 << 20) <= self.memory_limit < (1 << 63):
+            return InvalidConfig(
+                f"memory_limit must be at least 16 MiB (16777216 bytes) and below 2**63 bytes, got {self.memory_limit}",
+                "memory_limit",
+            )
         if self.faults and self.engine != "debug":
-            return "faults are for the debug engine only"
+            return InvalidConfig("faults are for the debug engine only", "faults")
         return None
 
     def spec(self) -> EngineSpec:
@@ -86,6 +98,22 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return default_model_path().stem
         except DefaultModelMissing:
             return "default"
+
+
+class InvalidConfig(ValueError):
+    """An instance config that cannot work: ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InstanceExists(ValueError):
+    """An instance with that id is already served."""
+
+
+class ModelRequired(LookupError):
+    """A request named no model while several are served: which one is ambiguous."""
 
 
 class Unavailable(Exception):
@@ -172,19 +200,26 @@ class Fleet:
             return self._hosted[model]
         if len(self._hosted) == 1:
             return next(iter(self._hosted.values()))
-        raise NotFound(f"model {model!r} is not served here; models: {', '.join(self._hosted) or 'none'}")
+        served = ", ".join(self._hosted) or "none"
+        if model is None and self._hosted:
+            raise ModelRequired(f"'model' is required when more than one model is served; models: {served}")
+        raise NotFound(f"model {model!r} is not served here; models: {served}")
 
     async def add(self, config: InstanceConfig) -> Hosted:
-        """Start an instance (it loads in the background). Raises ``ValueError`` for a bad config or a taken id, and
+        """Start an instance (it loads in the background). Raises ``InvalidConfig`` for a bad config (naming the field),
+        ``InstanceExists`` for a taken id, and
         ``fit.DoesNotFit`` (with the numbers) when the model does not fit the memory available, unless ``force``."""
         assert self._tg is not None, "use 'async with Fleet()'"
         problem = config.check()
         if problem is not None:
-            raise ValueError(problem)
+            raise problem
         instance_id = config.default_id()
         if instance_id in self._hosted:
-            raise ValueError(f"an instance {instance_id!r} exists already: DELETE it first or choose another id")
+            raise InstanceExists(f"an instance {instance_id!r} exists already: DELETE it first or choose another id")
         spec = config.spec()
+        refused = spec_problem(spec)
+        if refused is not None:
+            raise InvalidConfig(refused, "options")
         estimate = await anyio.to_thread.run_sync(fit.estimate_for_spec, spec)  # reads the GGUF's header
         if estimate is not None:
             node = await anyio.to_thread.run_sync(node_memory)

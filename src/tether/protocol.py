@@ -82,6 +82,9 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     content: str
 
 
+MAX_TOKENS_LIMIT = (1 << 31) - 1  # a token count every engine (and the msgpack wire) can carry
+
+
 class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One generation request. Exactly one of ``prompt`` (raw completion) or ``messages`` (chat) is set."""
 
@@ -98,8 +101,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Return why these parameters are invalid, or None."""
         if (self.prompt is None) == (self.messages is None):
             return "set exactly one of 'prompt' or 'messages'"
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            return f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            return f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}"
         if not 0.0 <= self.temperature <= 2.0:
             return f"temperature must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:

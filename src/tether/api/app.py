@@ -25,7 +25,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tether import fit
 from tether.api import openai
 from tether.api.metrics import CONTENT_TYPE, Metrics
-from tether.fleet import Fleet, Hosted, InstanceConfig, NotFound, Unavailable, new_request_id
+from tether.fleet import (
+    Fleet,
+    Hosted,
+    InstanceConfig,
+    InstanceExists,
+    InvalidConfig,
+    ModelRequired,
+    NotFound,
+    Unavailable,
+    new_request_id,
+)
 from tether.models import DefaultModelMissing
 from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
 from tether.supervisor import TaskHandle
@@ -36,6 +46,7 @@ log = logging.getLogger("tether.api")
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answer without the API key (probes)
 DEFAULT_MAX_BODY = 4 << 20
 _encode = msgspec.json.Encoder().encode
+_instance_decoder = msgspec.json.Decoder(InstanceConfig)
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -341,6 +352,10 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     async def bad_request(_: Request, exc: openai.BadRequest) -> Response:
         return _error(400, str(exc), "invalid_request_error", code="invalid_request", param=exc.param)
 
+    @app.exception_handler(ModelRequired)
+    async def model_required(_: Request, exc: ModelRequired) -> Response:
+        return _error(400, str(exc), "invalid_request_error", code="invalid_request", param="model")
+
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> Response:
         return _error(404, str(exc), "invalid_request_error", code="not_found")
@@ -406,17 +421,17 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
 
     @app.post("/v1/instances")
     async def add_instance(request: Request) -> Response:
-        try:
-            config = msgspec.json.decode(await request.body(), type=InstanceConfig)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise openai.BadRequest(f"invalid instance: {exc}") from None
+        config = openai.decode_body(_instance_decoder, await request.body(), "instance")
         try:
             hosted = await fleet.add(config)
         except fit.DoesNotFit as exc:
             return _error(507, str(exc), "insufficient_memory", code="does_not_fit")
-        except (ValueError, fit.GgufError, DefaultModelMissing) as exc:
-            status = 409 if "exists already" in str(exc) else 400
-            return _error(status, str(exc), "invalid_request_error", code="invalid_instance")
+        except InstanceExists as exc:
+            return _error(409, str(exc), "invalid_request_error", code="instance_exists", param="id")
+        except InvalidConfig as exc:
+            return _error(400, str(exc), "invalid_request_error", code="invalid_instance", param=exc.param)
+        except (fit.GgufError, DefaultModelMissing) as exc:
+            return _error(400, str(exc), "invalid_request_error", code="invalid_instance", param="model")
         return _json(instance_json(hosted), status=201)
 
     async def fresh(hosted: Hosted) -> dict[str, Any]:

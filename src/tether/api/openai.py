@@ -7,8 +7,9 @@ tools) rather than silently answering something else.
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -16,6 +17,8 @@ from tether.protocol import Cause, ChatMessage, GenerateParams
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
+ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions; chat templates know "system"
 
 
 class BadRequest(Exception):
@@ -69,18 +72,33 @@ class CompletionRequest(_Sampling, kw_only=True):
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
+T = TypeVar("T")
 
-def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | CompletionRequest:
+
+def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str = "request") -> T:
+    """Decode a request body with ``decoder``; every way a body can be bad is a ``BadRequest`` (a 400, never a 500).
+
+    msgspec refuses invalid UTF-8, lone surrogates, NaN and Infinity (not JSON), and numbers out of a field's
+    range; nesting deeper than the interpreter's recursion limit surfaces as ``RecursionError``, caught here too.
+    """
     try:
-        request: ChatRequest | CompletionRequest = (
-            _chat_decoder.decode(body) if kind == "chat" else _completion_decoder.decode(body)
-        )
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:  # "Expected `float`, got `str` - at `$.temperature`"
         param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
-        raise BadRequest(f"invalid request: {exc}", param) from None
+        raise BadRequest(f"invalid {what}: {exc}", param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    return request
+    except RecursionError:
+        raise BadRequest(
+            f"the body nests arrays or objects too deeply to decode (the limit is about {sys.getrecursionlimit()} "
+            "levels): flatten it"
+        ) from None
+
+
+def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | CompletionRequest:
+    if kind == "chat":
+        return decode_body(_chat_decoder, body)
+    return decode_body(_completion_decoder, body)
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -120,12 +138,24 @@ def chat_params(request: ChatRequest) -> GenerateParams:
         raise BadRequest("messages must hold at least one message", "messages")
     messages = []
     for i, message in enumerate(request.messages):
+        role = ROLE_ALIASES.get(message.role, message.role)
+        if role in ("tool", "function"):
+            raise BadRequest(
+                f"messages[{i}].role {message.role!r} answers a tool call, and tools are not supported by this server",
+                f"messages[{i}].role",
+            )
+        if role not in ROLES:
+            raise BadRequest(
+                f"messages[{i}].role must be one of {', '.join(repr(r) for r in (*ROLES, *ROLE_ALIASES))}, "
+                f"got {message.role!r}",
+                f"messages[{i}].role",
+            )
         content = message.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise BadRequest(f"messages[{i}]: only text content parts are supported", f"messages[{i}].content")
             content = "".join(part.text or "" for part in content)
-        messages.append(ChatMessage(role=message.role, content=content or ""))
+        messages.append(ChatMessage(role=role, content=content or ""))
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     return _checked(GenerateParams(messages=tuple(messages), **_common(request, max_tokens, DEFAULT_MAX_TOKENS)))
 

@@ -50,17 +50,36 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+ENGINE_NAMES = ("llama.cpp", "debug")
+ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama": "llama.cpp"}
+
+
+def unknown_engine(name: str) -> str | None:
+    """Why ``name`` names no engine (with the ones there are), or None when it names one (aliases included)."""
+    if name in ENGINE_NAMES or name in ENGINE_ALIASES:
+        return None
+    return f"unknown engine {name!r}: choose one of {', '.join(repr(n) for n in ENGINE_NAMES)}"
+
+
 def create_engine(spec: EngineSpec) -> Engine:
     """Build (but do not load) the engine a spec names. Imports lazily: a debug runner never imports llama.cpp."""
-    if spec.engine == "debug":
+    name = ENGINE_ALIASES.get(spec.engine, spec.engine)
+    if name == "debug":
         from tether.engines.debug import DebugEngine
 
         return DebugEngine(spec)
-    if spec.engine in ("llama.cpp", "llamacpp", "llama"):
+    if name == "llama.cpp":
         from tether.engines.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(spec)
-    raise EngineLoadError(f"unknown engine {spec.engine!r}: choose one of 'llama.cpp', 'debug'")
+    raise EngineLoadError(unknown_engine(spec.engine) or f"unknown engine {spec.engine!r}")
 
 
-ENGINE_NAMES = ("llama.cpp", "debug")
+def spec_problem(spec: EngineSpec) -> str | None:
+    """Why the engine would refuse ``spec``'s options (None when it takes them), found without loading anything:
+    an engine checks its options when it is built, and building one imports no engine library."""
+    try:
+        create_engine(spec)
+    except EngineLoadError as exc:
+        return str(exc)
+    return None

@@ -43,6 +43,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "repeat_penalty": 1.0,  # neutral, as in OpenAI's API; llama-cpp-python's 1.1 derails small models
     "verbose": False,
 }
+UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 PROGRESS_STEP = 0.05  # report load progress in steps of at least 5% so the channel is not flooded
 GGML_LOG_WARN, GGML_LOG_ERROR, GGML_LOG_CONT = 3, 4, 5  # enum ggml_log_level (NONE 0, DEBUG 1, INFO 2)
 
@@ -79,12 +80,12 @@ class LlamaCppEngine:
             self.n_gpu_layers = int(options["n_gpu_layers"])
             self.repeat_penalty = float(options["repeat_penalty"])
             self.verbose = bool(options["verbose"])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise EngineLoadError(f"invalid llama.cpp engine option in {spec.options!r}: {exc}") from exc
-        if self.n_ctx < 16 or self.n_threads < 1 or self.n_batch < 1:
+        if not (16 <= self.n_ctx <= UINT32_MAX and 1 <= self.n_threads <= 4096 and 1 <= self.n_batch <= UINT32_MAX):
             raise EngineLoadError(
-                f"n_ctx must be >= 16, n_threads and n_batch >= 1 (got n_ctx={self.n_ctx}, "
-                f"n_threads={self.n_threads}, n_batch={self.n_batch})"
+                f"n_ctx must be in [16, {UINT32_MAX}], n_threads in [1, 4096] and n_batch in [1, {UINT32_MAX}] (got "
+                f"n_ctx={self.n_ctx}, n_threads={self.n_threads}, n_batch={self.n_batch})"
             )
         self.model_path: Path | None = None
         self._llm: Any = None
