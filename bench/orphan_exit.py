@@ -2,10 +2,12 @@
 
 Each trial is one ``tether.testing.run_trial`` drill (the same code the orphan tests use): a real worker process
 (``python -m tether.testing worker``) starts one ``Supervisor`` on the debug engine, the drill SIGKILLs the worker
-and times, via pidfds, the exit of the runner and of the last process of the runner's process group (the runner,
-its group guard and one exec'd helper process, ``helpers=1``). The drill process is a child subreaper, so orphans
-are reparented to it rather than to init (the case where "is my parent pid 1?" watchdogs never fire; tether's poll
-compares ``getppid()`` with the worker's pid, so it works either way). Every trial uses a fresh worker.
+and times, via pidfds, the exit of the runner and of the last of every process the runner started: its group guard
+and four helper processes, one of each kind (``exec``'d in its group; ``setsid``, ``setpgid`` and a double-forked
+daemon, which all left its process group and which only the runner's own memory cgroup still holds). The drill
+process is a child subreaper, so orphans are reparented to it rather than to init (the case where "is my parent pid
+1?" watchdogs never fire; tether's poll compares ``getppid()`` with the worker's pid, so it works either way). Every
+trial uses a fresh worker.
 
 The runner is measured in the *loading* state (a load step sleeping for an hour), not idle: an idle runner also
 exits on its own when its task pipe reaches EOF (the graceful shutdown path), which would mask the layer being
@@ -16,6 +18,11 @@ Configurations, each run for ``--trials`` trials (default 30):
 - ``default``: all three layers (pdeathsig, lifeline pipe, parent-pid poll at 0.5 s), what users get;
 - ``pdeathsig``, ``lifeline``, ``poll``: each layer alone (poll at ``tether.lifeline.DEFAULT_POLL_INTERVAL``);
 - ``seed``: the seed system's approach, a parent-pid poll every 5 s (the poll layer alone at 5 s).
+
+Then the **survivor drill**: ``--drill-trials`` (default 50) more workers with all three layers, each with an idle,
+a loading and a generating runner (the busy two with the four helpers), SIGKILLed as soon as they report; every
+process they started is waited for on its pidfd (bounded) and then looked up in ``/proc``. A leak in one trial in
+twenty would show; ``drill_survivors`` must be 0.
 
 Poll phase: a poll thread wakes every ``interval`` seconds from when the runner started, so the exit time depends
 on where in that period the kill lands. For the configurations whose only layer is the poll, each trial waits a
@@ -63,10 +70,13 @@ from typing import Any
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
 from tether import lifeline
+from tether.process import proc_stat
 from tether.testing import TrialResult, become_subreaper, run_trial
 
 STATES = ("loading",)  # see the docstring: an idle runner would also exit on its task pipe's EOF
-HELPERS = 1  # one exec'd helper in the runner's group, so the group's exit is measured too
+HELPER_KINDS = "exec,setsid,setpgid,double_fork"  # one in the runner's group, three that left it
+HELPERS = len(HELPER_KINDS.split(","))
+DRILL_STATES = ("idle", "loading", "generating")
 SEED_POLL_INTERVAL = 5.0  # seconds: the seed system's parent-pid poll
 QUICK_SEED_POLL_INTERVAL = 1.0
 TARGET_P99_MS = 5.0  # default configuration, runner exit
@@ -117,6 +127,7 @@ def _trial(config: Config, kill_delay: float) -> TrialResult:
     return run_trial(
         STATES,
         helpers=HELPERS,
+        helper_kind=HELPER_KINDS,
         layers=config.layers,
         poll_interval=config.poll_interval,
         kill_delay=kill_delay,
@@ -138,6 +149,37 @@ def run_config(config: Config, trials: int, rng: random.Random, workers: int) ->
             outcome.add(_trial(config, delay))
     outcome.seconds = time.monotonic() - began
     return outcome
+
+
+def survivor_drill(trials: int) -> dict[str, Any]:
+    """Many SIGKILLed workers, every runner state, every helper kind: count what outlives them (see the docstring)."""
+    processes = survivors = failed = 0
+    last_exit: list[float] = []
+    for _ in range(trials):
+        result = run_trial(DRILL_STATES, helpers=HELPERS, helper_kind=HELPER_KINDS, layers=lifeline.LAYERS)
+        everyone = [pid for pids in result.members.values() for pid in pids]
+        processes += len(everyone)
+        alive = sorted(set(result.survivors) | {pid for pid in everyone if process_alive(pid)})
+        if alive:
+            failed += 1
+            survivors += len(alive)
+            result.kill_survivors()
+        elif result.group_exit_ms:
+            last_exit.append(max(result.group_exit_ms.values()))
+    return {
+        "trials": trials,
+        "processes": processes,
+        "survivors": survivors,
+        "failed": failed,
+        "exit_p50_ms": percentile(last_exit, 50),
+        "exit_p99_ms": percentile(last_exit, 99),
+    }
+
+
+def process_alive(pid: int) -> bool:
+    """Whether /proc still shows ``pid`` as a live (not zombie) process: the outside view of a survivor."""
+    stat = proc_stat(pid)
+    return stat is not None and stat.state not in ("Z", "X")
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,17 +236,27 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     print(
-        f"SIGKILL of a real worker -> exit of its runner ({STATES[0]}, {HELPERS} exec'd helper), "
+        f"SIGKILL of a real worker -> exit of its runner ({STATES[0]}, helpers: {HELPER_KINDS}), "
         f"{args.trials} trials per config{' (quick)' if args.quick else ''}, subreaper={subreaper}"
     )
     print("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))))
     for row in rows:
         print("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
-    print("percentiles: statistics.quantiles(n=100, method='inclusive'); group = last process of the runner's group")
+    print(
+        "percentiles: statistics.quantiles(n=100, method='inclusive'); group = last of every process the runner "
+        "started (its group and its cgroup)"
+    )
     print(
         "(worker): the worker's own exit after its SIGKILL (kernel teardown), in the default trials; "
         f"there the runner exited p50 {fmt(percentile(default.runner_after_ms, 50))} / "
         f"p99 {fmt(percentile(default.runner_after_ms, 99))} ms after the worker"
+    )
+
+    drill = survivor_drill(args.drill_trials)
+    print(
+        f"survivor drill: {drill['trials']} worker SIGKILLs (runners {', '.join(DRILL_STATES)}; helpers "
+        f"{HELPER_KINDS}), {drill['processes']} processes watched: {drill['survivors']} survived "
+        f"(whole trial p50 {fmt(drill['exit_p50_ms'])} / p99 {fmt(drill['exit_p99_ms'])} ms to the last exit)"
     )
 
     default_p99 = p("default", 99)
@@ -231,11 +283,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "trials": {o.config.name: o.trials for o in outcomes},
         "failed_trials": sum(o.failed for o in outcomes),
         "survivors": survivors,
+        "drill_trials": drill["trials"],
+        "drill_processes": drill["processes"],
+        "drill_survivors": drill["survivors"],
+        "drill_exit_p99_ms": ms(drill["exit_p99_ms"]),
         "poll_interval_s": default_interval,
         "seed_poll_interval_s": seed_interval,
         "percentile": PERCENTILE,
         "state": STATES[0],
-        "helpers": HELPERS,
+        "helpers": HELPER_KINDS,
         "subreaper": subreaper,
         "quick": bool(args.quick),
     }
@@ -244,8 +300,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         f"default p99 {fmt(default_p99)} ms vs target {TARGET_P99_MS:g} ms: "
         f"{'met' if result['meets_target'] else 'NOT met'}"
     )
-    if survivors:
-        print(f"FAILURE: {survivors} process(es) outlived their worker in {result['failed_trials']} trial(s)")
+    if survivors or drill["survivors"]:
+        print(
+            f"FAILURE: {survivors + drill['survivors']} process(es) outlived their worker in "
+            f"{result['failed_trials'] + drill['failed']} trial(s)"
+        )
     return result
 
 
@@ -254,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=30, help="trials per configuration (default 30)")
     parser.add_argument("--workers", type=int, default=10, help="concurrent seed trials (default 10)")
     parser.add_argument("--seed", type=int, default=20240601, help="random seed for the poll kill delays")
+    parser.add_argument("--drill-trials", type=int, default=50, help="workers SIGKILLed in the survivor drill")
     parser.add_argument("--quick", action="store_true", help="3 trials per config and a 1 s seed poll (CI)")
     args = parser.parse_args(argv)
     if args.quick:
         args.trials = 3
+        args.drill_trials = 3
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     with private_tether_dirs("tether-bench-orphan-"):  # the drill workers inherit it

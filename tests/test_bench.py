@@ -36,7 +36,8 @@ def test_ipc_bench_quick_run_prints_its_json_line() -> None:
 def test_orphan_exit_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("orphan_exit")
     assert result["quick"] is True
-    assert result["survivors"] == 0, result
+    assert result["survivors"] == 0 and result["drill_survivors"] == 0, result
+    assert result["drill_processes"] == 3 * (2 + 6 + 6)  # per worker: idle (runner, guard), busy (+ four helpers)
     for key in ("default_p99_ms", "default_group_p99_ms", "pdeathsig_p99_ms", "lifeline_p99_ms", "poll_p99_ms"):
         assert result[key] > 0
     assert result["seed_poll_p99_ms"] > 0
