@@ -94,7 +94,10 @@ def _guard_alive() -> int | None:
         return None
     pid, pidfd = _guard
     if pidfd is None:
-        return pid if os.waitpid(pid, os.WNOHANG) == (0, 0) else None
+        try:
+            return pid if os.waitpid(pid, os.WNOHANG) == (0, 0) else None
+        except ChildProcessError:
+            return None
     return None if select.select([pidfd], [], [], 0)[0] else pid
 
 

@@ -468,7 +468,7 @@ def kill_cgroup_members(cgroup: MemoryCgroup, *, spare: Collection[int] = (), wa
     forked just before its parent was killed joins the cgroup a moment later and is caught then, so when this
     returns (within the bound) nobody but ``spare`` is left. Returns how many were signalled.
     """
-    spared = set(spare)
+    tried = set(spare)  # the spared, and every pid already signalled (or found gone) that has not exited since
     pinned: dict[int, int] = {}  # pidfd -> pid: signalled, not yet seen to exit
     killed = 0
     deadline = time.monotonic() + wait
@@ -478,9 +478,9 @@ def kill_cgroup_members(cgroup: MemoryCgroup, *, spare: Collection[int] = (), wa
 
     try:
         for _ in range(_KILL_ROUNDS):
-            signalled = set(pinned.values())
-            new = [pid for pid in cgroup.pids() if pid not in spared and pid not in signalled]
+            new = [pid for pid in cgroup.pids() if pid not in tried]
             for pid in new:
+                tried.add(pid)
                 fd = signal_pinned(pid, signal.SIGKILL, member)
                 if fd is not None:
                     pinned[fd] = pid
@@ -492,7 +492,7 @@ def kill_cgroup_members(cgroup: MemoryCgroup, *, spare: Collection[int] = (), wa
                 break
             exited = wait_pidfds(pinned, remaining, any_exit=True)
             for fd in [fd for fd, pid in pinned.items() if pid in exited]:
-                del pinned[fd]
+                tried.discard(pinned.pop(fd))  # gone: should its pid come back in the cgroup, it is someone new
                 os.close(fd)
     finally:
         for fd in pinned:
