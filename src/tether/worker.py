@@ -41,7 +41,7 @@ from tether.fit import DoesNotFit, FitResult, GgufError, MeasuredFit
 from tether.hangs import Deadlines
 from tether.memory import node_memory, process_memory
 from tether.models import DefaultModelMissing
-from tether.process import ExitStatus, RunnerProcess, group_members
+from tether.process import ExitStatus, RunnerProcess, group_members, signal_pinned
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, phase_of
 from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed, TaskHandle
 
@@ -271,21 +271,10 @@ async def _kill_and_await(pids: list[int], pgid: int) -> None:
     """SIGKILL each process still in ``pgid`` through a pidfd (no pid-reuse race) and await its exit."""
     fds: list[int] = []
     try:
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except (OSError, AttributeError):
-                continue  # gone already (or no pidfds: the fallback below polls)
-            try:  # the pidfd pins the process: this is the one we scanned, if the pgid still matches
-                same = os.getpgid(pid) == pgid
-            except ProcessLookupError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            fds.append(fd)
+        for pid in pids:  # gone already, or no pidfds (the fallback below polls): nothing to await
+            fd = signal_pinned(pid, signal.SIGKILL, lambda p: os.getpgid(p) == pgid)
+            if fd is not None:
+                fds.append(fd)
         for fd in fds:
             await anyio.wait_readable(fd)
         if not fds:
