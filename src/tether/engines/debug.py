@@ -70,7 +70,10 @@ class DebugEngine:
             self._kinds = self.helper_kind.split(",")
             unknown = [kind for kind in self._kinds if kind not in HELPER_KINDS]
             if unknown:
-                raise ValueError(f"helper_kind must be one of {', '.join(HELPER_KINDS)} (or several, comma-separated)")
+                raise ValueError(
+                    f"helper_kind must be one of {', '.join(HELPER_KINDS)} (or several, comma-separated), got "
+                    f"{', '.join(repr(kind) for kind in unknown)}"
+                )
             idle_exceptions = [f.kind for f in spec.faults if f.phase == "idle" and f.kind in _NEEDS_ENGINE_CODE]
             if idle_exceptions:
                 raise ValueError(
