@@ -8,8 +8,8 @@ import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
 
-from tether.output import LOG_DIR_ENV
-from tether.registry import RUNTIME_DIR_ENV
+from tether.node.output import LOG_DIR_ENV
+from tether.node.registry import RUNTIME_DIR_ENV
 
 PERCENTILE = "statistics.quantiles(n=100, method='inclusive')"
 

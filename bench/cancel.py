@@ -85,10 +85,11 @@ import anyio.from_thread
 import anyio.to_thread
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
-from tether.engines.base import Delta, Engine, create_engine
+from tether.engines.base import Delta, Engine
+from tether.engines.registry import create_engine
 from tether.models import DefaultModelMissing, default_model_path
+from tether.node.supervisor import Supervisor
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
-from tether.supervisor import Supervisor
 
 TOKEN_SECONDS = 0.002  # debug engine, per token
 DEBUG_MAX_TOKENS = 100_000  # the debug generation never ends on its own during a trial

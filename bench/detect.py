@@ -18,7 +18,7 @@ outside has no OOM evidence); a stream without exactly one terminal event within
 Where the time goes (the breakdown rows): the bench also opens its own pidfd for the runner before the kill and
 stamps when it becomes readable, both from a thread blocked in ``poll()`` and from a task awaiting it in the event
 loop; the earlier of the two is *runner exit seen* (the kernel's teardown of the killed process plus a wake-up: an
-upper bound on when the supervisor's own pidfd became readable). It also wraps ``tether.oom.OomWatch.evidence``
+upper bound on when the supervisor's own pidfd became readable). It also wraps ``tether.node.oom.OomWatch.evidence``
 (the OOM evidence the supervisor gathers after every SIGKILL exit, before it can name the cause) with a timer that
 calls the original and only records when it ran. Both are observers: they add microseconds, not a code path.
 The *estimate* row subtracts each trial's evidence time from its figure: what detection would cost if that
@@ -77,7 +77,8 @@ import anyio
 import anyio.to_thread
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
-from tether.oom import OomEvidence, OomWatch
+from tether.node.oom import OomEvidence, OomWatch
+from tether.node.supervisor import Supervisor, TaskHandle
 from tether.protocol import (
     CauseKind,
     Chunk,
@@ -88,7 +89,6 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
-from tether.supervisor import Supervisor, TaskHandle
 
 STREAMS = 8  # in-flight requests per trial
 TOKEN_SECONDS = 0.01  # per token, tether's debug engine and the baseline child alike

@@ -5,7 +5,7 @@ tether (real code, real processes, the debug engine at 0.005 s per token): every
 one the scenario must trip, so that one and only that one can fire:
 
 ============== ===================================================== ============== ======== ==================
-scenario       the hang (real, see ``tether.engines.faults``)         deadline       phase    last progress (t0)
+scenario       the hang (real, see ``tether.runner.faults``)         deadline       phase    last progress (t0)
 ============== ===================================================== ============== ======== ==================
 python_decode  ``Fault("hang", after_tokens=20)``: a Python loop      token_gap 0.5  decode   the 20th Chunk
 gil_decode     ``Fault("hang_gil", after_tokens=20)``: native         heartbeat 1.0  decode   the 20th Chunk
@@ -108,7 +108,8 @@ import anyio
 import msgspec
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
-from tether.hangs import Deadlines, process_state
+from tether.node.hangs import Deadlines, process_state
+from tether.node.supervisor import Supervisor, TaskEvent, TaskFailed, TaskHandle
 from tether.protocol import (
     CauseKind,
     Chunk,
@@ -121,7 +122,6 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
-from tether.supervisor import Supervisor, TaskEvent, TaskFailed, TaskHandle
 
 HEARTBEAT_INTERVAL = 0.25  # the runner's beat period (Deadlines.check: heartbeat deadline >= 2 x this)
 PROGRESS_DEADLINE = 0.5  # token_gap, first_token, load_stall, in their scenarios

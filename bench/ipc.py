@@ -267,8 +267,8 @@ def _unblock_getter(q: Any) -> None:
 
 async def supervisor_once(max_tokens: int, timeout: float) -> Run:
     """One generation through the real Supervisor + debug engine: chunks/s, debug engine cost included."""
+    from tether.node.supervisor import Supervisor
     from tether.protocol import EngineSpec, GenerateParams, TaskState
-    from tether.supervisor import Supervisor
 
     spec = EngineSpec(engine="debug", options={"load_steps": 1, "load_step_seconds": 0.0, "token_seconds": 0.0})
     run = Run(sent=max_tokens)

@@ -72,10 +72,11 @@ from typing import Any
 import anyio
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
-from tether.memory import GpuUsage, ProcessMemory, node_memory, process_memory, process_status_memory
-from tether.process import group_members
+from tether.kernel.pids import group_members
+from tether.node.memory import ProcessMemory, node_memory, process_memory, process_status_memory
+from tether.node.nvml import GpuUsage
+from tether.node.supervisor import Supervisor
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
-from tether.supervisor import Supervisor
 
 DEFAULT_INTERVAL_S = float(inspect.signature(Supervisor).parameters["memory_interval"].default)
 AGGRESSIVE_INTERVAL_S = 0.05

@@ -1,7 +1,7 @@
 """Orphan exit benchmark: milliseconds from a worker's SIGKILL to its runner's exit, per orphan-protection layer.
 
-Each trial is one ``tether.testing.run_trial`` drill (the same code the orphan tests use): a real worker process
-(``python -m tether.testing worker``) starts one ``Supervisor`` on the debug engine, the drill SIGKILLs the worker
+Each trial is one ``tether.node.drill.run_trial`` drill (the same code the orphan tests use): a real worker process
+(``python -m tether.node.drill worker``) starts one ``Supervisor`` on the debug engine, the drill SIGKILLs the worker
 and times, via pidfds, the exit of the runner and of the last of every process the runner started: its group guard
 and four helper processes, one of each kind (``exec``'d in its group; ``setsid``, ``setpgid`` and a double-forked
 daemon, which all left its process group and which only the runner's own memory cgroup still holds). The drill
@@ -16,7 +16,7 @@ measured. A runner stuck in a load cannot be interrupted by that EOF, so only th
 Configurations, each run for ``--trials`` trials (default 30):
 
 - ``default``: all three layers (pdeathsig, lifeline pipe, parent-pid poll at 0.5 s), what users get;
-- ``pdeathsig``, ``lifeline``, ``poll``: each layer alone (poll at ``tether.lifeline.DEFAULT_POLL_INTERVAL``);
+- ``pdeathsig``, ``lifeline``, ``poll``: each layer alone (poll at ``tether.runner.lifeline.DEFAULT_POLL_INTERVAL``);
 - ``seed``: the seed system's approach, a parent-pid poll every 5 s (the poll layer alone at 5 s).
 
 Then the **survivor drill**: ``--drill-trials`` (default 50) more workers with all three layers, each with an idle,
@@ -69,9 +69,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
-from tether import lifeline
-from tether.process import proc_stat
-from tether.testing import TrialResult, become_subreaper, run_trial
+from tether.kernel.pids import alive
+from tether.node.drill import TrialResult, become_subreaper, run_trial
+from tether.runner import lifeline
 
 STATES = ("loading",)  # see the docstring: an idle runner would also exit on its task pipe's EOF
 HELPER_KINDS = "exec,setsid,setpgid,double_fork"  # one in the runner's group, three that left it
@@ -159,10 +159,10 @@ def survivor_drill(trials: int) -> dict[str, Any]:
         result = run_trial(DRILL_STATES, helpers=HELPERS, helper_kind=HELPER_KINDS, layers=lifeline.LAYERS)
         everyone = [pid for pids in result.members.values() for pid in pids]
         processes += len(everyone)
-        alive = sorted(set(result.survivors) | {pid for pid in everyone if process_alive(pid)})
-        if alive:
+        left = sorted(set(result.survivors) | {pid for pid in everyone if alive(pid)})
+        if left:
             failed += 1
-            survivors += len(alive)
+            survivors += len(left)
             result.kill_survivors()
         elif result.group_exit_ms:
             last_exit.append(max(result.group_exit_ms.values()))
@@ -174,12 +174,6 @@ def survivor_drill(trials: int) -> dict[str, Any]:
         "exit_p50_ms": percentile(last_exit, 50),
         "exit_p99_ms": percentile(last_exit, 99),
     }
-
-
-def process_alive(pid: int) -> bool:
-    """Whether /proc still shows ``pid`` as a live (not zombie) process: the outside view of a survivor."""
-    stat = proc_stat(pid)
-    return stat is not None and stat.state not in ("Z", "X")
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
 
-from tether.memory import create_child_cgroup, remove_cgroup
-from tether.orphans import sweep_stale_cgroups
-from tether.process import live_processes
-from tether.protocol import EngineSpec
+from tether.kernel.cgroups import create_child_cgroup, remove_cgroup
+from tether.kernel.pids import alive, live_processes
+from tether.models import DefaultModelMissing, default_model_path
+from tether.node.orphans import sweep_stale_cgroups
+from tether.protocol import EngineSpec, Fault, GenerateParams
 
 
 @pytest.fixture
@@ -43,14 +55,28 @@ def debug_spec() -> EngineSpec:
     return EngineSpec(engine="debug")
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
+pid_alive = alive  # True while ``pid`` exists and is not a zombie
+
+
+def debug(*faults: Fault, **options: object) -> EngineSpec:
+    """A debug engine spec with these load-time faults and options."""
+    return EngineSpec(engine="debug", options=dict(options), faults=faults)
+
+
+def prompt(max_tokens: int = 8, *faults: Fault) -> GenerateParams:
+    """A raw prompt for the debug engine, with these per-request faults."""
+    return GenerateParams(prompt="tell me about supervision", max_tokens=max_tokens, faults=faults)
+
+
+def model_missing() -> str | None:
+    """Why the tests that need the real default model cannot run here (None when they can)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (run `make install`)"
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+        default_model_path()
+    except DefaultModelMissing as exc:
+        return f"the default model is missing: {exc}"
+    return None
 
 
 @pytest.fixture
@@ -123,3 +149,117 @@ def own_cgroups() -> None:
     if probe is None:
         pytest.skip(f"no per-runner cgroups here: {why}")
     remove_cgroup(probe)
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    """Re-check a server-side condition until it holds (bounded); the server has no push channel to wait on."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# `tether serve` as a child process
+# --------------------------------------------------------------------------------------------------------------
+
+TETHER = [sys.executable, "-m", "tether"]
+
+
+class Server:
+    """A `tether serve` child: its URL once it listens, its stderr lines as they come, a bounded stop."""
+
+    def __init__(self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> None:
+        argv = [*TETHER, "serve", "--port", "0", *args]
+        if api_key:
+            argv += ["--api-key", api_key]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        listening = self.wait_for(r"listening on (http://\S+)", 30)
+        self.url = listening.group(1)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first stderr line (seen or to come) matching ``pattern``; fails after ``timeout`` s."""
+        for line in self.seen:
+            if m := re.search(pattern, line):
+                return m
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(
+            f"no line matching {pattern!r} within {timeout} s; stderr so far:\n" + "\n".join(self.seen)
+        )
+
+    def wait_ready(self, timeout: float = 60) -> int:
+        """Wait for the next 'ready' report; return the runner pid."""
+        return int(self.wait_for(r"ready \(runner pid (\d+)", timeout).group(1))
+
+    def openai(self, **kwargs: Any) -> openai.OpenAI:
+        key = self.headers.get("Authorization", "Bearer none").split(" ", 1)[1]
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120, **kwargs)
+
+    def add_instance(self, body: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
+        """``POST /v1/instances``, then wait (bounded) until the new instance is ready; return it."""
+        response = self.http.post("/v1/instances", json=body)
+        assert response.status_code == 201, response.text
+        instance_id = response.json()["id"]
+        wait_until(lambda: self.instance(instance_id)["ready"], timeout, f"instance {instance_id} ready")
+        return self.instance(instance_id)
+
+    def instance(self, instance_id: str) -> dict[str, Any]:
+        response = self.http.get(f"/v1/instances/{instance_id}")
+        assert response.status_code == 200, response.text
+        data: dict[str, Any] = response.json()
+        return data
+
+    def drain(self) -> list[str]:
+        """Every stderr line so far (those not waited for included)."""
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return list(self.seen)
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.http.close()
+
+
+@contextlib.contextmanager
+def serving(
+    *args: str, api_key: str | None = None, ready: bool = True, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """A `tether serve` child for the block (ready unless ``ready`` is False), stopped (bounded) after it."""
+    server = Server(*args, api_key=api_key, env=env)
+    try:
+        if ready:
+            server.wait_ready()
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+        server.proc.kill() if server.proc.poll() is None else None
+
+
+def debug_server(*args: str, **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
+    return serving("--engine", "debug", *args, **kwargs)

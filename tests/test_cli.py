@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,27 +12,15 @@ import sys
 
 import pytest
 
-from conftest import MakeCgroup, pid_alive
+from conftest import MakeCgroup, model_missing, pid_alive
 
 TETHER = [sys.executable, "-m", "tether"]
-
-
-def _have_default_model() -> str | None:
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed (run `make install`)"
-    try:
-        from tether.models import default_model_path
-
-        default_model_path()
-    except Exception as exc:
-        return f"the default model is missing: {exc}"
-    return None
 
 
 @pytest.mark.model
 @pytest.mark.timeout(180)
 def test_default_model_answers_the_capital_of_france() -> None:
-    missing = _have_default_model()
+    missing = model_missing()
     if missing:
         pytest.skip(missing)
     out = subprocess.run(
@@ -114,7 +101,7 @@ def test_signal_stops_the_runner_and_leaves_nothing(sig: signal.Signals) -> None
 @pytest.mark.timeout(120)
 def test_a_model_that_does_not_fit_is_refused_with_the_numbers_and_force_loads_it(memory_cgroup: MakeCgroup) -> None:
     """In a 600 MiB cgroup the default model at n_ctx 8192 is estimated at ~684 MiB: refused; --force loads it."""
-    if (why := _have_default_model()) is not None:
+    if (why := model_missing()) is not None:
         pytest.skip(why)
     cgroup_600m = memory_cgroup(600 << 20)
     procs = cgroup_600m / "cgroup.procs"

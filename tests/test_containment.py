@@ -10,10 +10,11 @@ import anyio
 import pytest
 
 from conftest import MakeCgroup
-from tether.memory import MemoryCgroup, node_memory
-from tether.oom import OomEvidence
+from tether.kernel.cgroups import MemoryCgroup
+from tether.node.memory import node_memory
+from tether.node.oom import OomEvidence
+from tether.node.supervisor import Supervisor
 from tether.protocol import CauseKind, EngineSpec, Fault, GenerateParams, TaskState
-from tether.supervisor import Supervisor
 
 MiB = 1 << 20
 
@@ -24,7 +25,7 @@ def test_node_memory_inside_a_limited_cgroup_is_the_limit_derived_figure(memory_
     code = (
         "import json, os, sys\n"
         f"open({str(limited_cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
-        "from tether.memory import node_memory\n"
+        "from tether.node.memory import node_memory\n"
         "n = node_memory()\n"
         "print(json.dumps(dict(available=n.available, source=n.source, limit=n.cgroup_limit, usage=n.cgroup_usage,"
         " reclaimable=n.cgroup_reclaimable, host=n.host_available, lines=n.describe())))"
@@ -97,7 +98,7 @@ import json, os, sys
 open(sys.argv[1] + "/cgroup.procs", "w").write(str(os.getpid()))  # the worker, in the limited cgroup
 import anyio
 from tether.protocol import EngineSpec, Fault, GenerateParams
-from tether.supervisor import Supervisor
+from tether.node.supervisor import Supervisor
 
 async def main():
     oom = GenerateParams(prompt="x", max_tokens=50, faults=(Fault(kind="oom", after_tokens=2),))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import anyio
 import pytest
 
+from tether.node.supervisor import Supervisor, TaskHandle
 from tether.protocol import (
     CauseKind,
     EngineSpec,
@@ -33,7 +34,6 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
-from tether.supervisor import Supervisor, TaskHandle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
 

@@ -21,11 +21,13 @@ import msgspec
 import pytest
 
 from conftest import MakeCgroup
-from tether.engines import Delta, EngineLoadError, RequestError, create_engine
+from tether.engines.base import Delta, EngineLoadError, RequestError
 from tether.engines.debug import DebugEngine
-from tether.engines.faults import faults_for, trigger
+from tether.engines.registry import create_engine
+from tether.errors import UnknownEngine
 from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, Fault, GenerateParams
+from tether.runner.faults import faults_for, trigger
 
 # -----------------------------------------------------------------------------------------------------------
 # Helpers
@@ -49,7 +51,7 @@ def joined(deltas: list[Delta]) -> str:
 CHILD_PRELUDE = """
 import faulthandler, sys, msgspec
 faulthandler.enable()
-from tether.engines.faults import trigger
+from tether.runner.faults import trigger
 from tether.protocol import Fault
 fault = msgspec.json.decode(sys.argv[1], type=Fault)
 """
@@ -134,7 +136,7 @@ def popen_child(procs: list[subprocess.Popen], script: str, *args: str) -> subpr
 @pytest.mark.timeout(10)
 def test_create_engine_debug_and_unknown() -> None:
     assert isinstance(create_engine(EngineSpec(engine="debug")), DebugEngine)
-    with pytest.raises(EngineLoadError, match="unknown engine"):
+    with pytest.raises(UnknownEngine, match=r"unknown engine 'nope': installed engines are 'llama\.cpp', 'debug'"):
         create_engine(EngineSpec(engine="nope"))
 
 

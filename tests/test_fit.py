@@ -9,21 +9,15 @@ from typing import Any
 import anyio
 import pytest
 
-from tether.fit import (
-    DEFAULT_HEADROOM,
-    DoesNotFit,
-    GgufArray,
-    GgufError,
-    check_fit,
-    ensure_fits,
-    estimate_gguf,
-    read_gguf,
-    record_measured,
-)
-from tether.memory import format_bytes, process_memory
+from tether.engines.gguf import GgufArray, GgufError, read_gguf
+from tether.engines.llamacpp_estimate import DEFAULT_HEADROOM, estimate_gguf
+from tether.errors import DoesNotFit
 from tether.models import DefaultModelMissing, default_model_path
+from tether.node.fit import check_fit, ensure_fits, record_measured
+from tether.node.memory import process_memory
+from tether.node.supervisor import Supervisor
 from tether.protocol import EngineSpec, GenerateParams
-from tether.supervisor import Supervisor
+from tether.units import format_bytes
 
 MiB = 1 << 20
 
@@ -240,8 +234,9 @@ def test_refusal_has_the_numbers_and_override_passes(model_path: Path) -> None:
     assert msg.startswith(f"{model_path.name} does not fit: needs ~{format_bytes(e.total)} (weights 92.1 MiB + ")
     assert "--n-ctx" in msg and "--force" in msg and "free memory" in msg
     # The largest context that fits is suggested, and it does fit.
-    assert result.max_n_ctx is not None and f"up to {result.max_n_ctx} fits" in msg
-    assert e.with_n_ctx(result.max_n_ctx).total <= available < e.with_n_ctx(result.max_n_ctx + 256).total
+    best = e.max_n_ctx(available)
+    assert best is not None and f"up to {best} fits" in msg
+    assert e.with_n_ctx(best).total <= available < e.with_n_ctx(best + 256).total
 
     with pytest.raises(DoesNotFit) as refused:
         ensure_fits(e, available, "cgroup limit")
@@ -255,7 +250,7 @@ def test_refusal_has_the_numbers_and_override_passes(model_path: Path) -> None:
     assert fits.ok and fits.fits and not fits.overridden and "fits" in fits.message
 
     hopeless = check_fit(e, 100 * MiB, "cgroup limit")  # not even the smallest context fits
-    assert hopeless.max_n_ctx is None and "even n_ctx 256 needs" in hopeless.message
+    assert e.max_n_ctx(100 * MiB) is None and "even n_ctx 256 needs" in hopeless.message
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from tether.hangs import Deadlines, ProgressWatch, process_state, stack_dump, stack_dump_complete
+from conftest import debug, prompt
+from tether.node.hangs import Deadlines, ProgressWatch, process_state, stack_dump, stack_dump_complete
+from tether.node.instance import Instance, InstanceReady, InstanceRestarting, RestartPolicy
+from tether.node.supervisor import Supervisor, TaskFailed
 from tether.protocol import (
     Cause,
     CauseKind,
@@ -31,22 +34,12 @@ from tether.protocol import (
     TaskStatus,
     WarmingUp,
 )
-from tether.supervisor import Supervisor, TaskFailed
-from tether.worker import Instance, InstanceReady, InstanceRestarting, RestartPolicy
 
 MARGIN = 1.0  # seconds allowed past a deadline (plus the stack wait) on this noisy 2-core machine
 STACKS = 1.0
 LONG = 3600.0  # deadlines that must not be the one to fire
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
-
-
-def debug(*faults: Fault, **options: object) -> EngineSpec:
-    return EngineSpec(engine="debug", options=dict(options), faults=faults)
-
-
-def prompt(max_tokens: int = 8, *faults: Fault) -> GenerateParams:
-    return GenerateParams(prompt="tell me about hangs", max_tokens=max_tokens, faults=faults)
 
 
 def deadlines(**overrides: float) -> Deadlines:

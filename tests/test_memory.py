@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
-import tether.memory as memory
-from tether.memory import GpuUsage, ProcessMemory, format_bytes, process_memory, process_status_memory
+import tether.node.nvml as nvml
+from tether.node.memory import ProcessMemory, process_memory, process_status_memory
+from tether.node.nvml import GpuUsage
+from tether.units import format_bytes
 
 MiB = 1024 * 1024
 
@@ -123,7 +125,7 @@ class FakeNvmlError(Exception):
 @pytest.fixture(autouse=True)
 def fresh_nvml_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """GpuUsage remembers a missing NVML library for the process's life: each test starts without that memory."""
-    monkeypatch.setattr(memory, "_NVML_MISSING", None)
+    monkeypatch.setattr(nvml, "_NVML_MISSING", None)
 
 
 def fake_pynvml(devices: list[tuple[list[tuple[int, int | None]], list[tuple[int, int | None]] | None]]) -> Any:

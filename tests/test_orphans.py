@@ -1,6 +1,6 @@
 """No orphans: SIGKILL a real worker process and every runner and grandchild goes; survivors are found and reaped.
 
-The drills run in a separate process (``python -m tether.testing trial``) that makes itself a child subreaper, so
+The drills run in a separate process (``python -m tether.node.drill trial``) that makes itself a child subreaper, so
 orphans are reparented to it rather than to init: the case a "has my parent become pid 1?" watchdog misses.
 """
 
@@ -23,10 +23,13 @@ import psutil
 import pytest
 
 from conftest import pid_alive
-from tether import lifeline, orphans
 from tether.channel import SyncReceiver, SyncSender
-from tether.memory import MemoryCgroup
-from tether.process import RunnerProcess, lifeline_read_fd, start_runner
+from tether.kernel.cgroups import MemoryCgroup
+from tether.node import orphans
+from tether.node.drill import start_worker, worker_argv
+from tether.node.registry import Registry, RegistryError, RunnerRecord, start_time
+from tether.node.spawn import RunnerProcess, lifeline_read_fd, start_runner
+from tether.node.supervisor import Supervisor
 from tether.protocol import (
     EngineSpec,
     Event,
@@ -38,9 +41,7 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
-from tether.registry import Registry, RegistryError, RunnerRecord, start_time
-from tether.supervisor import Supervisor
-from tether.testing import start_worker, worker_argv
+from tether.runner import lifeline
 
 TETHER = [sys.executable, "-m", "tether"]
 ALL_STATES = "idle,loading,generating"
@@ -49,7 +50,7 @@ STUCK_STATES = "loading,generating"  # runners EOF on the task pipe cannot end: 
 
 def drill(*args: str, timeout: float = 60) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "tether.testing", "trial", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "tether.node.drill", "trial", *args], capture_output=True, text=True, timeout=timeout
     )
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -416,11 +417,7 @@ def _in_cgroup(runner: int) -> tuple[MemoryCgroup, list[int]]:
     """The runner's own cgroup and every process in it."""
     cgroup = MemoryCgroup.of_pid(runner)
     assert cgroup is not None and cgroup.path.name.startswith("tether-"), "the runner has no cgroup of its own"
-    return cgroup, sorted(int(p) for p in (cgroup.path / "cgroup.procs").read_text().split())
-
-
-def _cgroup_members(pid: int) -> list[int]:
-    return _in_cgroup(pid)[1]
+    return cgroup, sorted(cgroup.pids())
 
 
 @pytest.mark.anyio
@@ -432,7 +429,7 @@ async def test_a_helper_that_left_the_process_group_still_dies_with_its_crashed_
         async with Supervisor(spec) as sup:
             await sup.ready()
             assert sup.pid is not None
-            members = _cgroup_members(sup.pid)
+            members = _in_cgroup(sup.pid)[1]
             escaped = [p for p in members if os.getpgid(p) != sup.pid]
             assert len(escaped) == 1  # the setsid helper: out of reach of the group kill
             crash = GenerateParams(prompt="x", max_tokens=5, faults=(Fault(kind="segv", after_tokens=1),))
@@ -447,7 +444,7 @@ def test_a_helper_that_left_the_process_group_dies_when_the_worker_is_sigkilled(
     argv = worker_argv(["loading"], helpers=1, helper_kind="setsid", layers=("pdeathsig",))
     worker, report = start_worker(argv)
     runner = int(report["runners"][0]["pid"])  # type: ignore[index]
-    members = _cgroup_members(runner)
+    members = _in_cgroup(runner)[1]
     try:
         assert any(os.getpgid(p) != runner for p in members)
         os.kill(worker.pid, signal.SIGKILL)

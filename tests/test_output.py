@@ -7,9 +7,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tether.output import OutputCapture
+from tether.node.output import OutputCapture
+from tether.node.supervisor import Supervisor
 from tether.protocol import EngineSpec, Fault, GenerateParams, TaskState
-from tether.supervisor import Supervisor
 
 
 def test_lines_are_split_across_reads_and_a_last_partial_line_counts(tmp_path: Path) -> None:

@@ -2,129 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from conftest import pid_alive
-from tether.process import live_processes
-
-TETHER = [sys.executable, "-m", "tether"]
+from conftest import TETHER, Server, debug_server, model_missing, pid_alive, serving, wait_until
+from tether.kernel.cgroups import MemoryCgroup
+from tether.kernel.pids import live_processes
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]
-
-
-class Server:
-    """A `tether serve` child: its URL once it listens, its stderr lines as they come, a bounded stop."""
-
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
-        argv = [*TETHER, "serve", "--port", "0", *args]
-        if api_key:
-            argv += ["--api-key", api_key]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        listening = self.wait_for(r"listening on (http://\S+)", 30)
-        self.url = listening.group(1)
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
-
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """The first stderr line (seen or to come) matching ``pattern``; fails after ``timeout`` s."""
-        for line in self.seen:
-            if m := re.search(pattern, line):
-                return m
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            if m := re.search(pattern, line):
-                return m
-        raise AssertionError(
-            f"no line matching {pattern!r} within {timeout} s; stderr so far:\n" + "\n".join(self.seen)
-        )
-
-    def wait_ready(self, timeout: float = 60) -> int:
-        """Wait for the next 'ready' report; return the runner pid."""
-        return int(self.wait_for(r"ready \(runner pid (\d+)", timeout).group(1))
-
-    def openai(self, **kwargs: Any) -> openai.OpenAI:
-        key = self.headers.get("Authorization", "Bearer none").split(" ", 1)[1]
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120, **kwargs)
-
-    def instance(self, instance_id: str) -> dict[str, Any]:
-        response = self.http.get(f"/v1/instances/{instance_id}")
-        assert response.status_code == 200, response.text
-        data: dict[str, Any] = response.json()
-        return data
-
-    def drain(self) -> list[str]:
-        """Every stderr line so far (those not waited for included)."""
-        while True:
-            try:
-                self.seen.append(self.lines.get_nowait())
-            except queue.Empty:
-                return list(self.seen)
-
-    def stop(self, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.http.close()
-
-
-@contextlib.contextmanager
-def serving(*args: str, api_key: str | None = None, ready: bool = True) -> Iterator[Server]:
-    server = Server(*args, api_key=api_key)
-    try:
-        if ready:
-            server.wait_ready()
-        yield server
-    finally:
-        if server.proc.poll() is None:
-            server.stop()
-        server.proc.kill() if server.proc.poll() is None else None
-
-
-def debug_server(*args: str, **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
-    return serving("--engine", "debug", *args, **kwargs)
-
-
-def _have_default_model() -> str | None:
-    try:
-        import llama_cpp  # noqa: F401
-
-        from tether.models import default_model_path
-
-        default_model_path()
-    except Exception as exc:
-        return f"the default model or llama-cpp-python is missing: {exc}"
-    return None
 
 
 QUESTION: Any = [
@@ -150,15 +48,6 @@ def metric(server: Server, name: str, **labels: str) -> float:
     return 0.0
 
 
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    """Re-check a server-side condition until it holds (bounded); the server has no push channel to wait on."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The default model through the openai client
 # --------------------------------------------------------------------------------------------------------------
@@ -166,7 +55,7 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def model_server() -> Iterator[Server]:
-    missing = _have_default_model()
+    missing = model_missing()
     if missing:
         pytest.skip(missing)
     with serving("--threads", "2", "--n-ctx", "1024") as server:
@@ -222,11 +111,7 @@ def test_chat_and_completions_without_streaming_on_the_default_model(model_serve
 
 
 def _admin_debug_instance(server: Server, instance_id: str, **config: Any) -> dict[str, Any]:
-    body = {"id": instance_id, "engine": "debug", **config}
-    response = server.http.post("/v1/instances", json=body)
-    assert response.status_code == 201, response.text
-    wait_until(lambda: server.instance(instance_id)["ready"], 30, f"instance {instance_id} ready")
-    return server.instance(instance_id)
+    return server.add_instance({"id": instance_id, "engine": "debug", **config})
 
 
 def test_a_runner_killed_mid_stream_ends_the_stream_with_its_cause_and_the_instance_recovers() -> None:
@@ -533,7 +418,7 @@ def test_the_api_key_is_required_everywhere_but_the_probes() -> None:
 
 def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanly() -> None:
     with debug_server() as server:
-        missing = _have_default_model()
+        missing = model_missing()
         if missing is None:
             huge = server.http.post("/v1/instances", json={"id": "huge", "options": {"n_ctx": 50_000_000}})
             assert huge.status_code == 507, huge.text
@@ -604,11 +489,6 @@ def _add_helpers_instance(server: Server, instance_id: str = "helpers") -> dict[
     )
 
 
-def _cgroup_pids(path: str) -> list[int]:
-    with open(os.path.join(path, "cgroup.procs")) as f:
-        return [int(p) for p in f.read().split()]
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("own_cgroups")
 def test_a_sigkilled_server_takes_every_helper_along_even_those_that_left_the_group() -> None:
@@ -625,7 +505,7 @@ def test_a_sigkilled_server_takes_every_helper_along_even_those_that_left_the_gr
             path = inst["runner"]["cgroup"]
             assert path is not None
             cgroups.append(path)
-            members = _cgroup_pids(path)
+            members = MemoryCgroup.at(Path(path)).pids()
             assert len(members) == 5  # the runner, its guard and three helpers
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait(10)

@@ -10,10 +10,11 @@ import anyio
 import msgspec
 import pytest
 
-from conftest import pid_alive
+from conftest import debug, pid_alive, prompt
 from tether.channel import PARTIAL_FRAME_STALL, AsyncReceiver, AsyncSender, EndOfStream
-from tether.hangs import Deadlines
-from tether.process import RunnerArgs, spawn_runner
+from tether.node.hangs import Deadlines
+from tether.node.spawn import spawn_runner
+from tether.node.supervisor import RunnerUnavailable, Supervisor, TaskFailed
 from tether.protocol import (
     CauseKind,
     Chunk,
@@ -28,6 +29,7 @@ from tether.protocol import (
     Loading,
     LoadTask,
     Ready,
+    RunnerArgs,
     RunnerConfig,
     RunnerHello,
     RunnerStatus,
@@ -41,17 +43,8 @@ from tether.protocol import (
     WarmingUp,
     WarmupTask,
 )
-from tether.supervisor import RunnerUnavailable, Supervisor, TaskFailed
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
-
-
-def debug(*faults: Fault, **options: object) -> EngineSpec:
-    return EngineSpec(engine="debug", options=dict(options), faults=faults)
-
-
-def prompt(max_tokens: int = 8, *faults: Fault) -> GenerateParams:
-    return GenerateParams(prompt="tell me about supervision", max_tokens=max_tokens, faults=faults)
 
 
 async def test_full_event_order_load_warmup_generate_shutdown() -> None:

@@ -19,12 +19,10 @@ import anyio
 import msgspec
 import pytest
 
-from conftest import pid_alive
-from tether.hangs import Deadlines
-from tether.process import ExitStatus, RunnerProcess, group_members
-from tether.protocol import CauseKind, EngineSpec, Fault, GenerateParams, TaskState
-from tether.supervisor import RunnerUnavailable, Supervisor
-from tether.worker import (
+from conftest import debug, pid_alive, prompt
+from tether.kernel.pids import group_members
+from tether.node.hangs import Deadlines
+from tether.node.instance import (
     Backoff,
     Instance,
     InstanceFailed,
@@ -36,19 +34,14 @@ from tether.worker import (
     RunnerNotGone,
     wait_runner_gone,
 )
+from tether.node.spawn import ExitStatus, RunnerProcess
+from tether.node.supervisor import RunnerUnavailable, Supervisor
+from tether.protocol import CauseKind, EngineSpec, Fault, TaskState
 
 pytestmark = pytest.mark.timeout(60)
 
 FAST = RestartPolicy(initial_backoff=0.01, max_backoff=0.05, jitter=0.0)
 CRASH = Fault(kind="sigkill", after_tokens=1)
-
-
-def debug(*faults: Fault, **options: object) -> EngineSpec:
-    return EngineSpec(engine="debug", options=dict(options), faults=faults)
-
-
-def prompt(max_tokens: int = 8, *faults: Fault) -> GenerateParams:
-    return GenerateParams(prompt="tell me about restarts", max_tokens=max_tokens, faults=faults)
 
 
 async def crash(inst: Instance) -> int:
@@ -172,7 +165,7 @@ def test_crash_loop_is_n_failures_within_the_window_not_spread_out_ones() -> Non
 async def test_a_runner_that_dies_mid_generation_is_replaced_and_serves_again(
     fault: Fault, kind: CauseKind, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="tether.worker")
+    caplog.set_level(logging.WARNING, logger="tether.node.instance")
     states: list[InstanceState] = []
     with anyio.fail_after(45):
         async with Instance(debug(), FAST, name="replace") as inst:
@@ -190,7 +183,7 @@ async def test_a_runner_that_dies_mid_generation_is_replaced_and_serves_again(
     assert [(s.life, s.attempt, s.delay, s.cause) for s in restarting] == [(2, 1, 0.01, final.cause)]
     assert isinstance(inst.state, InstanceStopped) and inst.supervisor is None
     assert not any(pid_alive(pid) for pid in inst.pids)
-    logged = [r.getMessage() for r in caplog.records if r.name == "tether.worker"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "tether.node.instance"]
     assert any(f"runner pid {old_pid} (life 1) failed: {final.cause.summary}; restart 1 in 0.01 s" in m for m in logged)
 
 

@@ -1,81 +1,109 @@
 """tether: a supervised inference worker.
 
 Model engines run in child runner processes that never outlive their worker, never die unexplained and never
-leave a request hanging. The public API is re-exported here.
+leave a request hanging. The public API is re-exported here, from one list (``_EXPORTS``).
 """
 
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 # The public API, imported on first use: a runner process imports ``tether.runner`` and must not pay for the
-# supervisor side (anyio, psutil) at start-up, when its orphan protection is not armed yet.
-_EXPORTS = {
-    "EndOfStream": "tether.channel",
-    "ProtocolError": "tether.channel",
-    "Cause": "tether.protocol",
-    "CauseKind": "tether.protocol",
-    "ChatMessage": "tether.protocol",
-    "Chunk": "tether.protocol",
-    "EngineSpec": "tether.protocol",
-    "ErrorChunk": "tether.protocol",
-    "Fault": "tether.protocol",
-    "GenerateParams": "tether.protocol",
-    "RunnerStatus": "tether.protocol",
-    "TaskState": "tether.protocol",
-    "TaskStatus": "tether.protocol",
-    "RunnerUnavailable": "tether.supervisor",
-    "StopReport": "tether.supervisor",
-    "Supervisor": "tether.supervisor",
-    "TaskFailed": "tether.supervisor",
-    "TaskHandle": "tether.supervisor",
+# worker side (anyio, psutil) at start-up, when its orphan protection is not armed yet.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "tether.channel": ("EndOfStream", "ProtocolError"),
+    "tether.engines.base": ("Delta", "Engine", "EngineLoadError", "Estimate", "MemoryEstimate", "RequestError"),
+    "tether.errors": (
+        "DoesNotFit",
+        "InstanceExists",
+        "InvalidField",
+        "InvalidModel",
+        "NotFound",
+        "TetherError",
+        "Unavailable",
+        "UnknownEngine",
+    ),
+    "tether.node.fit": ("FitResult",),
+    "tether.node.hangs": ("Deadlines",),
+    "tether.node.instance": ("Instance", "InstanceState", "RestartPolicy"),
+    "tether.node.supervisor": (
+        "CancelReply",
+        "RunnerUnavailable",
+        "StopReport",
+        "Supervisor",
+        "TaskFailed",
+        "TaskHandle",
+    ),
+    "tether.protocol": (
+        "Cause",
+        "CauseKind",
+        "ChatMessage",
+        "Chunk",
+        "EngineSpec",
+        "ErrorChunk",
+        "Fault",
+        "GenerateParams",
+        "RunnerStatus",
+        "TaskState",
+        "TaskStatus",
+    ),
+    "tether.serve.fleet": ("Fleet", "InstanceConfig"),
 }
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-if TYPE_CHECKING:
-    from tether.channel import EndOfStream, ProtocolError
-    from tether.protocol import (
-        Cause,
-        CauseKind,
-        ChatMessage,
-        Chunk,
-        EngineSpec,
-        ErrorChunk,
-        Fault,
-        GenerateParams,
-        RunnerStatus,
-        TaskState,
-        TaskStatus,
-    )
-    from tether.supervisor import RunnerUnavailable, StopReport, Supervisor, TaskFailed, TaskHandle
+if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py checks the two agree)
+    from tether.channel import EndOfStream as EndOfStream
+    from tether.channel import ProtocolError as ProtocolError
+    from tether.engines.base import Delta as Delta
+    from tether.engines.base import Engine as Engine
+    from tether.engines.base import EngineLoadError as EngineLoadError
+    from tether.engines.base import Estimate as Estimate
+    from tether.engines.base import MemoryEstimate as MemoryEstimate
+    from tether.engines.base import RequestError as RequestError
+    from tether.errors import DoesNotFit as DoesNotFit
+    from tether.errors import InstanceExists as InstanceExists
+    from tether.errors import InvalidField as InvalidField
+    from tether.errors import InvalidModel as InvalidModel
+    from tether.errors import NotFound as NotFound
+    from tether.errors import TetherError as TetherError
+    from tether.errors import Unavailable as Unavailable
+    from tether.errors import UnknownEngine as UnknownEngine
+    from tether.node.fit import FitResult as FitResult
+    from tether.node.hangs import Deadlines as Deadlines
+    from tether.node.instance import Instance as Instance
+    from tether.node.instance import InstanceState as InstanceState
+    from tether.node.instance import RestartPolicy as RestartPolicy
+    from tether.node.supervisor import CancelReply as CancelReply
+    from tether.node.supervisor import RunnerUnavailable as RunnerUnavailable
+    from tether.node.supervisor import StopReport as StopReport
+    from tether.node.supervisor import Supervisor as Supervisor
+    from tether.node.supervisor import TaskFailed as TaskFailed
+    from tether.node.supervisor import TaskHandle as TaskHandle
+    from tether.protocol import Cause as Cause
+    from tether.protocol import CauseKind as CauseKind
+    from tether.protocol import ChatMessage as ChatMessage
+    from tether.protocol import Chunk as Chunk
+    from tether.protocol import EngineSpec as EngineSpec
+    from tether.protocol import ErrorChunk as ErrorChunk
+    from tether.protocol import Fault as Fault
+    from tether.protocol import GenerateParams as GenerateParams
+    from tether.protocol import RunnerStatus as RunnerStatus
+    from tether.protocol import TaskState as TaskState
+    from tether.protocol import TaskStatus as TaskStatus
+    from tether.serve.fleet import Fleet as Fleet
+    from tether.serve.fleet import InstanceConfig as InstanceConfig
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'tether' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+    return getattr(import_module(module), name)
 
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("tether")  # the one version: pyproject.toml's, as installed
+except PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
 
-__all__ = [
-    "Cause",
-    "CauseKind",
-    "ChatMessage",
-    "Chunk",
-    "EndOfStream",
-    "EngineSpec",
-    "ErrorChunk",
-    "Fault",
-    "GenerateParams",
-    "ProtocolError",
-    "RunnerStatus",
-    "RunnerUnavailable",
-    "StopReport",
-    "Supervisor",
-    "TaskFailed",
-    "TaskHandle",
-    "TaskState",
-    "TaskStatus",
-    "__version__",
-]
+__all__ = sorted([*_WHERE, "__version__"])

@@ -24,6 +24,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 import msgspec
 
+from tether.errors import TetherError
+
 T = TypeVar("T")
 
 _HEADER = struct.Struct("<I")
@@ -35,7 +37,7 @@ PARTIAL_FRAME_STALL = 2.0  # seconds an incomplete frame may wait while more byt
 GROWTH_SUSPECT = 0.2  # seconds: a whole frame is written in microseconds; one still growing after this is suspect
 
 
-class ProtocolError(Exception):
+class ProtocolError(TetherError):
     """The byte stream is not a valid sequence of frames: a bug or corruption, never something to wait out.
 
     ``evidence`` holds what was seen (the offending bytes, in hex).
@@ -57,7 +59,7 @@ _TAG_KEY = msgspec.msgpack.encode("type")
 _MAP_KEY_AT = {**{marker: 1 for marker in range(0x80, 0x90)}, 0xDE: 3, 0xDF: 5}  # fixmap, map16, map32
 
 
-class EndOfStream(Exception):
+class EndOfStream(TetherError):
     """The writer closed its end and every complete frame has been delivered."""
 
 

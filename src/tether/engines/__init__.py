@@ -1,24 +1,46 @@
-"""Engines a runner can host, behind one protocol; concrete engines are imported lazily by ``create_engine``.
+"""Engines a runner hosts, and the contract an engine of your own implements (re-exported here, one import).
 
-Re-exports the contract from ``base`` so callers import from one place.
+Runs inside a runner process (and in the worker, to check options and estimate memory before a runner starts).
+May import ``tether.protocol``, ``tether.errors``, ``tether.units``, ``tether.models``, ``tether.kernel`` and
+``tether.runner.faults``; never worker-side code (``tether.node``, ``tether.serve``, ``tether.cli``).
 """
 
 from tether.engines.base import (
-    ENGINE_NAMES,
     Delta,
     Engine,
     EngineLoadError,
+    Estimate,
+    MemoryEstimate,
     ProgressCallback,
     RequestError,
+)
+from tether.engines.registry import (
+    ENTRY_POINT_GROUP,
+    EngineEntry,
+    canonical,
     create_engine,
+    estimate,
+    installed,
+    names,
+    resolve,
+    spec_problem,
 )
 
 __all__ = [
-    "ENGINE_NAMES",
+    "ENTRY_POINT_GROUP",
     "Delta",
     "Engine",
+    "EngineEntry",
     "EngineLoadError",
+    "Estimate",
+    "MemoryEstimate",
     "ProgressCallback",
     "RequestError",
+    "canonical",
     "create_engine",
+    "estimate",
+    "installed",
+    "names",
+    "resolve",
+    "spec_problem",
 ]

@@ -1,18 +1,30 @@
-"""The engine protocol: what a runner drives, and the errors it distinguishes.
+"""The engine contract: what a runner drives, what it tells apart, and how an engine declares options and memory.
 
 An engine lives inside one runner process and is driven by one thread (the runner's task loop), so engines need
-not be thread-safe. The runner calls: ``load`` once (reporting progress), ``warmup`` once, ``generate`` any number
-of times, ``close`` once. ``generate`` must call ``cancelled()`` between tokens and stop promptly when it is true.
+not be thread-safe. The runner builds it with its ``EngineSpec`` (the constructor checks the options and does no
+heavy work: the worker builds one too, to refuse bad options before a runner starts), then calls ``load`` once
+(reporting progress), ``warmup`` once, ``generate`` any number of times, ``close`` once. ``generate`` must call
+``cancelled()`` between tokens and stop promptly when it is true.
+
+``RequestError`` fails one request and the runner serves on; any other exception from an engine is fatal for the
+runner (the engine's state is unknown), and ``EngineLoadError`` from ``load`` says the model cannot be loaded (a
+restart would not help). Optional class attributes: ``options`` (the option names and their defaults) and
+``estimate_memory(spec)`` (a static or class method returning a ``MemoryEstimate``, or None), which the worker's
+fit check asks before a runner of ``spec`` starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import msgspec
 
-from tether.protocol import EngineSpec, FinishReason, GenerateParams
+from tether.errors import TetherError
+from tether.protocol import FinishReason, GenerateParams
+from tether.units import format_bytes
 
 ProgressCallback = Callable[[float, str], None]  # (fraction 0..1, detail)
 
@@ -27,15 +39,15 @@ class Delta(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
 
 
-class RequestError(Exception):
+class RequestError(TetherError):
     """A request the engine cannot serve (bad input, prompt longer than the context): fails that task only.
 
     Any other exception from an engine is treated as fatal for the runner, since the engine's state is unknown.
     """
 
 
-class EngineLoadError(Exception):
-    """The model cannot be loaded (missing file, unsupported format): the message says what and what to do."""
+class EngineLoadError(TetherError):
+    """The model cannot be loaded (missing file, unsupported format, bad options): the message says what to do."""
 
 
 class Engine(Protocol):
@@ -50,36 +62,50 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-ENGINE_NAMES = ("llama.cpp", "debug")
-ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama": "llama.cpp"}
+class MemoryEstimate(Protocol):
+    """What a runner of one spec is expected to hold at its peak, in bytes (the fit check compares ``total``)."""
+
+    @property
+    def subject(self) -> str: ...  # what is estimated, for messages: a model file's name
+
+    @property
+    def expected(self) -> int: ...  # what the runner itself holds at its peak
+
+    @property
+    def headroom(self) -> int: ...  # the margin on top
+
+    @property
+    def total(self) -> int: ...  # expected + headroom
+
+    def describe(self) -> str: ...  # "needs ~X (part A + part B + headroom C)"
+
+    def advice(self, available: int) -> str | None: ...  # what would fit in ``available`` (None: nothing to add)
 
 
-def unknown_engine(name: str) -> str | None:
-    """Why ``name`` names no engine (with the ones there are), or None when it names one (aliases included)."""
-    if name in ENGINE_NAMES or name in ENGINE_ALIASES:
+@dataclass(frozen=True)
+class Estimate:
+    """A plain ``MemoryEstimate`` for engines of your own: named parts in bytes, plus headroom."""
+
+    subject: str
+    parts: Mapping[str, int]
+    headroom: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def expected(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def total(self) -> int:
+        return self.expected + self.headroom
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{name} {format_bytes(size)}" for name, size in self.parts.items())
+        headroom = f" + headroom {format_bytes(self.headroom)}" if self.headroom else ""
+        return f"needs ~{format_bytes(self.total)} ({parts or 'nothing'}{headroom})"
+
+    def advice(self, available: int) -> str | None:
         return None
-    return f"unknown engine {name!r}: choose one of {', '.join(repr(n) for n in ENGINE_NAMES)}"
 
 
-def create_engine(spec: EngineSpec) -> Engine:
-    """Build (but do not load) the engine a spec names. Imports lazily: a debug runner never imports llama.cpp."""
-    name = ENGINE_ALIASES.get(spec.engine, spec.engine)
-    if name == "debug":
-        from tether.engines.debug import DebugEngine
-
-        return DebugEngine(spec)
-    if name == "llama.cpp":
-        from tether.engines.llamacpp import LlamaCppEngine
-
-        return LlamaCppEngine(spec)
-    raise EngineLoadError(unknown_engine(spec.engine) or f"unknown engine {spec.engine!r}")
-
-
-def spec_problem(spec: EngineSpec) -> str | None:
-    """Why the engine would refuse ``spec``'s options (None when it takes them), found without loading anything:
-    an engine checks its options when it is built, and building one imports no engine library."""
-    try:
-        create_engine(spec)
-    except EngineLoadError as exc:
-        return str(exc)
-    return None
+NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})

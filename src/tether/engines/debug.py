@@ -31,10 +31,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError
-from tether.engines.faults import faults_for, fire, trigger
 from tether.protocol import EngineSpec, Fault, GenerateParams
+from tether.runner.faults import faults_for, fire, trigger
 
 VOCAB = tuple(
     " ".join(
@@ -55,6 +56,16 @@ class DebugEngine:
     """Deterministic fake engine; see the module docstring for options and fault semantics."""
 
     name = "debug"
+    options = MappingProxyType(
+        {
+            "load_steps": 5,
+            "load_step_seconds": 0.001,
+            "token_seconds": 0.0,
+            "n_ctx": None,
+            "helpers": 0,
+            "helper_kind": "exec",
+        }
+    )
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -115,7 +126,7 @@ class DebugEngine:
         self._require_loaded()
         problem = params.check()
         if problem is not None:
-            raise RequestError(problem)
+            raise RequestError(str(problem))
         if self.n_ctx is not None:
             prompt_tokens = len(prompt_text(params).split())
             if prompt_tokens > self.n_ctx:

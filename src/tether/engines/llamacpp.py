@@ -27,11 +27,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError
+from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import EngineSpec, FinishReason, GenerateParams
+
+if TYPE_CHECKING:
+    from tether.engines.llamacpp_estimate import ModelEstimate
 
 INSTALL_HINT = "run `make install` (or `pip install 'tether[llama]'`)"
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -62,6 +67,14 @@ class LlamaCppEngine:
     """llama-cpp-python behind the tether engine protocol. Driven by one thread; see the module docstring."""
 
     name = "llama.cpp"
+    options = MappingProxyType(OPTION_DEFAULTS)
+
+    @staticmethod
+    def estimate_memory(spec: EngineSpec) -> ModelEstimate:
+        """Weights + KV cache + runtime + headroom at the options' n_ctx and n_batch, read from the GGUF's header."""
+        from tether.engines.llamacpp_estimate import estimate_for_spec
+
+        return estimate_for_spec(spec, {**OPTION_DEFAULTS, **spec.options})
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -139,7 +152,7 @@ class LlamaCppEngine:
         llm = self._require_llm()
         problem = params.check()
         if problem is not None:
-            raise RequestError(problem)
+            raise RequestError(str(problem))
         stop = list(params.stop)
         stopping_criteria = None
         if params.messages is not None:
@@ -193,11 +206,8 @@ class LlamaCppEngine:
                 magic = f.read(4)
         except OSError as exc:
             raise EngineLoadError(f"cannot read model file {path}: {exc}") from exc
-        if magic != b"GGUF":
-            raise EngineLoadError(
-                f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF'): llama.cpp needs a "
-                "GGUF model; convert it with llama.cpp's convert_hf_to_gguf.py"
-            )
+        if magic != GGUF_MAGIC:
+            raise EngineLoadError(str(not_gguf(path, magic)))
         self.model_path = path
         return path
 

@@ -1,0 +1,10 @@
+"""The ``tether`` command: a parser (``parser``) and one module per command (``run``, ``serve``, ``status``,
+``orphans``).
+
+Runs in the worker process; the top of the import graph (nothing imports ``tether.cli``). A command imports what
+only it needs when it runs: ``tether orphans`` never imports the HTTP stack.
+"""
+
+from tether.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,66 @@
+"""What the commands share: exit codes, the engine options and deadlines a command line sets, reaping at start."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tether.engines import registry
+from tether.node import orphans
+from tether.node.hangs import Deadlines
+from tether.units import format_bytes
+
+EXIT_OK = 0
+EXIT_FAILED = 2  # the runner failed, or the model or engine cannot be used
+EXIT_DOES_NOT_FIT = 3
+EXIT_CANNOT_BIND = 4  # tether serve: the address is taken or not ours
+EXIT_USAGE = 64  # EX_USAGE: the command line is wrong
+EXIT_INTERRUPTED = 130
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> int:
+    """Say why the command stops, on stderr, and return its exit status."""
+    print(f"tether: {message}", file=sys.stderr)
+    return code
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options a command line sets (``--n-ctx``, ``--threads``), for ``run`` and ``serve`` alike."""
+    options: dict[str, object] = {}
+    if args.n_ctx is not None:
+        options["n_ctx"] = args.n_ctx
+    if args.threads is not None:
+        options["n_threads"] = args.threads
+    return options
+
+
+def deadlines_from(args: argparse.Namespace) -> Deadlines:
+    """The hang deadlines ``--deadline NAME=SECONDS`` set, the rest at their defaults; ``ValueError`` says what is
+    wrong with a value."""
+    return Deadlines(**dict(args.deadline))
+
+
+def engine_name(args: argparse.Namespace) -> str:
+    """The engine ``--engine`` names, as the registry calls it (``InvalidField`` when it names none)."""
+    return registry.canonical(args.engine)
+
+
+def reap_at_start(args: argparse.Namespace) -> None:
+    """A worker starting: reap the runners dead workers left behind (unless ``--no-reap`` or TETHER_AUTO_REAP=0),
+    and say so even without -v."""
+    if args.no_reap or not orphans.auto_reap_enabled():
+        return
+    for result in orphans.reap_at_start():
+        state = "reaped" if result.ok else "could not reap"
+        print(
+            f"tether: {state} orphaned {result.group.label} of dead worker {result.group.worker_pid} "
+            f"({len(result.gone)} process{'' if len(result.gone) == 1 else 'es'}): "
+            f"freed {format_bytes(result.freed.footprint)}",
+            file=sys.stderr,
+        )
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows (the first is the header) as aligned lines."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

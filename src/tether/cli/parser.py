@@ -1,0 +1,165 @@
+"""The ``tether`` command line: every command's arguments, and the parsers of their values."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import msgspec
+
+from tether import __version__
+from tether.engines import registry
+from tether.node import orphans
+from tether.node.hangs import Deadlines
+from tether.protocol import Fault
+
+DESCRIPTION = (
+    "tether: a supervised inference worker. Model engines run in child runner processes that never outlive their "
+    "worker, never die unexplained and never leave a request hanging."
+)
+# SmolLM2-135M answers plain questions well with a short neutral system message; the default system prompt its
+# template inserts otherwise ("... named SmolLM, trained by Hugging Face") derails it at temperature 0.
+DEFAULT_SYSTEM = "You are a helpful AI assistant."
+
+
+def parse_fault(text: str) -> Fault:
+    """``KIND[:PHASE[:AFTER_TOKENS]]``, e.g. ``segv:generate:5`` or ``exit:load`` or ``slow``."""
+    parts = text.split(":")
+    try:
+        fields: dict[str, object] = {"kind": parts[0]}
+        if len(parts) > 1 and parts[1]:
+            fields["phase"] = parts[1]
+        if len(parts) > 2 and parts[2]:
+            fields["after_tokens"] = int(parts[2])
+        return msgspec.convert(fields, Fault)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"bad fault {text!r}: {exc} (format KIND[:PHASE[:AFTER_TOKENS]])") from exc
+
+
+def parse_deadline(text: str) -> tuple[str, float]:
+    """``NAME=SECONDS``, e.g. ``token_gap=60``; NAME is a field of ``tether.node.hangs.Deadlines``."""
+    name, sep, value = text.partition("=")
+    names = ", ".join(Deadlines.__struct_fields__)
+    if not sep or name not in Deadlines.__struct_fields__:
+        raise argparse.ArgumentTypeError(f"bad deadline {text!r}: use NAME=SECONDS with NAME one of {names}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad deadline {text!r}: {value!r} is not a number of seconds") from None
+    return name, seconds
+
+
+def parse_size(text: str) -> int:
+    """Bytes, or a number with a K/M/G/T suffix (binary: 512M = 512 MiB)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    value, unit = (text[:-1], text[-1].lower()) if text and text[-1].lower() in units else (text, "")
+    try:
+        return int(float(value) * units.get(unit, 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes or a number with K, M, G or T") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tether", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"tether {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: runner output too)")
+    engines = ", ".join(registry.names())
+    engine_help = (
+        f"the engine: one installed ({engines}), an alias (llamacpp), or your own as package.module:Class or "
+        "path/file.py:Class (default llama.cpp)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="answer one prompt with a model in a supervised runner")
+    run.add_argument("prompt", help="the user message (or raw prompt with --raw)")
+    run.add_argument("--engine", default="llama.cpp", help=engine_help)
+    run.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument(
+        "--system",
+        default=DEFAULT_SYSTEM,
+        help=f"system message for chat models (default {DEFAULT_SYSTEM!r}; '' = the model template's own)",
+    )
+    run.add_argument("--raw", action="store_true", help="send the prompt as a raw completion, no chat template")
+    run.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
+    run.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
+    run.add_argument("--json", action="store_true", help="print every event as one JSON line on stdout")
+    run.add_argument(
+        "--fault",
+        type=parse_fault,
+        action="append",
+        default=[],
+        help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
+    )
+    run.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping the runner (s)")
+    defaults = Deadlines()
+    run.add_argument(
+        "--deadline",
+        type=parse_deadline,
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="how long a phase may go without progress before the runner counts as hung (repeatable); defaults: "
+        + ", ".join(f"{name}={getattr(defaults, name):g}" for name in Deadlines.__struct_fields__),
+    )
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="load even when the fit check says the model does not fit the memory available",
+    )
+    run.add_argument(
+        "--no-reap",
+        action="store_true",
+        help=f"do not reap runners of dead workers at start (also: {orphans.AUTO_REAP_ENV}=0)",
+    )
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP: OpenAI-compatible API, instance admin, /metrics",
+        description="Start a worker with one model instance (the built-in default model unless --model) in a "
+        "supervised runner, and the HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /v1/instances, "
+        "/healthz, /readyz, /metrics. SIGINT/SIGTERM stop it within the stop bound.",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
+    srv.add_argument("--engine", default="llama.cpp", help=engine_help)
+    srv.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--name", default=None, help="the instance's id and model name (default: the GGUF's stem)")
+    srv.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
+    srv.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
+    srv.add_argument("--restart", choices=("on-failure", "never"), default="on-failure", help="restart policy")
+    srv.add_argument("--max-queue", type=int, default=16, help="generations in flight before 503 (default 16)")
+    srv.add_argument("--max-body", type=parse_size, default="4M", help="request body limit (default 4M)")
+    srv.add_argument("--memory-limit", type=parse_size, default=None, help="memory limit of the runner's cgroup")
+    srv.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping a runner (s)")
+    srv.add_argument(
+        "--deadline", type=parse_deadline, action="append", default=[], metavar="NAME=SECONDS", help="hang deadline"
+    )
+    srv.add_argument("--fault", type=parse_fault, action="append", default=[], help="debug engine fault")
+    srv.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
+    srv.add_argument("--no-reap", action="store_true", help="do not reap runners of dead workers at start")
+
+    st = sub.add_parser("status", help="show the instances and runners of a running tether server")
+    st.add_argument("--url", default=None, help="the server (default http://127.0.0.1:PORT)")
+    st.add_argument("--port", type=int, default=8000)
+    st.add_argument("--api-key", default=None, help="its API key (also: TETHER_API_KEY)")
+    st.add_argument("--json", action="store_true", help="the server's JSON as it is")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
+
+    orph = sub.add_parser(
+        "orphans",
+        help="list tether runners that outlived their worker, with the memory they hold",
+        description="List tether runners whose worker is gone (and runner records whose process group lives on), "
+        "with their memory side by side: RSS, USS, PSS, anonymous, file-backed, swap and GPU. "
+        "Exit status: 0 when none are found or all were reaped, 1 when orphans are left.",
+    )
+    orph.add_argument("--reap", action="store_true", help="stop them: SIGTERM to the whole group, grace, SIGKILL")
+    orph.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    orph.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    orph.add_argument("--all", action="store_true", help="also list healthy runners (their worker is alive)")
+    return parser

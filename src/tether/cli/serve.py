@@ -1,0 +1,167 @@
+"""``tether serve``: a worker with one model instance loaded and the HTTP API in front of it (the main job).
+
+The worker owns the fleet; uvicorn serves the app on a socket bound before the model loads (a taken port fails fast,
+not after a load). SIGINT/SIGTERM are handled here, not by uvicorn (which would re-raise them after its own shutdown
+and kill the worker before its runners are stopped): the server stops accepting, open requests get a short grace,
+then every instance stops within its bound, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+import anyio
+import uvicorn
+
+from tether import env
+from tether.cli.common import (
+    EXIT_CANNOT_BIND,
+    EXIT_DOES_NOT_FIT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    deadlines_from,
+    engine_options,
+    fail,
+    reap_at_start,
+)
+from tether.errors import DoesNotFit, InvalidField, UnknownEngine
+from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
+from tether.serve import create_app
+from tether.serve.fleet import Fleet, InstanceConfig
+
+log = logging.getLogger("tether.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the worker decides how to stop (runners first, then exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def instance_config(args: argparse.Namespace) -> InstanceConfig:
+    return InstanceConfig(
+        id=args.name,
+        engine=args.engine,
+        model=str(args.model.resolve()) if args.model else None,
+        options=engine_options(args),
+        faults=tuple(args.fault),
+        restart=RestartPolicy(mode=args.restart),
+        deadlines=deadlines_from(args),
+        memory_limit=args.memory_limit,
+        max_queue=args.max_queue,
+        force=args.force,
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    reap_at_start(args)
+    return anyio.run(serve, args)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; the exit status says how it ended."""
+    api_key = args.api_key or os.environ.get(env.API_KEY) or None
+    if args.host not in ("127.0.0.1", "::1", "localhost") and not api_key:
+        print(
+            f"tether: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
+            f"(set --api-key or {env.API_KEY})",
+            file=sys.stderr,
+        )
+    try:
+        config = instance_config(args)
+    except ValueError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    problem = config.check()
+    if isinstance(problem, UnknownEngine):
+        return fail(str(problem), EXIT_USAGE)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"tether: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose another --port",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_BIND
+    began = time.monotonic()
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    async with Fleet(stop_timeout=args.stop_timeout) as fleet:
+        try:
+            hosted = await fleet.add(config)
+        except DoesNotFit as exc:
+            sock.close()
+            return fail(str(exc), EXIT_DOES_NOT_FIT)
+        except InvalidField as exc:  # the model, the options or another field of the instance
+            sock.close()
+            return fail(str(exc), EXIT_FAILED)
+
+        def report(state: InstanceState) -> None:
+            if isinstance(state, InstanceReady) and not state.healthy:
+                print(
+                    f"tether: {hosted.id} ready (runner pid {state.pid}, life {state.life}) after "
+                    f"{time.monotonic() - began:.1f} s; serving {url}/v1",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif isinstance(state, InstanceRestarting):
+                print(
+                    f"tether: {hosted.id}: {state.cause.summary}; restarting in {state.delay:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif isinstance(state, InstanceFailed):
+                print(f"tether: {hosted.id} failed: {state.cause.render()}\n  {state.reason}", file=sys.stderr)
+
+        hosted.instance.add_state_listener(report)
+        print(f"tether: listening on {url} (loading {hosted.id})", file=sys.stderr, flush=True)
+        app = create_app(fleet, api_key=api_key, max_body=args.max_body)
+        server = _Server(
+            uvicorn.Config(
+                app,
+                lifespan="off",
+                access_log=args.verbose > 0,
+                log_level="info" if args.verbose else "warning",
+                timeout_graceful_shutdown=max(1, int(args.stop_timeout / 4)),
+            )
+        )
+        stopping: list[float] = []
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        print(f"tether: {signal.Signals(signum).name} received, stopping", file=sys.stderr, flush=True)
+                        stopping.append(time.monotonic())
+                        server.should_exit = True
+                        return
+
+            tg.start_soon(watch_signals)
+            await server.serve(sockets=[sock])
+            tg.cancel_scope.cancel()
+    now = time.monotonic()
+    took = f" in {now - stopping[0]:.1f} s" if stopping else ""
+    print(f"tether: stopped{took} (up {now - began:.1f} s)", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,311 @@
+"""What a llama.cpp runner of a GGUF model needs at its peak, from the file's header (the engine's estimator).
+
+**The estimate** is for host memory with the engine's CPU settings (``n_gpu_layers`` 0, no flash attention, the
+llama-cpp-python defaults the llama.cpp engine uses). It is the runner's *peak*, reached when a full batch of
+prompt tokens attends to a nearly full context, not its footprint right after load, which is lower:
+
+* weights: the sum of the tensors' data sizes (mmapped: resident file-backed pages once touched);
+* KV cache: 2 (K and V) x layers x n_ctx x kv heads x head dim x bytes per element of the cache type, with n_ctx
+  rounded up to a multiple of 256 as llama.cpp does (n_ctx 1000 gets 1024 cells);
+* runtime: a fixed base for the interpreter, tether's runner and the llama.cpp/ggml/numpy libraries
+  (:data:`RUNTIME_BASE`), the tokenizer's tables (:data:`VOCAB_BYTES_PER_TOKEN` per vocabulary entry) and the
+  compute scratch of one micro-batch: without flash attention, the attention scores of n_ubatch tokens against
+  n_ctx cells for every query head, kept in f32 in ggml's compute buffer and copied to f16 in the CPU backend's
+  work buffer for the V product (:data:`ATTENTION_BYTES_PER_SCORE` = 4 + 2 bytes), or the feed-forward activations
+  if larger. llama.cpp reserves more compute buffer than that (logits for a whole batch, 96 MiB for the default
+  model), but the engine asks for the last token's logits only, so those pages are never touched.
+* headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
+
+Measured on the default model (SmolLM2-135M-Instruct Q4_1: weights 92.1 MiB, llama-cpp-python 0.3.36, x86-64 Linux,
+2 CPUs), RSS of the runner started by :class:`tether.node.supervisor.Supervisor`, and its estimate without headroom:
+
+=======  =========================================  ===================================================  ==========
+n_ctx    ready (after warm-up)                      after a prompt filling 95% of the context (= VmHWM)  estimate
+=======  =========================================  ===================================================  ==========
+1024     182 MiB (anon 67.3 + file 115)             -                                                    -
+2048     205 MiB (anon 89.8 + file 115; KV 45.0)    257 MiB (anon 142 + file 115)                        259 MiB
+8192     340 MiB (anon 225 + file 115; KV 180)      564 MiB (anon 449 + file 115)                        556 MiB
+=======  =========================================  ===================================================  ==========
+
+At every n_ctx the ready RSS minus weights and KV cache is the same 68 MiB: 43 MiB for a bare runner interpreter
+with llama_cpp imported (anon 23.4 + file 19.7), +17.6 MiB once the vocabulary is loaded (``vocab_only``), the rest
+llama.cpp's context. Filling the context adds 52 MiB at n_ctx 2048 and 224 MiB at n_ctx 8192: 5.8 and 6.2 bytes
+per attention score (512 x n_ctx x 9 heads). So the estimate is within 2% of the peak at both sizes and above the
+ready RSS (+26% at 2048, +64% at 8192, where most of the scratch is not touched yet).
+
+Not modelled (said in :attr:`ModelEstimate.notes` where the metadata shows it): GPU offload, sliding-window layers
+(their smaller cache: the estimate is then an upper bound), recurrent state of SSM layers, and weights a CPU backend
+repacks into anonymous copies (Q4_0/IQ4_NL/Q4_K on some CPUs: resident weights may then count twice in RSS, the
+file-backed pages being reclaimable page cache).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tether.engines.gguf import CACHE_TYPES, TYPE_SIZES, GgufArray, GgufError, GgufFile, read_gguf, split_parts
+from tether.models import default_model_path
+from tether.protocol import EngineSpec
+from tether.units import format_bytes
+
+MiB = 1 << 20
+
+DEFAULT_HEADROOM = 128 * MiB
+"""Margin added to every estimate for what the model leaves out (allocator slack, request buffers, thread stacks)."""
+
+RUNTIME_BASE = 50 * MiB
+"""Interpreter, tether's runner, llama.cpp/ggml/numpy libraries and llama.cpp's context (measured: 68 MiB of ready
+RSS beyond weights and KV cache for the default model, of which 18 MiB is its 49152-entry vocabulary)."""
+
+VOCAB_BYTES_PER_TOKEN = 384
+"""Tokenizer tables per vocabulary entry (measured: +17.6 MiB when llama.cpp loads the default model's 49152-entry
+vocabulary alone)."""
+
+ATTENTION_BYTES_PER_SCORE = 6
+"""Scratch per attention score (n_ubatch x n_ctx x query heads): the f32 scores in the compute buffer plus their f16
+copy in the CPU backend's work buffer (measured 5.8-6.2 bytes)."""
+
+DEFAULT_N_BATCH = 512  # the llama.cpp engine's n_batch default
+MAX_N_UBATCH = 512  # llama-cpp-python's n_ubatch default: micro-batches are min(n_batch, 512) tokens
+KV_CELL_PADDING = 256  # llama.cpp rounds the context up to a multiple of this many KV cells
+
+_DEFAULT_CTX_NOTE = "n_ctx not given: using the model's context length"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate uses from the metadata (``{arch}.*`` keys). Per-layer values are tuples."""
+
+    architecture: str
+    n_layers: int
+    context_length: int | None  # the length the model was trained for
+    n_embd: int
+    n_ff: int
+    n_head: tuple[int, ...]  # query heads per layer
+    n_head_kv: tuple[int, ...]  # key/value heads per layer (0 for a layer without attention)
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    """Memory a llama.cpp runner of this model needs at its peak, in bytes, and where each part comes from."""
+
+    path: Path
+    shape: ModelShape
+    weights: int
+    file_size: int
+    tensor_types: Mapping[str, int]  # ggml type -> bytes of tensor data of that type
+    n_ctx: int  # as configured (or the model's own); the KV cache holds n_ctx_cells
+    n_ctx_cells: int
+    n_ctx_from_model: bool  # n_ctx was not given: the model's context length is used
+    cache_type: str
+    n_batch: int
+    n_ubatch: int
+    kv_cache: int
+    runtime_base: int  # interpreter, libraries, tokenizer
+    compute: int  # attention or feed-forward scratch of one micro-batch
+    headroom: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def runtime(self) -> int:
+        return self.runtime_base + self.compute
+
+    @property
+    def expected(self) -> int:
+        """What the runner itself is expected to hold at its peak: everything but the headroom."""
+        return self.weights + self.kv_cache + self.runtime
+
+    @property
+    def total(self) -> int:
+        return self.expected + self.headroom
+
+    @property
+    def architecture(self) -> str:
+        return self.shape.architecture
+
+    def describe(self) -> str:
+        """``needs ~X (weights A + KV cache B at n_ctx N + runtime C + headroom D)``."""
+        ctx = f"the model's n_ctx {self.n_ctx}" if self.n_ctx_from_model else f"n_ctx {self.n_ctx}"
+        cache = "" if self.cache_type == "f16" else f" ({self.cache_type})"
+        return (
+            f"needs ~{format_bytes(self.total)} (weights {format_bytes(self.weights)} + KV cache"
+            f"{cache} {format_bytes(self.kv_cache)} at {ctx} + runtime {format_bytes(self.runtime)} + headroom "
+            f"{format_bytes(self.headroom)})"
+        )
+
+    @property
+    def subject(self) -> str:
+        return self.path.name
+
+    def advice(self, available: int) -> str:
+        """What to do when this does not fit ``available`` bytes: the largest n_ctx that would, if any."""
+        best = self.max_n_ctx(available)
+        if best is not None:
+            return f"use a smaller --n-ctx (up to {best} fits), free memory, or pass --force to load anyway"
+        smallest = self.with_n_ctx(KV_CELL_PADDING)
+        if smallest.total > available:
+            return (
+                f"even n_ctx {KV_CELL_PADDING} {smallest.describe()}: free memory, use a smaller or more quantized "
+                "model, or pass --force to load anyway"
+            )
+        return "use a smaller --n-ctx, free memory, or pass --force to load anyway"
+
+    def max_n_ctx(self, available: int) -> int | None:
+        """The largest n_ctx below this one, in steps of 256, that fits ``available`` (memory grows with n_ctx)."""
+        lo, hi = 1, (self.n_ctx - 1) // KV_CELL_PADDING  # candidates are k * 256 for lo <= k <= hi
+        if hi < lo or self.with_n_ctx(lo * KV_CELL_PADDING).total > available:
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.with_n_ctx(mid * KV_CELL_PADDING).total <= available:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * KV_CELL_PADDING
+
+    def with_n_ctx(self, n_ctx: int) -> ModelEstimate:
+        """The same model at another context size (no file read)."""
+        notes = tuple(n for n in self.notes if not n.startswith(_DEFAULT_CTX_NOTE))
+        return _estimate(replace(self, notes=notes), n_ctx=n_ctx, n_ctx_from_model=False)
+
+
+def estimate_gguf(
+    path: str | os.PathLike[str],
+    n_ctx: int | None = None,
+    cache_type: str = "f16",
+    headroom: int = DEFAULT_HEADROOM,
+    *,
+    n_batch: int = DEFAULT_N_BATCH,
+) -> ModelEstimate:
+    """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring).
+
+    ``n_ctx`` None means the model's own context length (``{arch}.context_length``; ``describe`` says so).
+    ``cache_type`` is the KV cache element type (one of :data:`CACHE_TYPES`). Raises :class:`GgufError` for a file
+    that is not a readable GGUF model or lacks the metadata needed, and ``ValueError`` for bad arguments.
+    """
+    if cache_type.lower() not in CACHE_TYPES:
+        raise ValueError(f"unknown KV cache type {cache_type!r}: use one of {', '.join(CACHE_TYPES)}")
+    if headroom < 0 or n_batch < 1 or (n_ctx is not None and n_ctx < 1):
+        raise ValueError(f"need n_ctx >= 1, n_batch >= 1 and headroom >= 0 (got {n_ctx}, {n_batch}, {headroom})")
+    gguf = read_gguf(path)
+    parts = split_parts(gguf)
+    shape = _shape(gguf)
+    types: dict[str, int] = {}
+    for part in parts:
+        for t in part.tensors:
+            types[t.type_name] = types.get(t.type_name, 0) + t.n_bytes
+    notes = []
+    if n_ctx is None:
+        if shape.context_length is None:
+            raise GgufError(f"{gguf.path} does not say its context length ({shape.architecture}.context_length)")
+        notes.append(f"{_DEFAULT_CTX_NOTE} {shape.context_length}")
+    if shape.sliding_window:
+        notes.append(
+            f"sliding-window attention ({shape.sliding_window} tokens) on some layers: their smaller KV cache is not "
+            "modelled, so the KV cache figure is an upper bound"
+        )
+    if any(k.startswith(f"{shape.architecture}.ssm.") for k in gguf.metadata):
+        notes.append("recurrent (SSM) layers: their state is not included")
+    seed = ModelEstimate(
+        path=gguf.path,
+        shape=shape,
+        weights=sum(types.values()),
+        file_size=sum(p.file_size for p in parts),
+        tensor_types=MappingProxyType(dict(sorted(types.items(), key=lambda kv: -kv[1]))),
+        n_ctx=0,
+        n_ctx_cells=0,
+        n_ctx_from_model=n_ctx is None,
+        cache_type=cache_type.lower(),
+        n_batch=n_batch,
+        n_ubatch=0,
+        kv_cache=0,
+        runtime_base=0,
+        compute=0,
+        headroom=headroom,
+        notes=tuple(notes),
+    )
+    chosen = n_ctx if n_ctx is not None else shape.context_length or 0
+    return _estimate(seed, n_ctx=chosen, n_ctx_from_model=n_ctx is None)
+
+
+def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> ModelEstimate:
+    s = base.shape
+    cells = -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
+    block, size = TYPE_SIZES[base.cache_type]
+    kv = cells * sum(
+        -(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size for heads in s.n_head_kv
+    )
+    n_ubatch = min(base.n_batch, MAX_N_UBATCH, n_ctx)
+    attention = n_ubatch * cells * max(s.n_head) * ATTENTION_BYTES_PER_SCORE
+    feed_forward = n_ubatch * s.n_ff * 4 * 3  # gate, up and their product, f32
+    return replace(
+        base,
+        n_ctx=n_ctx,
+        n_ctx_cells=cells,
+        n_ctx_from_model=n_ctx_from_model,
+        n_ubatch=n_ubatch,
+        kv_cache=kv,
+        runtime_base=RUNTIME_BASE + VOCAB_BYTES_PER_TOKEN * s.n_vocab,
+        compute=max(attention, feed_forward),
+    )
+
+
+def _shape(gguf: GgufFile) -> ModelShape:
+    arch = gguf.architecture
+    if arch is None:
+        raise GgufError(f"{gguf.path} has no general.architecture: it is not a model llama.cpp can load")
+    md = gguf.metadata
+
+    def number(key: str, default: int | None = None) -> int:
+        value = md.get(f"{arch}.{key}", default)
+        if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+            value = max(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise GgufError(f"{gguf.path} lacks {arch}.{key} (or it is not a number): cannot estimate its memory")
+        return value
+
+    n_layers = number("block_count")
+    n_embd = number("embedding_length")
+
+    def per_layer(key: str, default: int | None) -> tuple[int, ...]:
+        value = md.get(f"{arch}.{key}", default)
+        if isinstance(value, tuple) and len(value) == n_layers and all(isinstance(v, int) for v in value):
+            return tuple(value)
+        return (number(key, default),) * n_layers
+
+    n_head = per_layer("attention.head_count", None)
+    n_head_kv = per_layer("attention.head_count_kv", max(n_head))
+    head_dim = n_embd // max(max(n_head), 1)
+    context = md.get(f"{arch}.context_length")
+    vocab = md.get("tokenizer.ggml.tokens")
+    n_vocab = vocab.count if isinstance(vocab, GgufArray) else len(vocab) if isinstance(vocab, tuple) else None
+    window = md.get(f"{arch}.attention.sliding_window")
+    return ModelShape(
+        architecture=arch,
+        n_layers=n_layers,
+        context_length=context if isinstance(context, int) else None,
+        n_embd=n_embd,
+        n_ff=number("feed_forward_length", 4 * n_embd),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=number("attention.key_length", head_dim),
+        head_dim_v=number("attention.value_length", head_dim),
+        n_vocab=n_vocab if n_vocab is not None else number("vocab_size", 0),
+        sliding_window=window if isinstance(window, int) and window > 0 else None,
+    )
+
+
+def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: int = DEFAULT_HEADROOM) -> ModelEstimate:
+    """The estimate for a llama.cpp runner of ``spec`` with ``options`` (the engine's defaults under the spec's own,
+    so the estimate matches the load). Raises ``GgufError`` for a file that is not a readable GGUF."""
+    path = Path(spec.model) if spec.model else default_model_path()
+    return estimate_gguf(path, n_ctx=int(options["n_ctx"]), n_batch=int(options["n_batch"]), headroom=headroom)

@@ -1,0 +1,182 @@
+"""The one engine registry: names and aliases to an engine class, its option defaults and its memory estimator.
+
+Three ways to name an engine, resolved in this order:
+
+1. a built-in: ``llama.cpp`` (aliases ``llamacpp``, ``llama``) or ``debug``;
+2. an installed plugin: an entry point in group ``tether.engines`` (its name is the engine's name; a distribution
+   gives one class several names by declaring several entry points);
+3. a class named where it is: ``package.module:Class`` (importable by the worker and its runners) or
+   ``path/to/file.py:Class`` (a file, made absolute so a runner started elsewhere finds the same one).
+
+Every caller resolves through here (the worker to check options and fit, the runner to build the engine), so an
+alias cannot reach an engine by a path that skips a check. Classes are imported on first use: naming the built-ins
+imports no engine library, and a runner imports only the engine it runs. Runs in both processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tether.engines.base import NO_OPTIONS, Engine, EngineLoadError, MemoryEstimate
+from tether.errors import InvalidField, UnknownEngine
+from tether.protocol import EngineSpec
+
+ENTRY_POINT_GROUP = "tether.engines"
+CONTRACT = ("load", "warmup", "generate", "close")
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One engine as the registry knows it: ``target`` ("module:Class" or "file.py:Class") and where it came from."""
+
+    name: str
+    target: str
+    aliases: tuple[str, ...] = ()
+    origin: str = "built-in"
+
+    def load(self) -> type[Any]:
+        """The engine class (imported once); ``UnknownEngine`` says why it cannot be had."""
+        return _import_class(self.name, self.target)
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The option names the engine takes and their defaults (empty when the engine does not declare them)."""
+        declared = getattr(self.load(), "options", None)
+        return MappingProxyType(dict(declared)) if isinstance(declared, Mapping) else NO_OPTIONS
+
+
+BUILT_IN = (
+    EngineEntry("llama.cpp", "tether.engines.llamacpp:LlamaCppEngine", aliases=("llamacpp", "llama")),
+    EngineEntry("debug", "tether.engines.debug:DebugEngine"),
+)
+
+
+def _plugins() -> list[EngineEntry]:
+    from importlib.metadata import entry_points  # only when a name is not a built-in: it scans every distribution
+
+    found = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        origin = f"entry point of {dist.name} {dist.version}" if dist is not None else "entry point"
+        found.append(EngineEntry(ep.name, ep.value, origin=origin))
+    return found
+
+
+def installed() -> list[EngineEntry]:
+    """Every engine that can be named by name: the built-ins, then the plugins' entry points."""
+    return [*BUILT_IN, *_plugins()]
+
+
+def names() -> list[str]:
+    """The names of the installed engines (without aliases), for help texts and errors."""
+    return [entry.name for entry in installed()]
+
+
+def resolve(name: str) -> EngineEntry:
+    """The engine ``name`` names; ``UnknownEngine`` (listing what is installed) when it names none."""
+    for entry in BUILT_IN:
+        if name == entry.name or name in entry.aliases:
+            return entry
+    if ":" in name:
+        module, _, attr = name.rpartition(":")
+        if module.endswith(".py"):
+            path = str(Path(module).expanduser().resolve())
+            return EngineEntry(f"{path}:{attr}", f"{path}:{attr}", origin="file")
+        return EngineEntry(name, name, origin="module")
+    plugins = _plugins()
+    for entry in plugins:
+        if name == entry.name:
+            return entry
+    raise UnknownEngine(name, [*(e.name for e in BUILT_IN), *(e.name for e in plugins)])
+
+
+def canonical(name: str) -> str:
+    """The one name of the engine ``name`` names (an alias's engine, a file made absolute)."""
+    return resolve(name).name
+
+
+def engine_class(name: str) -> type[Any]:
+    return resolve(name).load()
+
+
+def create_engine(spec: EngineSpec) -> Engine:
+    """Build (but do not load) the engine a spec names: the constructor checks its options (``EngineLoadError``)."""
+    engine: Engine = engine_class(spec.engine)(spec)
+    return engine
+
+
+def spec_problem(spec: EngineSpec) -> InvalidField | None:
+    """Why the engine would refuse ``spec`` (an unknown engine, bad options), found without loading anything."""
+    try:
+        create_engine(spec)
+    except UnknownEngine as exc:
+        return exc
+    except EngineLoadError as exc:
+        return InvalidField("options", str(exc))
+    return None
+
+
+def estimate(spec: EngineSpec) -> MemoryEstimate | None:
+    """What the engine says a runner of ``spec`` will need, or None when the engine declares no estimator."""
+    estimator = getattr(engine_class(spec.engine), "estimate_memory", None)
+    if estimator is None:
+        return None
+    result: MemoryEstimate | None = estimator(spec)
+    return result
+
+
+@functools.lru_cache(maxsize=64)
+def _import_class(name: str, target: str) -> type[Any]:
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UnknownEngine(name, [e.name for e in BUILT_IN], f"engine {name!r} is not 'module:Class'")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name))
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # anything the module raises on import: the engine cannot be had
+        raise UnknownEngine(
+            name,
+            [e.name for e in BUILT_IN],
+            f"engine {name!r}: cannot import {module_name} ({type(exc).__name__}: {exc})",
+        ) from exc
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type):
+        raise UnknownEngine(name, [e.name for e in BUILT_IN], f"engine {name!r}: {module_name} has no class {attr!r}")
+    missing = [method for method in CONTRACT if not callable(getattr(cls, method, None))]
+    if missing:
+        raise UnknownEngine(
+            name,
+            [e.name for e in BUILT_IN],
+            f"engine {name!r}: {cls.__qualname__} lacks {', '.join(missing)} of the engine contract "
+            f"({', '.join(CONTRACT)})",
+        )
+    return cls
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {path}")
+    module_name = f"tether_engine_{abs(hash(str(path))):x}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module

@@ -1,0 +1,30 @@
+"""The environment variables tether reads: one list of names, and one vocabulary for switching a flag on or off.
+
+Shared by both process sides (it imports nothing). A flag is on for ``1``, ``true``, ``yes`` or ``on`` and off for
+``0``, ``false``, ``no`` or ``off`` (any case, spaces ignored); unset, empty or anything else is its default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+RUNNER_CONFIG = "TETHER_RUNNER_CONFIG"  # how a worker hands a runner its RunnerConfig (JSON)
+DISABLE_ORPHAN_WATCHDOG = "TETHER_DISABLE_ORPHAN_WATCHDOG"  # 1: runners may outlive their worker (debugging only)
+AUTO_REAP = "TETHER_AUTO_REAP"  # 0: a starting worker does not reap the runners of dead workers
+RUNTIME_DIR = "TETHER_RUNTIME_DIR"  # where runner records live (default $XDG_RUNTIME_DIR/tether)
+LOG_DIR = "TETHER_LOG_DIR"  # where runner output logs go (default $XDG_STATE_HOME/tether/logs)
+API_KEY = "TETHER_API_KEY"  # the bearer key `tether serve` requires and `tether status` sends
+
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the flag ``name`` is on."""
+    value = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    return default

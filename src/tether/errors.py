@@ -1,0 +1,91 @@
+"""tether's errors: one root, and the typed errors callers tell apart by type (never by their text).
+
+Shared by every process side (it imports nothing at run time). Each error's message says what happened, why,
+and what to do; its attributes carry what a caller maps (the API maps types to status codes and
+``InvalidField.field`` to the OpenAI error's ``param``; the CLI maps them to exit codes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations only: the wire imports this module, and the fit check is worker-side
+    from tether.node.fit import FitResult
+    from tether.protocol import Cause
+
+
+class TetherError(Exception):
+    """The root of every error tether raises on purpose."""
+
+
+class InvalidField(TetherError, ValueError):
+    """A value tether refuses: ``field`` names it (None: the input as a whole) and ``why`` says what is wrong.
+
+    A ``ValueError`` too, so msgspec turns one raised in a struct's ``__post_init__`` into a validation error.
+    """
+
+    def __init__(self, field: str | None, why: str) -> None:
+        super().__init__(why)
+        self.field = field
+        self.why = why
+
+
+class UnknownEngine(InvalidField):
+    """An engine name that names no installed engine; ``installed`` lists the ones there are."""
+
+    def __init__(self, name: str, installed: Sequence[str], detail: str | None = None) -> None:
+        listed = ", ".join(repr(n) for n in installed)
+        why = detail or f"unknown engine {name!r}"
+        super().__init__(
+            "engine",
+            f"{why}: installed engines are {listed}; or name one as 'package.module:Class' or 'path/file.py:Class'",
+        )
+        self.name = name
+        self.installed = tuple(installed)
+
+
+class InvalidModel(InvalidField):
+    """A model that cannot be used: a file that is missing, unreadable or not a model the engine can load."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__("model", why)
+
+
+class ModelRequired(InvalidField):
+    """A request named no model while several are served: which one is ambiguous."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__("model", why)
+
+
+class NotFound(TetherError, LookupError):
+    """No such instance, model or request."""
+
+
+class InstanceExists(TetherError):
+    """An instance with that id is already served."""
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(f"an instance {instance_id!r} exists already: DELETE it first or choose another id")
+        self.instance_id = instance_id
+
+
+class DoesNotFit(TetherError):
+    """The model does not fit the memory available; ``result`` has the numbers."""
+
+    def __init__(self, result: FitResult) -> None:
+        super().__init__(result.message)
+        self.result = result
+
+
+class Unavailable(TetherError):
+    """A request cannot be served now: why, and when to retry (``retry_after`` seconds; None: not by retrying).
+
+    ``cause`` is the runner failure behind it, when there is one.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None, cause: Cause | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.cause = cause

@@ -1,0 +1,131 @@
+"""The fit check before load: what the engine says a runner will need, compared with what this node can give it.
+
+A model is admitted only when the engine's estimate (for llama.cpp: weights + KV cache + runtime + headroom, see
+``tether.engines.llamacpp_estimate``) fits the available memory; otherwise the refusal says every number (``needs
+~556 MiB (weights 92.1 MiB + KV cache 180 MiB at n_ctx 8192 + runtime 284 MiB + headroom 128 MiB), 300 MiB
+available (cgroup limit)``) and what to do, and an explicit override loads it anyway. An engine that declares no
+estimator is admitted with that said, never silently. After load, :func:`record_measured` puts the runner's
+measured memory beside the estimate.
+
+The estimate comes from the engine registry, so every name of an engine (aliases, plugins) gets the same check.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from tether.engines import registry
+from tether.engines.base import MemoryEstimate
+from tether.errors import DoesNotFit
+from tether.node.memory import NodeMemory, ProcessMemory, node_memory
+from tether.protocol import EngineSpec
+from tether.units import format_bytes
+
+log = logging.getLogger("tether.node.fit")
+
+WHAT_TO_DO = "free memory, or pass --force to load anyway"
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The verdict: ``ok`` when it fits, was overridden, or has no estimate; ``message`` says it with the numbers."""
+
+    estimate: MemoryEstimate | None  # None: the engine declares no estimator, so nothing was compared
+    available: int | None
+    source: str
+    fits: bool
+    overridden: bool
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.fits or self.overridden
+
+    @property
+    def needed(self) -> int | None:
+        return self.estimate.total if self.estimate is not None else None
+
+
+def check_fit(estimate: MemoryEstimate, available: int, source: str, *, override: bool = False) -> FitResult:
+    """Compare ``estimate.total`` with ``available`` bytes (``source`` says where that figure comes from, e.g.
+    "cgroup limit"). A model that does not fit is refused unless ``override``; either way ``message`` has the
+    numbers: ``needs ~X (weights ... + headroom ...), Y available (source)``."""
+    numbers = f"{estimate.describe()}, {format_bytes(available)} available ({source})"
+    if estimate.total <= available:
+        return FitResult(estimate, available, source, True, False, f"{estimate.subject} fits: {numbers}")
+    if override:
+        message = f"loading {estimate.subject} anyway (override): it does not fit: {numbers}"
+        return FitResult(estimate, available, source, False, True, message)
+    advice = estimate.advice(available) or WHAT_TO_DO
+    return FitResult(estimate, available, source, False, False, f"{estimate.subject} does not fit: {numbers}: {advice}")
+
+
+def ensure_fits(estimate: MemoryEstimate, available: int, source: str, override: bool = False) -> FitResult:
+    """:func:`check_fit`, raising :class:`DoesNotFit` (with the result) when refused."""
+    result = check_fit(estimate, available, source, override=override)
+    if not result.ok:
+        raise DoesNotFit(result)
+    return result
+
+
+def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None) -> FitResult:
+    """The fit check for a runner of ``spec``: the registry's estimate against this node's memory (read now unless
+    ``node`` is given). Reads the model file's header, so call it off the event loop. Raises ``InvalidModel`` for a
+    model file the estimator cannot read and ``UnknownEngine`` for an engine that names none."""
+    estimate = registry.estimate(spec)
+    if estimate is None:
+        engine = registry.canonical(spec.engine)
+        message = f"no memory estimate for engine {engine!r} (it declares none): admitted without a fit check"
+        return FitResult(None, None, "none", True, False, message)
+    node = node if node is not None else node_memory()
+    return check_fit(estimate, node.available, node.source, override=override)
+
+
+def admit(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None) -> FitResult:
+    """:func:`assess`, raising :class:`DoesNotFit` when refused; logs the verdict."""
+    result = assess(spec, override=override, node=node)
+    if not result.ok:
+        raise DoesNotFit(result)
+    log.info("%s", result.message)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# After load
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeasuredFit:
+    """The runner's measured memory beside its estimate, recorded after load."""
+
+    estimate: MemoryEstimate
+    memory: ProcessMemory
+
+    @property
+    def resident(self) -> int:
+        """What the runner holds in RAM: resident weights (file-backed or not) plus its private memory (RSS)."""
+        return self.memory.rss
+
+    @property
+    def ratio(self) -> float:
+        """Measured resident memory over the estimate without headroom (below 1 before the context fills)."""
+        return self.resident / self.estimate.expected if self.estimate.expected else math.inf
+
+    def describe(self) -> str:
+        m = self.memory
+        n_ctx = getattr(self.estimate, "n_ctx", None)
+        at = f" at n_ctx {n_ctx}" if isinstance(n_ctx, int) else ""
+        return (
+            f"estimated ~{format_bytes(self.estimate.expected)} + headroom {format_bytes(self.estimate.headroom)}"
+            f"{at}; measured {format_bytes(m.rss)} resident (file-backed {format_bytes(m.file)} + anonymous "
+            f"{format_bytes(m.anon)}), footprint {format_bytes(m.footprint)}: {self.ratio:.2f} of the estimate"
+        )
+
+
+def record_measured(estimate: MemoryEstimate, memory: ProcessMemory) -> MeasuredFit:
+    """Pair a loaded runner's memory (``tether.node.memory.process_memory(pid)``) with the estimate it was admitted
+    on."""
+    return MeasuredFit(estimate, memory)

@@ -1,0 +1,623 @@
+"""Model instances and their restart policy.
+
+An ``Instance`` is one model instance served by a sequence of runner *lives*, one ``Supervisor`` at a time. When a
+life fails (any death the supervisor diagnoses, a load or warmup that does not complete, a runner that cannot be
+started), the ``RestartPolicy`` decides: stay failed, or start a replacement after an exponential backoff with
+jitter. Two guarantees the seed system lacked:
+
+- the backoff resets after a healthy period (``healthy_after`` seconds of Ready), so a crash a day does not leave
+  an instance on the maximum backoff for ever;
+- a replacement starts only after the old runner is reaped *and* its process group holds no live process, so a new
+  runner never competes with its predecessor (or the predecessor's helpers) for memory, devices, ports or files.
+
+A crash loop (``crash_loop_failures`` failures within ``crash_loop_window`` seconds) ends the restarts: the instance
+stays failed with the last cause and the history of causes.
+
+Placement (does the model fit the node's memory, on which device) comes later: ``Instance._place`` is its seam,
+awaited before every life once the previous life's process group is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import math
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+from typing import Literal, Protocol
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+
+from tether.errors import DoesNotFit, InvalidField, TetherError
+from tether.kernel.pids import group_members, signal_pinned
+from tether.node import fit
+from tether.node.fit import FitResult, MeasuredFit
+from tether.node.hangs import Deadlines
+from tether.node.listeners import Listeners
+from tether.node.memory import process_memory
+from tether.node.spawn import ExitStatus, RunnerProcess
+from tether.node.supervisor import RunnerUnavailable, Supervisor, TaskFailed, TaskHandle
+from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, phase_of
+
+log = logging.getLogger("tether.node.instance")
+
+RestartMode = Literal["never", "on-failure"]
+
+# --------------------------------------------------------------------------------------------------------------
+# Policy and backoff (pure: no I/O, no clock of their own)
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When and how fast to replace a failed runner.
+
+    ``jitter`` is a fraction: each delay is scaled by a uniform factor in ``[1 - jitter, 1 + jitter]`` so instances
+    that failed together do not restart in lockstep, and is never longer than ``max_backoff``. ``healthy_after``
+    seconds of Ready reset the backoff to ``initial_backoff``. The crash-loop limit counts failures in a sliding
+    window only (a healthy period does not clear it): ``crash_loop_failures`` failures within ``crash_loop_window``
+    seconds and the instance stays failed. ``give_up_on`` lists causes a restart cannot fix (a model or options the
+    engine refuses): they fail the instance at once instead of burning the crash-loop budget.
+    """
+
+    mode: RestartMode = "on-failure"
+    initial_backoff: float = 0.5
+    max_backoff: float = 30.0
+    factor: float = 2.0
+    jitter: float = 0.1
+    healthy_after: float = 60.0
+    crash_loop_failures: int = 5
+    crash_loop_window: float = 300.0
+    give_up_on: tuple[CauseKind, ...] = (CauseKind.LOAD_ERROR,)
+
+    def __post_init__(self) -> None:
+        problem = self.check()
+        if problem is not None:
+            raise InvalidField("restart", f"invalid restart policy: {problem}")
+
+    def check(self) -> str | None:
+        """Return why this policy is invalid, or None."""
+        if self.mode not in ("never", "on-failure"):
+            return f"mode must be 'never' or 'on-failure', got {self.mode!r}"
+        for name in ("initial_backoff", "max_backoff", "factor", "jitter", "healthy_after", "crash_loop_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                return f"{name} must be a finite number, got {value!r}"
+        if self.initial_backoff <= 0:
+            return f"initial_backoff must be > 0 s, got {self.initial_backoff:g}"
+        if self.max_backoff < self.initial_backoff:
+            return f"max_backoff ({self.max_backoff:g} s) must be >= initial_backoff ({self.initial_backoff:g} s)"
+        if self.factor < 1:
+            return f"factor must be >= 1 (a backoff never shrinks between failures), got {self.factor:g}"
+        if not 0 <= self.jitter < 1:
+            return f"jitter must be a fraction in [0, 1), got {self.jitter:g}"
+        if self.healthy_after < 0:
+            return f"healthy_after must be >= 0 s, got {self.healthy_after:g}"
+        if isinstance(self.crash_loop_failures, bool) or not isinstance(self.crash_loop_failures, int):
+            return f"crash_loop_failures must be an integer, got {self.crash_loop_failures!r}"
+        if self.crash_loop_failures < 1:
+            return f"crash_loop_failures must be >= 1, got {self.crash_loop_failures}"
+        if self.crash_loop_window <= 0:
+            return f"crash_loop_window must be > 0 s, got {self.crash_loop_window:g}"
+        return None
+
+
+class Backoff:
+    """The restart schedule of one instance: consecutive failures, their delays, and the crash-loop window.
+
+    Pure logic: callers pass the time (``now``, any monotonic clock) and may inject the random source, so the
+    schedule is testable without waiting.
+    """
+
+    def __init__(self, policy: RestartPolicy, rng: random.Random | None = None) -> None:
+        self.policy = policy
+        self.rng = rng if rng is not None else random.Random()
+        self.attempt = 0  # consecutive failures since the last healthy period
+        self._failures: collections.deque[float] = collections.deque()
+
+    def base_delay(self, attempt: int) -> float:
+        """The delay before restart number ``attempt`` (1-based) of a streak, without jitter, capped."""
+        if attempt < 1:
+            raise ValueError(f"attempt numbers start at 1, got {attempt}")
+        p = self.policy
+        try:
+            delay = p.initial_backoff * p.factor ** (attempt - 1)
+        except OverflowError:
+            return p.max_backoff
+        return min(delay, p.max_backoff)
+
+    def delay_for(self, attempt: int) -> float:
+        """``base_delay`` with jitter applied (consumes one draw of ``rng``); never above ``max_backoff``."""
+        spread = self.policy.jitter
+        factor = 1.0 + self.rng.uniform(-spread, spread) if spread else 1.0
+        return min(self.base_delay(attempt) * factor, self.policy.max_backoff)
+
+    def record_failure(self, now: float) -> int:
+        """Count a failure at ``now``; return its attempt number within the current streak (1 after a reset)."""
+        self.attempt += 1
+        self._failures.append(now)
+        self._prune(now)
+        return self.attempt
+
+    def record_healthy(self) -> None:
+        """A life stayed healthy long enough: the next failure starts from ``initial_backoff`` again."""
+        self.attempt = 0
+
+    def failures_in_window(self, now: float) -> int:
+        self._prune(now)
+        return len(self._failures)
+
+    def crash_looping(self, now: float) -> bool:
+        """True when ``crash_loop_failures`` failures happened within the last ``crash_loop_window`` seconds."""
+        return self.failures_in_window(now) >= self.policy.crash_loop_failures
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.policy.crash_loop_window
+        while self._failures and self._failures[0] <= horizon:
+            self._failures.popleft()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Instance state (structs, so the API can serve them as JSON as they are)
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """One runner life that failed: when (wall clock, ``time.time()``), why, which life and which pid, and how long
+    the supervisor took to end every task with the cause (from the exit, or from the hang's deadline)."""
+
+    at: float
+    cause: Cause
+    life: int
+    pid: int | None
+    detected_in: float | None = None
+
+
+class InstanceStarting(msgspec.Struct, tag="starting", frozen=True):
+    """Spawning runner life ``life`` (1 for the first) and loading and warming up its model."""
+
+    life: int
+
+
+class InstanceReady(msgspec.Struct, tag="ready", frozen=True):
+    """Serving. ``healthy`` once it has been Ready for ``healthy_after`` seconds (the backoff was reset)."""
+
+    life: int
+    pid: int
+    healthy: bool = False
+
+
+class InstanceRestarting(msgspec.Struct, tag="restarting", frozen=True):
+    """Life ``life - 1`` failed with ``cause``; life ``life`` starts after ``delay`` s (around ``resume_at``, on the
+    instance's clock) once the old runner's process group is gone."""
+
+    life: int
+    attempt: int
+    delay: float
+    resume_at: float
+    cause: Cause
+
+
+class InstanceFailed(msgspec.Struct, tag="failed", frozen=True):
+    """No more restarts: ``reason`` says why (policy, crash loop, ...), ``cause`` is the last life's."""
+
+    cause: Cause
+    reason: str
+    history: tuple[Failure, ...]
+
+
+class InstanceStopping(msgspec.Struct, tag="stopping", frozen=True):
+    pass
+
+
+class InstanceStopped(msgspec.Struct, tag="stopped", frozen=True):
+    pass
+
+
+InstanceState = (
+    InstanceStarting | InstanceReady | InstanceRestarting | InstanceFailed | InstanceStopping | InstanceStopped
+)
+
+
+class SupervisorFactory(Protocol):
+    """Builds the supervisor of one runner life (``Supervisor`` itself is one)."""
+
+    def __call__(self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines) -> Supervisor: ...
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The old runner is gone: reaped, and no live process left in its group
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RunnerNotGone(TetherError):
+    """A dead runner's process group still has live members after the bound: a replacement must not start."""
+
+    def __init__(self, pid: int, pgid: int, survivors: list[int], timeout: float) -> None:
+        what = ", ".join(map(str, survivors))
+        super().__init__(
+            f"runner pid {pid} is gone but its process group {pgid} still has live processes ({what}) "
+            f"{timeout:g} s later, despite SIGKILL: they are likely stuck in the kernel (uninterruptible I/O, a GPU "
+            f"driver call). Not starting a replacement that would compete for what they hold; inspect them with "
+            f"'ps -o pid,stat,wchan:32,cmd -g {pgid}'"
+        )
+        self.pid = pid
+        self.pgid = pgid
+        self.survivors = survivors
+
+
+def _reaped(process: RunnerProcess) -> bool:
+    """Whether the runner has been waited for; reaps it here if its supervisor gave up on it (it survived SIGKILL
+    for the supervisor's whole stop bound) and it has died since."""
+    if process.exit_status is not None:
+        return True
+    try:
+        pid, status = os.waitpid(process.pid, os.WNOHANG)
+    except ChildProcessError:
+        return True  # reaped by someone else
+    if pid == 0:
+        return False
+    process.exit_status = ExitStatus.from_wait_status(status)
+    process.popen.returncode = process.exit_status.returncode
+    return True
+
+
+async def _kill_and_await(pids: list[int], pgid: int) -> None:
+    """SIGKILL each process still in ``pgid`` through a pidfd (no pid-reuse race) and await its exit."""
+    fds: list[int] = []
+    try:
+        for pid in pids:  # gone already, or no pidfds (the fallback below polls): nothing to await
+            fd = signal_pinned(pid, signal.SIGKILL, lambda p: os.getpgid(p) == pgid)
+            if fd is not None:
+                fds.append(fd)
+        for fd in fds:
+            await anyio.wait_readable(fd)
+        if not fds:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            await anyio.sleep(0.005)  # no pidfd to await (vanished, or unsupported): recheck shortly
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+async def wait_runner_gone(process: RunnerProcess, timeout: float, *, kill: bool = True) -> None:
+    """Return once ``process`` is reaped and its process group holds no live process; raise ``RunnerNotGone``
+    after ``timeout`` s. With ``kill`` (the default) survivors in the group are SIGKILLed: they belong to a runner
+    that is already dead. Waits on pidfds, not by polling (except where pidfds are missing)."""
+    pid, pgid = process.pid, process.pgid
+    survivors: list[int] = []
+    with anyio.move_on_after(timeout):
+        while True:
+            survivors = group_members(pgid)
+            if not _reaped(process) and pid not in survivors:
+                survivors.append(pid)  # an unreaped zombie of ours: its pid is still held
+            if not survivors:
+                return
+            if kill:
+                await _kill_and_await(survivors, pgid)
+            else:
+                await anyio.sleep(0.01)
+    raise RunnerNotGone(pid, pgid, survivors, timeout)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Instance
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Instance:
+    """One model instance: a sequence of runner lives under a ``RestartPolicy``, one supervisor at a time.
+
+    Use as ``async with Instance(spec, policy) as inst:``; the first life starts at once (``wait_ready`` waits for
+    it), and leaving the block stops the current runner within ``stop_timeout``.
+    """
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        policy: RestartPolicy | None = None,
+        *,
+        name: str | None = None,
+        supervisor_factory: SupervisorFactory = Supervisor,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        reap_timeout: float = 10.0,
+        stop_timeout: float = 15.0,
+        force: bool = False,
+        deadlines: Deadlines | None = None,
+        admitted: FitResult | None = None,
+    ) -> None:
+        self.spec = spec
+        self.deadlines = deadlines if deadlines is not None else Deadlines()  # per phase, for every life's runner
+        self.force = force  # load even when the fit check says the model does not fit
+        self.fit: FitResult | None = admitted  # the last placement decision, with its numbers
+        self._admitted = admitted  # the caller ran the fit check for the first life already (Fleet.add does)
+        self.measured: MeasuredFit | None = None  # the last loaded runner's memory beside the estimate
+        self.policy = policy if policy is not None else RestartPolicy()
+        self.name = name or f"{spec.engine}-{uuid.uuid4().hex[:6]}"
+        self.backoff = Backoff(self.policy, rng)
+        self.reap_timeout = reap_timeout
+        self.stop_timeout = stop_timeout
+        self.state: InstanceState = InstanceStarting(life=1)
+        self.history: list[Failure] = []  # every life that failed, oldest first
+        self.pids: list[int] = []  # every runner pid started, in order
+        self.restarts = 0  # replacement lives started
+        self.supervisor: Supervisor | None = None  # the current life's, from spawn until its exit
+        self._factory = supervisor_factory
+        self._clock = clock
+        self._life = 0
+        self._listeners: Listeners[InstanceState] = Listeners("instance state")
+        self._changed = anyio.Event()
+        self._done = anyio.Event()
+        self._run_scope = anyio.CancelScope()
+        self._tg: TaskGroup | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Instance:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._run)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.stop()
+        assert self._tg is not None
+        if not self._done.is_set():  # a runner that outlives every bound: do not hang the caller with it
+            self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        return None
+
+    async def stop(self, timeout: float | None = None) -> bool:
+        """Stop restarting and stop the current runner (its supervisor's stop: shutdown, SIGTERM, SIGKILL).
+
+        Returns False (and logs) when that took longer than ``timeout`` (default ``stop_timeout``).
+        """
+        if self._tg is None or self._done.is_set():
+            return True
+        if not isinstance(self.state, InstanceFailed | InstanceStopped):
+            self._set_state(InstanceStopping())
+        self._run_scope.cancel()
+        bound = self.stop_timeout if timeout is None else timeout
+        with anyio.move_on_after(bound):
+            await self._done.wait()
+        if not self._done.is_set():
+            log.error("instance %s did not stop within %g s", self.name, bound)
+            return False
+        return True
+
+    # --- serving --------------------------------------------------------------------------------------------
+
+    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+        """Hand a generation to the current runner; ``RunnerUnavailable`` says why there is none (starting,
+        restarting in N s after a cause, failed with its cause, stopped)."""
+        sup = self.supervisor
+        if isinstance(self.state, InstanceReady) and sup is not None:
+            return await sup.generate(params, task_id)
+        raise RunnerUnavailable(self.unavailable_reason(), self._last_cause())
+
+    def unavailable_reason(self) -> str:
+        """Why this instance cannot serve now, in words."""
+        state = self.state
+        if isinstance(state, InstanceStarting):
+            return f"instance {self.name} is starting its runner (life {state.life})"
+        if isinstance(state, InstanceRestarting):
+            wait = max(state.resume_at - self._clock(), 0.0)
+            return (
+                f"instance {self.name} is restarting in {wait:.1f} s (restart {state.life - 1}, failure "
+                f"{state.attempt} in a row) after: {state.cause.summary}"
+            )
+        if isinstance(state, InstanceFailed):
+            return f"instance {self.name} failed: {state.cause.summary}; {state.reason}"
+        if isinstance(state, InstanceReady):
+            return f"instance {self.name} is ready"
+        return f"instance {self.name} is stopped"
+
+    async def wait_ready(self, timeout: float) -> Supervisor:
+        """Wait (bounded) until a runner is Ready and return its supervisor; raise ``RunnerUnavailable`` if the
+        instance failed or stopped instead."""
+        state = await self.wait_state(
+            lambda s: isinstance(s, InstanceReady | InstanceFailed | InstanceStopping | InstanceStopped), timeout
+        )
+        if isinstance(state, InstanceReady) and self.supervisor is not None:
+            return self.supervisor
+        raise RunnerUnavailable(self.unavailable_reason(), self._last_cause())
+
+    async def wait_state(self, predicate: Callable[[InstanceState], bool], timeout: float) -> InstanceState:
+        """Wait until ``predicate(state)`` holds; ``TimeoutError`` after ``timeout`` s. States that come and go
+        between two checks can be missed: use ``add_state_listener`` to see every transition."""
+        with anyio.fail_after(timeout):
+            while not predicate(self.state):
+                await self._changed.wait()
+        return self.state
+
+    def add_state_listener(self, callback: Callable[[InstanceState], None]) -> None:
+        """Call ``callback`` synchronously on every state change."""
+        self._listeners.add(callback)
+
+    # --- the restart loop -----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            with self._run_scope:
+                await self._serve()
+        finally:
+            self.supervisor = None
+            if not isinstance(self.state, InstanceFailed):
+                self._set_state(InstanceStopped())
+            self._done.set()
+
+    async def _serve(self) -> None:
+        while True:
+            self._life += 1
+            life = self._life
+            self._set_state(InstanceStarting(life=life))
+            try:
+                await self._place()
+            except (DoesNotFit, InvalidField) as exc:  # it does not fit, or its model or engine cannot be had
+                self._fail(Cause(kind=CauseKind.DOES_NOT_FIT, summary=str(exc)), "not placed: fix the cause or force")
+                return
+            if life > 1:
+                self.restarts += 1
+            sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
+            cause = await self._live(sup, life)
+            self.history.append(
+                Failure(at=time.time(), cause=cause, life=life, pid=sup.pid, detected_in=sup.detection_seconds)
+            )
+            now = self._clock()
+            attempt = self.backoff.record_failure(now)
+            reason = self._give_up_reason(cause, now)
+            if reason is not None:
+                self._fail(cause, reason)
+                return
+            delay = self.backoff.delay_for(attempt)
+            self._set_state(
+                InstanceRestarting(life=life + 1, attempt=attempt, delay=delay, resume_at=now + delay, cause=cause)
+            )
+            log.warning(
+                "instance %s: runner pid %s (life %d) failed: %s; restart %d in %.2f s (failure %d in a row)",
+                self.name,
+                sup.pid,
+                life,
+                cause.summary,
+                life,
+                delay,
+                attempt,
+            )
+            await anyio.sleep(delay)
+            if sup.process is not None:
+                try:
+                    await wait_runner_gone(sup.process, self.reap_timeout)
+                except RunnerNotGone as exc:
+                    self._fail(cause, str(exc))
+                    return
+
+    async def _place(self) -> None:
+        """Does this life fit the node's memory? Refuse with the numbers (``DoesNotFit``) unless ``force``.
+
+        Awaited after the previous life's process group is gone, so what it measures no longer includes the
+        predecessor. Device placement (GPUs) is not decided here yet.
+        """
+        if self._admitted is not None:  # the first life, checked by the caller a moment ago
+            self.fit, self._admitted = self._admitted, None
+            return
+        self.fit = await anyio.to_thread.run_sync(functools.partial(fit.admit, self.spec, override=self.force))
+        log.info("instance %s: %s", self.name, self.fit.message)
+
+    async def _live(self, sup: Supervisor, life: int) -> Cause:
+        """Run one life to its end: start, load and warm up, serve until the runner dies. Returns the cause."""
+        fallback: Cause | None = None
+        try:
+            async with sup:
+                self._record_pid(sup)
+                self.supervisor = sup
+                try:
+                    await sup.ready()
+                except (TaskFailed, RunnerUnavailable, TimeoutError) as exc:
+                    fallback = _cause_of(sup, exc)
+                    with contextlib.suppress(TimeoutError):  # a failed load or warmup ends the runner
+                        await sup.wait_exit(sup.stop_timeout)
+                else:
+                    await self._record_measured(sup)
+                    await self._serve_life(sup, life)
+        except RunnerUnavailable as exc:  # it never said hello: spawn error, died or hung while starting
+            self._record_pid(sup)
+            fallback = exc.cause or Cause(kind=CauseKind.SPAWN_ERROR, summary=str(exc))
+        finally:
+            self.supervisor = None
+        return sup.cause or fallback or Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=f"{sup.name} ended")
+
+    async def _serve_life(self, sup: Supervisor, life: int) -> None:
+        """Ready until the runner exits; ``healthy_after`` seconds of it reset the backoff."""
+        assert sup.pid is not None
+        self._set_state(InstanceReady(life=life, pid=sup.pid))
+        with anyio.move_on_after(self.policy.healthy_after):
+            await sup.wait_exit(math.inf)
+        if sup.alive:
+            self.backoff.record_healthy()
+            log.info(
+                "instance %s: runner pid %d healthy for %g s: backoff reset",
+                self.name,
+                sup.pid,
+                self.policy.healthy_after,
+            )
+            self._set_state(InstanceReady(life=life, pid=sup.pid, healthy=True))
+            await sup.wait_exit(math.inf)
+
+    async def _record_measured(self, sup: Supervisor) -> None:
+        """After load: the runner's real memory beside the estimate it was admitted on (logged, and kept)."""
+        if self.fit is None or self.fit.estimate is None or sup.pid is None:
+            return
+        memory = await anyio.to_thread.run_sync(process_memory, sup.pid)
+        if memory is not None:
+            self.measured = fit.record_measured(self.fit.estimate, memory)
+            log.info("instance %s: %s", self.name, self.measured.describe())
+
+    def _give_up_reason(self, cause: Cause, now: float) -> str | None:
+        p = self.policy
+        if p.mode == "never":
+            return "the restart policy is 'never'"
+        if cause.kind in p.give_up_on:
+            return f"a restart cannot fix a {cause.kind.value} (fix the engine spec, then start the instance again)"
+        if self.backoff.crash_looping(now):
+            n = self.backoff.failures_in_window(now)
+            return (
+                f"crash loop: {n} failures within {p.crash_loop_window:g} s (limit {p.crash_loop_failures}); "
+                "no more restarts: fix the cause, then start the instance again"
+            )
+        return None
+
+    def _fail(self, cause: Cause, reason: str) -> None:
+        self._set_state(InstanceFailed(cause=cause, reason=reason, history=tuple(self.history)))
+        log.error("instance %s failed: %s; %s", self.name, cause.summary, reason)
+
+    def _record_pid(self, sup: Supervisor) -> None:
+        pid = sup.pid
+        if pid is not None and (not self.pids or self.pids[-1] != pid):
+            self.pids.append(pid)
+
+    @property
+    def cause(self) -> Cause | None:
+        """Why this instance cannot serve now, while it is restarting or failed; None otherwise."""
+        state = self.state
+        return state.cause if isinstance(state, InstanceRestarting | InstanceFailed) else None
+
+    def _last_cause(self) -> Cause | None:
+        return self.history[-1].cause if self.history else None
+
+    def _set_state(self, state: InstanceState) -> None:
+        self.state = state
+        self._listeners(state)  # a listener that fails is logged: it must not break the restart loop
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+def _cause_of(sup: Supervisor, exc: TaskFailed | RunnerUnavailable | TimeoutError) -> Cause:
+    """The cause of a load or warmup that did not complete, for when the supervisor has none (the runner did not
+    die of it, or survived the kill that should have ended it)."""
+    if isinstance(exc, TaskFailed) and exc.status.cause is not None:
+        return exc.status.cause
+    if isinstance(exc, RunnerUnavailable) and exc.cause is not None:
+        return exc.cause
+    if isinstance(exc, TimeoutError):
+        return Cause(
+            kind=CauseKind.HANG,
+            summary=f"{sup.name} did not get ready in time and did not end when killed",
+            phase=phase_of(sup.status),
+        )
+    return Cause(
+        kind=CauseKind.ENGINE_ERROR, summary=f"{sup.name} could not get ready: {exc}", phase=phase_of(sup.status)
+    )

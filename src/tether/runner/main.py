@@ -1,0 +1,417 @@
+"""The runner process: bootstrap, then one engine driven by one task loop.
+
+Threads in a runner, and why each exists:
+- main thread: the task loop. It drives the engine (engines are not thread-safe; signal handlers need the main
+  thread) and is the only thread that changes the runner's status.
+- reader thread: reads the tasks pipe and acknowledges every message as it arrives. Cancellation is acted on here,
+  at once (a flag the engine checks before every token), never queued behind generation.
+- heartbeat thread: proves the interpreter still runs (a GIL-holding native hang stops it too).
+
+Every event is written straight to the events pipe (see ``channel``), so a runner that dies loses nothing it sent.
+An unexpected exception is reported as a ``RunnerException`` message before the runner exits with code 1; the
+supervisor, not the runner, turns the exit into a cause and fails the in-flight tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import NoReturn, cast
+
+import msgspec
+
+from tether import env
+from tether.channel import ProtocolError, SyncReceiver, SyncSender
+from tether.engines.base import Engine, EngineLoadError, RequestError
+from tether.engines.registry import create_engine
+from tether.errors import InvalidField
+from tether.protocol import (
+    Cancel,
+    CancelAcknowledged,
+    Chunk,
+    ErrorChunk,
+    GenerateTask,
+    Heartbeat,
+    Idle,
+    Loaded,
+    Loading,
+    LoadTask,
+    Ready,
+    RunnerArgs,
+    RunnerConfig,
+    RunnerException,
+    RunnerHello,
+    RunnerStatus,
+    Running,
+    Shutdown,
+    ShutdownTask,
+    ShuttingDown,
+    StatusUpdate,
+    Task,
+    TaskAcknowledged,
+    TaskState,
+    TaskStatus,
+    ToRunner,
+    WarmingUp,
+    WarmupTask,
+    phase_of,
+    tag_of,
+    task_kind,
+)
+from tether.runner import faults, lifeline
+
+RECENT_IDS = 10_000  # duplicate ids are refused among this many most recent tasks
+
+# Which task is valid in which status, and what to tell a caller who sends it at the wrong time.
+_VALID_IN: dict[type, tuple[type, ...]] = {
+    LoadTask: (Idle,),
+    WarmupTask: (Loaded,),
+    GenerateTask: (Ready,),
+    ShutdownTask: (Idle, Loading, Loaded, WarmingUp, Ready, Running),
+}
+_HINT: dict[type, str] = {
+    LoadTask: "a runner loads once; start a new runner for another model",
+    WarmupTask: "send a load task first",
+    GenerateTask: "load and warm up the runner first",
+    ShutdownTask: "",
+}
+
+_EOF = object()
+
+
+class _RecentIds:
+    """The last ``size`` ids added, for membership tests (a set bounded by forgetting the oldest)."""
+
+    def __init__(self, size: int) -> None:
+        self._order: collections.deque[str] = collections.deque()
+        self._ids: set[str] = set()
+        self._size = size
+
+    def add(self, task_id: str) -> None:
+        self._order.append(task_id)
+        self._ids.add(task_id)
+        if len(self._order) > self._size:
+            self._ids.discard(self._order.popleft())
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._ids
+
+
+class Runner:
+    def __init__(self, config: RunnerConfig, sender: SyncSender, tasks_fd: int) -> None:
+        self.config = config
+        self.sender = sender
+        self.tasks_fd = tasks_fd
+        self.engine: Engine | None = None
+        self.status: RunnerStatus = Idle()
+        self.tasks: queue.SimpleQueue[Task | object] = queue.SimpleQueue()
+        self.cancelled: set[str] = set()
+        self._ended = _RecentIds(RECENT_IDS)  # generations that ended: a cancel arriving after the end is not kept
+        self.shutdown_requested = threading.Event()
+        self._recent = _RecentIds(RECENT_IDS)  # task ids taken: a duplicate is refused
+        self._status_lock = threading.Lock()  # the reader thread may end the runner while the main thread reports
+        self._final = False  # no status after the last one
+        self.current: str | None = None  # the load or warm-up task the main thread is running
+
+    # --- events ---------------------------------------------------------------------------------------------
+
+    def set_status(self, status: RunnerStatus) -> None:
+        with self._status_lock:
+            if self._final:
+                return
+            self.status = status
+            self.sender.send(StatusUpdate(status))
+
+    def shutdown_now(self, task: ShutdownTask) -> None:
+        """Shut down from the reader thread while the main thread is busy loading or warming up: a load can take
+        minutes and cannot be interrupted, and there is nothing to finish (no request has been served). The load
+        or warm-up task ends cancelled, the shutdown completes, and the process exits at once (the guard then
+        takes every helper the engine had started)."""
+        with self._status_lock:
+            if not isinstance(self.status, Loading | WarmingUp):  # it finished meanwhile: the task loop shuts down
+                return
+            phase = "loading" if isinstance(self.status, Loading) else "warming up"
+            self.task_status(task.task_id, TaskState.RUNNING)
+            self.status = ShuttingDown()
+            self.sender.send(StatusUpdate(self.status))
+            if self.current is not None:
+                self.task_status(self.current, TaskState.CANCELLED, f"the runner was shut down while {phase}")
+            self.task_status(task.task_id, TaskState.COMPLETE)
+            self.status = Shutdown()
+            self.sender.send(StatusUpdate(self.status))
+            self._final = True  # the main thread's progress reports from here on are dropped
+            _hard_exit(0)
+
+    def task_status(self, task_id: str, state: TaskState, error: str | None = None, tokens: int = 0) -> None:
+        self.sender.send(TaskStatus(task_id=task_id, state=state, error=error, tokens=tokens))
+
+    # --- threads --------------------------------------------------------------------------------------------
+
+    def _read_tasks(self) -> None:
+        """Reader thread: acknowledges each message on arrival; cancels act at once; tasks queue for the main loop.
+
+        The acknowledgements prove the runner still reads its pipe even while a long generation runs; they come
+        from this thread because the main loop may be busy for minutes.
+        """
+        try:
+            for message in SyncReceiver[ToRunner](self.tasks_fd, ToRunner):
+                if isinstance(message, Cancel):
+                    if message.task_id not in self._ended:
+                        self.cancelled.add(message.task_id)
+                    self.sender.send(CancelAcknowledged(message.task_id))
+                    continue
+                self.sender.send(TaskAcknowledged(message.task_id))
+                if isinstance(message, ShutdownTask):
+                    # Stop whatever is generating now so the shutdown is not stuck behind it.
+                    self.shutdown_requested.set()
+                    self.cancel_everything()
+                    if isinstance(self.status, Loading | WarmingUp):
+                        self.shutdown_now(message)  # the main thread is inside the engine with nothing to finish
+                self.tasks.put(message)
+        except ProtocolError as exc:
+            # The main loop raises it: reported like any fatal error, not mistaken for a clean goodbye.
+            self.tasks.put(exc)
+            return
+        if lifeline.watchdog_disabled():
+            # Asked to outlive the worker (debugging): keep the engine and its state for inspection.
+            print(
+                f"tether runner {os.getpid()}: the worker closed the channel; staying alive because "
+                f"{lifeline.DISABLE_ENV} is set",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        # EOF: the supervisor is gone or closed the channel; there is nobody to serve.
+        self.shutdown_requested.set()
+        self.cancel_everything()
+        self.tasks.put(_EOF)
+
+    def cancel_everything(self) -> None:
+        if isinstance(self.status, Running):
+            self.cancelled.add(self.status.task_id)
+
+    def _heartbeat(self, interval: float) -> None:
+        seq = 0
+        while True:
+            time.sleep(interval)
+            seq += 1
+            rss, anon = _statm()
+            self.sender.send(Heartbeat(seq=seq, sent_ns=time.monotonic_ns(), rss=rss, anon=anon))
+
+    # --- task loop ------------------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        threading.Thread(target=self._read_tasks, name="tether-reader", daemon=True).start()
+        if self.config.heartbeat_interval > 0:
+            threading.Thread(
+                target=self._heartbeat,
+                args=(self.config.heartbeat_interval,),
+                name="tether-heartbeat",
+                daemon=True,
+            ).start()
+        while True:
+            item = self.tasks.get()
+            if item is _EOF:
+                self.close_engine()
+                return 0
+            if isinstance(item, ProtocolError):
+                raise ProtocolError(f"bad frame from the supervisor: {item}")
+            task = cast(Task, item)
+            if self.shutdown_requested.is_set() and not isinstance(task, ShutdownTask):
+                self.refuse(task, TaskState.CANCELLED, "the runner is shutting down; the task was not started")
+                continue
+            if not self.accept(task):
+                continue
+            if isinstance(task, ShutdownTask):
+                self.shutdown(task)
+                return 0
+            self.run_task(task)
+
+    def accept(self, task: Task) -> bool:
+        """Take a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
+        tid = task.task_id
+        if tid in self._recent:
+            self.task_status(tid, TaskState.FAILED, f"duplicate task id {tid!r}: every task needs a fresh id")
+            return False
+        self._recent.add(tid)
+        if not isinstance(self.status, _VALID_IN[type(task)]):
+            hint = _HINT[type(task)]
+            self.task_status(
+                tid,
+                TaskState.FAILED,
+                f"cannot run a {task_kind(task)} task while the runner is {tag_of(self.status)}"
+                + (f": {hint}" if hint else ""),
+            )
+            return False
+        return True
+
+    def refuse(self, task: Task, state: TaskState, why: str) -> None:
+        self.task_status(task.task_id, state, why)
+
+    def run_task(self, task: Task) -> None:
+        tid = task.task_id
+        if isinstance(task, LoadTask):
+            self.current = tid
+            self.task_status(tid, TaskState.RUNNING)
+            self.set_status(Loading(0.0, "starting"))
+            try:
+                self.engine = create_engine(self.config.spec)
+            except InvalidField as exc:  # an engine that cannot be had, or options it refuses: a load error
+                raise EngineLoadError(str(exc)) from exc
+            self.engine.load(lambda fraction, detail: self.set_status(Loading(min(max(fraction, 0.0), 1.0), detail)))
+            self.finish_current(tid, Loaded())
+        elif isinstance(task, WarmupTask):
+            assert self.engine is not None
+            self.current = tid
+            self.task_status(tid, TaskState.RUNNING)
+            self.set_status(WarmingUp())
+            self.engine.warmup()
+            self.finish_current(tid, Ready())
+        elif isinstance(task, GenerateTask):
+            self.generate(task)
+
+    def finish_current(self, task_id: str, status: RunnerStatus) -> None:
+        """End the load or warm-up task: its status and completion go out together, unless a shutdown ended it."""
+        with self._status_lock:
+            if self._final:
+                return
+            self.current = None
+            self.status = status
+            self.sender.send(StatusUpdate(status))
+            self.task_status(task_id, TaskState.COMPLETE)
+
+    def generate(self, task: GenerateTask) -> None:
+        assert self.engine is not None
+        tid = task.task_id
+        self.set_status(Running(tid))
+        self.task_status(tid, TaskState.RUNNING)
+        cancelled = self.cancelled
+        tokens = 0
+        finish = None
+        try:
+            for delta in self.engine.generate(task.params, lambda: tid in cancelled):
+                tokens += delta.tokens
+                finish = delta.finish_reason
+                self.sender.send(
+                    Chunk(
+                        task_id=tid,
+                        text=delta.text,
+                        tokens=delta.tokens,
+                        finish_reason=delta.finish_reason,
+                        prompt_tokens=delta.prompt_tokens,
+                        completion_tokens=delta.completion_tokens,
+                    )
+                )
+                if tid in cancelled:
+                    break
+        except RequestError as exc:
+            self.sender.send(ErrorChunk(task_id=tid, message=str(exc)))
+            self.task_status(tid, TaskState.FAILED, str(exc), tokens)
+        else:
+            if tid in cancelled or finish == "cancelled":
+                self.task_status(tid, TaskState.CANCELLED, "cancelled", tokens)
+            else:
+                self.task_status(tid, TaskState.COMPLETE, tokens=tokens)
+        finally:
+            self._ended.add(tid)
+            cancelled.discard(tid)
+        self.set_status(Ready())
+
+    def shutdown(self, task: ShutdownTask) -> None:
+        self.task_status(task.task_id, TaskState.RUNNING)
+        self.set_status(ShuttingDown())
+        # Tasks queued behind the shutdown get an explicit answer rather than silence.
+        while True:
+            try:
+                item = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _EOF:
+                self.refuse(cast(Task, item), TaskState.CANCELLED, "the runner shut down before the task started")
+        self.close_engine()
+        self.task_status(task.task_id, TaskState.COMPLETE)
+        self.set_status(Shutdown())
+
+    def close_engine(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+    def report_fatal(self, exc: BaseException) -> None:
+        """Send the exception that is ending this runner; best effort (memory may be gone)."""
+        try:
+            tb = "".join(traceback.format_exception(exc))
+            self.sender.send(
+                RunnerException(
+                    exc_type=type(exc).__qualname__,
+                    message=str(exc),
+                    traceback=tb,
+                    phase=phase_of(self.status) or "",
+                    memory_error=isinstance(exc, MemoryError),
+                    load_error=isinstance(exc, EngineLoadError),
+                )
+            )
+            print(tb, file=sys.stderr, end="", flush=True)
+        except BaseException:
+            pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _statm() -> tuple[int, int]:
+    """This process's resident and anonymous bytes (resident minus shared/file-backed), 0s when unreadable."""
+    try:
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        resident, shared = int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+    return resident * _PAGE, max(resident - shared, 0) * _PAGE
+
+
+def _hard_exit(code: int) -> NoReturn:
+    """Exit without interpreter teardown: native engine threads must not be able to hang the exit."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = RunnerArgs.parse(sys.argv[1:] if argv is None else argv)
+    config = msgspec.json.decode(os.environ.pop(env.RUNNER_CONFIG), type=RunnerConfig)
+    # Into the memory cgroup, then orphan protection, while this is the only thread: the guard it forks, and every
+    # helper the engine starts later, begin inside the cgroup, out of which none of them can move.
+    cgroup = lifeline.join_cgroup(config.cgroup) if config.cgroup is not None else None
+    lifeline.install(
+        config.worker_pid,
+        config.lifeline_fd,
+        config.orphan_layers,
+        config.orphan_poll_interval,
+        own_cgroup=cgroup if config.own_cgroup else None,
+    )
+    tasks_fd, events_fd = args.tasks_fd, args.events_fd
+    os.set_inheritable(tasks_fd, False)  # the runner's own children must never hold its channel open
+    os.set_inheritable(events_fd, False)
+    faults.events_fd = events_fd
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # "show me your stacks"
+    sender = SyncSender(events_fd)
+    sender.send(RunnerHello(pid=os.getpid(), pgid=os.getpgrp(), engine=config.spec.engine, model=config.spec.model))
+    runner = Runner(config, sender, tasks_fd)
+    sender.send(StatusUpdate(runner.status))
+    try:
+        code = runner.serve()
+    except BaseException as exc:
+        runner.report_fatal(exc)
+        _hard_exit(1)
+    _hard_exit(code)

@@ -1,0 +1,470 @@
+"""The HTTP API of a serving worker: OpenAI-compatible generation, instance admin, health, readiness, metrics.
+
+Every generation is answered with exactly one outcome. The response waits for the first token (or the end) before
+it picks its status, so a request the runner refuses is a 400 and a runner that dies before answering is a 500 with
+the cause; once streaming, a runner failure ends the stream with an error event carrying the cause (never with
+``[DONE]``: a truncated answer never looks like a success). A client that disconnects cancels its generation: each
+response watches the connection for ``http.disconnect`` while it waits for tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import math
+import time
+from typing import Any, Literal
+
+import anyio
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
+from tether.node.instance import InstanceReady
+from tether.node.supervisor import TaskHandle
+from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
+from tether.serve import openai
+from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
+from tether.serve.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger("tether.api")
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answer without the API key (probes)
+DEFAULT_MAX_BODY = 4 << 20
+_encode = msgspec.json.Encoder().encode
+_instance_decoder = msgspec.json.Decoder(InstanceConfig)
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encode(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(status: int, message: str, type_: str, *, code: str | None = None, **extra: Any) -> Response:
+    headers = None
+    retry_after = extra.pop("retry_after", None)
+    if retry_after is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+    body = openai.error_body(message, type_, code=code, **extra)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Middleware: API key and body size, before anything else runs
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Guard:
+    """Pure ASGI middleware: the bearer API key (constant-time compare) on every route but the probes, and a body
+    size limit (413), enforced on the declared length and on what actually arrives."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                reply = _error(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server was started "
+                    "with (--api-key or TETHER_API_KEY)",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
+                await reply(scope, receive, send)
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            await _too_large(BodyTooLarge(int(declared), self.max_body))(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise BodyTooLarge(seen, self.max_body)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class BodyTooLarge(TetherError):
+    """A body over the limit: declared so up front, or found so while it arrives (then ``size`` is a lower bound)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of at least {size} bytes exceeds the limit of {limit} bytes (--max-body)")
+
+
+def _too_large(exc: BodyTooLarge) -> Response:
+    return _error(413, str(exc), "invalid_request_error", code="request_too_large")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A generation's response
+# --------------------------------------------------------------------------------------------------------------
+
+
+class GenerationResponse(Response):
+    """Streams (SSE) or collects one generation while watching the client; ends the fleet's request bookkeeping."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: Metrics,
+        hosted: Hosted,
+        handle: TaskHandle,
+        release: contextlib.AsyncExitStack,
+        shaper: openai.Shaper,
+        *,
+        stream: bool,
+        include_usage: bool,
+        endpoint: str,
+        started: float,
+    ) -> None:
+        super().__init__()
+        self.fleet = fleet
+        self.metrics = metrics
+        self.hosted = hosted
+        self.handle = handle
+        self.release = release
+        self.shaper = shaper
+        self.stream = stream
+        self.include_usage = include_usage
+        self.endpoint = endpoint
+        self.started = started
+        self.outcome = "failed"
+        self.disconnected = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch_client() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    self.disconnected = True
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_client)
+                await self._respond(send)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                if self.handle.final is None:  # the client left (or we failed to send): stop generating for it
+                    reply = await self.fleet.cancel(self.handle.task_id)
+                    self.outcome = "cancelled" if self.disconnected else self.outcome
+                    log.info("request %s: client gone, %s", self.handle.task_id, reply.detail)
+                await self.release.aclose()
+                self._record()
+
+    async def _next(self) -> Chunk | TaskStatus | ErrorChunk:
+        """The next event that matters to the client: a chunk, a request error, or the terminal status."""
+        while True:
+            event = await self.handle.__anext__()
+            if isinstance(event, Chunk | ErrorChunk):
+                return event
+            if isinstance(event, TaskStatus) and event.state.terminal:
+                return event
+
+    async def _respond(self, send: Send) -> None:
+        text: list[str] = []
+        finish: str | None = None
+        request_error: str | None = None
+        started_stream = False
+        while True:
+            try:
+                event = await self._next()
+            except StopAsyncIteration:  # cannot happen: every task ends with a terminal status
+                event = TaskStatus(self.handle.task_id, TaskState.FAILED, error="the task stream ended unexpectedly")
+            if isinstance(event, ErrorChunk):
+                request_error = event.message
+                continue
+            if isinstance(event, Chunk):
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.completion_tokens += event.tokens
+                if event.finish_reason is not None:
+                    finish = event.finish_reason
+                    self.prompt_tokens = event.prompt_tokens
+                    self.completion_tokens = event.completion_tokens or self.completion_tokens
+                if not self.stream:
+                    text.append(event.text)
+                    continue
+                if not started_stream:  # the status is decided: the first token is out
+                    await self._start(send, 200, "text/event-stream")
+                    started_stream = True
+                    await self._body(send, self.shaper.chunk(event.text, None, first=True))
+                elif event.text:  # the finish reason goes in a chunk of its own, at the terminal status
+                    await self._body(send, self.shaper.chunk(event.text, None))
+                continue
+            # The terminal status.
+            self.outcome = event.state.value
+            if event.state is TaskState.COMPLETE:
+                reason = "length" if finish == "length" else "stop"
+                if self.stream:
+                    if not started_stream:
+                        await self._start(send, 200, "text/event-stream")
+                        await self._body(send, self.shaper.chunk("", None, first=True))
+                    await self._body(send, self.shaper.chunk("", reason))
+                    if self.include_usage:
+                        await self._body(send, self.shaper.usage_chunk(self.prompt_tokens, self.completion_tokens))
+                    await self._body(send, openai.DONE, more=False)
+                else:
+                    body = self.shaper.whole("".join(text), reason, self.prompt_tokens, self.completion_tokens)
+                    await self._whole(send, 200, body)
+                return
+            status, type_, code, message, extra = self._failure(event, request_error)
+            if started_stream:
+                await self._body(send, self.shaper.error_event(message, type_, code, **extra), more=False)
+            else:
+                await self._whole(send, status, openai.error_body(message, type_, code=code, **extra))
+            return
+
+    def _failure(self, final: TaskStatus, request_error: str | None) -> tuple[int, str, str, str, dict[str, Any]]:
+        """(HTTP status, error type, code, message, extra fields) for a generation that did not complete."""
+        extra: dict[str, Any] = {"completion_tokens": self.completion_tokens}
+        if final.state is TaskState.CANCELLED:
+            return 409, "cancelled", "cancelled", f"the request was cancelled: {final.error or 'cancelled'}", extra
+        if final.cause is not None:  # the runner failed: say why, with the evidence
+            extra["cause"] = openai.cause_json(final.cause)
+            message = f"the model runner failed: {final.cause.summary}"
+            return 500, "server_error", final.cause.kind.value, message, extra
+        self.outcome = "bad_request"
+        return 400, "invalid_request_error", "invalid_request", request_error or final.error or "refused", extra
+
+    async def _start(self, send: Send, status: int, media_type: str) -> None:
+        headers = [(b"content-type", media_type.encode()), (b"x-request-id", self.handle.task_id.encode())]
+        if media_type == "text/event-stream":
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _body(self, send: Send, data: bytes, more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _whole(self, send: Send, status: int, body: bytes) -> None:
+        await self._start(send, status, "application/json")
+        await self._body(send, body, more=False)
+
+    def _record(self) -> None:
+        m, instance = self.metrics, self.hosted.id
+        m.requests.labels(instance, self.endpoint, self.outcome).inc()
+        m.tokens.labels(instance, "prompt").inc(self.prompt_tokens)
+        m.tokens.labels(instance, "completion").inc(self.completion_tokens)
+        if self.first_token_at is not None:
+            m.ttft.labels(instance).observe(self.first_token_at - self.started)
+        m.duration.labels(instance).observe(time.monotonic() - self.started)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JSON views of the fleet
+# --------------------------------------------------------------------------------------------------------------
+
+
+def instance_json(hosted: Hosted) -> dict[str, Any]:
+    inst = hosted.instance
+    state = inst.state
+    sup = hosted.supervisor
+    runner: dict[str, Any] | None = None
+    if sup is not None and sup.pid is not None:
+        memory = sup.footprint
+        runner = {
+            "pid": sup.pid,
+            "status": tag_of(sup.status),
+            # footprint: what killing the group frees (anonymous + shmem + swap + GPU), beside the raw figures
+            "memory": {"footprint": memory.footprint, **msgspec.to_builtins(memory)} if memory is not None else None,
+            "log": str(sup.output_log) if sup.output_log else None,
+            "cgroup": str(sup.cgroup) if sup.cgroup is not None else None,
+        }
+    cause = inst.cause
+    return {
+        "id": hosted.id,
+        "object": "instance",
+        "created": int(hosted.created_at),
+        "engine": hosted.instance.spec.engine,
+        "model": hosted.config.model,
+        "options": hosted.config.options,
+        "state": tag_of(state),
+        "detail": msgspec.to_builtins(state),
+        "reason": inst.unavailable_reason(),
+        "ready": isinstance(state, InstanceReady),
+        "runner": runner,
+        "pids": list(inst.pids),
+        "restarts": inst.restarts,
+        "queue": {"in_flight": hosted.in_flight, "limit": hosted.config.max_queue},
+        "cause": openai.cause_json(cause) if cause is not None else None,
+        "history": [
+            {
+                "at": f.at,
+                "life": f.life,
+                "pid": f.pid,
+                "detected_in": f.detected_in,
+                "cause": openai.cause_json(f.cause),
+            }
+            for f in inst.history
+        ],
+        "fit": inst.fit.message if inst.fit is not None else None,
+        "measured": inst.measured.describe() if inst.measured is not None else None,
+        "restart": msgspec.to_builtins(hosted.config.restart),
+        "deadlines": msgspec.to_builtins(hosted.config.deadlines),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------------------------
+
+
+def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
+    """The ASGI app for ``fleet`` (which the caller owns: the app neither starts nor stops instances on its own)."""
+    app = FastAPI(title="tether", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics(fleet)
+    for hosted in fleet.list():  # instances added before the app existed
+        metrics.watch(hosted)
+    app.state.metrics = metrics
+
+    # Errors map to responses by their type, and an invalid field's name becomes the error's ``param``.
+    @app.exception_handler(InvalidField)
+    async def invalid(_: Request, exc: InvalidField) -> Response:
+        return _error(400, str(exc), "invalid_request_error", code="invalid_request", param=exc.field)
+
+    @app.exception_handler(InstanceExists)
+    async def exists(_: Request, exc: InstanceExists) -> Response:
+        return _error(409, str(exc), "invalid_request_error", code="instance_exists", param="id")
+
+    @app.exception_handler(DoesNotFit)
+    async def does_not_fit(_: Request, exc: DoesNotFit) -> Response:
+        return _error(507, str(exc), "insufficient_memory", code="does_not_fit")
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound) -> Response:
+        return _error(404, str(exc), "invalid_request_error", code="not_found")
+
+    @app.exception_handler(Unavailable)
+    async def unavailable(_: Request, exc: Unavailable) -> Response:
+        extra: dict[str, Any] = {"retry_after": exc.retry_after}
+        if exc.cause is not None:
+            extra["cause"] = openai.cause_json(exc.cause)
+        return _error(503, str(exc), "server_error", code="unavailable", **extra)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: Request, exc: BodyTooLarge) -> Response:
+        return _too_large(exc)
+
+    async def generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
+        started = time.monotonic()
+        endpoint = "chat" if kind == "chat" else "completions"
+        body = openai.decode(kind, await request.body())
+        hosted = fleet.route(body.model)
+        try:
+            if isinstance(body, openai.ChatRequest):
+                params = openai.chat_params(body)
+            else:
+                params = openai.completion_params(body)
+        except InvalidField:
+            metrics.requests.labels(hosted.id, endpoint, "bad_request").inc()
+            raise
+        request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
+        release = contextlib.AsyncExitStack()
+        try:
+            handle = await release.enter_async_context(fleet.generation(hosted, params, request_id))
+        except Unavailable:
+            metrics.requests.labels(hosted.id, endpoint, "rejected").inc()
+            raise
+        return GenerationResponse(
+            fleet,
+            metrics,
+            hosted,
+            handle,
+            release,
+            openai.Shaper(kind, request_id, hosted.id),
+            stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            endpoint=endpoint,
+            started=started,
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {"id": h.id, "object": "model", "created": int(h.created_at), "owned_by": "tether"} for h in fleet.list()
+        ]
+        return _json({"object": "list", "data": data})
+
+    @app.post("/v1/instances")
+    async def add_instance(request: Request) -> Response:
+        config = openai.decode_body(_instance_decoder, await request.body(), "instance")
+        try:
+            hosted = await fleet.add(config)
+        except InvalidField as exc:  # of the instance, not of a generation request: its own code
+            return _error(400, str(exc), "invalid_request_error", code="invalid_instance", param=exc.field)
+        return _json(instance_json(hosted), status=201)
+
+    async def fresh(hosted: Hosted) -> dict[str, Any]:
+        """The instance with its runner's memory sampled now (tens of µs), not up to a sampling interval old."""
+        sup = hosted.supervisor
+        if sup is not None and sup.alive:
+            await sup.sample_memory()
+        return instance_json(hosted)
+
+    @app.get("/v1/instances")
+    async def list_instances() -> Response:
+        return _json({"object": "list", "data": [await fresh(h) for h in fleet.list()]})
+
+    @app.get("/v1/instances/{instance_id}")
+    async def get_instance(instance_id: str) -> Response:
+        return _json(await fresh(fleet.get(instance_id)))
+
+    @app.delete("/v1/instances/{instance_id}")
+    async def delete_instance(instance_id: str) -> Response:
+        hosted = await fleet.remove(instance_id)
+        return _json({"id": hosted.id, "object": "instance", "deleted": True, "state": tag_of(hosted.instance.state)})
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel_request(request_id: str) -> Response:
+        reply = await fleet.cancel(request_id)
+        state = reply.state.value if reply.state is not None else None
+        return _json({"id": request_id, "outcome": reply.outcome, "detail": reply.detail, "state": state})
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        states = {h.id: tag_of(h.instance.state) for h in fleet.list()}
+        ready = any(state == "ready" for state in states.values())
+        return _json({"ready": ready, "instances": states}, status=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error in the API")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+    return Guard(app, api_key, max_body)

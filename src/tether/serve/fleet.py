@@ -1,0 +1,302 @@
+"""The serving worker's model instances: created and deleted at run time, each with a bounded request queue.
+
+A ``Fleet`` owns every ``Instance`` of a worker (``tether serve``). Each instance runs in a host task of its own (an
+``Instance`` is an async context manager, and a task group must be left by the task that entered it), so an HTTP
+handler can create one and another can delete it. Requests are admitted per instance against ``max_queue``: the
+runner serves one generation at a time and the rest wait in its queue, and a runner that dies fails everything
+queued with its cause (the supervisor's guarantee), so a full queue answers "busy, retry in N s" instead of letting
+latency grow without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+
+from tether.engines import registry
+from tether.errors import (
+    InstanceExists,
+    InvalidField,
+    ModelRequired,
+    NotFound,
+    Unavailable,
+    UnknownEngine,
+)
+from tether.models import DefaultModelMissing, default_model_path
+from tether.node import fit
+from tether.node.hangs import Deadlines
+from tether.node.instance import (
+    Instance,
+    InstanceReady,
+    InstanceRestarting,
+    InstanceStarting,
+    RestartPolicy,
+)
+from tether.node.listeners import Listeners
+from tether.node.supervisor import CancelReply, RunnerUnavailable, Supervisor, TaskHandle
+from tether.protocol import EngineSpec, Fault, GenerateParams
+
+log = logging.getLogger("tether.serve.fleet")
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RECENT_REQUESTS = 10_000
+MAX_QUEUE_LIMIT = 1 << 20
+
+
+class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model instance, as ``POST /v1/instances`` takes it (and ``tether serve`` builds its first one)."""
+
+    id: str | None = None  # default: the model file's stem ("debug" for the debug engine)
+    engine: str = "llama.cpp"
+    model: str | None = None  # a GGUF path; None is the built-in default model
+    options: dict[str, Any] = msgspec.field(default_factory=dict)  # engine options (n_ctx, n_threads, ...)
+    faults: tuple[Fault, ...] = ()  # debug engine only
+    restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
+    deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
+    memory_limit: int | None = None  # bytes, for the runner's own memory cgroup
+    max_queue: int = 16  # generations in flight (running + waiting) before requests are refused with 503
+    force: bool = False  # load even when the fit check says it does not fit
+
+    def check(self) -> InvalidField | None:
+        """What is wrong with this config (naming the field), or None. Resolves the engine through the registry
+        (``UnknownEngine`` lists what is installed), so every name of an engine is checked alike."""
+        if self.id is not None and not ID_PATTERN.match(self.id):
+            return InvalidField(
+                "id",
+                f"id must match {ID_PATTERN.pattern} (letters, digits, '.', '_', '-'; at most 64), got {self.id!r}",
+            )
+        try:
+            engine = registry.canonical(self.engine)
+            registry.engine_class(engine)  # an engine named where it is must import, and keep the contract
+        except UnknownEngine as exc:
+            return exc
+        if not 1 <= self.max_queue <= MAX_QUEUE_LIMIT:
+            return InvalidField("max_queue", f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}")
+        if self.memory_limit is not None and not (16 << 20) <= self.memory_limit < (1 << 63):
+            return InvalidField(
+                "memory_limit",
+                f"memory_limit must be at least 16 MiB (16777216 bytes) and below 2**63 bytes, got {self.memory_limit}",
+            )
+        if self.faults and engine != "debug":
+            return InvalidField("faults", "faults are for the debug engine only")
+        return None
+
+    def spec(self) -> EngineSpec:
+        """The engine spec, under the engine's one name (an alias resolved, a file path made absolute)."""
+        return EngineSpec(
+            engine=registry.canonical(self.engine), model=self.model, options=dict(self.options), faults=self.faults
+        )
+
+    def default_id(self) -> str:
+        if self.id is not None:
+            return self.id
+        if registry.canonical(self.engine) == "debug":
+            return "debug"
+        if self.model is not None:
+            return Path(self.model).stem
+        try:
+            return default_model_path().stem
+        except DefaultModelMissing:
+            return "default"
+
+
+@dataclass
+class Hosted:
+    """One instance of the fleet and what the API needs beside it: its config and its request queue."""
+
+    id: str
+    config: InstanceConfig
+    instance: Instance
+    created_at: float = field(default_factory=time.time)
+    in_flight: int = 0  # generations admitted and not ended (running + waiting in the runner's queue)
+    _stop: anyio.Event = field(default_factory=anyio.Event)
+    _done: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        return self.instance.supervisor
+
+    def retry_after(self) -> float | None:
+        """How long until this instance can take a request again, as best known; None when retrying cannot help."""
+        state = self.instance.state
+        if isinstance(state, InstanceRestarting):
+            return max(state.resume_at - time.monotonic(), 0.0) + 1.0  # the backoff, then about a load
+        if isinstance(state, InstanceStarting | InstanceReady):
+            return 1.0
+        return None
+
+
+class Fleet:
+    """The instances of one serving worker. Use as ``async with Fleet() as fleet:``; leaving stops them all."""
+
+    def __init__(self, *, stop_timeout: float = 15.0) -> None:
+        self.stop_timeout = stop_timeout
+        self._hosted: dict[str, Hosted] = {}
+        self._requests: dict[str, Hosted] = {}  # request id (= the runner's task id) -> its instance, while in flight
+        self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
+        self._tg: TaskGroup | None = None
+        self.listeners: Listeners[Hosted] = Listeners("fleet")  # told of every instance added (metrics)
+
+    async def __aenter__(self) -> Fleet:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:  # every instance stops concurrently, each within its bound
+                for hosted in list(self._hosted.values()):
+                    tg.start_soon(self._stop_one, hosted)
+        assert self._tg is not None
+        await self._tg.__aexit__(exc_type, exc, tb)
+        return None
+
+    # --- instances ------------------------------------------------------------------------------------------
+
+    def list(self) -> list[Hosted]:
+        return list(self._hosted.values())
+
+    def get(self, instance_id: str) -> Hosted:
+        hosted = self._hosted.get(instance_id)
+        if hosted is None:
+            raise NotFound(f"no instance {instance_id!r}; instances: {', '.join(self._hosted) or 'none'}")
+        return hosted
+
+    def route(self, model: str | None) -> Hosted:
+        """The instance a request names; with a single instance, any model name reaches it (as with llama.cpp's
+        and llama-cpp-python's servers, whose clients often send a placeholder)."""
+        if model is not None and model in self._hosted:
+            return self._hosted[model]
+        if len(self._hosted) == 1:
+            return next(iter(self._hosted.values()))
+        served = ", ".join(self._hosted) or "none"
+        if model is None and self._hosted:
+            raise ModelRequired(f"'model' is required when more than one model is served; models: {served}")
+        raise NotFound(f"model {model!r} is not served here; models: {served}")
+
+    async def add(self, config: InstanceConfig) -> Hosted:
+        """Start an instance (it loads in the background). Raises ``InvalidField`` for a bad config (naming the
+        field: ``UnknownEngine``, ``InvalidModel`` among them), ``InstanceExists`` for a taken id, and ``DoesNotFit``
+        (with the numbers) when the model does not fit the memory available, unless ``force``."""
+        assert self._tg is not None, "use 'async with Fleet()'"
+        problem = config.check()
+        if problem is not None:
+            raise problem
+        instance_id = config.default_id()
+        if instance_id in self._hosted:
+            raise InstanceExists(instance_id)
+        spec = config.spec()
+        refused = registry.spec_problem(spec)
+        if refused is not None:
+            raise refused
+        admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads the header
+        factory = partial(Supervisor, memory_limit=config.memory_limit)
+        instance = Instance(
+            spec,
+            config.restart,
+            name=instance_id,
+            supervisor_factory=factory,
+            deadlines=config.deadlines,
+            force=config.force,
+            stop_timeout=self.stop_timeout,
+            admitted=admitted,
+        )
+        hosted = Hosted(id=instance_id, config=config, instance=instance)
+        self._hosted[instance_id] = hosted
+        self.listeners(hosted)
+        self._tg.start_soon(self._host, hosted)
+        log.info("instance %s added (%s: %s)", instance_id, spec.engine, spec.model or "default model")
+        return hosted
+
+    async def remove(self, instance_id: str) -> Hosted:
+        """Stop an instance (its runner within the stop bound) and forget it; its waiting requests fail."""
+        hosted = self.get(instance_id)
+        await self._stop_one(hosted)
+        self._hosted.pop(instance_id, None)
+        return hosted
+
+    async def _host(self, hosted: Hosted) -> None:
+        try:
+            async with hosted.instance:
+                await hosted._stop.wait()
+        except Exception:
+            log.exception("instance %s ended with an error", hosted.id)
+        finally:
+            hosted._done.set()
+
+    async def _stop_one(self, hosted: Hosted) -> None:
+        hosted._stop.set()
+        with anyio.move_on_after(self.stop_timeout + 5):
+            await hosted._done.wait()
+        if not hosted._done.is_set():
+            log.error("instance %s did not stop within %g s", hosted.id, self.stop_timeout + 5)
+
+    # --- requests -------------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def generation(self, hosted: Hosted, params: GenerateParams, request_id: str) -> AsyncIterator[TaskHandle]:
+        """Admit a generation to ``hosted``'s queue and submit it; ``Unavailable`` says why not and when to retry."""
+        state = hosted.instance.state
+        if not isinstance(state, InstanceReady):
+            raise Unavailable(
+                hosted.instance.unavailable_reason(), retry_after=hosted.retry_after(), cause=hosted.instance.cause
+            )
+        limit = hosted.config.max_queue
+        if hosted.in_flight >= limit:
+            raise Unavailable(
+                f"instance {hosted.id} is busy: {hosted.in_flight} requests in flight, its queue holds {limit}; "
+                "retry shortly or raise max_queue",
+                retry_after=1.0,
+            )
+        hosted.in_flight += 1
+        outcome = "failed"
+        try:
+            try:
+                handle = await hosted.instance.generate(params, task_id=request_id)
+            except RunnerUnavailable as exc:
+                raise Unavailable(str(exc), retry_after=hosted.retry_after(), cause=exc.cause) from exc
+            self._requests[request_id] = hosted
+            try:
+                yield handle
+            finally:
+                handle.close()
+                if handle.final is not None:
+                    outcome = handle.final.state.value
+        finally:
+            hosted.in_flight -= 1
+            self._requests.pop(request_id, None)
+            self._recent[request_id] = outcome
+            if len(self._recent) > RECENT_REQUESTS:
+                self._recent.popitem(last=False)
+
+    async def cancel(self, request_id: str) -> CancelReply:
+        """Cancel a request by id; a finished or unknown one is a no-op that says so."""
+        hosted = self._requests.get(request_id)
+        if hosted is not None:
+            sup = hosted.supervisor
+            if sup is not None:
+                return await sup.cancel(request_id)
+            return CancelReply(request_id, "runner_gone", "the runner is gone; the request ends with its cause")
+        if request_id in self._recent:
+            return CancelReply(request_id, "finished", f"already {self._recent[request_id]}: nothing to cancel")
+        return CancelReply(request_id, "unknown", f"no request {request_id!r}: nothing to cancel")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"

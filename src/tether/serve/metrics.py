@@ -1,0 +1,123 @@
+"""Prometheus metrics for ``/metrics``: what the fleet is (read at scrape time) and what it did (counted as it goes).
+
+Instance states, restarts, failures by cause, queue depths and footprints are read from the fleet when scraped, so
+they can never drift from the truth; requests, tokens, latencies and failure-detection times are counted by the API
+as they happen. One registry per app (not the process-global one), so tests can run several apps side by side.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from tether.node.instance import InstanceFailed, InstanceRestarting, InstanceState
+from tether.protocol import tag_of
+from tether.serve.fleet import Fleet, Hosted
+
+STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _FleetCollector(Collector):
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "tether_instance_state", "1 for the state each instance is in", labels=["instance", "state"]
+        )
+        restarts = CounterMetricFamily("tether_instance_restarts", "Replacement runners started", labels=["instance"])
+        failures = CounterMetricFamily(
+            "tether_runner_failures", "Runner lives that failed, by cause kind", labels=["instance", "cause"]
+        )
+        queue = GaugeMetricFamily(
+            "tether_queue_depth", "Generations in flight (running + waiting) per instance", labels=["instance"]
+        )
+        queue_limit = GaugeMetricFamily("tether_queue_limit", "Generations admitted at most", labels=["instance"])
+        footprint = GaugeMetricFamily(
+            "tether_runner_footprint_bytes",
+            "What the runner's process group really holds (anonymous + shmem + swap + GPU)",
+            labels=["instance"],
+        )
+        rss = GaugeMetricFamily("tether_runner_rss_bytes", "Resident memory of the runner's group", labels=["instance"])
+        for hosted in self.fleet.list():
+            name = tag_of(hosted.instance.state)
+            for candidate in STATES:
+                state.add_metric([hosted.id, candidate], 1.0 if candidate == name else 0.0)
+            restarts.add_metric([hosted.id], hosted.instance.restarts)
+            by_cause = collections.Counter(f.cause.kind.value for f in hosted.instance.history)
+            for cause, count in by_cause.items():
+                failures.add_metric([hosted.id, cause], count)
+            queue.add_metric([hosted.id], hosted.in_flight)
+            queue_limit.add_metric([hosted.id], hosted.config.max_queue)
+            sup = hosted.supervisor
+            if sup is not None and sup.footprint is not None:
+                footprint.add_metric([hosted.id], sup.footprint.footprint)
+                rss.add_metric([hosted.id], sup.footprint.rss)
+        yield from (state, restarts, failures, queue, queue_limit, footprint, rss)
+
+
+class Metrics:
+    """The app's registry and the counters the API updates."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_FleetCollector(fleet))
+        self.requests = Counter(
+            "tether_requests",
+            "Generation requests by endpoint and outcome (complete, cancelled, failed, rejected, bad_request)",
+            ["instance", "endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "tether_tokens",
+            "Tokens processed, by kind (prompt, completion)",
+            ["instance", "kind"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tether_time_to_first_token_seconds",
+            "From the request's arrival to its first token",
+            ["instance"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "tether_request_duration_seconds",
+            "From the request's arrival to its end",
+            ["instance"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+        self.detection = Histogram(
+            "tether_failure_detection_seconds",
+            "From a runner's death (or its hang deadline) to every request ended with the cause",
+            ["cause"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
+        fleet.listeners.add(self.watch)
+
+    def watch(self, hosted: Hosted) -> None:
+        """Observe each failed life's detection latency as it is recorded."""
+
+        observed = len(hosted.instance.history)
+
+        def on_state(state: InstanceState) -> None:
+            nonlocal observed
+            if not isinstance(state, InstanceRestarting | InstanceFailed):
+                return
+            for failure in hosted.instance.history[observed:]:
+                if failure.detected_in is not None:
+                    self.detection.labels(failure.cause.kind.value).observe(failure.detected_in)
+            observed = len(hosted.instance.history)
+
+        hosted.instance.add_state_listener(on_state)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,157 @@
+"""The layout keeps the process model: runner-side code never imports worker-side code, and the wire imports only
+the wire. Checked on the source (every import, inside functions too) and on a real runner's ``sys.modules``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tether
+
+SRC = Path(tether.__file__).parent
+
+# Which side each package runs on, and which sides it may import. The package ``tether`` itself imports lazily.
+SHARED = ("tether.protocol", "tether.channel", "tether.errors", "tether.units", "tether.models", "tether.env")
+SIDES: dict[str, tuple[str, ...]] = {
+    "shared": (*SHARED, "tether.kernel"),
+    "runner": ("tether.runner", "tether.engines"),
+    "node": ("tether.node",),
+    "serve": ("tether.serve",),
+    "cli": ("tether.cli",),
+}
+MAY_IMPORT = {
+    "shared": {"shared"},
+    "runner": {"shared", "runner"},
+    "node": {"shared", "runner", "node"},
+    "serve": {"shared", "runner", "node", "serve"},
+    "cli": {"shared", "runner", "node", "serve", "cli"},
+}
+
+
+def side_of(module: str) -> str | None:
+    for side, prefixes in SIDES.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return side
+    return None
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every tether module imported anywhere in ``tree`` (inside functions too), but not under TYPE_CHECKING."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names if a.name.startswith("tether"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tether"):
+            if node.module == "tether":  # from tether import x: the submodule x, or a lazy re-export
+                found.extend((node.lineno, f"tether.{a.name}") for a in node.names)
+            else:
+                found.append((node.lineno, node.module))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def layout_violations(root: Path) -> list[str]:
+    """Each import in the package at ``root`` that crosses a side it may not (as ``file:line: a -> b``)."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        side = side_of(module)
+        if side is None:
+            continue
+        for line, imported in _imports(ast.parse(path.read_text())):
+            target = side_of(imported)
+            if target is not None and target not in MAY_IMPORT[side]:
+                problems.append(f"{path.relative_to(root.parent)}:{line}: {module} ({side}) imports {imported}")
+    return problems
+
+
+@pytest.mark.timeout(30)
+def test_no_module_imports_across_a_side_it_may_not() -> None:
+    assert layout_violations(SRC) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_check_catches_runner_code_that_imports_worker_code(tmp_path: Path) -> None:
+    """The check itself can fail: a runner-side module importing the supervisor (even inside a function) is caught."""
+    package = tmp_path / "tether"
+    (package / "runner").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "runner" / "__init__.py").write_text("")
+    (package / "runner" / "sneaky.py").write_text(
+        "def f():\n    from tether.node.supervisor import Supervisor\n    return Supervisor\n"
+    )
+    (package / "protocol.py").write_text("from tether.engines import base\n")
+    assert layout_violations(package) == [
+        "tether/protocol.py:1: tether.protocol (shared) imports tether.engines",
+        "tether/runner/sneaky.py:2: tether.runner.sneaky (runner) imports tether.node.supervisor",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_a_runner_imports_nothing_of_the_worker_side() -> None:
+    """What a real runner process has imported once it serves (both built-in engines' modules loaded)."""
+    code = (
+        "import sys, tether.runner.main, tether.engines.debug, tether.engines.llamacpp\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('tether'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True)
+    modules = out.stdout.split()
+    assert "tether.runner.main" in modules
+    assert [m for m in modules if side_of(m) in ("node", "serve", "cli")] == []
+
+
+@pytest.mark.timeout(30)
+def test_the_public_api_is_one_list_and_every_name_resolves() -> None:
+    """``tether`` re-exports from ``_EXPORTS``; the TYPE_CHECKING imports (for type checkers) name the same."""
+    exported = {name for names in tether._EXPORTS.values() for name in names}
+    assert set(tether.__all__) == exported | {"__version__"}
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    guarded = {
+        (node.module, alias.name)
+        for block in tree.body
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert guarded == {(module, name) for module, names in tether._EXPORTS.items() for name in names}
+    for name in sorted(exported):
+        assert getattr(tether, name) is not None
+    for name in ("Instance", "RestartPolicy", "Deadlines", "CancelReply", "Supervisor", "TetherError"):
+        assert name in exported
+
+
+@pytest.mark.timeout(30)
+def test_every_error_tether_raises_on_purpose_has_one_root() -> None:
+    from tether.errors import TetherError
+
+    roots = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and (
+                node.name.endswith(("Error", "Exists", "Missing"))
+                or any(
+                    isinstance(b, ast.Name) and b.id in ("Exception", "ValueError", "OSError", "LookupError")
+                    for b in node.bases
+                )
+            ):
+                roots.append((path, node.name))
+    assert roots, "no error classes found: the scan is broken"
+    for path, name in roots:
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        cls = getattr(__import__(module, fromlist=[name]), name)
+        assert issubclass(cls, TetherError), f"{module}.{name} does not derive from TetherError"
