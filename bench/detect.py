@@ -78,7 +78,8 @@ import anyio.to_thread
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
 from tether.node.oom import OomEvidence, OomWatch
-from tether.node.supervisor import Supervisor, TaskHandle
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import TaskHandle
 from tether.protocol import (
     CauseKind,
     Chunk,

@@ -109,7 +109,8 @@ import msgspec
 
 from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
 from tether.node.hangs import Deadlines, process_state
-from tether.node.supervisor import Supervisor, TaskEvent, TaskFailed, TaskHandle
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import TaskEvent, TaskFailed, TaskHandle
 from tether.protocol import (
     CauseKind,
     Chunk,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import anyio
 import pytest
 
-from tether.node.supervisor import Supervisor, TaskHandle
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import TaskHandle
 from tether.protocol import (
     CauseKind,
     EngineSpec,

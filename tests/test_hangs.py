@@ -16,7 +16,8 @@ import pytest
 from conftest import debug, prompt
 from tether.node.hangs import Deadlines, ProgressWatch, process_state, stack_dump, stack_dump_complete
 from tether.node.instance import Instance, InstanceReady, InstanceRestarting, RestartPolicy
-from tether.node.supervisor import Supervisor, TaskFailed
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import TaskFailed
 from tether.protocol import (
     Cause,
     CauseKind,

@@ -116,8 +116,8 @@ def _ask(server: object, model: str, prompt: str) -> dict[str, object]:
 
 
 def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_module: Path) -> None:
-    with serving("--engine", "echo_engine:EchoEngine", "--name", "echo", env=_env_with_path(echo_module)) as server:
-        body = _ask(server, "echo", "hello out there")
+    with serving("--engine", "echo_engine:EchoEngine", env=_env_with_path(echo_module)) as server:
+        body = _ask(server, "echo", "hello out there")  # the id is the engine's name: it has no model file
         assert body["choices"][0]["text"] == "echo: hello out there"  # type: ignore[index]
         assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
         instance = server.instance("echo")

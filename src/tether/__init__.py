@@ -26,14 +26,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tether.node.fit": ("FitResult",),
     "tether.node.hangs": ("Deadlines",),
     "tether.node.instance": ("Instance", "InstanceState", "RestartPolicy"),
-    "tether.node.supervisor": (
-        "CancelReply",
-        "RunnerUnavailable",
-        "StopReport",
-        "Supervisor",
-        "TaskFailed",
-        "TaskHandle",
-    ),
+    "tether.node.supervisor": ("Supervisor",),
+    "tether.node.tasks": ("CancelReply", "RunnerUnavailable", "StopReport", "TaskFailed", "TaskHandle"),
     "tether.protocol": (
         "Cause",
         "CauseKind",
@@ -73,12 +67,12 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
     from tether.node.instance import Instance as Instance
     from tether.node.instance import InstanceState as InstanceState
     from tether.node.instance import RestartPolicy as RestartPolicy
-    from tether.node.supervisor import CancelReply as CancelReply
-    from tether.node.supervisor import RunnerUnavailable as RunnerUnavailable
-    from tether.node.supervisor import StopReport as StopReport
     from tether.node.supervisor import Supervisor as Supervisor
-    from tether.node.supervisor import TaskFailed as TaskFailed
-    from tether.node.supervisor import TaskHandle as TaskHandle
+    from tether.node.tasks import CancelReply as CancelReply
+    from tether.node.tasks import RunnerUnavailable as RunnerUnavailable
+    from tether.node.tasks import StopReport as StopReport
+    from tether.node.tasks import TaskFailed as TaskFailed
+    from tether.node.tasks import TaskHandle as TaskHandle
     from tether.protocol import Cause as Cause
     from tether.protocol import CauseKind as CauseKind
     from tether.protocol import ChatMessage as ChatMessage

@@ -27,7 +27,8 @@ from tether.engines import registry
 from tether.errors import InvalidField
 from tether.node import fit
 from tether.node.memory import process_memory
-from tether.node.supervisor import RunnerUnavailable, Supervisor, TaskFailed
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import RunnerUnavailable, TaskFailed
 from tether.protocol import (
     ChatMessage,
     Chunk,

@@ -35,7 +35,7 @@ from tether.cli.common import (
 )
 from tether.errors import DoesNotFit, InvalidField, UnknownEngine
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
-from tether.serve import create_app
+from tether.serve.app import create_app
 from tether.serve.fleet import Fleet, InstanceConfig
 
 log = logging.getLogger("tether.serve")

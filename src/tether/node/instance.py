@@ -45,7 +45,8 @@ from tether.node.hangs import Deadlines
 from tether.node.listeners import Listeners
 from tether.node.memory import process_memory
 from tether.node.spawn import ExitStatus, RunnerProcess
-from tether.node.supervisor import RunnerUnavailable, Supervisor, TaskFailed, TaskHandle
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, phase_of
 
 log = logging.getLogger("tether.node.instance")

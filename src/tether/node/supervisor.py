@@ -12,6 +12,9 @@ Structure (all tasks owned by one task group, so nothing outlives the supervisor
 
 Every wait here has a bound: start, sends, acknowledgements, every phase, and stop (shutdown -> grace -> SIGTERM ->
 grace -> SIGKILL). Nothing here waits on another runner: each supervisor's tasks are its own.
+
+This module is the lifecycle and the task table's routing; the handles a caller holds are in ``tasks``, the stack
+collection of a hung runner in ``stacks``, its cgroup and memory sampling in ``containment``.
 """
 
 from __future__ import annotations
@@ -26,44 +29,46 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
-from tether.errors import InvalidField, TetherError
+from tether.errors import InvalidField
 from tether.kernel.cgroups import (
     MemoryCgroup,
-    create_child_cgroup,
     kill_cgroup_members,
     remove_cgroup,
-    runner_cgroup_name,
 )
-from tether.kernel.pids import group_members, open_pidfd
+from tether.node.containment import group_memory, make_own_cgroup, remove_when_empty
 from tether.node.diagnosis import Evidence, diagnose
 from tether.node.hangs import (
-    STACK_QUIET,
     STACK_SIGNAL_NAME,
-    STATE_WORDS,
     Deadlines,
     Hang,
     ProgressWatch,
-    process_state,
-    stack_dump,
-    stack_dump_complete,
 )
 from tether.node.listeners import Listeners
-from tether.node.memory import ProcessMemory, process_status_memory
-from tether.node.nvml import GpuUsage
+from tether.node.memory import ProcessMemory
 from tether.node.oom import OomWatch
 from tether.node.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
 from tether.node.registry import Registry, record_for
 from tether.node.spawn import ExitStatus, RunnerProcess, start_runner
+from tether.node.stacks import StackCollector
+from tether.node.tasks import (
+    CancelReply,
+    InFlight,
+    RunnerUnavailable,
+    StopReport,
+    TaskEvent,
+    TaskFailed,
+    TaskHandle,
+    deliver,
+    new_id,
+)
 from tether.protocol import (
     Cancel,
     CancelAcknowledged,
@@ -99,106 +104,7 @@ from tether.runner import lifeline
 log = logging.getLogger("tether.node.supervisor")
 
 
-def _group_memory(pgid: int, cgroup: MemoryCgroup | None, with_gpu: bool) -> tuple[ProcessMemory | None, bool]:
-    """(total memory of a runner's processes, whether NVML is usable), from the cheap per-process counters: a
-    periodic sample must not cost a page-table walk of a big model (``process_memory`` does that, on demand)."""
-    pids = (cgroup.pids() if cgroup else []) or group_members(pgid)
-    gpu = GpuUsage.snapshot() if with_gpu else None
-    samples = [m for m in (process_status_memory(pid, gpu) for pid in pids) if m is not None]
-    return (ProcessMemory.total(samples) if samples else None), bool(gpu and gpu.available)
-
-
-TaskEvent = TaskAcknowledged | TaskStatus | Chunk | ErrorChunk
 RECENT_FINISHED = 10_000
-
-
-class RunnerUnavailable(TetherError):
-    """The runner cannot take tasks (not started, stopping, or gone); ``cause`` says why when it failed."""
-
-    def __init__(self, message: str, cause: Cause | None = None) -> None:
-        super().__init__(message)
-        self.cause = cause
-
-
-class TaskFailed(TetherError):
-    """A task awaited through a convenience method (load, warmup) did not complete."""
-
-    def __init__(self, status: TaskStatus) -> None:
-        detail = status.cause.render() if status.cause else (status.error or status.state.value)
-        super().__init__(f"task {status.task_id} {status.state.value}: {detail}")
-        self.status = status
-
-
-@dataclass
-class _InFlight:
-    task: Task
-    send: MemoryObjectSendStream[TaskEvent]
-    tokens: int = 0
-
-
-class TaskHandle:
-    """The events of one submitted task, ending with exactly one terminal ``TaskStatus``.
-
-    Iterating may stop and resume (``break``, then ``wait()``): the handle, not the loop, owns the stream.
-    """
-
-    def __init__(self, task_id: str, kind: str, receive: MemoryObjectReceiveStream[TaskEvent]) -> None:
-        self.task_id = task_id
-        self.kind = kind
-        self._receive = receive
-        self.final: TaskStatus | None = None
-
-    def __aiter__(self) -> TaskHandle:
-        return self
-
-    async def __anext__(self) -> TaskEvent:
-        if self.final is not None:
-            raise StopAsyncIteration
-        try:
-            event = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise StopAsyncIteration from None
-        if isinstance(event, TaskStatus) and event.state.terminal:
-            self.final = event
-            self._receive.close()
-        return event
-
-    async def wait(self) -> TaskStatus:
-        """Consume the remaining events and return the terminal status."""
-        async for _ in self:
-            pass
-        assert self.final is not None, "a task stream ended without a terminal status"
-        return self.final
-
-    async def text(self) -> tuple[str, TaskStatus]:
-        """Consume a generation: the text of its remaining chunks and its terminal status."""
-        parts = [event.text async for event in self if isinstance(event, Chunk)]
-        assert self.final is not None
-        return "".join(parts), self.final
-
-    def close(self) -> None:
-        """Stop receiving this task's events (they are dropped); the task itself runs on unless cancelled."""
-        self._receive.close()
-
-
-@dataclass(frozen=True)
-class CancelReply:
-    """What a cancel did: ``requested`` (the task ends CANCELLED within one token), ``finished`` (it had already
-    ended, in ``state``), ``unknown`` (no such task) or ``runner_gone`` (the task ends with the runner's cause)."""
-
-    task_id: str
-    outcome: Literal["requested", "finished", "unknown", "runner_gone"]
-    detail: str
-    state: TaskState | None = None
-
-
-@dataclass
-class StopReport:
-    """How a requested stop ended: cleanly, or by escalation (and after how long)."""
-
-    clean: bool
-    escalated_to: str | None
-    seconds: float
 
 
 class Supervisor:
@@ -243,7 +149,6 @@ class Supervisor:
         self._progress = ProgressWatch(self.deadlines, heartbeat=heartbeat_interval > 0)
         self._progress.on_earlier = self._rearm_deadlines
         self._rearm = anyio.Event()
-        self._output_event: anyio.Event | None = None  # set by the output pump while stacks are awaited
         self.hang: Hang | None = None  # the deadline that expired, once one did
         # Failure detection latency: from the exit seen (or the hang's deadline) to every task ended with the cause.
         self.detection_seconds: float | None = None
@@ -275,7 +180,8 @@ class Supervisor:
             max_bytes=log_max_bytes,
             backups=log_backups,
         )
-        self._inflight: dict[str, _InFlight] = {}
+        self._stacks = StackCollector(self._output)
+        self._inflight: dict[str, InFlight] = {}
         self._finished: collections.OrderedDict[str, TaskState] = collections.OrderedDict()
         self._listeners: Listeners[RunnerStatus] = Listeners("status")
         self._changed = anyio.Event()
@@ -351,16 +257,9 @@ class Supervisor:
         """Spawn the runner and wait (bounded) for its hello."""
         assert self._tg is not None, "use 'async with Supervisor(...)'"
         if self.contain:
-            self._own_cgroup, why = create_child_cgroup(runner_cgroup_name(self.runner_id), self.memory_limit)
+            self._own_cgroup = make_own_cgroup(self.name, self.runner_id, self.memory_limit)
             if self._own_cgroup is not None:
                 self.cgroup = self._own_cgroup.path
-            else:
-                log.info(
-                    "%s: no cgroup of its own (%s); its process group still contains it, but not a helper that "
-                    "leaves the group (setsid, setpgid, a double fork)",
-                    self.name,
-                    why,
-                )
         config = RunnerConfig(
             runner_id=self.runner_id,
             spec=self.spec,
@@ -447,9 +346,9 @@ class Supervisor:
         if cgroup is not None and not with_gpu:
             # The common case is a few constant-time reads (tens of µs each): cheaper in the loop than a thread hop,
             # whose GIL hand-offs cost the event loop milliseconds while it streams tokens.
-            memory, gpu_ok = _group_memory(pgid, cgroup, with_gpu)
+            memory, gpu_ok = group_memory(pgid, cgroup, with_gpu)
         else:  # NVML calls, or a /proc scan to list the group: milliseconds, kept off the event loop
-            memory, gpu_ok = await anyio.to_thread.run_sync(_group_memory, pgid, cgroup, with_gpu)
+            memory, gpu_ok = await anyio.to_thread.run_sync(group_memory, pgid, cgroup, with_gpu)
         self._gpu = gpu_ok
         if memory is not None:
             self.footprint = memory
@@ -505,7 +404,7 @@ class Supervisor:
         assert self._sender is not None
         frame = self._sender.frame(task)  # ValueError before anything is tracked: a task that cannot travel is no task
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
-        self._inflight[tid] = _InFlight(task=task, send=send)
+        self._inflight[tid] = InFlight(task=task, send=send)
         handle = TaskHandle(tid, task_kind(task), receive)
         self._progress.sent("task", tid, time.monotonic())  # before the write: the ack may beat our next line
         with contextlib.suppress(BrokenPipeError):  # the runner is dying: the watcher ends the task with the cause
@@ -513,7 +412,7 @@ class Supervisor:
         return handle
 
     async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
-        return await self.submit(GenerateTask(task_id=task_id or _new_id("gen"), params=params))
+        return await self.submit(GenerateTask(task_id=task_id or new_id("gen"), params=params))
 
     async def cancel(self, task_id: str) -> CancelReply:
         """Ask the runner to cancel a task; returns at once with what happened (``CancelReply``).
@@ -538,11 +437,11 @@ class Supervisor:
     async def load(self, timeout: float | None = None) -> None:
         """Load the model (progress arrives as Loading statuses). A load that stops progressing for the
         ``load_stall`` deadline is declared hung; ``timeout`` adds a bound on the whole load."""
-        await self._run_to_completion(LoadTask(task_id=_new_id("load")), timeout, "loading")
+        await self._run_to_completion(LoadTask(task_id=new_id("load")), timeout, "loading")
 
     async def warmup(self, timeout: float | None = None) -> None:
         """Warm up (bounded by the ``warmup`` deadline; ``timeout`` may bound it further)."""
-        await self._run_to_completion(WarmupTask(task_id=_new_id("warmup")), timeout, "warming up")
+        await self._run_to_completion(WarmupTask(task_id=new_id("warmup")), timeout, "warming up")
 
     async def ready(self) -> None:
         """Load then warm up: the runner is Ready afterwards, or TaskFailed says why not."""
@@ -660,7 +559,8 @@ class Supervisor:
         self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
         log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
-        stacks, note = await self._collect_stacks()
+        assert self.process is not None
+        stacks, note = await self._stacks.collect(self.process, self.deadlines.stacks, self._exited)
         cause = self._hang_cause(hang, ((note,) if note else ()) + tuple(stacks))
         self._force_kill(cause.kind, cause.summary, cause.evidence, cause.phase)
 
@@ -668,41 +568,6 @@ class Supervisor:
         return Cause(
             kind=CauseKind.HANG, summary=hang.summary(self.name), evidence=(*evidence, hang.hint()), phase=hang.phase
         )
-
-    async def _collect_stacks(self) -> tuple[list[str], str | None]:
-        """The runner's thread stacks (faulthandler, on ``SIGUSR1``), waited for at most the ``stacks`` deadline.
-
-        faulthandler writes from its C signal handler, so even a runner stuck in native code holding the GIL answers;
-        a stopped one cannot (its state says so instead).
-        """
-        assert self.process is not None
-        state = process_state(self.process.pid)
-        why = f"process state {state}: {STATE_WORDS[state]}" if state in STATE_WORDS else None
-        if state in ("T", "t", "Z", None):
-            return [], why or "the runner is gone"
-        mark = self._output.count
-        self.process.signal(getattr(signal, STACK_SIGNAL_NAME))
-        limit = self.deadlines.stacks
-        deadline = time.monotonic() + limit
-        while not self._exited.is_set():
-            dump = stack_dump(self._output.since(mark))
-            if stack_dump_complete(dump):
-                break
-            dumped = bool(dump)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._output_event = anyio.Event()
-            with anyio.move_on_after(min(remaining, STACK_QUIET) if dumped else remaining) as scope:
-                await self._output_event.wait()
-            if dumped and scope.cancelled_caught:
-                break  # the dump is written in one go: output went quiet after it, so it is complete
-        self._output_event = None
-        stacks = stack_dump(self._output.since(mark))
-        if not stacks:
-            missing = f"no stacks within {limit:g} s of {STACK_SIGNAL_NAME}"
-            why = f"{why}; {missing}" if why else missing
-        return stacks, why
 
     def _set_status(self, status: RunnerStatus) -> None:
         self.status = status
@@ -735,7 +600,7 @@ class Supervisor:
                 and isinstance(record.task, GenerateTask)
             ):
                 self._progress.generation_started(event.task_id, now)
-            _deliver(record, event)
+            deliver(record, event)
             if isinstance(event, TaskStatus) and event.state.terminal:
                 self._finish(event.task_id, event.state)
         elif isinstance(event, Heartbeat):
@@ -806,8 +671,7 @@ class Supervisor:
             if not data:
                 return False
             self._output.feed(data)
-            if self._output_event is not None:  # stacks are awaited
-                self._output_event.set()
+            self._stacks.output_arrived()  # a stack dump may be awaited
 
     async def _watch(self) -> None:
         assert self.process is not None
@@ -825,10 +689,9 @@ class Supervisor:
                 self._exited.set()
                 self._notify()
                 self._rearm_deadlines()
-                if self._output_event is not None:
-                    self._output_event.set()
+                self._stacks.output_arrived()
                 if self._own_cgroup is not None:  # still shielded: a stopping worker must not leave it behind
-                    await self._remove_own_cgroup(self._own_cgroup)
+                    await remove_when_empty(self._own_cgroup, self.stop_timeout, self.name)
 
     async def _finalize(self, exit_status: ExitStatus) -> None:
         """After the exit: drain, diagnose, end every in-flight task, release the pipes."""
@@ -890,42 +753,8 @@ class Supervisor:
         if self._oom is not None:
             self._oom.close()
 
-    async def _remove_own_cgroup(self, cgroup: MemoryCgroup) -> None:
-        """Remove the runner's cgroup once its last members (SIGKILLed at the exit) have left it: awaited on their
-        pidfds, within ``stop_timeout``; a leftover (a process stuck in the kernel) is logged and swept later."""
-        with anyio.move_on_after(self.stop_timeout):
-            while not remove_cgroup(cgroup):
-                kill_cgroup_members(cgroup)  # anything forked since the exit
-                leaving = [fd for fd in (open_pidfd(pid) for pid in cgroup.pids()) if fd is not None]
-                try:
-                    for fd in leaving:
-                        await anyio.wait_readable(fd)
-                finally:
-                    for fd in leaving:
-                        os.close(fd)
-                if not leaving:
-                    await anyio.sleep(0.005)  # no pidfds here, or gone between the listing and the pin
-            return
-        log.warning(
-            "%s: could not remove its cgroup %s within %g s: still in use by %s",
-            self.name,
-            cgroup.path,
-            self.stop_timeout,
-            cgroup.pids(),
-        )
-
     def _end_tasks(self, state: TaskState, error: str, cause: Cause | None) -> None:
         for task_id in list(self._inflight):
             record = self._inflight[task_id]
-            _deliver(record, TaskStatus(task_id, state, error=error, cause=cause, tokens=record.tokens))
+            deliver(record, TaskStatus(task_id, state, error=error, cause=cause, tokens=record.tokens))
             self._finish(task_id, state)
-
-
-def _deliver(record: _InFlight, event: TaskEvent) -> None:
-    """Hand an event to its task's stream; a consumer that closed its handle must not break routing."""
-    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-        record.send.send_nowait(event)
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
 from tether.node.instance import InstanceReady
-from tether.node.supervisor import TaskHandle
+from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
 from tether.serve import openai
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id

@@ -47,7 +47,8 @@ from tether.node.instance import (
     RestartPolicy,
 )
 from tether.node.listeners import Listeners
-from tether.node.supervisor import CancelReply, RunnerUnavailable, Supervisor, TaskHandle
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
 from tether.protocol import EngineSpec, Fault, GenerateParams
 
 log = logging.getLogger("tether.serve.fleet")
@@ -60,7 +61,7 @@ MAX_QUEUE_LIMIT = 1 << 20
 class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One model instance, as ``POST /v1/instances`` takes it (and ``tether serve`` builds its first one)."""
 
-    id: str | None = None  # default: the model file's stem ("debug" for the debug engine)
+    id: str | None = None  # default: see ``default_id``
     engine: str = "llama.cpp"
     model: str | None = None  # a GGUF path; None is the built-in default model
     options: dict[str, Any] = msgspec.field(default_factory=dict)  # engine options (n_ctx, n_threads, ...)
@@ -102,16 +103,20 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
     def default_id(self) -> str:
+        """The id when none is given: the model file's stem, the default model's for llama.cpp without a model, else
+        the engine's own ``name`` (a plugin without a model is not named after llama.cpp's default model)."""
         if self.id is not None:
             return self.id
-        if registry.canonical(self.engine) == "debug":
-            return "debug"
-        if self.model is not None:
+        engine = registry.canonical(self.engine)
+        if self.model is not None and engine != "debug":  # the debug engine reads no model
             return Path(self.model).stem
-        try:
-            return default_model_path().stem
-        except DefaultModelMissing:
-            return "default"
+        if engine == "llama.cpp":
+            try:
+                return default_model_path().stem
+            except DefaultModelMissing:
+                return "default"
+        name = getattr(registry.engine_class(engine), "name", None)
+        return name if isinstance(name, str) and ID_PATTERN.match(name) else "engine"
 
 
 @dataclass

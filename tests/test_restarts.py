@@ -35,7 +35,8 @@ from tether.node.instance import (
     wait_runner_gone,
 )
 from tether.node.spawn import ExitStatus, RunnerProcess
-from tether.node.supervisor import RunnerUnavailable, Supervisor
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import RunnerUnavailable
 from tether.protocol import CauseKind, EngineSpec, Fault, TaskState
 
 pytestmark = pytest.mark.timeout(60)

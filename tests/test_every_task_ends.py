@@ -14,7 +14,8 @@ from conftest import debug, pid_alive, prompt
 from tether.channel import PARTIAL_FRAME_STALL, AsyncReceiver, AsyncSender, EndOfStream
 from tether.node.hangs import Deadlines
 from tether.node.spawn import spawn_runner
-from tether.node.supervisor import RunnerUnavailable, Supervisor, TaskFailed
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import RunnerUnavailable, TaskFailed
 from tether.protocol import (
     CauseKind,
     Chunk,
