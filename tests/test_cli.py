@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shlex
 import signal
 import subprocess
-import sys
 
 import pytest
 
-from conftest import MakeCgroup, model_missing, pid_alive
-
-TETHER = [sys.executable, "-m", "tether"]
+import tether
+from conftest import TETHER, MakeCgroup, model_missing, pid_alive
 
 
 @pytest.mark.model
@@ -156,3 +155,18 @@ def test_a_bad_deadline_is_refused_with_the_reason(flag: str, message: str, code
         [*TETHER, "run", "hi", "--engine", "debug", "--deadline", flag], capture_output=True, text=True, timeout=25
     )
     assert out.returncode == code and message in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_version_and_help_are_plain_text() -> None:
+    version = subprocess.run([*TETHER, "--version"], capture_output=True, text=True, timeout=20)
+    assert version.returncode == 0 and version.stdout.strip() == f"tether {tether.__version__}"
+    assert tether.__version__ == importlib.metadata.version("tether")
+    for command in ([], ["run"], ["serve"], ["status"], ["orphans"]):
+        shown = subprocess.run([*TETHER, *command, "--help"], capture_output=True, text=True, timeout=20)
+        assert shown.returncode == 0, shown.stderr
+        assert "``" not in shown.stdout and ":class:" not in shown.stdout, shown.stdout
+    assert (
+        "tether: a supervised inference worker"
+        in subprocess.run([*TETHER, "--help"], capture_output=True, text=True, timeout=20).stdout
+    )

@@ -70,7 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="answer one prompt with a model in a supervised runner")
+    run = sub.add_parser(
+        "run",
+        help="answer one prompt with a model in a supervised runner",
+        description="Load a model in a supervised runner, stream one answer to stdout, and stop the runner. Exit "
+        "status: 0 answered, 2 the runner failed or the model cannot be used (the cause on stderr), 3 the model does "
+        "not fit (use --force), 64 a bad command line, 130 interrupted.",
+    )
     run.add_argument("prompt", help="the user message (or raw prompt with --raw)")
     run.add_argument("--engine", default="llama.cpp", help=engine_help)
     run.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
@@ -144,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
     srv.add_argument("--no-reap", action="store_true", help="do not reap runners of dead workers at start")
 
-    st = sub.add_parser("status", help="show the instances and runners of a running tether server")
+    st = sub.add_parser(
+        "status",
+        help="show the instances and runners of a running tether server",
+        description="Ask a running `tether serve` for its instances: state, runner pid, memory (footprint and RSS), "
+        "restarts, queue and the last failures with their causes.",
+    )
     st.add_argument("--url", default=None, help="the server (default http://127.0.0.1:PORT)")
     st.add_argument("--port", type=int, default=8000)
     st.add_argument("--api-key", default=None, help="its API key (also: TETHER_API_KEY)")
