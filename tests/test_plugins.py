@@ -213,3 +213,20 @@ def test_the_registry_resolves_names_aliases_and_classes_named_where_they_are(ec
     with pytest.raises(UnknownEngine) as refused:
         registry.resolve("nope")
     assert refused.value.field == "engine" and refused.value.installed[:2] == ("llama.cpp", "debug")
+
+
+@pytest.mark.anyio
+async def test_an_instance_of_an_engine_named_by_its_file_gets_a_name_without_slashes(echo_module: Path) -> None:
+    """The default instance name goes into runner ids, cgroup names and log file names."""
+    import anyio
+
+    from tether import GenerateParams, Instance
+
+    spec = EngineSpec(engine=registry.canonical(f"{echo_module / 'echo_engine.py'}:EchoEngine"))
+    with anyio.fail_after(30):
+        async with Instance(spec) as inst:
+            sup = await inst.wait_ready(20)
+            text, final = await (await inst.generate(GenerateParams(prompt="by file", max_tokens=4))).text()
+    assert "/" not in inst.name and inst.name.startswith("echo_engine.py_EchoEngine-")
+    assert (sup.output_log is not None and sup.output_log.parent.name == "logs") or "/" not in sup.runner_id
+    assert text == "echo: by file" and final.state.value == "complete"

@@ -5,7 +5,6 @@ leave a request hanging. The public API is re-exported here, from one list (``_E
 """
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 # The public API, imported on first use: a runner process imports ``tether.runner`` and must not pay for the
@@ -46,6 +45,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py checks the two agree)
+    __version__: str
     from tether.channel import EndOfStream as EndOfStream
     from tether.channel import ProtocolError as ProtocolError
     from tether.engines.base import Delta as Delta
@@ -89,15 +89,17 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the one version, pyproject.toml's as installed; looked up on first use, since
+        from importlib.metadata import PackageNotFoundError, version  # importlib.metadata costs a runner's start
+
+        try:
+            return version("tether")
+        except PackageNotFoundError:  # run from a source tree that is not installed
+            return "0+unknown"
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'tether' has no attribute {name!r}")
     return getattr(import_module(module), name)
 
-
-try:
-    __version__ = version("tether")  # the one version: pyproject.toml's, as installed
-except PackageNotFoundError:  # run from a source tree that is not installed
-    __version__ = "0+unknown"
 
 __all__ = sorted([*_WHERE, "__version__"])

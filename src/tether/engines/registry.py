@@ -137,7 +137,7 @@ def estimate(spec: EngineSpec) -> MemoryEstimate | None:
 def _import_class(name: str, target: str) -> type[Any]:
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
-        raise UnknownEngine(name, [e.name for e in BUILT_IN], f"engine {name!r} is not 'module:Class'")
+        raise UnknownEngine(name, names(), f"engine {name!r} is not 'module:Class'")
     try:
         if module_name.endswith(".py"):
             module = _import_file(Path(module_name))
@@ -146,17 +146,17 @@ def _import_class(name: str, target: str) -> type[Any]:
     except Exception as exc:  # anything the module raises on import: the engine cannot be had
         raise UnknownEngine(
             name,
-            [e.name for e in BUILT_IN],
+            names(),
             f"engine {name!r}: cannot import {module_name} ({type(exc).__name__}: {exc})",
         ) from exc
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
-        raise UnknownEngine(name, [e.name for e in BUILT_IN], f"engine {name!r}: {module_name} has no class {attr!r}")
+        raise UnknownEngine(name, names(), f"engine {name!r}: {module_name} has no class {attr!r}")
     missing = [method for method in CONTRACT if not callable(getattr(cls, method, None))]
     if missing:
         raise UnknownEngine(
             name,
-            [e.name for e in BUILT_IN],
+            names(),
             f"engine {name!r}: {cls.__qualname__} lacks {', '.join(missing)} of the engine contract "
             f"({', '.join(CONTRACT)})",
         )

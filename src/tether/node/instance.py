@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import time
 import uuid
@@ -345,7 +346,10 @@ class Instance:
         self._admitted = admitted  # the caller ran the fit check for the first life already (Fleet.add does)
         self.measured: MeasuredFit | None = None  # the last loaded runner's memory beside the estimate
         self.policy = policy if policy is not None else RestartPolicy()
-        self.name = name or f"{spec.engine}-{uuid.uuid4().hex[:6]}"
+        # The default name goes into runner ids, cgroup and log file names: an engine named by its file path
+        # ("/srv/engines/echo.py:Echo") must not put slashes there.
+        engine = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.engine.rpartition("/")[2])[-40:]
+        self.name = name or f"{engine}-{uuid.uuid4().hex[:6]}"
         self.backoff = Backoff(self.policy, rng)
         self.reap_timeout = reap_timeout
         self.stop_timeout = stop_timeout
