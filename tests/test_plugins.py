@@ -39,10 +39,14 @@ ECHO_ENGINE = textwrap.dedent(
             if unknown:
                 raise EngineLoadError(f"unknown echo option(s) {', '.join(unknown)}: valid are prefix, huge")
             self.prefix = str(spec.options.get("prefix", "echo:"))
+            if self.prefix == "boom":
+                raise ZeroDivisionError("constructor bug")
             self.loaded = False
 
         @staticmethod
         def estimate_memory(spec):
+            if spec.options.get("prefix") == "crash":
+                raise RuntimeError("estimator bug")
             size = 1 << 50 if spec.options.get("huge") else 1 << 20  # 1 PiB cannot fit anywhere
             return Estimate(subject="echo buffers", parts={"buffers": size})
 
@@ -157,6 +161,11 @@ def test_a_plugin_estimate_is_checked_and_its_options_refused_before_a_runner_st
         )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "options", bad.text
         assert "unknown echo option(s) colour" in bad.json()["error"]["message"]
+        for prefix, said in (("boom", "ZeroDivisionError: constructor bug"), ("crash", "RuntimeError: estimator bug")):
+            buggy = server.http.post(
+                "/v1/instances", json={"id": prefix, "engine": "echo_engine:EchoEngine", "options": {"prefix": prefix}}
+            )
+            assert buggy.status_code == 400 and said in buggy.json()["error"]["message"], buggy.text
         assert server.http.get("/v1/instances/huge").status_code == 404
 
 

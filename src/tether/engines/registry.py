@@ -121,6 +121,8 @@ def spec_problem(spec: EngineSpec) -> InvalidField | None:
         return exc
     except EngineLoadError as exc:
         return InvalidField("options", str(exc))
+    except Exception as exc:  # an engine of your own that fails in its constructor: refused, never a 500
+        return InvalidField("options", f"engine {spec.engine!r} failed to build with {spec.options!r}: {_what(exc)}")
     return None
 
 
@@ -129,8 +131,17 @@ def estimate(spec: EngineSpec) -> MemoryEstimate | None:
     estimator = getattr(engine_class(spec.engine), "estimate_memory", None)
     if estimator is None:
         return None
-    result: MemoryEstimate | None = estimator(spec)
+    try:
+        result: MemoryEstimate | None = estimator(spec)
+    except InvalidField:  # a model file it cannot read (InvalidModel), say
+        raise
+    except Exception as exc:  # a bug in an engine's estimator: refused with what it raised, never a 500
+        raise InvalidField("engine", f"the memory estimate of engine {spec.engine!r} failed: {_what(exc)}") from exc
     return result
+
+
+def _what(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 @functools.lru_cache(maxsize=64)
