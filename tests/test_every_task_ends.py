@@ -445,3 +445,32 @@ async def test_a_runner_flooding_stderr_is_drained_and_only_a_bounded_tail_is_ke
     assert final.state is TaskState.COMPLETE and len(text.split()) == 5
     assert len(tail) == 100
     assert tail[-1] == "stderr flood line 50000/50000"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_runner_flooding_stderr_does_not_starve_the_worker_event_loop() -> None:
+    """Found by the fault campaign: the output pump read until the pipe was empty (a flooding runner never lets it
+    be) and logged each line through ``logging`` (26 µs a line), holding the event loop for the whole flood, so
+    another request's task write "timed out" and a healthy runner was declared hung. The loop now stays responsive
+    (before: 0.5 s lag per flood; 64 floods of 20,000 lines took 36 s, now about 1.5 s)."""
+    flood = Fault(kind="stderr_flood", lines=20_000, after_tokens=2)
+    lag = 0.0
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        nonlocal lag
+        while not done.is_set():
+            began = time.monotonic()
+            await anyio.sleep(0.01)
+            lag = max(lag, time.monotonic() - began - 0.01)
+
+    with anyio.fail_after(40):
+        async with Supervisor(debug(token_seconds=0.0005)) as sup, anyio.create_task_group() as tg:
+            await sup.ready()
+            tg.start_soon(ticker)
+            handles = [await sup.generate(prompt(8, flood)) for _ in range(4)]
+            finals = [await h.wait() for h in handles]
+            done.set()
+    assert all(f.state is TaskState.COMPLETE for f in finals)
+    assert lag < 0.2, f"the worker's event loop stalled {lag:.3f} s behind a flooding runner"

@@ -105,6 +105,8 @@ log = logging.getLogger("tether.node.supervisor")
 
 
 RECENT_FINISHED = 10_000
+OUTPUT_READS_PER_WAKE = 4  # 64 KiB reads of runner output per event-loop turn (see _read_output)
+OUTPUT_DRAIN_READS = 64  # after the exit: all a pipe can hold, bounded should a surviving helper keep writing
 
 
 class Supervisor:
@@ -661,9 +663,14 @@ class Supervisor:
         finally:
             self._output_done.set()
 
-    def _read_output(self, fd: int) -> bool:
-        """Read what is available into the output capture; False at EOF."""
-        while True:
+    def _read_output(self, fd: int, reads: int = OUTPUT_READS_PER_WAKE) -> bool:
+        """Read what is available into the output capture, at most ``reads`` chunks; False at EOF.
+
+        Bounded: a runner that writes as fast as this reads (a stderr flood) never leaves the pipe empty, and an
+        unbounded loop here would hold the event loop for the whole flood, starving every other instance, the
+        HTTP server and the deadlines (the fault campaign found it: task writes "timed out" behind it).
+        """
+        for _ in range(reads):
             try:
                 data = os.read(fd, 65536)
             except BlockingIOError:
@@ -672,6 +679,7 @@ class Supervisor:
                 return False
             self._output.feed(data)
             self._stacks.output_arrived()  # a stack dump may be awaited
+        return True  # more may be waiting: the caller waits for readability again, which yields to other tasks
 
     async def _watch(self) -> None:
         assert self.process is not None
@@ -709,7 +717,7 @@ class Supervisor:
                 self._dispatch(event, now)
         except ProtocolError as exc:
             self._protocol_error(exc)
-        self._read_output(proc.output_fd)
+        self._read_output(proc.output_fd, OUTPUT_DRAIN_READS)  # what a pipe holds (64 KiB by default) and more
         self._output.flush()  # a forked helper may still hold the pipe open: do not wait for its EOF
         phase = phase_of(self.status)
         clean_stop = self._stop_requested and exit_status.code == 0 and isinstance(self.status, Shutdown)
