@@ -133,3 +133,34 @@ async def test_async_sender_to_sync_receiver_handles_frames_larger_than_the_pipe
     os.close(r)
     assert [m.task_id for m in received] == ["big", "small"]
     assert received[0] == big
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(10)
+async def test_senders_waiting_when_the_channel_closes_get_broken_pipe_not_a_write_to_a_closed_fd() -> None:
+    """Found by the fault campaign: a task sent while the runner died waited (for the lock, or for room in the pipe),
+    then wrote to the closed descriptor: the API answered 500 "OSError: [Errno 9] Bad file descriptor", and the number
+    could by then have named another runner's pipe. Every waiting sender now gets ``BrokenPipeError``."""
+    read_fd, write_fd = os.pipe()
+    sender = AsyncSender(write_fd)
+    big = sender.frame(GenerateTask(task_id="t", params=GenerateParams(prompt="x" * (1 << 20))))  # > a pipe
+    outcomes: list[str] = []
+
+    async def send() -> None:
+        try:
+            await sender.send_frame(big)
+        except BrokenPipeError:
+            outcomes.append("broken pipe")
+        except Exception as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)  # fills the pipe, then waits for room
+                tg.start_soon(send)  # waits for the lock
+                await anyio.wait_all_tasks_blocked()
+                sender.close()
+        assert outcomes == ["broken pipe", "broken pipe"]
+    finally:
+        os.close(read_fd)

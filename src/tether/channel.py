@@ -14,6 +14,7 @@ complete frame of a read in one go, so many events cost one wakeup.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -320,20 +321,30 @@ class AsyncSender:
         await self.send_frame(self.frame(message))
 
     async def send_frame(self, frame: bytes) -> None:
-        """Write a frame made by ``frame`` (whole: concurrent senders never interleave)."""
-        if self.closed:
-            raise BrokenPipeError("channel to the runner is closed")
+        """Write a frame made by ``frame`` (whole: concurrent senders never interleave).
+
+        ``BrokenPipeError`` once the channel is closed, also for a sender that was waiting (for the lock, or for
+        room in the pipe) when it closed: its descriptor is gone, and its number may already name another file.
+        """
         view = memoryview(frame)
         async with self._lock:
             while view:
+                if self.closed:
+                    raise BrokenPipeError("channel to the runner is closed")
                 try:
                     n = os.write(self.fd, view)
                 except BlockingIOError:
-                    await anyio.wait_writable(self.fd)
+                    try:
+                        await anyio.wait_writable(self.fd)
+                    except anyio.ClosedResourceError:  # closed while waiting (``close`` warned the waiters)
+                        raise BrokenPipeError("channel to the runner is closed") from None
                     continue
                 view = view[n:]
 
     def close(self) -> None:
+        """Close the channel; senders waiting on it get ``BrokenPipeError`` (call from the event loop)."""
         if not self.closed:
             self.closed = True
+            with contextlib.suppress(RuntimeError):  # no event loop (a sync caller): nobody can be waiting
+                anyio.notify_closing(self.fd)
             os.close(self.fd)
