@@ -22,13 +22,15 @@ SIDES: dict[str, tuple[str, ...]] = {
     "node": ("tether.node",),
     "serve": ("tether.serve",),
     "cli": ("tether.cli",),
+    "chaos": ("tether.chaos",),  # attacks servers from outside: it may not use the code it tests
 }
 MAY_IMPORT = {
     "shared": {"shared"},
     "runner": {"shared", "runner"},
     "node": {"shared", "runner", "node"},
     "serve": {"shared", "runner", "node", "serve"},
-    "cli": {"shared", "runner", "node", "serve", "cli"},
+    "cli": {"shared", "runner", "node", "serve", "cli", "chaos"},
+    "chaos": {"shared", "chaos"},
 }
 
 

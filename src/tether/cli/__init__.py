@@ -1,5 +1,5 @@
 """The ``tether`` command: a parser (``parser``) and one module per command (``run``, ``serve``, ``status``,
-``orphans``).
+``orphans``, ``chaos``).
 
 Runs in the worker process; the top of the import graph (nothing imports ``tether.cli``). A command imports what
 only it needs when it runs: ``tether orphans`` never imports the HTTP stack.

@@ -18,6 +18,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
         from tether.cli.serve import command
     elif name == "status":
         from tether.cli.status import command
+    elif name == "chaos":
+        from tether.cli.chaos import command
     else:
         from tether.cli.orphans import command
     return command

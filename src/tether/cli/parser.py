@@ -162,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="the server's JSON as it is")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
 
+    chaos = sub.add_parser(
+        "chaos",
+        help="attack a tether server it starts with randomized faults and check every promise after each",
+        description="Start a `tether serve` (and one per worker attack), attack it through public interfaces "
+        "(HTTP, signals, /proc) with randomized faults at random moments, and check after every trial that each "
+        "request ended exactly once with the outcome its fault implies, within its bound, and that nothing was left "
+        "behind. A broken trial prints the command that replays it alone. Exit status: 0 all kept, 1 one broke.",
+    )
+    chaos.add_argument("--trials", type=int, default=100, help="how many trials (default 100)")
+    chaos.add_argument("--seed", type=int, default=0, help="the campaign's seed (default 0): same seed, same trials")
+    chaos.add_argument("--only", type=int, default=None, metavar="K", help="run only trial K of the seed (replay)")
+    chaos.add_argument("--json", action="store_true", help="only the JSON summary")
+
     orph = sub.add_parser(
         "orphans",
         help="list tether runners that outlived their worker, with the memory they hold",

@@ -1,0 +1,153 @@
+"""A campaign: many trials against servers the campaign starts, a table per attack and phase, one JSON summary.
+
+The shared server serves every trial but the worker attacks (each of those kills or stops a server of its own).
+Its fd count and RSS are read after a warm-up trial and again at the end: what the trials leaked shows there.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tether.chaos.plan import ATTACKS, PHASES, WARM_UP, Trial, plan
+from tether.chaos.target import Target
+from tether.chaos.trial import TrialResult, run_alone, run_on
+
+MiB = 1 << 20
+
+
+@dataclass
+class Report:
+    seed: int
+    results: list[TrialResult] = field(default_factory=list)
+    fds_before: int | None = None
+    fds_after: int | None = None
+    rss_before: int | None = None
+    rss_after: int | None = None
+    wall_s: float = 0.0
+
+    @property
+    def failed(self) -> list[TrialResult]:
+        return [r for r in self.results if not r.ok]
+
+    def summary(self) -> dict[str, Any]:
+        results = self.results
+        leaked = max(0, (self.fds_after or 0) - (self.fds_before or 0))
+        growth = ((self.rss_after or 0) - (self.rss_before or 0)) / MiB
+        return {
+            "bench": "chaos",
+            "trials": len(results),
+            "failed_trials": len(self.failed),
+            "hung": sum(r.hung for r in results),
+            "orphans": sum(r.orphans for r in results),
+            "misclassified": sum(r.misclassified for r in results),
+            "lost_requests": sum(r.lost for r in results),
+            "other_problems": sum(
+                len(r.problems) - r.hung - r.orphans - r.misclassified - r.lost for r in self.results
+            ),
+            "requests": sum(len(r.outcomes) for r in results),
+            "leaked_fds": leaked,
+            "worker_fds_before": self.fds_before,
+            "worker_fds_after": self.fds_after,
+            "worker_rss_growth_mib": round(growth, 2),
+            "seed": self.seed,
+            "wall_s": round(self.wall_s, 1),
+            "trial_p50_s": round(_median([r.seconds for r in results]), 3),
+        }
+
+    def table(self) -> list[str]:
+        cells: dict[tuple[str, str], list[TrialResult]] = collections.defaultdict(list)
+        for r in self.results:
+            cells[(r.trial.attack.name, r.trial.phase)].append(r)
+        phases = sorted({p for _, p in cells}, key=_PHASE_ORDER.index)
+        attacks = sorted({a for a, _ in cells}, key=_ATTACK_ORDER.index)
+        width = max(len(a) for a in attacks) if attacks else 6
+        lines = [f"{'attack':<{width}}  " + "  ".join(f"{p:>10}" for p in phases) + "      ok"]
+        for attack in attacks:
+            row = []
+            for phase in phases:
+                got = cells.get((attack, phase), [])
+                row.append(f"{sum(r.ok for r in got)}/{len(got)}" if got else "-")
+            total = [r for (a, _), rs in cells.items() if a == attack for r in rs]
+            lines.append(
+                f"{attack:<{width}}  "
+                + "  ".join(f"{c:>10}" for c in row)
+                + f"  {sum(r.ok for r in total)}/{len(total)}"
+            )
+        return lines
+
+
+async def _settled_fds(target: Target, baseline: int | None, bound: float = 5.0) -> int | None:
+    """The server's fd count once the campaign's own connections are closed on its side too (within ``bound`` s):
+    what stays above the baseline after that is leaked."""
+    with anyio.move_on_after(bound):
+        while (fds := target.fds()) is not None and baseline is not None and fds > baseline:
+            await anyio.sleep(0.05)
+    return target.fds()
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    if not values:
+        return 0.0
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+_PHASE_ORDER = list(PHASES)
+_ATTACK_ORDER = [a.name for a in ATTACKS]
+
+
+async def run_campaign(
+    seed: int,
+    trials: int,
+    *,
+    only: int | None = None,
+    progress: Callable[[TrialResult], None] | None = None,
+) -> Report:
+    """Run the campaign ``seed`` (or only its trial ``only``); every server it starts is stopped before it returns."""
+    report = Report(seed)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
+        workdir = Path(tmp)
+        target = await anyio.to_thread.run_sync(Target, workdir / "shared")
+        try:
+            warm = Trial(seed, -1, WARM_UP, "generating", 8, 1, 0.0, 8)
+            await run_on(target, warm)  # the first instance and streams allocate what later ones reuse
+            report.fds_before, report.rss_before = target.fds(), target.rss()
+            for trial in plan(seed, trials, only):
+                if trial.attack.worker_signal is not None:
+                    result = await run_alone(trial, workdir)
+                else:
+                    result = await run_on(target, trial)
+                report.results.append(result)
+                if progress is not None:
+                    progress(result)
+                if target.proc.poll() is not None:
+                    raise RuntimeError(f"the shared server died during trial {trial.index}: {trial.replay()}")
+            report.fds_after = await _settled_fds(target, report.fds_before)
+            report.rss_after = target.rss()
+        finally:
+            await anyio.to_thread.run_sync(target.stop)
+    report.wall_s = time.monotonic() - began
+    return report
+
+
+def print_progress(result: TrialResult, *, stream: Any = sys.stderr) -> None:
+    t = result.trial
+    if result.ok:
+        return
+    print(
+        f"trial {t.index} {t.label} broke {len(result.problems)} invariant(s) in {result.seconds:.2f} s:", file=stream
+    )
+    for problem in result.problems:
+        print(f"  - {problem}", file=stream)
+    print(f"  replay: {t.replay()}", file=stream, flush=True)

@@ -1,0 +1,121 @@
+"""The server under attack: a ``tether serve`` child the campaign starts (and alone stops), with its own runtime
+and log directories, so the campaign never touches a server or a runner it did not start."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tether.kernel.pids import alive
+
+
+class Target:
+    """One ``tether serve --engine debug`` child: its URL once it listens, its stderr lines, its pid and fds."""
+
+    def __init__(self, workdir: Path, *, stop_timeout: float = 5.0, startup: float = 30.0) -> None:
+        self.workdir = workdir
+        self.runtime_dir = workdir / "runtime"
+        self.log_dir = workdir / "logs"
+        for path in (self.runtime_dir, self.log_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
+        env = dict(os.environ, TETHER_RUNTIME_DIR=str(self.runtime_dir), TETHER_LOG_DIR=str(self.log_dir))
+        env.pop("TETHER_DISABLE_ORPHAN_WATCHDOG", None)
+        argv = [
+            sys.executable,
+            "-m",
+            "tether",
+            "serve",
+            "--port",
+            "0",
+            "--engine",
+            "debug",
+            "--name",
+            "warm",
+            "--stop-timeout",
+            str(stop_timeout),
+        ]
+        self.stop_timeout = stop_timeout
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.url = self.wait_for(r"listening on (http://\S+)", startup).group(1)
+        self.wait_for(r"warm ready \(runner pid", startup)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        for line in self.seen:
+            if m := re.search(pattern, line):
+                return m
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+        tail = "\n".join(self.seen[-20:])
+        raise RuntimeError(f"tether serve (pid {self.pid}) printed no {pattern!r} within {timeout} s:\n{tail}")
+
+    def fds(self) -> int | None:
+        try:
+            return len(os.listdir(f"/proc/{self.pid}/fd"))
+        except OSError:
+            return None
+
+    def rss(self) -> int | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def runners(self) -> list[int]:
+        """Live processes whose command line names this server as their worker (its runners), from /proc."""
+        mark = f"--worker={self.pid}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if mark in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") and alive(int(entry)):
+                    found.append(int(entry))
+        return found
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def stop(self) -> int | None:
+        """SIGTERM, and wait for the exit within the stop bound plus a margin; SIGKILL after that."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(self.stop_timeout + 10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None

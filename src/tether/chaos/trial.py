@@ -1,0 +1,496 @@
+"""One trial: make the fault where the plan says, drive the streams, then check every promise from outside.
+
+Every request the trial sends must end exactly once, within its bound, in an outcome its fault allows: complete,
+cancelled, failed with the cause kind the fault implies (the API's error code), rejected with ``503`` (while the
+instance restarts), or cut (the worker itself was killed). A stream that just stops is *lost*; one that outlives
+its bound is *hung*. Afterwards no process of the trial may be left (its runners, their helpers: looked up in
+``/proc`` and in the runner cgroups), nor a runner record, and the instance must be ready again, or failed where
+its restart policy says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from tether.chaos.plan import Trial
+from tether.chaos.target import Target
+from tether.kernel.cgroups import runner_cgroups
+from tether.kernel.pids import alive
+
+REQUEST_BOUND = 20.0  # seconds any request may take, whatever the fault (the hang deadlines are 1-2 s)
+STATE_BOUND = 20.0  # seconds for an instance to reach the state its fault implies
+GONE_BOUND = 5.0  # seconds for every process of a trial to be gone once it ended
+DEADLINES = {"heartbeat": 1.5, "load_stall": 1.5, "warmup": 3.0, "first_token": 3.0, "token_gap": 1.5, "ack": 3.0}
+OPTIONS = {"load_steps": 10, "load_step_seconds": 0.01, "token_seconds": 0.0005}
+
+
+@dataclass
+class Outcome:
+    """How one request ended, as the client saw it."""
+
+    kind: str  # complete | cancelled | failed | rejected | cut | disconnected | lost | hung | unexpected
+    cause: str | None = None  # the cause kind of a failure (the error's code)
+    status: int | None = None
+    detail: str = ""
+    retry_after: bool = False
+
+
+@dataclass
+class TrialResult:
+    trial: Trial
+    outcomes: list[Outcome] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # each broken invariant, in words
+    hung: int = 0
+    orphans: int = 0
+    misclassified: int = 0
+    lost: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def broke(self, counter: str, problem: str) -> None:
+        setattr(self, counter, getattr(self, counter) + 1)
+        self.problems.append(problem)
+
+
+class Streams:
+    """The trial's streaming requests: their outcomes, the ids they got, and an event at the first token."""
+
+    def __init__(self, client: httpx.AsyncClient, model: str, tokens: int) -> None:
+        self.client = client
+        self.model = model
+        self.tokens = tokens
+        self.outcomes: list[Outcome] = []
+        self.first = anyio.Event()
+        self.ids: list[str] = []
+        self.started: list[anyio.Event] = []
+
+    async def one(self, *, disconnect: bool = False, on_start: Any = None) -> None:
+        body = {"model": self.model, "prompt": "chaos", "max_tokens": self.tokens, "stream": True}
+        outcome: Outcome
+        try:
+            with anyio.fail_after(REQUEST_BOUND):
+                async with self.client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        outcome = _refused(response.status_code, await response.aread(), response.headers)
+                    else:
+                        outcome = await self._read(response, disconnect, on_start)
+        except TimeoutError:
+            outcome = Outcome("hung", detail=f"no end within {REQUEST_BOUND:g} s")
+        except httpx.TransportError as exc:
+            outcome = Outcome("cut", detail=f"{type(exc).__name__}: {exc}")
+        self.outcomes.append(outcome)
+
+    async def _read(self, response: httpx.Response, disconnect: bool, on_start: Any) -> Outcome:
+        seen = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return Outcome("complete", status=200)
+            event = json.loads(data)
+            if "error" in event:
+                code = event["error"].get("code")
+                if code == "cancelled":
+                    return Outcome("cancelled", status=200)
+                return Outcome("failed", cause=code, status=200, detail=event["error"].get("message", ""))
+            if not seen:
+                seen = True
+                self.ids.append(event["id"])
+                self.first.set()
+                if on_start is not None:
+                    await on_start(event["id"])
+                if disconnect:
+                    return Outcome("disconnected", status=200)
+        return Outcome("lost", status=200, detail="the stream ended with neither [DONE] nor an error event")
+
+    async def run(self, n: int, *, disconnect: set[int] | None = None, on_start: Any = None) -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(functools.partial(self.one, disconnect=i in (disconnect or set()), on_start=on_start))
+
+
+def _refused(status: int, body: bytes, headers: httpx.Headers) -> Outcome:
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return Outcome("unexpected", status=status, detail=body[:200].decode(errors="replace"))
+    code = error.get("code")
+    if status == 503:
+        return Outcome("rejected", status=status, detail=error.get("message", ""), retry_after="retry-after" in headers)
+    if status == 409 and code == "cancelled":
+        return Outcome("cancelled", status=status)
+    if status == 500 and isinstance(error.get("cause"), dict):
+        return Outcome("failed", cause=code, status=status, detail=error.get("message", ""))
+    return Outcome("unexpected", status=status, detail=f"{code}: {error.get('message', '')}")
+
+
+async def _instance(client: httpx.AsyncClient, iid: str) -> dict[str, Any] | None:
+    response = await client.get(f"/v1/instances/{iid}")
+    return response.json() if response.status_code == 200 else None
+
+
+async def _wait_instance(client: httpx.AsyncClient, iid: str, done: Any, bound: float) -> dict[str, Any] | None:
+    """Re-read the instance (the API has no push channel) until ``done(instance)``; None after ``bound`` s."""
+    with anyio.move_on_after(bound):
+        while True:
+            inst = await _instance(client, iid)
+            if inst is not None and done(inst):
+                return inst
+            await anyio.sleep(0.005)
+    return None
+
+
+def _runner_pid(inst: dict[str, Any] | None) -> int | None:
+    runner = (inst or {}).get("runner") or {}
+    pid = runner.get("pid")
+    return pid if isinstance(pid, int) else None
+
+
+def _kill(pid: int | None, name: str | None) -> None:
+    if pid is not None and name is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, getattr(signal, name))
+
+
+def _config(trial: Trial, iid: str) -> dict[str, Any]:
+    attack, phase = trial.attack, trial.phase
+    faults = []
+    if attack.engine_fault is not None:
+        fault = dict(attack.engine_fault)
+        if phase == "loading":
+            fault["phase"] = "load"
+        elif phase == "warming_up":
+            fault["phase"] = "warmup"
+        elif phase == "idle":
+            fault.update(phase="idle", seconds=0.05 + trial.delay)
+        else:
+            fault.update(phase="generate", after_tokens=trial.after_tokens)
+        faults.append(fault)
+    # A fault made by the engine at load, warm-up or idle strikes every life again: without restarts the instance
+    # must end failed with its cause. Elsewhere one failure, then the instance must serve again.
+    never = attack.engine_fault is not None and phase in ("loading", "warming_up", "idle") and attack.expect
+    restart = {
+        "mode": "never" if never else "on-failure",
+        "initial_backoff": 1.0 if phase == "backoff" else 0.05,
+        "max_backoff": 1.0,
+        "jitter": 0.0,
+        "crash_loop_failures": 100,
+    }
+    config: dict[str, Any] = {
+        "id": iid,
+        "engine": "debug",
+        "options": {**OPTIONS, **attack.options},
+        "faults": faults,
+        "restart": restart,
+        "deadlines": DEADLINES,
+        "max_queue": 256,
+    }
+    if attack.memory_limit is not None:
+        config["memory_limit"] = attack.memory_limit
+    return config
+
+
+async def run_on(target: Target, trial: Trial) -> TrialResult:
+    """A trial against the campaign's shared server: its own instance, created, attacked, checked, deleted."""
+    result = TrialResult(trial)
+    began = time.monotonic()
+    iid = f"t{trial.index}"
+    attack, phase = trial.attack, trial.phase
+    async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+        created = await client.post("/v1/instances", json=_config(trial, iid))
+        if created.status_code != 201:
+            result.broke("misclassified", f"the instance was refused: {created.status_code} {created.text[:200]}")
+            return result
+        streams = Streams(client, iid, trial.tokens)
+        expect = attack.expect.value if attack.expect is not None else None
+        rng = random.Random(f"{trial.seed}:{trial.index}:moments")
+        deleted = False
+
+        if phase in ("loading", "warming_up", "idle") and attack.engine_fault is not None:
+            final = await _wait_instance(
+                client,
+                iid,
+                lambda i: i["state"] in ("failed", "ready") and (expect is None or i["state"] == "failed"),
+                STATE_BOUND,
+            )
+            if expect is None:  # a flood, not a failure: the instance serves
+                if phase == "idle":
+                    await anyio.sleep(trial.delay + 0.1)  # the fault fires from a timer after the warm-up
+                await streams.run(trial.streams)
+                _expect_outcomes(result, streams.outcomes, {"complete"}, None)
+            _expect_instance(result, final, expect)
+        elif phase in ("loading", "idle") and attack.outside_signal is not None:
+            wanted = "loading" if phase == "loading" else "ready"
+            inst = await _wait_instance(
+                client, iid, lambda i: ((i.get("runner") or {}).get("status")) == wanted, STATE_BOUND
+            )
+            await anyio.sleep(trial.delay)
+            _kill(_runner_pid(inst), attack.outside_signal)
+            final = await _wait_instance(client, iid, lambda i: bool(i["history"]) and i["ready"], STATE_BOUND)
+            _expect_instance(result, final, expect)
+        else:
+            await _wait_instance(client, iid, lambda i: i["ready"], STATE_BOUND)
+            inst = await _instance(client, iid)
+            pid = _runner_pid(inst)
+
+            async def strike() -> None:
+                await streams.first.wait()
+                await anyio.sleep(trial.delay)
+                _kill(pid, attack.outside_signal)
+
+            async def cancel(request_id: str) -> None:
+                for _ in range(rng.randint(1, 3)):  # a storm: duplicates too
+                    await client.post(f"/v1/requests/{request_id}/cancel")
+
+            async def delete() -> None:
+                nonlocal deleted
+                await streams.first.wait()
+                await anyio.sleep(trial.delay)
+                deleted = True
+                await client.delete(f"/v1/instances/{iid}")
+
+            if phase == "backoff":
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(strike)
+                    await streams.run(1)
+                await _wait_instance(client, iid, lambda i: i["state"] == "restarting", STATE_BOUND)
+                await streams.run(trial.streams)  # while it waits to restart: refused, told when to retry
+                _expect_outcomes(result, streams.outcomes[:1], {"complete", "failed"}, expect)
+                for outcome in streams.outcomes[1:]:
+                    if outcome.kind != "rejected" or not outcome.retry_after:
+                        result.broke("misclassified", f"during the backoff a request ended {_show(outcome)}")
+                final = await _wait_instance(client, iid, lambda i: i["ready"], STATE_BOUND)
+                _expect_instance(result, final, expect)
+            else:
+                on_start = cancel if attack.client == "cancel_storm" or phase == "cancel" else None
+                disconnect = (
+                    set(rng.sample(range(trial.streams), max(1, trial.streams // 2)))
+                    if attack.client == "disconnect"
+                    else None
+                )
+                async with anyio.create_task_group() as tg:
+                    if attack.outside_signal is not None:
+                        tg.start_soon(strike)
+                    if phase == "stop":
+                        tg.start_soon(delete)
+                    await streams.run(trial.streams, disconnect=disconnect, on_start=on_start)
+                allowed = _allowed(trial)
+                _expect_outcomes(result, streams.outcomes, allowed, expect)
+                if not deleted:
+                    if attack.client is not None:  # the runner must be free again: nothing left in flight
+                        idle = await _wait_instance(
+                            client, iid, lambda i: i["queue"]["in_flight"] == 0 and i["ready"], STATE_BOUND
+                        )
+                        if idle is None:
+                            result.broke("hung", "requests stayed in flight after their clients left")
+                        follow = Streams(client, iid, 4)
+                        await follow.one()
+                        _expect_outcomes(result, follow.outcomes, {"complete"}, None)
+                    else:
+                        final = await _wait_instance(
+                            client, iid, lambda i: i["ready"] and (expect is None or bool(i["history"])), STATE_BOUND
+                        )
+                        _expect_instance(result, final, expect, strict=attack.engine_fault is not None)
+        inst = await _instance(client, iid)
+        pids = list((inst or {}).get("pids", []))
+        if not deleted:
+            await client.delete(f"/v1/instances/{iid}")
+        else:
+            pids = sorted(set(pids) | set(_pids_from_records(target, iid)))
+        result.outcomes = streams.outcomes
+    _check_gone(result, target, iid, pids)
+    result.seconds = time.monotonic() - began
+    return result
+
+
+def _pids_from_records(target: Target, iid: str) -> list[int]:
+    """The runner pids the server's records name for instance ``iid`` (its runners are ``<iid>-<life>``)."""
+    pids = []
+    for path in target.runtime_dir.glob("runner-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            record = json.loads(path.read_text())
+            if str(record["runner_id"]).startswith(f"{iid}-"):
+                pids.append(int(record["pid"]))
+    return pids
+
+
+def _allowed(trial: Trial) -> set[str]:
+    attack, phase = trial.attack, trial.phase
+    if attack.client == "disconnect":
+        return {"complete", "disconnected"}
+    if attack.client == "cancel_storm":
+        return {"complete", "cancelled"}
+    if phase == "cancel":
+        return {"complete", "cancelled", "failed", "rejected"}  # rejected: it arrived after the kill
+    if phase == "stop":
+        return {"complete", "cancelled", "failed", "rejected"}
+    if attack.expect is None:
+        return {"complete"}
+    # A request that arrives once the runner is dead is refused (503, retry later); one admitted before fails with
+    # the cause. An engine fault strikes the first stream, so none completes; a signal from outside may land after
+    # a stream finished.
+    if attack.engine_fault is not None:
+        return {"failed", "rejected"}
+    return {"complete", "failed", "rejected"}
+
+
+def _show(outcome: Outcome) -> str:
+    cause = f" ({outcome.cause})" if outcome.cause else ""
+    detail = f": {outcome.detail[:160]}" if outcome.detail else ""
+    return f"{outcome.kind}{cause}{detail}"
+
+
+def _expect_outcomes(result: TrialResult, outcomes: list[Outcome], allowed: set[str], expect: str | None) -> None:
+    for outcome in outcomes:
+        if outcome.kind == "hung":
+            result.broke("hung", f"a request hung: {_show(outcome)}")
+        elif outcome.kind == "lost":
+            result.broke("lost", f"a request was lost: {_show(outcome)}")
+        elif outcome.kind not in allowed:
+            result.broke("misclassified", f"a request ended {_show(outcome)}; allowed: {', '.join(sorted(allowed))}")
+        elif (
+            outcome.kind == "failed" and expect is not None and outcome.cause != expect and result.trial.phase != "stop"
+        ):
+            result.broke(
+                "misclassified", f"a request failed with {outcome.cause}, not {expect}: {outcome.detail[:200]}"
+            )
+
+
+def _expect_instance(
+    result: TrialResult, inst: dict[str, Any] | None, expect: str | None, *, strict: bool = True
+) -> None:
+    """The instance reached the state its fault implies, and its first failure carries the implied cause."""
+    if inst is None:
+        result.broke("hung", f"the instance did not reach its expected state within {STATE_BOUND:g} s")
+        return
+    history = inst.get("history") or []
+    if expect is None:
+        if history:
+            result.broke("misclassified", f"no failure expected, got {history[0]['cause']['kind']}")
+        return
+    if not history:
+        if strict:
+            result.broke("misclassified", f"expected a {expect} failure, the instance has none")
+        return
+    got = history[0]["cause"]["kind"]
+    if got != expect:
+        result.broke("misclassified", f"the instance failed with {got}, not {expect}: {history[0]['cause']['summary']}")
+
+
+def _check_gone(result: TrialResult, target: Target, iid: str, pids: list[int], bound: float = GONE_BOUND) -> None:
+    """No process of the trial left (its runners, and in their cgroups their helpers), nor a record of them, once
+    ``bound`` seconds have passed for the last ones to exit."""
+    deadline = time.monotonic() + bound
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        cgroups = [c for c in runner_cgroups() if c.worker_pid == target.pid and c.runner_id.startswith(f"{iid}-")]
+        held = sorted({pid for c in cgroups for pid in c.cgroup.pids()})
+        records = [pid for pid in pids if (target.runtime_dir / f"runner-{pid}.json").exists()]
+        if not (left or held or cgroups or records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    if left or held:
+        result.broke("orphans", f"processes left after the trial: runners {left}, in their cgroups {held}")
+    elif cgroups:
+        result.problems.append(f"runner cgroups left after the trial: {[str(c.cgroup.path) for c in cgroups]}")
+    if records:
+        result.problems.append(f"runner records left after the trial: {records}")
+
+
+async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
+    """A worker attack: a server of its own, killed (or stopped) by the signal, then everything checked."""
+    result = TrialResult(trial)
+    began = time.monotonic()
+    attack, phase = trial.attack, trial.phase
+    with tempfile.TemporaryDirectory(dir=workdir, prefix=f"worker-{trial.index}-") as tmp:
+        target = await anyio.to_thread.run_sync(Target, Path(tmp))
+        runners: list[int] = target.runners()
+        try:
+            async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+                streams = Streams(client, "warm", trial.tokens)
+                iid = "warm"
+                if phase == "loading":
+                    iid = f"t{trial.index}"
+                    config = _config(trial, iid)
+                    config["options"]["load_steps"] = 50  # a load of 0.5 s: the signal lands in it
+                    await client.post("/v1/instances", json=config)
+                    await _wait_instance(client, iid, lambda i: (i.get("runner") or {}).get("status") == "loading", 10)
+                runners = sorted(set(runners) | set(target.runners()))
+                sig = getattr(signal, attack.worker_signal or "SIGKILL")
+
+                async def strike() -> None:
+                    if phase == "generating":
+                        await streams.first.wait()
+                    await anyio.sleep(trial.delay)
+                    target.signal(sig)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(strike)
+                    if phase == "generating":
+                        await streams.run(trial.streams)
+                allowed = {"complete", "cut"} if sig == signal.SIGKILL else {"complete", "cut", "failed", "cancelled"}
+                _expect_outcomes(result, streams.outcomes, allowed, None)
+                result.outcomes = streams.outcomes
+        finally:
+            code = await anyio.to_thread.run_sync(_wait_exit, target, sig)
+        if sig == signal.SIGTERM and code != 0:
+            result.broke("hung", f"the worker did not stop cleanly on SIGTERM within its bound (exit {code})")
+        deadline = time.monotonic() + GONE_BOUND
+        while (left := [pid for pid in runners if alive(pid)]) and time.monotonic() < deadline:
+            await anyio.sleep(0.005)
+        held = sorted({p for c in runner_cgroups() if c.worker_pid == target.pid for p in c.cgroup.pids()})
+        if left or held:
+            result.broke("orphans", f"the worker's runners outlived it: {left}, in their cgroups {held}")
+        leftovers = await anyio.to_thread.run_sync(_reap, target)
+        if sig == signal.SIGTERM and leftovers:
+            result.problems.append(f"a clean stop left {leftovers}")
+    result.seconds = time.monotonic() - began
+    return result
+
+
+def _wait_exit(target: Target, sig: int) -> int | None:
+    try:
+        return target.proc.wait(target.stop_timeout + 10)
+    except subprocess.TimeoutExpired:
+        target.proc.kill()
+        target.proc.wait()
+        return None
+
+
+def _reap(target: Target) -> list[str]:
+    """After a dead worker: ``tether orphans --reap`` (the public way) clears its records and runner cgroups; what
+    it found is returned (nothing alive may be among it: that was checked above)."""
+    env = dict(os.environ, TETHER_RUNTIME_DIR=str(target.runtime_dir))
+    out = subprocess.run(
+        [sys.executable, "-m", "tether", "orphans", "--reap", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    try:
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [f"tether orphans failed: {out.stderr[-300:]}"]
+    found = [f"orphan {g['pid']}" for g in report.get("orphans", [])]
+    found += [f"record {s['path']}" for s in report.get("stale_records", [])]
+    return found
