@@ -5,12 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import queue
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tether.chaos.target import ServeChild
 from tether.kernel.cgroups import create_child_cgroup, remove_cgroup
 from tether.kernel.pids import alive, live_processes
 from tether.models import DefaultModelMissing, default_model_path
@@ -167,44 +164,13 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 TETHER = [sys.executable, "-m", "tether"]
 
 
-class Server:
-    """A `tether serve` child: its URL once it listens, its stderr lines as they come, a bounded stop."""
+class Server(ServeChild):
+    """A `tether serve` child for tests: with an API key and an HTTP client, and a bounded stop."""
 
     def __init__(self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> None:
-        argv = [*TETHER, "serve", "--port", "0", *args]
-        if api_key:
-            argv += ["--api-key", api_key]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        listening = self.wait_for(r"listening on (http://\S+)", 30)
-        self.url = listening.group(1)
+        super().__init__(*args, *(("--api-key", api_key) if api_key else ()), env=env)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
-
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """The first stderr line (seen or to come) matching ``pattern``; fails after ``timeout`` s."""
-        for line in self.seen:
-            if m := re.search(pattern, line):
-                return m
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            if m := re.search(pattern, line):
-                return m
-        raise AssertionError(
-            f"no line matching {pattern!r} within {timeout} s; stderr so far:\n" + "\n".join(self.seen)
-        )
 
     def wait_ready(self, timeout: float = 60) -> int:
         """Wait for the next 'ready' report; return the runner pid."""
@@ -227,14 +193,6 @@ class Server:
         assert response.status_code == 200, response.text
         data: dict[str, Any] = response.json()
         return data
-
-    def drain(self) -> list[str]:
-        """Every stderr line so far (those not waited for included)."""
-        while True:
-            try:
-                self.seen.append(self.lines.get_nowait())
-            except queue.Empty:
-                return list(self.seen)
 
     def stop(self, timeout: float = 20) -> int:
         if self.proc.poll() is None:

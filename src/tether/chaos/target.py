@@ -17,33 +17,14 @@ from pathlib import Path
 from tether.kernel.pids import alive
 
 
-class Target:
-    """One ``tether serve --engine debug`` child: its URL once it listens, its stderr lines, its pid and fds."""
+class ServeChild:
+    """A ``tether serve`` child: its URL once it listens, its stderr lines as they come (waited for by pattern).
 
-    def __init__(self, workdir: Path, *, stop_timeout: float = 5.0, startup: float = 30.0) -> None:
-        self.workdir = workdir
-        self.runtime_dir = workdir / "runtime"
-        self.log_dir = workdir / "logs"
-        for path in (self.runtime_dir, self.log_dir):
-            path.mkdir(parents=True, exist_ok=True)
-            path.chmod(0o700)
-        env = dict(os.environ, TETHER_RUNTIME_DIR=str(self.runtime_dir), TETHER_LOG_DIR=str(self.log_dir))
-        env.pop("TETHER_DISABLE_ORPHAN_WATCHDOG", None)
-        argv = [
-            sys.executable,
-            "-m",
-            "tether",
-            "serve",
-            "--port",
-            "0",
-            "--engine",
-            "debug",
-            "--name",
-            "warm",
-            "--stop-timeout",
-            str(stop_timeout),
-        ]
-        self.stop_timeout = stop_timeout
+    The one harness for a server in a child process: the campaign's target builds on it, and so do the tests'.
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup: float = 30.0) -> None:
+        argv = [sys.executable, "-m", "tether", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -51,7 +32,6 @@ class Target:
         self.seen: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.url = self.wait_for(r"listening on (http://\S+)", startup).group(1)
-        self.wait_for(r"warm ready \(runner pid", startup)
 
     @property
     def pid(self) -> int:
@@ -63,10 +43,11 @@ class Target:
             self.lines.put(line.rstrip("\n"))
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
+        """The first stderr line (seen or to come) matching ``pattern``; ``AssertionError`` after ``timeout`` s."""
         for line in self.seen:
             if m := re.search(pattern, line):
                 return m
+        deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
                 line = self.lines.get(timeout=left)
@@ -75,8 +56,18 @@ class Target:
             self.seen.append(line)
             if m := re.search(pattern, line):
                 return m
-        tail = "\n".join(self.seen[-20:])
-        raise RuntimeError(f"tether serve (pid {self.pid}) printed no {pattern!r} within {timeout} s:\n{tail}")
+        raise AssertionError(
+            f"tether serve (pid {self.pid}) printed no line matching {pattern!r} within {timeout} s; stderr so far:\n"
+            + "\n".join(self.seen)
+        )
+
+    def drain(self) -> list[str]:
+        """Every stderr line so far (those not waited for included)."""
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return list(self.seen)
 
     def fds(self) -> int | None:
         try:
@@ -108,6 +99,25 @@ class Target:
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
+
+
+class Target(ServeChild):
+    """The campaign's server: ``tether serve --engine debug`` with a warm instance, private runtime and log
+    directories (its records and logs are its own), and a bounded stop."""
+
+    def __init__(self, workdir: Path, *, stop_timeout: float = 5.0, startup: float = 30.0) -> None:
+        self.workdir = workdir
+        self.runtime_dir = workdir / "runtime"
+        self.log_dir = workdir / "logs"
+        for path in (self.runtime_dir, self.log_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
+        env = dict(os.environ, TETHER_RUNTIME_DIR=str(self.runtime_dir), TETHER_LOG_DIR=str(self.log_dir))
+        env.pop("TETHER_DISABLE_ORPHAN_WATCHDOG", None)
+        self.stop_timeout = stop_timeout
+        args = ("--engine", "debug", "--name", "warm", "--stop-timeout", str(stop_timeout))
+        super().__init__(*args, env=env, startup=startup)
+        self.wait_for(r"warm ready \(runner pid", startup)
 
     def stop(self) -> int | None:
         """SIGTERM, and wait for the exit within the stop bound plus a margin; SIGKILL after that."""
