@@ -120,9 +120,13 @@ class Target(ServeChild):
         self.wait_for(r"warm ready \(runner pid", startup)
 
     def stop(self) -> int | None:
-        """SIGTERM, and wait for the exit within the stop bound plus a margin; SIGKILL after that."""
+        """SIGTERM, then :meth:`wait_exit`."""
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
+        return self.wait_exit()
+
+    def wait_exit(self) -> int | None:
+        """The exit status within the stop bound plus a margin; None (after a SIGKILL) when it took longer."""
         try:
             return self.proc.wait(self.stop_timeout + 10)
         except subprocess.TimeoutExpired:

@@ -421,9 +421,11 @@ async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
     result = TrialResult(trial)
     began = time.monotonic()
     attack, phase = trial.attack, trial.phase
+    sig = getattr(signal, attack.worker_signal or "SIGKILL")
     with tempfile.TemporaryDirectory(dir=workdir, prefix=f"worker-{trial.index}-") as tmp:
         target = await anyio.to_thread.run_sync(Target, Path(tmp))
         runners: list[int] = target.runners()
+        struck = False
         try:
             async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
                 streams = Streams(client, "warm", trial.tokens)
@@ -435,12 +437,13 @@ async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
                     await client.post("/v1/instances", json=config)
                     await _wait_instance(client, iid, lambda i: (i.get("runner") or {}).get("status") == "loading", 10)
                 runners = sorted(set(runners) | set(target.runners()))
-                sig = getattr(signal, attack.worker_signal or "SIGKILL")
 
                 async def strike() -> None:
+                    nonlocal struck
                     if phase == "generating":
                         await streams.first.wait()
                     await anyio.sleep(trial.delay)
+                    struck = True
                     target.signal(sig)
 
                 async with anyio.create_task_group() as tg:
@@ -451,7 +454,9 @@ async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
                 _expect_outcomes(result, streams.outcomes, allowed, None)
                 result.outcomes = streams.outcomes
         finally:
-            code = await anyio.to_thread.run_sync(_wait_exit, target, sig)
+            if not struck:  # the trial broke off before its strike: make it now, then wait
+                target.signal(sig)
+            code = await anyio.to_thread.run_sync(target.wait_exit)
         if sig == signal.SIGTERM and code != 0:
             result.broke("hung", f"the worker did not stop cleanly on SIGTERM within its bound (exit {code})")
         deadline = time.monotonic() + GONE_BOUND
@@ -465,15 +470,6 @@ async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
             result.problems.append(f"a clean stop left {leftovers}")
     result.seconds = time.monotonic() - began
     return result
-
-
-def _wait_exit(target: Target, sig: int) -> int | None:
-    try:
-        return target.proc.wait(target.stop_timeout + 10)
-    except subprocess.TimeoutExpired:
-        target.proc.kill()
-        target.proc.wait()
-        return None
 
 
 def _reap(target: Target) -> list[str]:
