@@ -50,6 +50,7 @@ bench: install
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/hang.py
 	$(BIN)/python bench/cancel.py
+	$(BIN)/python bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info
