@@ -78,8 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
         "not fit (use --force), 64 a bad command line, 130 interrupted.",
     )
     run.add_argument("prompt", help="the user message (or raw prompt with --raw)")
-    run.add_argument("--engine", default="llama.cpp", help=engine_help)
-    run.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
@@ -91,37 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"system message for chat models (default {DEFAULT_SYSTEM!r}; '' = the model template's own)",
     )
     run.add_argument("--raw", action="store_true", help="send the prompt as a raw completion, no chat template")
-    run.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
-    run.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
     run.add_argument("--json", action="store_true", help="print every event as one JSON line on stdout")
-    run.add_argument(
-        "--fault",
-        type=parse_fault,
-        action="append",
-        default=[],
-        help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
-    )
-    run.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping the runner (s)")
-    defaults = Deadlines()
-    run.add_argument(
-        "--deadline",
-        type=parse_deadline,
-        action="append",
-        default=[],
-        metavar="NAME=SECONDS",
-        help="how long a phase may go without progress before the runner counts as hung (repeatable); defaults: "
-        + ", ".join(f"{name}={getattr(defaults, name):g}" for name in Deadlines.__struct_fields__),
-    )
-    run.add_argument(
-        "--force",
-        action="store_true",
-        help="load even when the fit check says the model does not fit the memory available",
-    )
-    run.add_argument(
-        "--no-reap",
-        action="store_true",
-        help=f"do not reap runners of dead workers at start (also: {orphans.AUTO_REAP_ENV}=0)",
-    )
+    _add_runner_arguments(run, engine_help)
 
     srv = sub.add_parser(
         "serve",
@@ -133,22 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
-    srv.add_argument("--engine", default="llama.cpp", help=engine_help)
-    srv.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     srv.add_argument("--name", default=None, help="the instance's id and model name (default: the GGUF's stem)")
-    srv.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
-    srv.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
     srv.add_argument("--restart", choices=("on-failure", "never"), default="on-failure", help="restart policy")
     srv.add_argument("--max-queue", type=int, default=16, help="generations in flight before 503 (default 16)")
     srv.add_argument("--max-body", type=parse_size, default="4M", help="request body limit (default 4M)")
     srv.add_argument("--memory-limit", type=parse_size, default=None, help="memory limit of the runner's cgroup")
-    srv.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping a runner (s)")
-    srv.add_argument(
-        "--deadline", type=parse_deadline, action="append", default=[], metavar="NAME=SECONDS", help="hang deadline"
-    )
-    srv.add_argument("--fault", type=parse_fault, action="append", default=[], help="debug engine fault")
-    srv.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
-    srv.add_argument("--no-reap", action="store_true", help="do not reap runners of dead workers at start")
+    _add_runner_arguments(srv, engine_help)
 
     st = sub.add_parser(
         "status",
@@ -187,3 +146,39 @@ def build_parser() -> argparse.ArgumentParser:
     orph.add_argument("--json", action="store_true", help="one JSON object on stdout")
     orph.add_argument("--all", action="store_true", help="also list healthy runners (their worker is alive)")
     return parser
+
+
+def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str) -> None:
+    """What ``run`` and ``serve`` both take: the engine and model, its options, and how its runner is supervised."""
+    command.add_argument("--engine", default="llama.cpp", help=engine_help)
+    command.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    command.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
+    command.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
+    command.add_argument(
+        "--fault",
+        type=parse_fault,
+        action="append",
+        default=[],
+        help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
+    )
+    command.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping a runner (s)")
+    defaults = Deadlines()
+    command.add_argument(
+        "--deadline",
+        type=parse_deadline,
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="how long a phase may go without progress before the runner counts as hung (repeatable); defaults: "
+        + ", ".join(f"{name}={getattr(defaults, name):g}" for name in Deadlines.__struct_fields__),
+    )
+    command.add_argument(
+        "--force",
+        action="store_true",
+        help="load even when the fit check says the model does not fit the memory available",
+    )
+    command.add_argument(
+        "--no-reap",
+        action="store_true",
+        help=f"do not reap runners of dead workers at start (also: {orphans.AUTO_REAP_ENV}=0)",
+    )
