@@ -14,7 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from tether.kernel.pids import alive
+from tether.kernel.pids import live_processes
+from tether.protocol import RunnerArgs
 
 
 class ServeChild:
@@ -85,15 +86,14 @@ class ServeChild:
         return None
 
     def runners(self) -> list[int]:
-        """Live processes whose command line names this server as their worker (its runners), from /proc."""
-        mark = f"--worker={self.pid}".encode()
+        """Live processes whose command line is a runner's naming this server as its worker, from /proc."""
         found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for stat in live_processes():
             with contextlib.suppress(OSError):
-                if mark in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") and alive(int(entry)):
-                    found.append(int(entry))
+                cmdline = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                args = RunnerArgs.from_cmdline(cmdline)
+                if args is not None and args.worker_pid == self.pid:
+                    found.append(stat.pid)
         return found
 
     def signal(self, sig: int) -> None:

@@ -80,7 +80,6 @@ class Streams:
         self.outcomes: list[Outcome] = []
         self.first = anyio.Event()
         self.ids: list[str] = []
-        self.started: list[anyio.Event] = []
 
     async def one(self, *, disconnect: bool = False, on_start: Any = None) -> None:
         body = {"model": self.model, "prompt": "chaos", "max_tokens": self.tokens, "stream": True}

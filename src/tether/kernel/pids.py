@@ -39,7 +39,6 @@ def pin(pid: int, refuse: Callable[[int], str | None]) -> tuple[int | None, str 
     try:
         why = refuse(pid)
     except (ProcessLookupError, FileNotFoundError):  # exited during the check: gone
-        why = None
         os.close(fd)
         return None, None
     if why is not None:

@@ -12,7 +12,6 @@ The estimate comes from the engine registry, so every name of an engine (aliases
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -22,8 +21,6 @@ from tether.errors import DoesNotFit
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
 from tether.protocol import EngineSpec
 from tether.units import format_bytes
-
-log = logging.getLogger("tether.node.fit")
 
 WHAT_TO_DO = "free memory, or pass --force to load anyway"
 
@@ -84,11 +81,10 @@ def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None 
 
 
 def admit(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None) -> FitResult:
-    """:func:`assess`, raising :class:`DoesNotFit` when refused; logs the verdict."""
+    """:func:`assess`, raising :class:`DoesNotFit` when refused."""
     result = assess(spec, override=override, node=node)
     if not result.ok:
         raise DoesNotFit(result)
-    log.info("%s", result.message)
     return result
 
 

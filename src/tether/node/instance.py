@@ -518,8 +518,8 @@ class Instance:
         """
         if self._admitted is not None:  # the first life, checked by the caller a moment ago
             self.fit, self._admitted = self._admitted, None
-            return
-        self.fit = await anyio.to_thread.run_sync(functools.partial(fit.admit, self.spec, override=self.force))
+        else:
+            self.fit = await anyio.to_thread.run_sync(functools.partial(fit.admit, self.spec, override=self.force))
         log.info("instance %s: %s", self.name, self.fit.message)
 
     async def _live(self, sup: Supervisor, life: int) -> Cause:

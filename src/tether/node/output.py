@@ -61,15 +61,13 @@ class RotatingLog:
 
     def _rotate(self) -> None:
         self._file.close()
-        if self.backups > 0:
+        if self.backups > 0:  # without backups the file just starts again
             for i in range(self.backups - 1, 0, -1):
                 older = self.path.with_name(f"{self.path.name}.{i}")
                 if older.exists():
                     os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-            self._file = self.path.open("wb")
-        else:
-            self._file = self.path.open("wb")  # no backups: start the file again
+        self._file = self.path.open("wb")
         self._size = 0
 
     def close(self) -> None:
