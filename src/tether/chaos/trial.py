@@ -29,7 +29,7 @@ import httpx
 
 from tether.chaos.plan import Trial
 from tether.chaos.target import Target
-from tether.kernel.cgroups import runner_cgroups
+from tether.kernel.cgroups import RunnerCgroup, runner_cgroups
 from tether.kernel.pids import alive
 
 REQUEST_BOUND = 20.0  # seconds any request may take, whatever the fault (the hang deadlines are 1-2 s)
@@ -395,16 +395,32 @@ def _expect_instance(
         result.broke("misclassified", f"the instance failed with {got}, not {expect}: {history[0]['cause']['summary']}")
 
 
+def _cgroups_of(worker: int, prefix: str) -> list[RunnerCgroup]:
+    """The runner cgroups of ``worker`` whose runner id starts with ``prefix``."""
+    return [c for c in runner_cgroups() if c.worker_pid == worker and c.runner_id.startswith(prefix)]
+
+
+def _still_there(pids: list[int], worker: int, prefix: str, bound: float) -> tuple[list[int], list[int]]:
+    """(runners of ``pids`` still alive, processes still in their cgroups) once every one is gone or ``bound``
+    seconds have passed: a process may take a moment to exit after its SIGKILL, never longer than that."""
+    deadline = time.monotonic() + bound
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        held = sorted({pid for c in _cgroups_of(worker, prefix) for pid in c.cgroup.pids()})
+        if not (left or held) or time.monotonic() > deadline:
+            return left, held
+        time.sleep(0.01)
+
+
 def _check_gone(result: TrialResult, target: Target, iid: str, pids: list[int], bound: float = GONE_BOUND) -> None:
     """No process of the trial left (its runners, and in their cgroups their helpers), nor a record of them, once
     ``bound`` seconds have passed for the last ones to exit."""
     deadline = time.monotonic() + bound
-    while True:
-        left = [pid for pid in pids if alive(pid)]
-        cgroups = [c for c in runner_cgroups() if c.worker_pid == target.pid and c.runner_id.startswith(f"{iid}-")]
-        held = sorted({pid for c in cgroups for pid in c.cgroup.pids()})
+    left, held = _still_there(pids, target.pid, f"{iid}-", bound)
+    while True:  # then the cgroups themselves and the records, within what is left of the same bound
+        cgroups = _cgroups_of(target.pid, f"{iid}-")
         records = [pid for pid in pids if (target.runtime_dir / f"runner-{pid}.json").exists()]
-        if not (left or held or cgroups or records) or time.monotonic() > deadline:
+        if not (cgroups or records) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
     if left or held:
@@ -458,10 +474,8 @@ async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
             code = await anyio.to_thread.run_sync(target.wait_exit)
         if sig == signal.SIGTERM and code != 0:
             result.broke("hung", f"the worker did not stop cleanly on SIGTERM within its bound (exit {code})")
-        deadline = time.monotonic() + GONE_BOUND
-        while (left := [pid for pid in runners if alive(pid)]) and time.monotonic() < deadline:
-            await anyio.sleep(0.005)
-        held = sorted({p for c in runner_cgroups() if c.worker_pid == target.pid for p in c.cgroup.pids()})
+        # The same bound as every trial's: runners and whatever their cgroups hold, gone within GONE_BOUND.
+        left, held = await anyio.to_thread.run_sync(_still_there, runners, target.pid, "", GONE_BOUND)
         if left or held:
             result.broke("orphans", f"the worker's runners outlived it: {left}, in their cgroups {held}")
         leftovers = await anyio.to_thread.run_sync(_reap, target)
