@@ -8,7 +8,8 @@ Options (``spec.options``):
   load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
   load_step_seconds  delay per load step (default 0.001)
   token_seconds      delay per generated token (default 0)
-  n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError
+  n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError, and a
+                     generation ends ("length") when prompt and output fill it, as a real engine's context does
   helpers            number of helper processes to start at the beginning of load (default 0), like an engine's
                      tokenizer or compile workers; they live until close() and prove a runner's group dies with it
   helper_kind        "exec" (a fresh ``sleep`` program, default), "fork" (a forked copy of the runner that keeps every
@@ -157,9 +158,10 @@ class DebugEngine:
         prompt_tokens = len(text.split())
         words = token_stream(text, params.seed)
         stops = tuple(s for s in params.stop if s)
+        budget = params.max_tokens if self.n_ctx is None else max(1, min(params.max_tokens, self.n_ctx - prompt_tokens))
         produced = ""  # all generated text, including text held back because it may start a stop string
         emitted = 0  # how much of `produced` has been yielded
-        for done in range(params.max_tokens):
+        for done in range(budget):
             if cancelled():
                 yield _cancelled(prompt_tokens, done)
                 return
@@ -171,7 +173,7 @@ class DebugEngine:
                 return
             piece = next(words)
             produced += piece if done == 0 else " " + piece
-            last = done + 1 == params.max_tokens
+            last = done + 1 == budget
             cut = _find_stop(produced, stops, emitted)
             if cut is not None:
                 yield Delta(produced[emitted:cut], 1, "stop", prompt_tokens, done + 1)
