@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -82,3 +83,19 @@ async def test_the_checks_fail_when_an_invariant_breaks(tmp_path: Path) -> None:
             leftover.wait()
     finally:
         await anyio.to_thread.run_sync(target.stop)
+
+
+@pytest.mark.timeout(60)
+def test_a_target_finds_its_runners_in_proc(tmp_path: Path) -> None:
+    """``runners()`` names the server's live runner (the worker trials' orphan check and the benchmarks' leftover
+    counts rest on it: a /proc command line ends with a NUL, which once made it find none), and none after a stop."""
+    target = Target(tmp_path)
+    try:
+        pid = int(target.wait_for(r"warm ready \(runner pid (\d+)", 5).group(1))
+        assert pid in target.runners(), (pid, target.runners())
+    finally:
+        assert target.stop() == 0
+    deadline = time.monotonic() + 5
+    while target.runners() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert target.runners() == []

@@ -90,8 +90,10 @@ class ServeChild:
         found = []
         for stat in live_processes():
             with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-                args = RunnerArgs.from_cmdline(cmdline)
+                raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
+                # Every argument ends with a NUL, the last one too: without dropping it, split() yields a trailing
+                # "" that no runner's arguments parse with (and no runner is ever found).
+                args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0"))
                 if args is not None and args.worker_pid == self.pid:
                     found.append(stat.pid)
         return found
