@@ -39,6 +39,7 @@ from tether.serve.app import create_app
 from tether.serve.fleet import Fleet, InstanceConfig
 
 log = logging.getLogger("tether.serve")
+KEEP_ALIVE_S = 30  # seconds an idle keep-alive connection is kept
 
 
 class _Server(uvicorn.Server):
@@ -51,7 +52,9 @@ class _Server(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP. Without it every
+    # response after the first on a keep-alive connection waits ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -145,6 +148,10 @@ async def serve(args: argparse.Namespace) -> int:
                 access_log=args.verbose > 0,
                 log_level="info" if args.verbose else "warning",
                 timeout_graceful_shutdown=max(1, int(args.stop_timeout / 4)),
+                # Longer than clients keep an idle connection (httpx and so openai-python: 5 s, uvicorn's own default
+                # too): at equal timeouts a client reuses the connection just as the server closes it, and that
+                # request fails with a connection error before the server ever sees it.
+                timeout_keep_alive=KEEP_ALIVE_S,
             )
         )
         stopping: list[float] = []
