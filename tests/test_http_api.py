@@ -163,6 +163,9 @@ def test_a_native_crash_before_the_first_token_is_a_500_with_the_cause_and_its_s
         error = response.json()["error"]
         assert error["code"] == "native_crash" and "SIGSEGV" in error["message"]
         assert any("Segmentation fault" in line for line in error["cause"]["evidence"]), error
+        # The 500 can be out before the instance has taken in its runner's death (then a request meets a 503 that
+        # names the crash): wait for the state the second request is about.
+        wait_until(lambda: server.instance("crashy")["state"] == "failed", 10, "instance crashy failed")
         again = server.http.post(
             "/v1/chat/completions", json={"model": "crashy", "messages": [{"role": "user", "content": "hi"}]}
         )

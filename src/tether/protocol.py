@@ -16,6 +16,13 @@ import msgspec
 
 from tether.errors import InvalidField
 
+
+def documented(**schema: Any) -> msgspec.Meta:
+    """JSON Schema for ``/openapi.json`` only, where a struct's own check enforces it with a message that says why
+    (msgspec's constraint errors would not); the API fuzzer proves the schema and the check agree."""
+    return msgspec.Meta(extra_json_schema=schema)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Faults (debug engine): declared here because they travel inside tasks and engine specs.
 # --------------------------------------------------------------------------------------------------------------
@@ -129,6 +136,8 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # a token count every engine (and the msgpack wire) can carry
+TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's
+SEED_RANGE = (-(1 << 63), 1 << 64)  # [low, high): a 64-bit integer, signed or not (msgpack carries either)
 
 
 class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -149,10 +158,11 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return InvalidField(None, "set exactly one of 'prompt' or 'messages'")
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             return InvalidField("max_tokens", f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
-        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             return InvalidField("seed", f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}")
-        if not 0.0 <= self.temperature <= 2.0:
-            return InvalidField("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+        low, high = TEMPERATURE_RANGE
+        if not low <= self.temperature <= high:
+            return InvalidField("temperature", f"temperature must be in [{low:g}, {high:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             return InvalidField("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         return None

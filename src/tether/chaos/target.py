@@ -24,8 +24,10 @@ class ServeChild:
     The one harness for a server in a child process: the campaign's target builds on it, and so do the tests'.
     """
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, startup: float = 30.0) -> None:
-        argv = [sys.executable, "-m", "tether", "serve", "--port", "0", *args]
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, startup: float = 30.0, verbose: bool = False
+    ) -> None:
+        argv = [sys.executable, "-m", "tether", *(("-v",) if verbose else ()), "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )

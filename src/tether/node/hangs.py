@@ -20,12 +20,13 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
 from tether.errors import InvalidField
 from tether.kernel.pids import proc_stat
-from tether.protocol import Loading, RunnerStatus, Running, WarmingUp, tag_of
+from tether.protocol import Loading, RunnerStatus, Running, WarmingUp, documented, tag_of
 
 STACK_SIGNAL_NAME = "SIGUSR1"  # the runner registers faulthandler on it (``runner.main``)
 # faulthandler's header for each thread: "Thread 0x00007f... (most recent call first):" or "Current thread 0x...".
@@ -36,6 +37,9 @@ STACK_QUIET = 0.1  # seconds without new output after a stack header: the dump (
 STACK_END = re.compile(r'^  File "<frozen runpy>", line \d+ in _run_module_as_main$')
 
 
+Seconds = Annotated[float, documented(exclusiveMinimum=0)]
+
+
 class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How long each phase may go without progress before the runner counts as hung (seconds).
 
@@ -44,13 +48,13 @@ class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     a higher value, and the hang cause names the deadline to raise.
     """
 
-    heartbeat: float = 5.0  # no heartbeat: the interpreter is stopped, deadlocked or stuck holding the GIL
-    load_stall: float = 120.0  # loading with no progress report (reset by each report; there is no total)
-    warmup: float = 300.0  # warm-up, in total (one short generation, plus any kernel compilation)
-    first_token: float = 120.0  # a generation's start to its first token (prefill of the whole prompt)
-    token_gap: float = 30.0  # between two tokens of one generation
-    ack: float = 5.0  # a task or cancel sent to the runner and not acknowledged by its reader thread
-    stacks: float = 1.0  # how long to wait for a hung runner's stacks before killing it
+    heartbeat: Seconds = 5.0  # no heartbeat: the interpreter is stopped, deadlocked or stuck holding the GIL
+    load_stall: Seconds = 120.0  # loading with no progress report (reset by each report; there is no total)
+    warmup: Seconds = 300.0  # warm-up, in total (one short generation, plus any kernel compilation)
+    first_token: Seconds = 120.0  # a generation's start to its first token (prefill of the whole prompt)
+    token_gap: Seconds = 30.0  # between two tokens of one generation
+    ack: Seconds = 5.0  # a task or cancel sent to the runner and not acknowledged by its reader thread
+    stacks: Seconds = 1.0  # how long to wait for a hung runner's stacks before killing it
 
     def __post_init__(self) -> None:
         problem = self.check()

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from types import TracebackType
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
 import anyio
 import msgspec
@@ -48,7 +48,7 @@ from tether.node.memory import process_memory
 from tether.node.spawn import ExitStatus, RunnerProcess
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
-from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, phase_of
+from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, documented, phase_of
 
 log = logging.getLogger("tether.node.instance")
 
@@ -71,13 +71,13 @@ class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     mode: RestartMode = "on-failure"
-    initial_backoff: float = 0.5
-    max_backoff: float = 30.0
-    factor: float = 2.0
-    jitter: float = 0.1
-    healthy_after: float = 60.0
-    crash_loop_failures: int = 5
-    crash_loop_window: float = 300.0
+    initial_backoff: Annotated[float, documented(exclusiveMinimum=0)] = 0.5
+    max_backoff: Annotated[float, documented(exclusiveMinimum=0, description=">= initial_backoff")] = 30.0
+    factor: Annotated[float, documented(minimum=1)] = 2.0
+    jitter: Annotated[float, documented(minimum=0, exclusiveMaximum=1)] = 0.1
+    healthy_after: Annotated[float, documented(minimum=0)] = 60.0
+    crash_loop_failures: Annotated[int, documented(minimum=1)] = 5
+    crash_loop_window: Annotated[float, documented(exclusiveMinimum=0)] = 300.0
     give_up_on: tuple[CauseKind, ...] = (CauseKind.LOAD_ERROR,)
 
     def __post_init__(self) -> None:

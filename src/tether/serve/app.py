@@ -20,13 +20,16 @@ import anyio
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
 from tether.node.instance import InstanceReady
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
-from tether.serve import openai
+from tether.serve import openai, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
 
@@ -36,6 +39,7 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answer without the API key (p
 DEFAULT_MAX_BODY = 4 << 20
 _encode = msgspec.json.Encoder().encode
 _instance_decoder = msgspec.json.Decoder(InstanceConfig)
+_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -361,6 +365,14 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
             extra["cause"] = openai.cause_json(exc.cause)
         return _error(503, str(exc), "server_error", code="unavailable", **extra)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+        """The client left while its body was arriving: nobody to answer, nothing started, nothing to log but that.
+        (Unhandled, it reached uvicorn as an "Exception in ASGI application" traceback.) 499 is nginx's name for it,
+        seen only in the access log."""
+        log.info("%s %s: the client closed the connection before its body arrived", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(BodyTooLarge)
     async def too_large(_: Request, exc: BodyTooLarge) -> Response:
         return _too_large(exc)
@@ -461,6 +473,31 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    document = _encode(schema.openapi(auth=api_key is not None))
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return Response(document, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Starlette's own answers (no such route, a method a route does not take) in OpenAI's error shape."""
+        headers = dict(exc.headers or {})
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}: GET /openapi.json lists the routes"
+        elif exc.status_code == 405:  # Starlette names only the first route of the path: name every method it takes
+            methods: set[str] = set()
+            for route in app.router.routes:
+                if route.matches(request.scope)[0] is Match.PARTIAL:
+                    methods |= getattr(route, "methods", None) or set()
+            headers["Allow"] = ", ".join(sorted(methods - {"HEAD"})) or headers.get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        else:
+            message = str(exc.detail)
+        reply = _error(exc.status_code, message, "invalid_request_error", code=_CODES.get(exc.status_code))
+        reply.headers.update(headers)
+        return reply
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import msgspec
@@ -49,27 +49,28 @@ from tether.node.instance import (
 from tether.node.listeners import Listeners
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
-from tether.protocol import EngineSpec, Fault, GenerateParams
+from tether.protocol import EngineSpec, Fault, GenerateParams, documented
 
 log = logging.getLogger("tether.serve.fleet")
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RECENT_REQUESTS = 10_000
 MAX_QUEUE_LIMIT = 1 << 20
+MIN_MEMORY_LIMIT = 16 << 20  # below this a runner cannot even start Python
 
 
 class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One model instance, as ``POST /v1/instances`` takes it (and ``tether serve`` builds its first one)."""
 
-    id: str | None = None  # default: see ``default_id``
+    id: Annotated[str, documented(pattern=ID_PATTERN.pattern)] | None = None  # default: see ``default_id``
     engine: str = "llama.cpp"
     model: str | None = None  # a GGUF path; None is the built-in default model
     options: dict[str, Any] = msgspec.field(default_factory=dict)  # engine options (n_ctx, n_threads, ...)
     faults: tuple[Fault, ...] = ()  # debug engine only
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
-    memory_limit: int | None = None  # bytes, for the runner's own memory cgroup
-    max_queue: int = 16  # generations in flight (running + waiting) before requests are refused with 503
+    memory_limit: Annotated[int, documented(minimum=MIN_MEMORY_LIMIT, maximum=(1 << 63) - 1)] | None = None  # bytes
+    max_queue: Annotated[int, documented(minimum=1, maximum=MAX_QUEUE_LIMIT)] = 16  # in flight before a 503
     force: bool = False  # load even when the fit check says it does not fit
 
     def check(self) -> InvalidField | None:
@@ -87,13 +88,19 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return exc
         if not 1 <= self.max_queue <= MAX_QUEUE_LIMIT:
             return InvalidField("max_queue", f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}")
-        if self.memory_limit is not None and not (16 << 20) <= self.memory_limit < (1 << 63):
+        if self.memory_limit is not None and not MIN_MEMORY_LIMIT <= self.memory_limit < (1 << 63):
             return InvalidField(
                 "memory_limit",
                 f"memory_limit must be at least 16 MiB (16777216 bytes) and below 2**63 bytes, got {self.memory_limit}",
             )
         if self.faults and engine != "debug":
             return InvalidField("faults", "faults are for the debug engine only")
+        if self.memory_limit is None and any(fault.kind == "oom" for fault in self.faults):
+            return InvalidField(
+                "faults",
+                "an 'oom' fault allocates until the kernel kills the process: without memory_limit that is the whole "
+                "machine's memory (and the OOM killer may pick another process); set memory_limit, e.g. 134217728",
+            )
         return None
 
     def spec(self) -> EngineSpec:

@@ -7,28 +7,42 @@ tools) rather than silently answering something else.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from tether.errors import InvalidField
-from tether.protocol import Cause, ChatMessage, GenerateParams
+from tether.protocol import (
+    MAX_TOKENS_LIMIT,
+    SEED_RANGE,
+    TEMPERATURE_RANGE,
+    Cause,
+    ChatMessage,
+    GenerateParams,
+    documented,
+)
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions; chat templates know "system"
+MAX_STOPS = 4  # OpenAI's limit
+
+
+Tokens = Annotated[int, documented(minimum=1, maximum=MAX_TOKENS_LIMIT)]
+Stops = str | Annotated[list[str], documented(maxItems=MAX_STOPS)]
 
 
 class TextPart(msgspec.Struct):
-    type: str
+    type: Annotated[str, documented(enum=["text"], description="only text parts are supported")]
     text: str | None = None
 
 
 class MessageIn(msgspec.Struct):
-    role: str
+    role: Annotated[str, documented(enum=[*ROLES, *ROLE_ALIASES])]
     content: str | list[TextPart] | None = None
 
 
@@ -36,30 +50,34 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct):
+    type: Annotated[str, documented(enum=["text"], description="structured output is not supported yet")] = "text"
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    max_tokens: Tokens | None = None
+    temperature: Annotated[float, documented(minimum=TEMPERATURE_RANGE[0], maximum=TEMPERATURE_RANGE[1])] = 1.0
+    top_p: Annotated[float, documented(exclusiveMinimum=0, maximum=1)] = 1.0
+    stop: Stops | None = None
+    seed: Annotated[int, documented(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, documented(enum=[1], description="one runner generates one choice per request")] = 1
     user: str | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
-    messages: list[MessageIn]
-    max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    messages: Annotated[list[MessageIn], documented(minItems=1)]
+    max_completion_tokens: Tokens | None = None
+    tools: Annotated[list[Any], documented(maxItems=0, description="tools are not supported yet")] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str]
-    echo: bool = False
-    suffix: str | None = None
+    prompt: str | Annotated[list[str], documented(minItems=1, maxItems=1)]
+    echo: Annotated[bool, documented(enum=[False], description="echo is not supported")] = False
+    suffix: Annotated[str, documented(maxLength=0, description="suffix is not supported")] | None = None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -75,7 +93,15 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str = "requ
     range; nesting deeper than the interpreter's recursion limit surfaces as ``RecursionError``, caught here too.
     """
     try:
-        return decoder.decode(body)
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            if not re.search(r"Expected `int[^`]*`, got `float`", str(exc)):
+                raise
+            # JSON has one number type: 1.0 is the integer 1 (JSON Schema agrees), and clients that compute a
+            # count send it so. Only integral floats become ints; 1.5 for an integer field still fails below.
+            converted: T = msgspec.convert(_integral(msgspec.json.decode(body)), decoder.type)
+            return converted
     except msgspec.ValidationError as exc:  # "Expected `float`, got `str` - at `$.temperature`"
         param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
         raise InvalidField(param, f"invalid {what}: {exc}") from None
@@ -89,6 +115,20 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str = "requ
         ) from None
 
 
+def _integral(value: Any) -> Any:
+    """``value`` (decoded JSON) with every float that holds an integer made an int (iteratively: no depth limit)."""
+    root = [value]
+    stack: list[list[Any] | dict[str, Any]] = [root]
+    while stack:
+        node = stack.pop()
+        for key, item in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(item, float) and item.is_integer():
+                node[key] = int(item)  # type: ignore[index]
+            elif isinstance(item, list | dict):
+                stack.append(item)
+    return root[0]
+
+
 def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | CompletionRequest:
     if kind == "chat":
         return decode_body(_chat_decoder, body)
@@ -99,8 +139,8 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > 4:
-        raise InvalidField("stop", f"stop takes at most 4 sequences, got {len(stops)}")
+    if len(stops) > MAX_STOPS:
+        raise InvalidField("stop", f"stop takes at most {MAX_STOPS} sequences, got {len(stops)}")
     return tuple(stops)
 
 
@@ -126,7 +166,7 @@ def _checked(params: GenerateParams) -> GenerateParams:
 def chat_params(request: ChatRequest) -> GenerateParams:
     if request.tools:
         raise InvalidField("tools", "tools are not supported by this server")
-    if request.response_format and request.response_format.get("type", "text") != "text":
+    if request.response_format is not None and request.response_format.type != "text":
         raise InvalidField("response_format", "response_format other than 'text' is not supported by this server")
     if not request.messages:
         raise InvalidField("messages", "messages must hold at least one message")

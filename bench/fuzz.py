@@ -1,0 +1,438 @@
+"""The API fuzzer: schemathesis against a live ``tether serve``, transport abuse, then a check that it still serves.
+
+1. **Schema fuzzing.** Our own ``tether serve --engine debug --name fuzz --n-ctx 4096`` (private runtime and log
+   dirs). schemathesis loads ``GET /openapi.json`` and, for every operation, generates ``--examples`` schema-valid
+   cases (positive) and as many schema-invalid ones (negative), seeded (``--seed``), without shrinking. Each case is
+   sent with a 30 s timeout and its response checked by schemathesis' own checks (status code, content type, headers
+   and body against the documented schema, SSE events too; invalid data must get a 4xx, valid data must not),
+   except ``positive_data_acceptance`` on ``POST /v1/instances``: whether a config is usable also depends on rules
+   JSON Schema cannot state (``max_backoff >= initial_backoff``) and on the machine (the engines installed, the
+   model file); those answers are documented 400s. A case that creates an instance deletes it again; one that
+   deletes ``fuzz`` puts it back, so every case meets a serving instance.
+
+   Every 5xx is classified: a documented one is a runner-failure 500 carrying a ``cause``, a 503 with code
+   ``unavailable`` (with Retry-After when retrying helps) or a 507 ``does_not_fit``; any other is
+   ``unexpected_5xx`` (a bug). ``nonconforming`` counts responses that break the schema.
+2. **Transport abuse**, each while a healthy streaming request (``/v1/completions``, 8 tokens) is sent and timed to
+   its first token, which must come within ``FIRST_TOKEN_BOUND_S``: ``slowloris`` (``--idle`` connections that send
+   a partial request head, one header line a second), ``half_bodies`` (50 requests declaring 1,000 body bytes and
+   sending 10), ``invalid_http`` (50 connections sending bytes that are no HTTP, each must be answered 400 or
+   closed), ``oversized_headers`` (10 requests with a 1 MiB header, each answered 4xx or closed) and
+   ``never_reading`` (8 streams of 4,000 tokens whose clients read nothing, with a 4 KiB receive buffer).
+   Afterwards every abusive connection is closed and the worker's fd count must come back to where it was.
+3. **Still serving**: a completion succeeds, ``/readyz`` is 200, the worker is the same process, its stderr holds
+   no traceback, and the stop is clean.
+
+The baseline a user would otherwise have is none: no peer server publishes a fuzzing figure. Run:
+``.venv/bin/python bench/fuzz.py --examples 200`` (the published figure) or ``--quick``. The last line printed is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import hypothesis
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.core.failures import Failure, FailureGroup
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchstats import ms, percentile, private_tether_dirs
+from tether.chaos.target import ServeChild
+
+INSTANCE = "fuzz"
+SERVE_ARGS = ("--engine", "debug", "--name", INSTANCE, "--n-ctx", "4096", "--stop-timeout", "5")
+CALL_TIMEOUT = 30.0
+FIRST_TOKEN_BOUND_S = 2.0  # a healthy request's first token, whatever the abuse (idle here: a few ms)
+SAMPLE_LIMIT = 8  # failures kept verbatim in the report
+
+
+@dataclass
+class FuzzReport:
+    examples: int = 0
+    by_mode: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+    documented_5xx: Counter[str] = field(default_factory=Counter)
+    unexpected_5xx: int = 0
+    nonconforming: int = 0
+    transport_errors: int = 0
+    failures: list[str] = field(default_factory=list)
+    operations: int = 0
+    no_negative: int = 0  # operations without anything a negative case could break
+
+    def note(self, problem: str) -> None:
+        if len(self.failures) < SAMPLE_LIMIT:
+            self.failures.append(problem[:600])
+
+
+def classify_5xx(status: int, body: bytes) -> str | None:
+    """What a 5xx documents (``runner_failure``, ``unavailable``, ``does_not_fit``), or None: it is a bug."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if status == 500 and isinstance(error.get("cause"), dict) and error["cause"].get("kind"):
+        return "runner_failure"
+    if status == 503 and error.get("code") == "unavailable":
+        return "unavailable"
+    if status == 507 and error.get("code") == "does_not_fit":
+        return "does_not_fit"
+    return None
+
+
+def fuzz(
+    schema: Any,
+    base_url: str,
+    examples: int,
+    seed: int,
+    *,
+    headers: dict[str, str] | None = None,
+    keep_instance: dict[str, Any] | None = None,
+) -> FuzzReport:
+    """Fuzz every operation of ``schema`` (a schemathesis schema) against ``base_url``: ``examples`` positive and as
+    many negative cases each. ``keep_instance``: an instance config that must exist for the cases (recreated when a
+    case deletes it); instances a case creates are deleted."""
+    fuzzer = Fuzzer(base_url, headers or {}, keep_instance)
+    try:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            fuzzer.report.operations += 1
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                test = settings(
+                    max_examples=examples,
+                    deadline=None,
+                    database=None,
+                    phases=[Phase.explicit, Phase.generate],  # no shrinking: count, do not minimise
+                    suppress_health_check=list(HealthCheck),
+                )(given(case=operation.as_strategy(generation_mode=mode))(fuzzer.check))
+                try:
+                    hypothesis.seed(seed)(test)()
+                except hypothesis.errors.Unsatisfiable:  # nothing to break: a route without parameters or body
+                    fuzzer.report.no_negative += 1
+    finally:
+        fuzzer.http.close()
+    return fuzzer.report
+
+
+class Fuzzer:
+    """Sends each case, classifies and checks its answer, and tidies up after it."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], keep_instance: dict[str, Any] | None) -> None:
+        self.base_url = base_url
+        self.headers = headers
+        self.keep_instance = keep_instance
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=CALL_TIMEOUT)
+        self.report = FuzzReport()
+
+    def check(self, case: Any) -> None:
+        report = self.report
+        label = f"{case.method.upper()} {case.path}"
+        mode = case.meta.generation.mode.value if case.meta is not None else "positive"
+        report.examples += 1
+        report.by_mode[mode] += 1
+        try:
+            response = case.call(base_url=self.base_url, headers=self.headers, timeout=CALL_TIMEOUT)
+        except Exception as exc:  # a connection the server dropped, or a timeout: never expected
+            report.transport_errors += 1
+            report.note(f"{label} ({mode}): {type(exc).__name__}: {exc}")
+            return
+        status, body = response.status_code, response.content
+        report.statuses[status] += 1
+        if status >= 500:
+            kind = classify_5xx(status, body)
+            if kind is None:
+                report.unexpected_5xx += 1
+                report.note(f"{label} ({mode}): unexpected {status}: {body[:300]!r}")
+            else:
+                report.documented_5xx[kind] += 1
+        excluded = [positive_data_acceptance] if label == "POST /v1/instances" else []
+        try:
+            case.validate_response(response, excluded_checks=excluded)
+        except (Failure, FailureGroup) as exc:  # schemathesis raises its failures: one, or a group
+            report.nonconforming += 1
+            report.note(f"{label} ({mode}): {exc}")
+        self.tidy(label, status, body)
+
+    def tidy(self, label: str, status: int, body: bytes) -> None:
+        if label == "POST /v1/instances" and status == 201:
+            self.http.delete(f"/v1/instances/{json.loads(body)['id']}")
+        keep = self.keep_instance
+        if keep is not None and label.startswith("DELETE ") and status == 200 and json.loads(body)["id"] == keep["id"]:
+            restored = self.http.post("/v1/instances", json=keep)
+            assert restored.status_code == 201, restored.text
+            wait_ready(self.http, keep["id"])
+
+
+def wait_ready(http: httpx.Client, instance_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = http.get(f"/v1/instances/{instance_id}")
+        if response.status_code == 200 and response.json()["ready"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"instance {instance_id} not ready within {timeout} s")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Transport abuse
+# --------------------------------------------------------------------------------------------------------------
+
+
+async def healthy_first_token(url: str) -> float:
+    """Seconds from sending a small streaming completion to its first token (it must also end with [DONE])."""
+    body = {"model": INSTANCE, "prompt": "healthy", "max_tokens": 8, "stream": True}
+    started = time.perf_counter()
+    first: float | None = None
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=CALL_TIMEOUT) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200, await response.aread()
+        done = False
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.perf_counter() - started
+            done = done or line == "data: [DONE]"
+    assert first is not None and done, "the healthy stream ended without a token or without [DONE]"
+    return first
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def _open(url: str, rcvbuf: int | None = None) -> anyio.abc.SocketStream:
+    host, port = _address(url)
+    stream = await anyio.connect_tcp(host, port)
+    if rcvbuf is not None:
+        stream.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    return stream
+
+
+async def _answer(stream: anyio.abc.SocketStream, timeout: float = 10.0) -> bytes:
+    """What the server sends back before it closes (or the first 64 KiB); b"" when it just closed."""
+    data = b""
+    with anyio.move_on_after(timeout):
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+            while len(data) < 65536:
+                data += await stream.receive()
+    return data
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+
+
+async def abuse(url: str, kind: str, idle: int) -> dict[str, Any]:
+    """Hold ``kind`` of abuse open while a healthy request is timed; the figures of that abuse."""
+    streams: list[anyio.abc.SocketStream] = []
+    answers: list[bytes] = []
+    figures: dict[str, Any] = {"kind": kind}
+    async with anyio.create_task_group() as tg:
+        try:
+            if kind == "slowloris":
+                for _ in range(idle):
+                    stream = await _open(url)
+                    await stream.send(HEAD)
+                    streams.append(stream)
+
+                async def drip() -> None:
+                    for i in range(60):
+                        for stream in streams:
+                            with contextlib.suppress(anyio.BrokenResourceError, OSError):
+                                await stream.send(f"X-Drip-{i}: 1\r\n".encode())
+                        await anyio.sleep(1)
+
+                tg.start_soon(drip)
+                figures["connections"] = idle
+            elif kind == "half_bodies":
+                for _ in range(50):
+                    stream = await _open(url)
+                    await stream.send(HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"prompt": ')
+                    streams.append(stream)
+                figures["connections"] = 50
+            elif kind == "invalid_http":
+                junk = [b"\x00\xff\xfe GARBAGE \r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"POST /v1/completions\r\n\r\n"]
+                for i in range(50):
+                    stream = await _open(url)
+                    await stream.send(junk[i % len(junk)] + os.urandom(64))
+                    streams.append(stream)
+                answers = [await _answer(s) for s in streams]
+                figures["connections"] = 50
+            elif kind == "oversized_headers":
+                for _ in range(10):
+                    stream = await _open(url)
+                    with contextlib.suppress(anyio.BrokenResourceError, OSError):
+                        await stream.send(HEAD + b"X-Huge: " + b"a" * (1 << 20) + b"\r\nContent-Length: 2\r\n\r\n{}")
+                    streams.append(stream)
+                answers = [await _answer(s) for s in streams]
+                figures["requests"] = 10
+            elif kind == "never_reading":
+                body = json.dumps({"model": INSTANCE, "prompt": "never read", "max_tokens": 4000, "stream": True})
+                for _ in range(8):
+                    stream = await _open(url, rcvbuf=4096)
+                    await stream.send(HEAD + f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+                    streams.append(stream)
+                figures["streams"] = 8
+            first = await healthy_first_token(url)
+            figures["healthy_first_token_ms"] = round(first * 1000, 2)
+            figures["within_bound"] = first <= FIRST_TOKEN_BOUND_S
+            if answers:
+                answered = [a for a in answers if a]
+                statuses = Counter(a.split(b" ", 2)[1].decode(errors="replace") for a in answered if a[:5] == b"HTTP/")
+                figures["answers"] = dict(statuses)
+                figures["closed_without_answer"] = len(answers) - len(answered)
+                figures["bad_answers"] = sum(1 for status in statuses.elements() if not status.startswith("4"))
+        finally:
+            tg.cancel_scope.cancel()
+    for stream in streams:  # outside the cancelled scope, where closing can complete
+        with contextlib.suppress(OSError, anyio.BrokenResourceError):
+            await stream.aclose()
+    return figures
+
+
+async def transport(server: ServeChild, idle: int) -> list[dict[str, Any]]:
+    results = []
+    for kind in ("slowloris", "half_bodies", "invalid_http", "oversized_headers", "never_reading"):
+        before = server.fds()
+        figures = await abuse(server.url, kind, idle)
+        with anyio.move_on_after(10):  # the server closes its ends as it notices: wait for the count, bounded
+            while (server.fds() or 0) > (before or 0):
+                await anyio.sleep(0.05)
+        figures["fds_before"], figures["fds_after"] = before, server.fds()
+        results.append(figures)
+        print(f"  {kind:18} {json.dumps({k: v for k, v in figures.items() if k != 'kind'})}", flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fuzz_server() -> Iterator[ServeChild]:
+    with private_tether_dirs("tether-fuzz-"):
+        server = ServeChild(*SERVE_ARGS)
+        try:
+            server.wait_for(rf"{INSTANCE} ready \(runner pid", 30)
+            yield server
+        finally:
+            if server.proc.poll() is None:
+                server.signal(15)
+            try:
+                server.proc.wait(15)
+            except Exception:
+                server.proc.kill()
+                server.proc.wait()
+
+
+def still_serving(server: ServeChild, pid: int) -> list[str]:
+    """Why the server is not serving normally after the fuzzing (empty: it is)."""
+    problems = []
+    with httpx.Client(base_url=server.url, timeout=CALL_TIMEOUT) as http:
+        ok = http.post("/v1/completions", json={"model": INSTANCE, "prompt": "after", "max_tokens": 4})
+        if ok.status_code != 200:
+            problems.append(f"a plain completion answered {ok.status_code}: {ok.text[:200]}")
+        ready = http.get("/readyz")
+        if ready.status_code != 200:
+            problems.append(f"/readyz answered {ready.status_code}: {ready.text[:200]}")
+    if server.pid != pid or server.proc.poll() is not None:
+        problems.append("the worker is gone")
+    lines = server.drain()
+    tracebacks = [i for i, line in enumerate(lines) if "Traceback" in line]
+    if tracebacks:
+        first = "\n".join(lines[tracebacks[0] : tracebacks[0] + 30])
+        problems.append(f"{len(tracebacks)} tracebacks on the worker's stderr; the first:\n{first}")
+    return problems
+
+
+def run(examples: int, seed: int, idle: int) -> dict[str, Any]:
+    began = time.monotonic()
+    with fuzz_server() as server:
+        pid = server.pid
+        schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+        keep = {"id": INSTANCE, "engine": "debug", "options": {"n_ctx": 4096}}
+        report = fuzz(schema, server.url, examples, seed, keep_instance=keep)
+        fuzz_s = time.monotonic() - began
+        print(
+            f"schema fuzzing: {report.examples} examples over {report.operations} operations in {fuzz_s:.0f} s: "
+            f"{report.unexpected_5xx} unexpected 5xx, {report.nonconforming} nonconforming, statuses "
+            f"{dict(sorted(report.statuses.items()))}"
+        )
+        for failure in report.failures:
+            print(f"  ! {failure}")
+        print("transport abuse (healthy request's first token, answers, fds):")
+        abuses = anyio.run(transport, server, idle)
+        problems = still_serving(server, pid)
+        idle_first = [anyio.run(healthy_first_token, server.url) for _ in range(5)]
+    abused = [a["healthy_first_token_ms"] for a in abuses]
+    return {
+        "bench": "fuzz",
+        "examples": report.examples,
+        "examples_positive": report.by_mode["positive"],
+        "examples_negative": report.by_mode["negative"],
+        "operations": report.operations,
+        "unexpected_5xx": report.unexpected_5xx,
+        "documented_5xx": dict(report.documented_5xx),
+        "nonconforming": report.nonconforming,
+        "transport_errors": report.transport_errors,
+        "statuses": {str(k): v for k, v in sorted(report.statuses.items())},
+        "failures": report.failures,
+        "seed": seed,
+        "fuzz_s": round(fuzz_s, 1),
+        "transport": abuses,
+        "first_token_bound_ms": FIRST_TOKEN_BOUND_S * 1000,
+        "healthy_first_token_max_ms": max(abused),
+        "healthy_first_token_idle_p50_ms": ms(percentile(idle_first, 50) * 1000),
+        "abuse_within_bound": all(a["within_bound"] for a in abuses),
+        "abuse_bad_answers": sum(a.get("bad_answers", 0) for a in abuses),
+        "leaked_fds": sum(max(0, (a["fds_after"] or 0) - (a["fds_before"] or 0)) for a in abuses),
+        "serving_after": not problems,
+        "problems": problems,
+        "wall_s": round(time.monotonic() - began, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=200, help="cases per operation and mode (default 200)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle", type=int, default=1000, help="slowloris connections (default 1000)")
+    parser.add_argument("--quick", action="store_true", help="10 cases per operation and mode, 200 idle connections")
+    args = parser.parse_args(argv)
+    examples, idle = (10, 200) if args.quick else (args.examples, args.idle)
+    result = run(examples, args.seed, idle)
+    result["quick"] = args.quick
+    clean = (
+        result["unexpected_5xx"] == 0
+        and result["nonconforming"] == 0
+        and result["transport_errors"] == 0
+        and result["abuse_within_bound"]
+        and result["abuse_bad_answers"] == 0
+        and result["leaked_fds"] == 0
+        and result["serving_after"]
+    )
+    result["clean"] = clean
+    print(json.dumps(result))
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
