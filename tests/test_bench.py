@@ -106,3 +106,35 @@ def test_serve_bench_quick_run_prints_its_json_line() -> None:
     assert result["quick"] is True and result["error"] is None, result
     assert result["errors"] == 0 and result["leftover_processes"] == 0, result
     assert result["tokens_per_s_ratio"] > 0 and result["ttft_added_ms"] is not None
+
+
+@pytest.mark.timeout(150)
+def test_load_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("load", timeout=140)
+    assert result["quick"] is True and result["error"] is None and result["ok"] is True, result
+    assert result["lost_requests"] == 0 and result["failed_requests"] == 0, result
+    assert result["completed"] == result["requests"] > 0, result
+    # at 256 clients the queue of 128 fills: refused with Retry-After, retried until complete
+    assert result["rejected_503"] > 0 and result["rejected_without_retry_after"] == 0, result
+    assert result["leftover_processes"] == 0, result
+    for c in (64, 256):
+        for side in ("tether", "baseline"):
+            assert result[f"c{c}_{side}_tokens_per_s"] > 0, (c, side, result)
+            assert result[f"c{c}_{side}_request_ttft_p99_ms"] > 0, (c, side, result)
+        assert result[f"c{c}_tokens_per_s_ratio"] > 0 and result[f"c{c}_ttft_p99_ratio"] > 0, result
+    if result["model_skipped"] is None:
+        assert result["model_errors"] == 0 and result["model_leftover_processes"] == 0, result
+        assert result["model_c8_tokens_per_s_ratio"] > 0 and result["model_c8_tether_ttft_p50_ms"] > 0, result
+
+
+@pytest.mark.timeout(120)
+def test_soak_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("soak", timeout=110)
+    assert result["quick"] is True and result["ok"] is True and result["minutes"] == 0.5, result
+    for key in ("lost_requests", "hung", "misclassified", "rejected_without_retry_after", "leftover_runners"):
+        assert result[key] == 0, (key, result)
+    assert set(result["faults"]) == {"SIGKILL", "SIGSEGV", "SIGABRT", "SIGSTOP", "disconnect", "cancel_storm"}, result
+    assert result["restarts"] == result["runner_faults"] >= 4, result
+    assert result["completed"] > 0 and len(result["windows"]) == 3, result
+    assert result["p99_ms_first_window"] > 0 and result["p99_ms_last_window"] > 0, result
+    assert result["rss_start_mib"] > 0 and result["fds_start"] > 0 and result["samples"] >= 10, result

@@ -1,0 +1,582 @@
+"""Soak benchmark: steady streaming load on a debug instance with a fault every few seconds for M minutes.
+
+The server: ``tether serve --engine debug`` (``load.DebugServer``: private runtime and log directories, a bounded
+stop) with one instance, ``soak``: the debug engine (``token_seconds`` 0.002, so a 32-token answer takes ~64 ms),
+``max_queue`` 64, restart ``on-failure`` with a 0.05 s initial backoff doubling to at most 0.5 s, no jitter and a
+crash-loop limit it never reaches (100,000 failures), and tight hang deadlines (``tether.chaos.trial.DEADLINES``:
+heartbeat 1.5 s, token gap 1.5 s, ...) so a stopped runner is found within seconds.
+
+Load: ``CLIENTS`` = 8 closed-loop streaming clients (``POST /v1/chat/completions``, ``max_tokens`` 32, ``stream:
+true``, one ``httpx.AsyncClient``; a connection idle 2 s is not reused, as in ``bench/load.py``), each sending its
+next request as soon as the last one ended, after the ``Retry-After`` seconds of a ``503``. Every
+``--fault-interval`` seconds (default 5) one fault, in turn: ``SIGKILL``, ``SIGSEGV``, ``SIGABRT``, ``SIGSTOP`` sent
+to the instance's current runner (``runner.pid`` of ``GET /v1/instances/soak``, read once it is ready), a client
+that disconnects after its first token (a ninth stream), and a cancel storm (``POST /v1/requests/<id>/cancel`` twice
+for every request streaming at that moment, ids from their ``X-Request-Id``, sent once a stream's first token is
+out), then twice for every request that starts streaming within the next second. After a signal the benchmark
+re-reads the instance every 50 ms until it is ready with a new runner: ``recovery_ms`` (signal sent -> ready again,
+the restart backoff included). The next fault waits for that (so faults never overlap); the fault schedule is
+otherwise fixed (fault k at k x the interval).
+
+Every request must end, within ``HUNG_BOUND`` (20 s), with an outcome its fault allows: complete (``data:
+[DONE]``); failed with the cause code the last runner fault implies (``FAULTS``: SIGKILL -> ``signal``, SIGSEGV and
+SIGABRT -> ``native_crash``, SIGSTOP -> ``hang``); cancelled, for a request the cancel storm named; ``503`` with
+``Retry-After`` (the instance restarting); disconnected (the ninth stream, by design). Otherwise it counts as
+``lost`` (a stream that ends with neither ``[DONE]`` nor an error event, a transport error), ``hung`` (no end
+within the bound), ``misclassified`` (any other failure or code) or ``rejected_without_retry_after``; each must be
+0. ``restarts`` (the instance's count at the end) must equal the runner faults made, the instance must be ready at
+the end, and after SIGTERM the server must exit 0 with no runner left (``ServeChild.runners()``, re-read for 5 s:
+``leftover_runners``).
+
+Resources: every ``SAMPLE_INTERVAL`` (2 s) the worker's (the ``tether serve`` process) RSS (``VmRSS``, MiB) and
+open fds (``/proc/PID/fd``; the benchmark holds at most 10 connections to it: 8 clients, the disconnecting stream,
+one admin connection), and the runner processes alive (``max_runner_processes``: a runner and its lifeline guard
+are 2). Slopes by least squares (``statistics.linear_regression``) over the samples after the first window
+(warm-up), in MiB/hour and fds/hour; ``rss_start_mib``/``fds_start`` are the first of those samples, ``*_end`` the
+last (``*_initial``: the very first, before the clients connected). Flat means ~0; a short run extrapolates a few
+MiB of allocator warm-up to a steep hourly figure (the published figure is ``--minutes 30``).
+
+Windows: ``window_s`` = min(300 s, M/3), so at least three windows; an outcome belongs to the window in which it
+ended (those ending after the last window, while the load drains, to the last). Per window: outcomes, faults, and
+p50/p99 of the completed requests' end-to-end latency (send -> ``[DONE]``; ``statistics.quantiles(n=100,
+method="inclusive")``, ``benchstats.percentile``). The control: ``p99_ratio_last_first`` (p99 of the last window /
+p99 of the first) should be ~1, like the slopes ~0.
+
+Baseline: none. No server a user would pick instead survives these faults: llama_cpp.server runs its model in its
+own process, so killing the process that generates kills the server, and every client with it (a supervisor such
+as systemd would restart it, after every connection was cut).
+
+Run: ``.venv/bin/python bench/soak.py [--minutes M] [--fault-interval S] [--quick]`` (default 30 min, 5 s;
+``--quick``: 0.5 min, a fault every 4 s, so each kind at least once). The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from anyio.abc import TaskGroup
+
+from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from load import Attempt, DebugServer, ServerFailed, attempt, chat_body, pool, print_rows, retry_delay, rounded
+from serve import PROMPTS
+from tether.chaos.trial import DEADLINES
+
+INSTANCE = "soak"
+CLIENTS = 8
+MAX_TOKENS = 32
+OPTIONS = {"token_seconds": 0.002, "load_steps": 1, "load_step_seconds": 0.0}
+RESTART = {
+    "mode": "on-failure",
+    "initial_backoff": 0.05,
+    "max_backoff": 0.5,
+    "jitter": 0.0,
+    "crash_loop_failures": 100_000,
+}
+MAX_QUEUE = 64
+FAULT_INTERVAL = 5.0
+FAULTS: dict[str, str | None] = {  # fault -> the cause code its failed requests carry (None: not a runner fault)
+    "SIGKILL": "signal",
+    "SIGSEGV": "native_crash",
+    "SIGABRT": "native_crash",
+    "SIGSTOP": "hang",
+    "disconnect": None,
+    "cancel_storm": None,
+}
+HUNG_BOUND = 20.0  # seconds any request may take, whatever the fault
+STATE_BOUND = 20.0  # seconds for the instance to be ready again after a fault
+SAMPLE_INTERVAL = 2.0
+MAX_WINDOW = 300.0
+QUICK_MINUTES = 0.5
+QUICK_FAULT_INTERVAL = 4.0  # 7 faults in 30 s: each kind at least once
+POLL = 0.05
+STORM_SECONDS = 1.0  # a cancel storm cancels every request that starts streaming within this
+BASELINE = (
+    "none: no server a user would pick instead survives these faults (llama_cpp.server generates in its own "
+    "process: killing it kills the server and cuts every client)"
+)
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # perf_counter() when it was made
+    pid: int | None = None
+    recovered_s: float | None = None  # signal -> ready again with a new runner
+    targets: int = 0  # cancel storm: the requests it cancelled
+    replies: Counter[str] = field(default_factory=Counter)  # cancel storm: the outcomes its cancels were told
+    detail: str = ""
+
+    @property
+    def expected(self) -> str | None:
+        return FAULTS[self.kind]
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the start
+    rss_mib: float | None
+    fds: int | None
+    runners: int
+
+
+@dataclass
+class Ended:
+    """One request and what the benchmark made of it ("" = an outcome its fault allows)."""
+
+    attempt: Attempt
+    client: int  # -1: the disconnect fault's stream
+    verdict: str = ""
+
+
+class Soak:
+    """The run: its load, its faults and its samples, and every request's end."""
+
+    def __init__(self, server: DebugServer, duration: float, interval: float) -> None:
+        self.server = server
+        self.duration = duration
+        self.interval = interval
+        self.began = time.perf_counter()
+        self.ended: list[Ended] = []
+        self.faults: list[Fault] = []
+        self.samples: list[Sample] = []
+        self.active: dict[str, int] = {}  # request id -> client, while it streams
+        self.cancelled: set[str] = set()  # request ids a cancel storm named
+        self.storm: Fault | None = None  # the cancel storm blowing now
+        self.stopping = False
+        self._load: httpx.AsyncClient | None = None
+        self._admin: httpx.AsyncClient | None = None
+        self._tg: TaskGroup | None = None
+
+    @property
+    def load(self) -> httpx.AsyncClient:
+        assert self._load is not None
+        return self._load
+
+    @property
+    def admin(self) -> httpx.AsyncClient:
+        assert self._admin is not None
+        return self._admin
+
+    @property
+    def tg(self) -> TaskGroup:
+        assert self._tg is not None
+        return self._tg
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    # --- load ---------------------------------------------------------------------------------------------------
+
+    async def one(self, i: int, k: int, *, disconnect: bool = False) -> Attempt:
+        """Request ``k`` of client ``i``, bounded by ``HUNG_BOUND``."""
+        body = chat_body(PROMPTS[(i + k) % len(PROMPTS)], MAX_TOKENS, INSTANCE)
+        ids: list[str] = []
+
+        def started(request_id: str) -> None:
+            ids.append(request_id)
+            self.active[request_id] = i
+            if self.storm is not None and time.perf_counter() < self.storm.at + STORM_SECONDS:
+                self.tg.start_soon(self.cancel, self.storm, request_id)
+
+        sent = time.perf_counter()
+        try:
+            with anyio.fail_after(HUNG_BOUND):
+                got = await attempt(self.load, body, on_start=started, disconnect=disconnect)
+        except TimeoutError:
+            got = Attempt("hung", sent, time.perf_counter(), detail=f"no end within {HUNG_BOUND:g} s")
+            got.request_id = ids[0] if ids else None
+        for request_id in ids:
+            self.active.pop(request_id, None)
+        self.ended.append(Ended(got, i))
+        return got
+
+    async def client_loop(self, i: int) -> None:
+        k = rejections = 0
+        while not self.stopping:
+            got = await self.one(i, k)
+            k += 1
+            if got.kind == "rejected":
+                rejections += 1
+                await anyio.sleep(retry_delay(got, rejections))
+            else:
+                rejections = 0
+
+    # --- faults -------------------------------------------------------------------------------------------------
+
+    async def instance(self) -> dict[str, Any] | None:
+        response = await self.admin.get(f"/v1/instances/{INSTANCE}")
+        return response.json() if response.status_code == 200 else None
+
+    async def ready_runner(self, other_than: int | None = None) -> int | None:
+        """The pid of the instance's runner once it is ready (and not ``other_than``); None after the bound."""
+        with anyio.move_on_after(STATE_BOUND):
+            while True:
+                inst = await self.instance()
+                pid = ((inst or {}).get("runner") or {}).get("pid")
+                if inst is not None and inst["ready"] and isinstance(pid, int) and pid != other_than:
+                    return pid
+                await anyio.sleep(POLL)
+        return None
+
+    async def cancel(self, storm: Fault, request_id: str) -> None:
+        """Cancel a request twice (the duplicate must be harmless), counting the replies' outcomes."""
+        self.cancelled.add(request_id)
+        storm.targets += 1
+        for _ in range(2):
+            reply = await self.admin.post(f"/v1/requests/{request_id}/cancel")
+            storm.replies[str(reply.json().get("outcome")) if reply.status_code == 200 else str(reply.status_code)] += 1
+
+    async def strike(self, kind: str) -> Fault:
+        fault = Fault(kind, time.perf_counter())
+        if kind == "disconnect":
+            self.tg.start_soon(functools.partial(self.one, -1, len(self.faults), disconnect=True))
+            return fault
+        if kind == "cancel_storm":  # what streams now, and every request that starts streaming in the next second
+            self.storm = fault
+            for request_id in list(self.active):
+                self.tg.start_soon(self.cancel, fault, request_id)
+            return fault
+        fault.pid = await self.ready_runner()
+        fault.at = time.perf_counter()
+        if fault.pid is None:
+            fault.detail = f"the instance was not ready within {STATE_BOUND:g} s: no signal sent"
+            return fault
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(fault.pid, getattr(signal, kind))
+        if await self.ready_runner(other_than=fault.pid) is not None:
+            fault.recovered_s = time.perf_counter() - fault.at
+        else:
+            fault.detail = f"not ready again with a new runner within {STATE_BOUND:g} s"
+        return fault
+
+    async def fault_loop(self) -> None:
+        kinds = list(FAULTS)
+        k = 1
+        while (when := k * self.interval) < self.duration:
+            await anyio.sleep(max(0.0, when - self.elapsed()))
+            self.faults.append(await self.strike(kinds[(k - 1) % len(kinds)]))
+            k += 1
+
+    # --- resources ----------------------------------------------------------------------------------------------
+
+    async def sample_loop(self) -> None:
+        k = 0
+        while True:
+            rss = self.server.rss()
+            runners = await anyio.to_thread.run_sync(self.server.runners)
+            self.samples.append(
+                Sample(self.elapsed(), rss / (1 << 20) if rss is not None else None, self.server.fds(), len(runners))
+            )
+            k += 1
+            await anyio.sleep(max(0.0, k * SAMPLE_INTERVAL - self.elapsed()))
+
+    async def run(self) -> dict[str, Any] | None:
+        """The load, the faults and the sampling for ``duration`` s, then the load drains; the instance at the end
+        (None when it is not ready again within ``STATE_BOUND``)."""
+        limits = pool(CLIENTS + 4)
+        timeout = httpx.Timeout(HUNG_BOUND)
+        async with (
+            httpx.AsyncClient(base_url=self.server.url, timeout=timeout, limits=limits) as self._load,
+            # one admin connection: the worker's fd count must not move with how many cancels run at once
+            httpx.AsyncClient(base_url=self.server.url, timeout=timeout, limits=pool(1)) as self._admin,
+        ):
+            self.began = time.perf_counter()
+            async with anyio.create_task_group() as outer:
+                outer.start_soon(self.sample_loop)
+                async with anyio.create_task_group() as self._tg:
+                    for i in range(CLIENTS):
+                        self.tg.start_soon(self.client_loop, i)
+                    self.tg.start_soon(self.fault_loop)
+                    await anyio.sleep(self.duration)
+                    self.stopping = True  # the clients end their current request, then stop
+                outer.cancel_scope.cancel()
+            final = await self.ready_runner()
+            return await self.instance() if final is not None else None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------------------------------------------
+
+
+def judge(soak: Soak) -> None:
+    """Set each request's verdict: "" when its fault allows its outcome, else the problem in words."""
+    runner_faults = sorted((f for f in soak.faults if f.expected is not None and f.pid is not None), key=lambda f: f.at)
+    for e in soak.ended:
+        a = e.attempt
+        if a.kind in ("complete", "disconnected"):
+            continue
+        if a.kind == "rejected":
+            if a.retry_after is None:
+                e.verdict = "rejected_without_retry_after"
+            continue
+        if a.kind == "cancelled":
+            if a.request_id not in soak.cancelled:
+                e.verdict = "misclassified"
+            continue
+        if a.kind == "failed":
+            last = [f for f in runner_faults if f.at <= a.ended]
+            if not last or last[-1].expected != a.code:
+                e.verdict = "misclassified"
+            continue
+        e.verdict = a.kind if a.kind in ("lost", "hung") else "misclassified"
+
+
+def slope_per_hour(samples: list[Sample], attr: str, since: float) -> float | None:
+    points = [(s.t / 3600.0, float(v)) for s in samples if s.t >= since and (v := getattr(s, attr)) is not None]
+    if len(points) < 3:
+        return None
+    xs, ys = zip(*points, strict=True)
+    if len(set(xs)) < 2:
+        return None
+    return round(float(statistics.linear_regression(xs, ys).slope), 2)
+
+
+def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
+    n = max(1, round(soak.duration / window_s))
+    out = []
+    for w in range(n):
+        lo, hi = w * window_s, (w + 1) * window_s
+
+        def inside(t: float, w: int = w, lo: float = lo, hi: float = hi) -> bool:
+            return lo <= t < hi or (w == n - 1 and t >= hi)
+
+        ended = [e for e in soak.ended if inside(e.attempt.ended - soak.began)]
+        e2e = [e.attempt.e2e * 1000.0 for e in ended if e.attempt.kind == "complete"]
+        out.append(
+            {
+                "from_s": round(lo, 1),
+                "to_s": round(hi, 1),
+                "requests": len(ended),
+                "completed": len(e2e),
+                "outcomes": dict(sorted(Counter(e.attempt.kind for e in ended).items())),
+                "problems": sum(1 for e in ended if e.verdict),
+                "faults": dict(Counter(f.kind for f in soak.faults if inside(f.at - soak.began))),
+                "p50_ms": ms(percentile(e2e, 50)),
+                "p99_ms": ms(percentile(e2e, 99)),
+            }
+        )
+    return out
+
+
+def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, window_s: float) -> dict[str, Any]:
+    judge(soak)
+    verdicts = Counter(e.verdict for e in soak.ended if e.verdict)
+    outcomes = Counter(e.attempt.kind for e in soak.ended)
+    wins = windows(soak, window_s)
+    samples = soak.samples
+    warm = [s for s in samples if s.t >= window_s] or samples
+    runner_faults = [f for f in soak.faults if f.expected is not None]
+    struck = [f for f in runner_faults if f.pid is not None]
+    recovery = {
+        kind: [f.recovered_s * 1000.0 for f in struck if f.kind == kind and f.recovered_s is not None]
+        for kind in FAULTS
+        if FAULTS[kind] is not None
+    }
+    all_recovery = [v for values in recovery.values() for v in values]
+    e2e = [e.attempt.e2e * 1000.0 for e in soak.ended if e.attempt.kind == "complete"]
+    first, last = wins[0]["p99_ms"], wins[-1]["p99_ms"]
+    rss = [s.rss_mib for s in samples if s.rss_mib is not None]
+    fds = [s.fds for s in samples if s.fds is not None]
+    warm_rss = [s.rss_mib for s in warm if s.rss_mib is not None]
+    warm_fds = [s.fds for s in warm if s.fds is not None]
+    return {
+        "bench": "soak",
+        "quick": bool(args.quick),
+        "ok": False,  # set by the caller
+        "minutes": args.minutes,
+        "window_s": round(window_s, 1),
+        "fault_interval_s": soak.interval,
+        "clients": CLIENTS,
+        "requests": len(soak.ended),
+        "completed": outcomes["complete"],
+        "outcomes": dict(sorted(outcomes.items())),
+        "faults": dict(Counter(f.kind for f in soak.faults)),
+        "faults_total": len(soak.faults),
+        "runner_faults": len(struck),
+        "faults_not_made": sum(1 for f in runner_faults if f.pid is None),
+        "restarts": final.get("restarts") if final is not None else None,
+        "final_state": final.get("state") if final is not None else None,
+        "cancel_storm_targets": sum(f.targets for f in soak.faults if f.kind == "cancel_storm"),
+        "cancel_replies": dict(sum((f.replies for f in soak.faults), Counter[str]())),
+        "lost_requests": verdicts["lost"],
+        "hung": verdicts["hung"],
+        "misclassified": verdicts["misclassified"],
+        "rejected_503": outcomes["rejected"],
+        "rejected_without_retry_after": verdicts["rejected_without_retry_after"],
+        "p50_ms": ms(percentile(e2e, 50)),
+        "p99_ms": ms(percentile(e2e, 99)),
+        "p99_ms_first_window": first,
+        "p99_ms_last_window": last,
+        "p99_ratio_last_first": round(last / first, 3) if first and last else None,
+        "recovery_ms_p50": ms(percentile(all_recovery, 50)),
+        "recovery_ms_p99": ms(percentile(all_recovery, 99)),
+        "recovery_ms_p50_by_fault": {k: ms(percentile(v, 50)) for k, v in recovery.items()},
+        "rss_slope_mib_per_h": slope_per_hour(samples, "rss_mib", window_s),
+        "fd_slope_per_h": slope_per_hour(samples, "fds", window_s),
+        "rss_initial_mib": rounded(rss[0], 1) if rss else None,
+        "rss_start_mib": rounded(warm_rss[0], 1) if warm_rss else None,
+        "rss_end_mib": rounded(warm_rss[-1], 1) if warm_rss else None,
+        "fds_initial": fds[0] if fds else None,
+        "fds_start": warm_fds[0] if warm_fds else None,
+        "fds_end": warm_fds[-1] if warm_fds else None,
+        "samples": len(samples),
+        "max_runner_processes": max((s.runners for s in samples), default=None),
+        "windows": wins,
+        "baseline": BASELINE,
+        "percentile": PERCENTILE,
+    }
+
+
+def problems(result: dict[str, Any], soak: Soak) -> list[str]:
+    found = [f"the run broke off: {result['error']}"] if result.get("error") else []
+    for key in ("lost_requests", "hung", "misclassified", "rejected_without_retry_after", "faults_not_made"):
+        if result[key]:
+            found.append(f"{key}: {result[key]}")
+    if result["restarts"] != result["runner_faults"]:
+        found.append(f"{result['restarts']} restarts after {result['runner_faults']} runner faults")
+    if result["final_state"] != "ready":
+        found.append(f"the instance ended {result['final_state']}, not ready")
+    if result.get("leftover_runners"):
+        found.append(f"{result['leftover_runners']} runner(s) left after the server stopped")
+    if result.get("server_exit") != 0:
+        found.append(
+            f"the server exited with {result.get('server_exit')} on SIGTERM (forced: {result.get('forced_kill')})"
+        )
+    found += [
+        f"fault {f.kind} at {f.at - soak.began:.1f} s: {f.detail}" for f in soak.faults if f.pid is None and f.expected
+    ]
+    for e in soak.ended:
+        if e.verdict:
+            a = e.attempt
+            found.append(
+                f"  {e.verdict}: client {e.client} at {a.ended - soak.began:.1f} s: {a.kind} {a.status} {a.code}: "
+                f"{a.detail[:160]}"
+            )
+    return found[:40]
+
+
+def print_tables(result: dict[str, Any], soak: Soak) -> None:
+    kinds = ("complete", "failed", "cancelled", "rejected", "disconnected", "lost", "hung")
+    headers = ("window s", "reqs", *kinds, "problems", "faults", "p50 ms", "p99 ms")
+    rows = []
+    for w in result["windows"]:
+        rows.append(
+            (
+                f"{w['from_s']:g}-{w['to_s']:g}",
+                str(w["requests"]),
+                *(str(w["outcomes"].get(k, 0)) for k in kinds),
+                str(w["problems"]),
+                " ".join(f"{k}:{n}" for k, n in w["faults"].items()) or "-",
+                fmt(w["p50_ms"] if w["p50_ms"] is not None else float("nan")),
+                fmt(w["p99_ms"] if w["p99_ms"] is not None else float("nan")),
+            )
+        )
+    print_rows(headers, rows, left=1)
+    frows = []
+    for kind, code in FAULTS.items():
+        made = [f for f in soak.faults if f.kind == kind]
+        rec = [f.recovered_s * 1000.0 for f in made if f.recovered_s is not None]
+        failed = sum(
+            1 for e in soak.ended if e.attempt.kind == "failed" and code is not None and e.attempt.code == code
+        )
+        replies = sum((f.replies for f in made), Counter[str]())
+        told = ", ".join(f"{n} {outcome}" for outcome, n in sorted(replies.items()))
+        extra = f"{sum(f.targets for f in made)} requests cancelled; replies: {told}" if kind == "cancel_storm" else ""
+        frows.append(
+            (
+                kind,
+                str(len(made)),
+                code or "-",
+                str(failed) if code else "-",
+                fmt(percentile(rec, 50)),
+                fmt(percentile(rec, 99)),
+                extra,
+            )
+        )
+    print_rows(("fault", "made", "cause code", "requests failed with it", "recovery p50 ms", "p99", ""), frows, left=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long (default 30, the published figure)")
+    parser.add_argument("--fault-interval", type=float, default=FAULT_INTERVAL, help="seconds between faults (5)")
+    parser.add_argument("--quick", action="store_true", help="0.5 min, a fault every 4 s (CI)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.minutes, args.fault_interval = QUICK_MINUTES, QUICK_FAULT_INTERVAL
+    if args.minutes <= 0 or args.fault_interval <= 0:
+        parser.error("--minutes and --fault-interval must be positive")
+    duration = args.minutes * 60.0
+    window_s = min(MAX_WINDOW, duration / 3)
+    config = {
+        "id": INSTANCE,
+        "engine": "debug",
+        "options": OPTIONS,
+        "restart": RESTART,
+        "deadlines": DEADLINES,
+        "max_queue": MAX_QUEUE,
+    }
+    began = time.monotonic()
+    with private_tether_dirs("tether-bench-soak-"):
+        try:
+            server = DebugServer(config)
+        except (ServerFailed, AssertionError) as exc:
+            print(f"FAILURE: {exc}")
+            print(json.dumps({"bench": "soak", "quick": bool(args.quick), "ok": False, "error": str(exc)[:500]}))
+            return 1
+        soak = Soak(server, duration, args.fault_interval)
+        final: dict[str, Any] | None = None
+        error = None
+        try:
+            final = anyio.run(soak.run)
+        except Exception as exc:  # the API itself failed (an admin call, a reply that is no JSON): say so, in JSON
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            server.stop()
+    result = figures(soak, final, args, window_s)
+    result.update(
+        {
+            "error": error,
+            "leftover_runners": server.leftover,
+            "server_exit": server.proc.returncode,
+            "forced_kill": server.forced,
+            "wall_s": round(time.monotonic() - began, 1),
+        }
+    )
+    found = problems(result, soak)
+    result["ok"] = not found
+    print(
+        f"soak: {args.minutes:g} min, {CLIENTS} streaming clients, a fault every {args.fault_interval:g} s "
+        f"({', '.join(FAULTS)}), windows of {window_s:g} s{' (quick)' if args.quick else ''}"
+    )
+    print_tables(result, soak)
+    print(
+        f"{result['requests']} requests ({result['completed']} completed), {result['faults_total']} faults, "
+        f"{result['restarts']} restarts; lost {result['lost_requests']}, hung {result['hung']}, misclassified "
+        f"{result['misclassified']}; worker RSS {result['rss_start_mib']} -> {result['rss_end_mib']} MiB (slope "
+        f"{result['rss_slope_mib_per_h']} MiB/h), fds {result['fds_start']} -> {result['fds_end']} (slope "
+        f"{result['fd_slope_per_h']}/h); p99 first/last window {result['p99_ms_first_window']} / "
+        f"{result['p99_ms_last_window']} ms; leftover runners {result['leftover_runners']}"
+    )
+    if found:
+        print("FAILURE:\n" + "\n".join(found))
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
