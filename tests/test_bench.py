@@ -138,3 +138,16 @@ def test_soak_bench_quick_run_prints_its_json_line() -> None:
     assert result["completed"] > 0 and len(result["windows"]) == 3, result
     assert result["p99_ms_first_window"] > 0 and result["p99_ms_last_window"] > 0, result
     assert result["rss_start_mib"] > 0 and result["fds_start"] > 0 and result["samples"] >= 10, result
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_runs_or_says_why_not() -> None:
+    """bench/gpu.py is the GPU machine's check (see its docstring); without a GPU it must say why and exit 0."""
+    out = subprocess.run([sys.executable, str(BENCH / "gpu.py")], capture_output=True, text=True, timeout=50)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "gpu", out.stdout
+    if result.get("skipped"):
+        assert out.returncode == 0 and result["ok"] is None, out
+        assert "NVML" in result["skipped"] or "torch" in result["skipped"] or "CUDA" in result["skipped"], result
+    else:
+        assert out.returncode == 0 and result["ok"] is True, out.stdout + out.stderr

@@ -541,6 +541,24 @@ def test_describe_model(tmp_path: Path) -> None:
     assert describe_model(tmp_path / "absent.gguf") == "absent.gguf (missing)"
 
 
+def _cuda() -> bool:
+    try:
+        import torch  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(_cuda(), reason="torch sees a CUDA device: bench/gpu.py checks the allocation itself")
+def test_the_debug_engines_gpu_memory_needs_cuda_and_says_so() -> None:
+    engine = DebugEngine(EngineSpec(engine="debug", options={"gpu_bytes": 1 << 20}))
+    with pytest.raises(EngineLoadError, match=r"gpu_bytes needs (torch with CUDA|a CUDA device)"):
+        engine.load(lambda f, d: None)
+    with pytest.raises(EngineLoadError, match="invalid debug engine option"):
+        DebugEngine(EngineSpec(engine="debug", options={"gpu_bytes": "lots"}))
+
+
 @pytest.mark.timeout(10)
 def test_llama_engine_load_errors_say_what_to_do(tmp_path: Path) -> None:
     from tether.engines.llamacpp import LlamaCppEngine

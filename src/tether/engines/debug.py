@@ -19,6 +19,9 @@ Options (``spec.options``):
                      or "double_fork" (a daemon: fork, setsid, fork again, the middle process exits, so ``sleep`` is
                      reparented to init and nothing links it to the runner but its cgroup); a comma-separated list
                      gives helper ``i`` the kind ``i`` modulo its length
+  gpu_bytes          if set, allocate (and touch) this many bytes of GPU memory with ``torch.cuda`` at load and hold
+                     them until close(): what a real engine's weights do to a GPU, for checking that GPU memory is
+                     reported and given back (needs torch with CUDA; without it the load fails saying so)
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class DebugEngine:
             "n_ctx": None,
             "helpers": 0,
             "helper_kind": "exec",
+            "gpu_bytes": 0,
         }
     )
 
@@ -79,6 +83,7 @@ class DebugEngine:
             self.n_ctx = int(n_ctx) if n_ctx is not None else None
             self.helpers = max(0, int(options.get("helpers", 0)))
             self.helper_kind = str(options.get("helper_kind", "exec"))
+            self.gpu_bytes = max(0, int(options.get("gpu_bytes", 0)))
             self._kinds = self.helper_kind.split(",")
             unknown = [kind for kind in self._kinds if kind not in HELPER_KINDS]
             if unknown:
@@ -96,6 +101,7 @@ class DebugEngine:
             raise EngineLoadError(f"invalid debug engine option in {options!r}: {exc}") from exc
         self._loaded = False
         self._helper_pids: list[int] = []
+        self._gpu: object | None = None  # a torch tensor holding gpu_bytes
 
     def load(self, progress: ProgressCallback) -> None:
         """Start the helpers, then report ``load_steps`` progress steps; load faults fire at step 0 (``slow`` at
@@ -104,6 +110,9 @@ class DebugEngine:
             self._helper_pids.append(_start_helper(self._kinds[i % len(self._kinds)]))
         if self.helpers:
             progress(0.0, f"started {self.helpers} helper processes ({self.helper_kind})")
+        if self.gpu_bytes:
+            self._gpu = _hold_gpu_memory(self.gpu_bytes)
+            progress(0.0, f"holding {self.gpu_bytes} bytes of GPU memory")
         for step in range(self.load_steps):
             fire(self.spec.faults, "load", step)
             if self.load_step_seconds:
@@ -144,6 +153,7 @@ class DebugEngine:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         self._helper_pids.clear()
+        self._gpu = None
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -184,6 +194,22 @@ class DebugEngine:
             safe = len(produced) - _held_back(produced, stops)
             yield Delta(produced[emitted:safe], 1)
             emitted = safe
+
+
+def _hold_gpu_memory(n: int) -> object:
+    """``n`` bytes of CUDA memory, written (so the driver really backs them), as a tensor to keep."""
+    try:
+        import torch  # type: ignore[import-not-found]
+    except ImportError:
+        raise EngineLoadError(
+            "gpu_bytes needs torch with CUDA in the runner's environment: pip install torch"
+        ) from None
+    if not torch.cuda.is_available():
+        raise EngineLoadError("gpu_bytes needs a CUDA device, and torch sees none (torch.cuda.is_available() is False)")
+    tensor = torch.empty(n, dtype=torch.uint8, device="cuda")
+    tensor.fill_(1)
+    torch.cuda.synchronize()
+    return tensor
 
 
 def _start_helper(kind: str) -> int:
