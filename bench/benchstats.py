@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
 
+from tether.models import DefaultModelMissing, default_model_path
 from tether.node.output import LOG_DIR_ENV
 from tether.node.registry import RUNTIME_DIR_ENV
 
@@ -51,3 +53,14 @@ def private_tether_dirs(prefix: str) -> Iterator[None]:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def llama_unavailable() -> str | None:
+    """Why the parts of a benchmark that run the default model on llama.cpp cannot run here, or None."""
+    try:
+        default_model_path()
+    except DefaultModelMissing as exc:
+        return str(exc)
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed: run `make install` (or `pip install 'tether[llama]'`)"
+    return None

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import random
@@ -84,10 +83,9 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, private_tether_dirs
 from tether.engines.base import Delta, Engine
 from tether.engines.registry import create_engine
-from tether.models import DefaultModelMissing, default_model_path
 from tether.node.supervisor import Supervisor
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
 
@@ -254,17 +252,6 @@ async def inprocess_trial(
 # --------------------------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------------------------
-
-
-def llama_unavailable() -> str | None:
-    """Why the llama.cpp parts cannot run here, or None."""
-    try:
-        default_model_path()
-    except DefaultModelMissing as exc:
-        return str(exc)
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed: run `make install` (or `pip install 'tether[llama]'`)"
-    return None
 
 
 async def run_engine(spec: EngineSpec, params: GenerateParams, ks: Sequence[int]) -> dict[str, list[Trial]]:

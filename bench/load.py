@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -99,7 +98,7 @@ import anyio
 import httpx
 from starlette.requests import Request as HttpRequest  # module level: FastAPI resolves handler annotations here
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, private_tether_dirs
 from serve import (
     PROMPTS,
     SYSTEM,
@@ -112,7 +111,7 @@ from serve import (
     wait_ready,
 )
 from tether.chaos.target import ServeChild
-from tether.models import DefaultModelMissing, default_model_path
+from tether.models import default_model_path
 
 SIDES = ("baseline", "tether")
 CONCURRENCY = (64, 256)
@@ -664,17 +663,6 @@ async def run_model_side(side: str, rnd: int, model: Path, logdir: Path, args: a
     return ModelRun(side, rnd, requests, wall, server.leftover, server.forced, warm.error)
 
 
-def model_unavailable() -> str | None:
-    """Why the model part cannot run here, or None."""
-    try:
-        default_model_path()
-    except DefaultModelMissing as exc:
-        return str(exc)
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed (pip install -e '.[llama,dev]')"
-    return None
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------------------------
@@ -880,7 +868,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     debug_runs: list[SideRun] = []
     model_runs: list[ModelRun] = []
-    skipped = model_unavailable()
+    skipped = llama_unavailable()
     with tempfile.TemporaryDirectory(prefix="tether-bench-load-") as tmp:
         for rnd in range(args.rounds):
             order = SIDES if rnd % 2 == 0 else SIDES[::-1]
