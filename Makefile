@@ -51,6 +51,9 @@ bench: install
 	$(BIN)/python bench/hang.py
 	$(BIN)/python bench/cancel.py
 	$(BIN)/python bench/chaos.py
+	$(BIN)/python bench/fuzz.py
+	$(BIN)/python bench/load.py
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -32,9 +32,9 @@ seconds (at most 30; without the header, 0.1 s doubling to 2 s, and ``rejected_w
 and sends the request again, until it ends otherwise or ``REQUEST_BOUND`` (120 s, the whole request) passes. One
 ``httpx.AsyncClient`` per load phase (``C`` + 8 connections), all clients in one anyio task group; each server
 gets one untimed 4-token warm-up request first. The clients reuse a keep-alive connection only while it has been
-idle under 2 s (``keepalive_expiry``; httpx's default, 5 s, equals uvicorn's keep-alive timeout on both servers, so
-a request sent on a connection idle ~5 s can meet the server's close and fail with a transport error: a client's
-race that is no server's fault). An attempt ends:
+idle under 2 s (``keepalive_expiry``; httpx's default, 5 s, equals uvicorn's default keep-alive timeout, which the
+baseline keeps, so a request sent on a connection idle ~5 s can meet the server's close and fail with a transport
+error; this benchmark found that race, and tether now keeps idle connections 30 s). An attempt ends:
 
 - *complete*: ``data: [DONE]``; its tokens = ``usage.completion_tokens`` (else the content chunks);
 - *failed*: an ``error`` object in the stream, or a non-200 status other than 503 (``code`` kept);
