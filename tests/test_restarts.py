@@ -21,6 +21,7 @@ import pytest
 
 from conftest import debug, pid_alive, prompt
 from tether.kernel.pids import group_members
+from tether.node import instance as instance_module
 from tether.node.hangs import Deadlines
 from tether.node.instance import (
     Backoff,
@@ -267,6 +268,26 @@ async def test_a_crash_loop_ends_failed_with_every_cause_and_no_further_runner()
     delays = [s.delay for s in states if isinstance(s, InstanceRestarting)]
     assert len(delays) == 2 and delays[0] == pytest.approx(0.01, rel=0.11) and delays[1] == pytest.approx(0.02, 0.11)
     assert isinstance(inst.state, InstanceFailed), "failed stays failed (with its cause) after the instance stops"
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_leftover_runners")
+async def test_an_instance_that_keeps_failing_remembers_its_latest_failures_and_counts_them_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench/soak.py: 240 failures in 30 minutes, every one (its evidence and stacks) kept in the history and sent
+    in each instance answer, so the worker grew ~11 MiB/h. Now the history and the pids hold the latest
+    HISTORY_LIMIT (3 here), and ``failures`` counts every failed life by cause."""
+    monkeypatch.setattr(instance_module, "HISTORY_LIMIT", 3)
+    spec = debug(Fault(kind="exit", phase="load", code=3))
+    policy = RestartPolicy(initial_backoff=0.01, max_backoff=0.01, crash_loop_failures=7)
+    with anyio.fail_after(45):
+        async with Instance(spec, policy, name="many") as inst:
+            failed = await inst.wait_state(lambda s: isinstance(s, InstanceFailed), 40)
+    assert isinstance(failed, InstanceFailed)
+    assert inst.failures == {CauseKind.EXIT_CODE: 7} and inst.restarts == 6
+    assert [f.life for f in inst.history] == [5, 6, 7] and len(failed.history) == 3
+    assert [f.pid for f in inst.history] == inst.pids  # the same latest three
 
 
 @pytest.mark.anyio

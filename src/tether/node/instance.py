@@ -51,6 +51,7 @@ from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, documented, phase_of
 
 log = logging.getLogger("tether.node.instance")
+HISTORY_LIMIT = 64  # failed lives (and runner pids) an instance remembers; ``failures`` counts them all
 
 RestartMode = Literal["never", "on-failure"]
 
@@ -354,8 +355,11 @@ class Instance:
         self.reap_timeout = reap_timeout
         self.stop_timeout = stop_timeout
         self.state: InstanceState = InstanceStarting(life=1)
-        self.history: list[Failure] = []  # every life that failed, oldest first
-        self.pids: list[int] = []  # every runner pid started, in order
+        # The last HISTORY_LIMIT failed lives and runner pids, oldest first: an instance that fails every few
+        # seconds for months must not grow (bench/soak.py found 240 failures, their evidence, in every answer).
+        self.history: list[Failure] = []
+        self.pids: list[int] = []
+        self.failures: collections.Counter[CauseKind] = collections.Counter()  # every failed life, by cause kind
         self.restarts = 0  # replacement lives started
         self.supervisor: Supervisor | None = None  # the current life's, from spawn until its exit
         self._factory = supervisor_factory
@@ -482,6 +486,8 @@ class Instance:
             self.history.append(
                 Failure(at=time.time(), cause=cause, life=life, pid=sup.pid, detected_in=sup.detection_seconds)
             )
+            del self.history[:-HISTORY_LIMIT]
+            self.failures[cause.kind] += 1
             now = self._clock()
             attempt = self.backoff.record_failure(now)
             reason = self._give_up_reason(cause, now)
@@ -593,6 +599,7 @@ class Instance:
         pid = sup.pid
         if pid is not None and (not self.pids or self.pids[-1] != pid):
             self.pids.append(pid)
+            del self.pids[:-HISTORY_LIMIT]
 
     @property
     def cause(self) -> Cause | None:

@@ -309,6 +309,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         "runner": runner,
         "pids": list(inst.pids),
         "restarts": inst.restarts,
+        "failures": {kind.value: count for kind, count in inst.failures.items()},  # every failed life, by cause
         "queue": {"in_flight": hosted.in_flight, "limit": hosted.config.max_queue},
         "cause": openai.cause_json(cause) if cause is not None else None,
         "history": [

@@ -7,7 +7,6 @@ as they happen. One registry per app (not the process-global one), so tests can 
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -50,9 +49,8 @@ class _FleetCollector(Collector):
             for candidate in STATES:
                 state.add_metric([hosted.id, candidate], 1.0 if candidate == name else 0.0)
             restarts.add_metric([hosted.id], hosted.instance.restarts)
-            by_cause = collections.Counter(f.cause.kind.value for f in hosted.instance.history)
-            for cause, count in by_cause.items():
-                failures.add_metric([hosted.id, cause], count)
+            for cause, count in hosted.instance.failures.items():
+                failures.add_metric([hosted.id, cause.value], count)
             queue.add_metric([hosted.id], hosted.in_flight)
             queue_limit.add_metric([hosted.id], hosted.config.max_queue)
             sup = hosted.supervisor
@@ -106,16 +104,18 @@ class Metrics:
     def watch(self, hosted: Hosted) -> None:
         """Observe each failed life's detection latency as it is recorded."""
 
-        observed = len(hosted.instance.history)
+        inst = hosted.instance
+        observed = inst.failures.total()
 
         def on_state(state: InstanceState) -> None:
             nonlocal observed
             if not isinstance(state, InstanceRestarting | InstanceFailed):
                 return
-            for failure in hosted.instance.history[observed:]:
+            new = inst.failures.total() - observed  # the history keeps the latest: the new ones are at its end
+            for failure in inst.history[max(0, len(inst.history) - new) :] if new else ():
                 if failure.detected_in is not None:
                     self.detection.labels(failure.cause.kind.value).observe(failure.detected_in)
-            observed = len(hosted.instance.history)
+            observed = inst.failures.total()
 
         hosted.instance.add_state_listener(on_state)
 

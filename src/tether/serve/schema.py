@@ -170,6 +170,7 @@ class Instance(msgspec.Struct):
     runner: dict[str, Any] | None
     pids: list[int]
     restarts: int
+    failures: dict[str, int]  # every failed life by cause kind (``history`` keeps the latest 64)
     queue: Queue
     cause: CauseOut | None
     history: list[Failure]
