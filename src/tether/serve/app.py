@@ -1,4 +1,4 @@
-"""The HTTP API of a serving worker: OpenAI-compatible generation, instance admin, health, readiness, metrics.
+"""The HTTP API of a serving worker: OpenAI-compatible generation, instance admin, probes, metrics, its schema.
 
 Every generation is answered with exactly one outcome. The response waits for the first token (or the end) before
 it picks its status, so a request the runner refuses is a 400 and a runner that dies before answering is a 500 with
