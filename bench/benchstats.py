@@ -64,3 +64,12 @@ def llama_unavailable() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed: run `make install` (or `pip install 'tether[llama]'`)"
     return None
+
+
+def print_rows(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> None:
+    """A plain table: the first ``left`` columns left-aligned, the rest right-aligned, each as wide as its widest."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    for row in (headers, *rows):
+        print(
+            "  ".join(v.ljust(w) if i < left else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+        )

@@ -83,7 +83,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from tether.engines.base import Delta, Engine
 from tether.engines.registry import create_engine
 from tether.node.supervisor import Supervisor
@@ -345,9 +345,7 @@ def print_table(figures: dict[tuple[str, str], Figures]) -> None:
                 fmt(f.tokens_per_s),
             )
         )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for row in (headers, *rows):
-        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
+    print_rows(headers, rows)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:

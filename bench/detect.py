@@ -76,7 +76,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.node.oom import OomEvidence, OomWatch
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskHandle
@@ -479,15 +479,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 fmt(max(samples, default=float("nan"))),
             )
         )
-    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
     print(
         f"SIGKILL of a runner with {STREAMS} in-flight streams -> detection; {args.trials} tether trials "
         f"({tether_s:.1f} s), {len(delays)} baseline trials at a {poll_s:g} s poll, {args.concurrency} at once "
         f"({baseline_s:.1f} s){' (quick)' if args.quick else ''}"
     )
-    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))))
-    for row in table:
-        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
+    print_rows(headers, table)
     print(f"percentiles: {PERCENTILE}; runner RSS at the kill: p50 {fmt(percentile(rss, 50))} MiB")
 
     result: dict[str, Any] = {

@@ -107,7 +107,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.node.hangs import Deadlines, process_state
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskEvent, TaskFailed, TaskHandle
@@ -436,15 +436,6 @@ def _p99_ratio(tether: Sequence[Trial], baseline: Sequence[Trial]) -> float | No
     return round(t99 / b99, 3) if b99 > 0 and t99 == t99 else None
 
 
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """The first column left-aligned, the others right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for cells in (headers, *rows):
-        print(
-            "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths, strict=True)))
-        )
-
-
 def report(trials: Sequence[Trial], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
     tether = [t for t in trials if t.side == "tether"]
     baseline = [t for t in trials if t.side == "baseline"]
@@ -507,10 +498,10 @@ def report(trials: Sequence[Trial], args: argparse.Namespace, wall_s: float) -> 
         f"Hung runner -> request ended, minus the deadline; {args.rounds} round(s) of {len(SCENARIOS)} scenarios x "
         f"(tether, baseline), {args.concurrency} trial(s) at once, {wall_s:.1f} s{' (quick)' if args.quick else ''}"
     )
-    _print_table(headers, table)
+    print_rows(headers, table)
     print(f"percentiles: {PERCENTILE}")
     print()
-    _print_table(("scenario", "stacks", "wrong cause", "baseline runner left hung", "ratio"), counts)
+    print_rows(("scenario", "stacks", "wrong cause", "baseline runner left hung", "ratio"), counts)
     print()
 
     known = [r for r in ratios.values() if r is not None]

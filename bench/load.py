@@ -98,7 +98,7 @@ import anyio
 import httpx
 from starlette.requests import Request as HttpRequest  # module level: FastAPI resolves handler annotations here
 
-from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from serve import (
     PROMPTS,
     SYSTEM,
@@ -681,15 +681,6 @@ def rounded(value: float, digits: int = 1) -> float | None:
     return None if value != value else round(value, digits)
 
 
-def print_rows(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 2) -> None:
-    """A plain table: the first ``left`` columns left-aligned, the rest right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    for row in (headers, *rows):
-        print(
-            "  ".join(v.ljust(w) if i < left else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
-        )
-
-
 def debug_figures(runs: Sequence[SideRun], result: dict[str, Any]) -> None:
     by_side = {side: [r for r in runs if r.side == side] for side in SIDES}
     for c in CONCURRENCY:
@@ -785,7 +776,7 @@ def print_debug_table(runs: Sequence[SideRun]) -> None:
                     fmt(ph.wall_s),
                 )
             )
-    print_rows(headers, rows)
+    print_rows(headers, rows, left=2)
 
 
 def print_model_table(runs: Sequence[ModelRun]) -> None:
@@ -805,7 +796,7 @@ def print_model_table(runs: Sequence[ModelRun]) -> None:
         )
         for r in runs
     ]
-    print_rows(headers, rows)
+    print_rows(headers, rows, left=2)
 
 
 def problems(result: dict[str, Any], runs: Sequence[SideRun], model_runs: Sequence[ModelRun]) -> list[str]:

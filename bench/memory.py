@@ -71,7 +71,7 @@ from typing import Any
 
 import anyio
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.kernel.pids import group_members
 from tether.node.memory import ProcessMemory, node_memory, process_memory, process_status_memory
 from tether.node.nvml import GpuUsage
@@ -306,19 +306,6 @@ def summarize(runs: Sequence[Run]) -> Overhead:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(
-            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))
-        )
-
-    print(line(headers))
-    for row in rows:
-        print(line(row))
-
-
 def _mib(n: int | None) -> float:
     return float("nan") if n is None else n / MIB
 
@@ -354,7 +341,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         ("node_memory()", costs.node_us),
         ("node_memory(gpu=snapshot): no NVML attempt", costs.node_no_nvml_us),
     ]
-    _table(
+    print_rows(
         ("one sample (µs)", "n", "p50", "p99", "max", "µs/MiB RSS"),
         [
             (
@@ -375,7 +362,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         f"{DEFAULT_INTERVAL_S:g} s (default); llama.cpp {args.max_tokens} tokens ({llama_s:.1f} s), debug "
         f"token_seconds=0 {args.debug_tokens} tokens ({debug_s:.1f} s)"
     )
-    _table(
+    print_rows(
         ("engine", "round", "sampler", "tokens", "s", "tokens/s", "samples", "sample p50 µs", "others", "steal"),
         [
             (
@@ -398,7 +385,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "every other process of the machine meanwhile; steal: cores the hypervisor took"
     )
     print()
-    _table(
+    print_rows(
         ("median tokens/s", "off", f"every {AGGRESSIVE_INTERVAL_S:g} s", "ratio", "per-round", "default", "ratio"),
         [
             (

@@ -68,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.kernel.pids import alive
 from tether.node.drill import TrialResult, become_subreaper, run_trial
 from tether.runner import lifeline
@@ -228,14 +228,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "-",
         )
     )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     print(
         f"SIGKILL of a real worker -> exit of its runner ({STATES[0]}, helpers: {HELPER_KINDS}), "
         f"{args.trials} trials per config{' (quick)' if args.quick else ''}, subreaper={subreaper}"
     )
-    print("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))))
-    for row in rows:
-        print("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
+    print_rows(headers, rows, left=2)
     print(
         "percentiles: statistics.quantiles(n=100, method='inclusive'); group = last of every process the runner "
         "started (its group and its cgroup)"

@@ -100,7 +100,7 @@ import anyio
 import httpx
 import psutil
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
+from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.models import DefaultModelMissing, default_model_path
 
 SIDES = ("baseline", "tether")
@@ -475,9 +475,7 @@ def print_table(runs: Sequence[Run]) -> None:
                     fmt(run.load_s),
                 )
             )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for row in (headers, *rows):
-        print("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
+    print_rows(headers, rows, left=2)
 
 
 def null_result(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

@@ -69,8 +69,8 @@ import anyio
 import httpx
 from anyio.abc import TaskGroup
 
-from benchstats import PERCENTILE, fmt, ms, percentile, private_tether_dirs
-from load import Attempt, DebugServer, ServerFailed, attempt, chat_body, pool, print_rows, retry_delay, rounded
+from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from load import Attempt, DebugServer, ServerFailed, attempt, chat_body, pool, retry_delay, rounded
 from serve import PROMPTS
 from tether.chaos.trial import DEADLINES
 
@@ -485,7 +485,7 @@ def print_tables(result: dict[str, Any], soak: Soak) -> None:
                 fmt(w["p99_ms"] if w["p99_ms"] is not None else float("nan")),
             )
         )
-    print_rows(headers, rows, left=1)
+    print_rows(headers, rows)
     frows = []
     for kind, code in FAULTS.items():
         made = [f for f in soak.faults if f.kind == kind]
@@ -507,7 +507,7 @@ def print_tables(result: dict[str, Any], soak: Soak) -> None:
                 extra,
             )
         )
-    print_rows(("fault", "made", "cause code", "requests failed with it", "recovery p50 ms", "p99", ""), frows, left=1)
+    print_rows(("fault", "made", "cause code", "requests failed with it", "recovery p50 ms", "p99", ""), frows)
 
 
 def main(argv: list[str] | None = None) -> int:
