@@ -90,7 +90,7 @@ def test_load_progress_resets_the_stall_clock_and_there_is_no_total() -> None:
 
 def test_a_generation_has_a_first_token_deadline_then_a_gap_deadline() -> None:
     watch = ProgressWatch(deadlines(first_token=5.0, token_gap=1.0), heartbeat=False)
-    watch.status(Running("g"), 0.0)
+    watch.status(Running(), 0.0)
     watch.generation_started("g", 0.0)
     assert watch.phase == "prefill" and watch.next_expiry() == 5.0
     assert watch.expired(4.9) is None

@@ -218,7 +218,7 @@ def test_a_request_can_be_cancelled_by_id() -> None:
 
 def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_failure() -> None:
     with debug_server() as server:
-        _admin_debug_instance(server, "q", options={"token_seconds": 0.01}, max_queue=2, restart={"mode": "never"})
+        _admin_debug_instance(server, "q", options={"token_seconds": 0.01}, max_queue=1, restart={"mode": "never"})
         body = {"model": "q", "prompt": "go", "max_tokens": 100_000, "stream": True}
         waited: list[httpx.Response] = []
 
@@ -231,10 +231,12 @@ def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_
             next(events)  # the first is generating
             waiter = threading.Thread(target=wait_in_queue)
             waiter.start()
-            wait_until(lambda: server.instance("q")["queue"]["in_flight"] == 2, 10, "two requests in flight")
+            wait_until(lambda: server.instance("q")["queue"]["waiting"] == 1, 10, "one running, one waiting")
+            queue = server.instance("q")["queue"]
+            assert queue == {"running": 1, "waiting": 1, "in_flight": 2, "parallel": 1, "max_queue": 1, "limit": 2}
             full = server.http.post("/v1/completions", json=body)
             assert full.status_code == 503 and full.headers["Retry-After"] == "1", full.text
-            assert "queue holds 2" in full.json()["error"]["message"]
+            assert "1 requests generating (parallel 1) and 1 waiting (max_queue 1)" in full.json()["error"]["message"]
             os.kill(server.instance("q")["runner"]["pid"], signal.SIGKILL)
             last = list(events)[-1]
             assert isinstance(last, dict) and last["error"]["code"] == "signal"

@@ -29,6 +29,7 @@ def documented(**schema: Any) -> msgspec.Meta:
 
 FaultKind = Literal[
     "raise",  # raise RuntimeError (an unexpected engine exception: fatal for the runner)
+    "request_error",  # raise RequestError: the engine refuses this request alone; the runner (and its batch) serve on
     "exit",  # os._exit(code), code 0 included
     "segv",  # SIGSEGV via a real invalid memory read (faulthandler prints the stack)
     "abort",  # SIGABRT via abort()
@@ -259,7 +260,10 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
 
 
 class Running(msgspec.Struct, tag="running", frozen=True):
-    task_id: str
+    """Generating: ``running`` sequences in the engine's batch, ``waiting`` more accepted and queued for a slot."""
+
+    running: int = 1
+    waiting: int = 0
 
 
 class ShuttingDown(msgspec.Struct, tag="shutting_down", frozen=True):

@@ -42,7 +42,21 @@ def command(args: argparse.Namespace) -> int:
     if not instances:
         print(f"no instances at {url}")
         return 0
-    rows = [["INSTANCE", "STATE", "PID", "ENGINE", "MODEL", "FOOTPRINT", "RSS", "RESTARTS", "QUEUE", "FAILURES"]]
+    rows = [
+        [
+            "INSTANCE",
+            "STATE",
+            "PID",
+            "ENGINE",
+            "MODEL",
+            "FOOTPRINT",
+            "RSS",
+            "RESTARTS",
+            "RUNNING",
+            "WAITING",
+            "FAILURES",
+        ]
+    ]
     for inst in instances:
         runner = inst.get("runner") or {}
         memory = runner.get("memory") or {}
@@ -57,7 +71,8 @@ def command(args: argparse.Namespace) -> int:
                 format_bytes(memory.get("footprint")) if memory else "-",
                 format_bytes(memory.get("rss")) if memory else "-",
                 str(inst["restarts"]),
-                f"{inst['queue']['in_flight']}/{inst['queue']['limit']}",
+                f"{inst['queue']['running']}/{inst['queue']['parallel']}",
+                f"{inst['queue']['waiting']}/{inst['queue']['max_queue']}",
                 str(len(inst["history"])),
             ]
         )

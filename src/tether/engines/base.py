@@ -3,8 +3,12 @@
 An engine lives inside one runner process and is driven by one thread (the runner's task loop), so engines need
 not be thread-safe. The runner builds it with its ``EngineSpec`` (the constructor checks the options and does no
 heavy work: the worker builds one too, to refuse bad options before a runner starts), then calls ``load`` once
-(reporting progress), ``warmup`` once, ``generate`` any number of times, ``close`` once. ``generate`` must call
-``cancelled()`` between tokens and stop promptly when it is true.
+(reporting progress), ``warmup`` once, generates any number of times, ``close`` once.
+
+Two ways to generate. A ``BatchEngine`` serves up to ``parallel`` sequences at once: the runner ``start``s a
+sequence between steps (continuous batching), calls ``step`` to advance every started sequence by one token, and
+``drop``s a cancelled one (freeing what it holds) between steps. An engine with only ``generate`` (one stream at a
+time, an iterator that calls ``cancelled()`` between tokens) is driven through ``Serial``, a batch of one.
 
 ``RequestError`` fails one request and the runner serves on; any other exception from an engine is fatal for the
 runner (the engine's state is unknown), and ``EngineLoadError`` from ``load`` says the model cannot be loaded (a
@@ -60,6 +64,150 @@ class Engine(Protocol):
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]: ...
 
     def close(self) -> None: ...
+
+
+StepResult = tuple[str, "Delta | RequestError"]  # (sequence id, its next delta, or why that sequence alone failed)
+
+
+class BatchEngine(Protocol):
+    """An engine that advances several sequences per step (see the module docstring).
+
+    ``start`` checks the request and raises ``RequestError`` for a bad one (nothing is started); ``step`` returns
+    what each sequence produced this step (a sequence still prefilling its prompt may produce nothing): its final
+    ``Delta`` carries the finish reason, after which the sequence is gone; a ``RequestError`` ends that sequence
+    alone. Any other exception from ``step`` is fatal for the runner, as for ``generate``. ``drop`` ends a sequence
+    at once (cancel) and returns its final delta (finish reason "cancelled", with its token counts): it produces
+    nothing more, and its cache is free for the next one.
+    """
+
+    name: str
+    parallel: int  # sequences one step can advance
+
+    def load(self, progress: ProgressCallback) -> None: ...
+
+    def warmup(self) -> None: ...
+
+    def start(self, seq_id: str, params: GenerateParams) -> None: ...
+
+    def step(self) -> list[StepResult]: ...
+
+    def drop(self, seq_id: str) -> Delta: ...
+
+    def active(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def is_batched(engine: object) -> bool:
+    return all(callable(getattr(engine, name, None)) for name in ("start", "step", "drop", "active")) and isinstance(
+        getattr(engine, "parallel", None), int
+    )
+
+
+class Serial:
+    """A ``generate``-only engine as a batch of one: each step is one ``next`` of its one stream."""
+
+    parallel = 1
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self._seq: tuple[str, Iterator[Delta]] | None = None
+        self._dropped = False
+        self._tokens = 0
+
+    def load(self, progress: ProgressCallback) -> None:
+        self.engine.load(progress)
+
+    def warmup(self) -> None:
+        self.engine.warmup()
+
+    def start(self, seq_id: str, params: GenerateParams) -> None:
+        if self._seq is not None:
+            raise RuntimeError(f"{self.name} serves one sequence at a time; {self._seq[0]!r} is running")
+        self._dropped = False
+        self._tokens = 0
+        self._seq = (seq_id, iter(self.engine.generate(params, lambda: self._dropped)))
+
+    def step(self) -> list[StepResult]:
+        if self._seq is None:
+            return []
+        seq_id, stream = self._seq
+        try:
+            delta = next(stream, None)
+        except RequestError as exc:
+            self._end()
+            return [(seq_id, exc)]
+        if delta is None:  # ended without a finish reason: the length limit
+            delta = Delta("", 0, "length", 0, self._tokens)
+        self._tokens += delta.tokens
+        if delta.finish_reason is not None:
+            self._end()
+        return [(seq_id, delta)]
+
+    def drop(self, seq_id: str) -> Delta:
+        if self._seq is not None and self._seq[0] == seq_id:
+            self._dropped = True
+            self._end()
+        return Delta("", 0, "cancelled", 0, self._tokens)
+
+    def active(self) -> int:
+        return 0 if self._seq is None else 1
+
+    def close(self) -> None:
+        self._end()
+        self.engine.close()
+
+    def _end(self) -> None:
+        if self._seq is not None:
+            stream, self._seq = self._seq[1], None
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
+
+def batched(engine: Engine | BatchEngine) -> BatchEngine:
+    """The engine as a ``BatchEngine``: itself when it batches, else wrapped in ``Serial``."""
+    if is_batched(engine):
+        return engine  # type: ignore[return-value]
+    return Serial(engine)  # type: ignore[arg-type]
+
+
+def generate_one(
+    engine: BatchEngine, params: GenerateParams, cancelled: Callable[[], bool], seq_id: str = "one"
+) -> Iterator[Delta]:
+    """One request as a delta stream through a batch engine's ``start``/``step`` (a batch engine's ``generate``).
+
+    ``start`` runs now, so a bad request raises ``RequestError`` here, not at the first ``next``.
+    """
+    engine.start(seq_id, params)
+    return _one(engine, seq_id, cancelled)
+
+
+def _one(engine: BatchEngine, seq_id: str, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+    emitted = 0
+    done = False
+    try:
+        while True:
+            results = [] if cancelled() else engine.step()
+            if cancelled():  # before the step, or during a long one: nothing after a cancel is emitted
+                done = True
+                yield Delta("", 0, "cancelled", engine.drop(seq_id).prompt_tokens, emitted)
+                return
+            for sid, result in results:
+                if sid != seq_id:
+                    continue
+                if isinstance(result, RequestError):
+                    done = True
+                    raise result
+                emitted += result.tokens
+                yield result
+                if result.finish_reason is not None:
+                    done = True
+                    return
+    finally:
+        if not done:
+            engine.drop(seq_id)
 
 
 class MemoryEstimate(Protocol):

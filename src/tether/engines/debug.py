@@ -7,7 +7,9 @@ same request always produces the same text, in any process, without a model. Fau
 Options (``spec.options``):
   load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
   load_step_seconds  delay per load step (default 0.001)
-  token_seconds      delay per generated token (default 0)
+  token_seconds      delay per step (default 0): one step advances every running sequence by one token, so a
+                     batch of 8 produces 8 tokens per ``token_seconds``, as a real engine's batched decode does
+  parallel           sequences served at once (default 1); beyond it requests wait in the runner's queue
   n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError, and a
                      generation ends ("length") when prompt and output fill it, as a real engine's context does
   helpers            number of helper processes to start at the beginning of load (default 0), like an engine's
@@ -35,9 +37,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import MappingProxyType
 
-from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError
+from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
+from tether.engines.text import TextStream
 from tether.protocol import EngineSpec, Fault, GenerateParams
 from tether.runner.faults import faults_for, fire, trigger
 
@@ -53,7 +57,20 @@ VOCAB = tuple(
 
 
 HELPER_KINDS = ("exec", "fork", "setsid", "setpgid", "double_fork")
-_NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow"})  # exceptions/stalls inside an engine call
+_NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow", "request_error"})  # inside an engine call
+MAX_PARALLEL = 256
+
+
+@dataclass
+class _Sequence:
+    """One running generation of a batch."""
+
+    words: Iterator[str]
+    text: TextStream
+    faults: tuple[Fault, ...]
+    prompt_tokens: int
+    budget: int
+    done: int = 0
 
 
 class DebugEngine:
@@ -65,6 +82,7 @@ class DebugEngine:
             "load_steps": 5,
             "load_step_seconds": 0.001,
             "token_seconds": 0.0,
+            "parallel": 1,
             "n_ctx": None,
             "helpers": 0,
             "helper_kind": "exec",
@@ -79,6 +97,9 @@ class DebugEngine:
             self.load_steps = max(1, int(options.get("load_steps", 5)))
             self.load_step_seconds = max(0.0, float(options.get("load_step_seconds", 0.001)))
             self.token_seconds = max(0.0, float(options.get("token_seconds", 0.0)))
+            self.parallel = int(options.get("parallel", 1))
+            if not 1 <= self.parallel <= MAX_PARALLEL:
+                raise ValueError(f"parallel must be in [1, {MAX_PARALLEL}], got {self.parallel}")
             n_ctx = options.get("n_ctx")
             self.n_ctx = int(n_ctx) if n_ctx is not None else None
             self.helpers = max(0, int(options.get("helpers", 0)))
@@ -102,6 +123,8 @@ class DebugEngine:
         self._loaded = False
         self._helper_pids: list[int] = []
         self._gpu: object | None = None  # a torch tensor holding gpu_bytes
+        self._seqs: dict[str, _Sequence] = {}
+        self._calls = 0  # generate() calls, for their sequence ids
 
     def load(self, progress: ProgressCallback) -> None:
         """Start the helpers, then report ``load_steps`` progress steps; load faults fire at step 0 (``slow`` at
@@ -124,29 +147,49 @@ class DebugEngine:
         """Fire warmup-phase faults, then run a one-token generation like a real engine would."""
         self._require_loaded()
         fire(self.spec.faults, "warmup", 0)
-        for _ in self._stream(GenerateParams(prompt="warmup", max_tokens=1), lambda: False, faults=()):
-            pass
+        self._start("warmup", GenerateParams(prompt="warmup", max_tokens=1), faults=())
+        while self._seqs:
+            self.step()
         for fault in faults_for(self.spec.faults, "idle"):
             timer = threading.Timer(fault.seconds, trigger, args=(fault,))
             timer.daemon = True
             timer.start()
 
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
-        """Validate eagerly (a bad request raises ``RequestError`` now, not at the first ``next``)."""
-        self._require_loaded()
-        problem = params.check()
-        if problem is not None:
-            raise RequestError(str(problem))
-        if self.n_ctx is not None:
-            prompt_tokens = len(prompt_text(params).split())
-            if prompt_tokens > self.n_ctx:
-                raise RequestError(
-                    f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx"
-                )
-        return self._stream(params, cancelled, faults=self.spec.faults + params.faults)
+        """One request on its own (a bad request raises ``RequestError`` now, not at the first ``next``)."""
+        self._calls += 1
+        return generate_one(self, params, cancelled, seq_id=f"generate-{self._calls}")
+
+    def start(self, seq_id: str, params: GenerateParams) -> None:
+        """Check the request (``RequestError``) and add it to the batch: its first token comes with the next step."""
+        self._start(seq_id, params, self.spec.faults + params.faults)
+
+    def step(self) -> list[StepResult]:
+        """One token for every sequence: each one's faults fire first (a ``request_error`` ends that sequence
+        alone; any other fault is the whole runner's), then one ``token_seconds`` for the batch."""
+        results: list[StepResult] = []
+        for seq_id, seq in list(self._seqs.items()):
+            try:
+                fire(seq.faults, "generate", seq.done)
+            except RequestError as exc:
+                del self._seqs[seq_id]
+                results.append((seq_id, exc))
+        if self._seqs and self.token_seconds:
+            time.sleep(self.token_seconds)
+        for seq_id, seq in list(self._seqs.items()):
+            results.append((seq_id, self._advance(seq_id, seq)))
+        return results
+
+    def drop(self, seq_id: str) -> Delta:
+        seq = self._seqs.pop(seq_id, None)
+        return _cancelled(seq.prompt_tokens if seq else 0, seq.done if seq else 0)
+
+    def active(self) -> int:
+        return len(self._seqs)
 
     def close(self) -> None:
         self._loaded = False
+        self._seqs.clear()
         for pid in self._helper_pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -161,39 +204,34 @@ class DebugEngine:
         if not self._loaded:
             raise RuntimeError("debug engine used before load() (or after close())")
 
-    def _stream(
-        self, params: GenerateParams, cancelled: Callable[[], bool], faults: tuple[Fault, ...]
-    ) -> Iterator[Delta]:
+    def _start(self, seq_id: str, params: GenerateParams, faults: tuple[Fault, ...]) -> None:
+        self._require_loaded()
+        problem = params.check()
+        if problem is not None:
+            raise RequestError(str(problem))
+        if seq_id in self._seqs:
+            raise RuntimeError(f"sequence {seq_id!r} is already running")
+        if len(self._seqs) >= self.parallel:
+            raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
         text = prompt_text(params)
         prompt_tokens = len(text.split())
-        words = token_stream(text, params.seed)
-        stops = tuple(s for s in params.stop if s)
+        if self.n_ctx is not None and prompt_tokens > self.n_ctx:
+            raise RequestError(f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx")
         budget = params.max_tokens if self.n_ctx is None else max(1, min(params.max_tokens, self.n_ctx - prompt_tokens))
-        produced = ""  # all generated text, including text held back because it may start a stop string
-        emitted = 0  # how much of `produced` has been yielded
-        for done in range(budget):
-            if cancelled():
-                yield _cancelled(prompt_tokens, done)
-                return
-            fire(faults, "generate", done)
-            if self.token_seconds:
-                time.sleep(self.token_seconds)
-            if cancelled():  # a slow step may have outlasted a cancel: never emit a token after one
-                yield _cancelled(prompt_tokens, done)
-                return
-            piece = next(words)
-            produced += piece if done == 0 else " " + piece
-            last = done + 1 == budget
-            cut = _find_stop(produced, stops, emitted)
-            if cut is not None:
-                yield Delta(produced[emitted:cut], 1, "stop", prompt_tokens, done + 1)
-                return
-            if last:
-                yield Delta(produced[emitted:], 1, "length", prompt_tokens, done + 1)
-                return
-            safe = len(produced) - _held_back(produced, stops)
-            yield Delta(produced[emitted:safe], 1)
-            emitted = safe
+        self._seqs[seq_id] = _Sequence(
+            token_stream(text, params.seed), TextStream(params.stop), faults, prompt_tokens, budget
+        )
+
+    def _advance(self, seq_id: str, seq: _Sequence) -> Delta:
+        piece = next(seq.words)
+        seq.done += 1
+        text, stopped = seq.text.feed(piece if seq.done == 1 else " " + piece)
+        if stopped or seq.done == seq.budget:
+            del self._seqs[seq_id]
+            if not stopped:
+                text += seq.text.flush()
+            return Delta(text, 1, "stop" if stopped else "length", seq.prompt_tokens, seq.done)
+        return Delta(text, 1)
 
 
 def _hold_gpu_memory(n: int) -> object:
@@ -271,28 +309,6 @@ def token_stream(text: str, seed: int | None = None) -> Iterator[str]:
     rng = random.Random(int.from_bytes(digest, "big"))
     while True:
         yield rng.choice(VOCAB)
-
-
-def _find_stop(produced: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Index where the earliest stop string starts, searching only where a new match can begin."""
-    if not stops:
-        return None
-    longest = max(len(s) for s in stops)
-    start = max(0, emitted - longest)
-    hits = [i for i in (produced.find(s, start) for s in stops) if i != -1]
-    return min(hits) if hits else None
-
-
-def _held_back(produced: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``produced`` that is a proper prefix of a stop string: that text must
-    wait, because the next token could complete the stop string and stop text is never emitted."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(produced)), best, -1):
-            if produced.endswith(stop[:n]):
-                best = n
-                break
-    return best
 
 
 def _cancelled(prompt_tokens: int, done: int) -> Delta:

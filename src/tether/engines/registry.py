@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tether.engines.base import NO_OPTIONS, Engine, EngineLoadError, MemoryEstimate
+from tether.engines.base import NO_OPTIONS, Engine, EngineLoadError, MemoryEstimate, batched
 from tether.errors import InvalidField, UnknownEngine
 from tether.protocol import EngineSpec
 
@@ -111,6 +111,11 @@ def create_engine(spec: EngineSpec) -> Engine:
     """Build (but do not load) the engine a spec names: the constructor checks its options (``EngineLoadError``)."""
     engine: Engine = engine_class(spec.engine)(spec)
     return engine
+
+
+def parallel(spec: EngineSpec) -> int:
+    """How many generations a runner of ``spec`` serves at once (1 for an engine that does not batch)."""
+    return batched(create_engine(spec)).parallel
 
 
 def spec_problem(spec: EngineSpec) -> InvalidField | None:

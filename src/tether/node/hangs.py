@@ -26,7 +26,7 @@ import msgspec
 
 from tether.errors import InvalidField
 from tether.kernel.pids import proc_stat
-from tether.protocol import Loading, RunnerStatus, Running, WarmingUp, documented, tag_of
+from tether.protocol import Loading, RunnerStatus, WarmingUp, documented, tag_of
 
 STACK_SIGNAL_NAME = "SIGUSR1"  # the runner registers faulthandler on it (``runner.main``)
 # faulthandler's header for each thread: "Thread 0x00007f... (most recent call first):" or "Current thread 0x...".
@@ -138,7 +138,6 @@ class ProgressWatch:
         self._tasks: dict[str, _Clock] = {}  # generations under way: first token, then token gaps
         self._acks: dict[tuple[str, str], _Clock] = {}  # ("task" | "cancel", task id): awaiting acknowledgement
         self._status_phase = "starting"
-        self._running: str | None = None  # the generation the runner says it is running
 
     # --- feeding --------------------------------------------------------------------------------------------
 
@@ -158,7 +157,6 @@ class ProgressWatch:
         else:
             self._phase = None
             self._status_phase = {"shutting_down": "shutdown", "running": "prefill"}.get(tag_of(status), "idle")
-        self._running = status.task_id if isinstance(status, Running) else None
 
     def sent(self, kind: str, task_id: str, now: float) -> None:
         """A task (``kind="task"``) or a cancel (``"cancel"``) was written to the runner's pipe."""
@@ -194,9 +192,11 @@ class ProgressWatch:
 
     @property
     def phase(self) -> str:
-        """What the runner is doing, as the phase word of a hang cause."""
-        clock = self._tasks.get(self._running) if self._running is not None else None
-        return clock.phase if clock is not None else self._status_phase
+        """What the runner is doing, as the phase word of a hang cause: while a batch generates, "decode" once any
+        of its sequences has a token (a step decodes them all), else "prefill"."""
+        if self._status_phase == "prefill" and self._tasks:
+            return "decode" if any(clock.phase == "decode" for clock in self._tasks.values()) else "prefill"
+        return self._status_phase
 
     def next_expiry(self) -> float:
         """The earliest time a deadline can expire (``inf`` when nothing is awaited)."""

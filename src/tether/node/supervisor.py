@@ -221,6 +221,17 @@ class Supervisor:
         """When the runner last proved its interpreter runs (a heartbeat, or its hello), ``time.monotonic()``."""
         return self._progress.last_beat
 
+    def generations(self) -> tuple[int, int]:
+        """(running, waiting): generations in the runner's batch, and those accepted that wait for a slot."""
+        running = waiting = 0
+        for record in self._inflight.values():
+            if isinstance(record.task, GenerateTask):
+                if record.started:
+                    running += 1
+                else:
+                    waiting += 1
+        return running, waiting
+
     @property
     def output_tail(self) -> list[str]:
         return list(self._output.lines)
@@ -601,6 +612,7 @@ class Supervisor:
                 and event.state is TaskState.RUNNING
                 and isinstance(record.task, GenerateTask)
             ):
+                record.started = True
                 self._progress.generation_started(event.task_id, now)
             deliver(record, event)
             if isinstance(event, TaskStatus) and event.state.terminal:

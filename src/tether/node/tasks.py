@@ -42,6 +42,7 @@ class InFlight:
     task: Task
     send: MemoryObjectSendStream[TaskEvent]
     tokens: int = 0
+    started: bool = False  # the runner said RUNNING: a generation in its batch, no longer waiting for a slot
 
 
 class TaskHandle:

@@ -82,6 +82,15 @@ def _raise(fault: Fault) -> None:
     )
 
 
+def _request_error(fault: Fault) -> None:
+    """A request the engine cannot serve, found mid-generation: it fails alone, the runner serves on."""
+    from tether.engines.base import RequestError  # the engines import this module: import at use
+
+    raise RequestError(
+        f"injected fault 'request_error' after {fault.after_tokens} tokens: the engine refused this request"
+    )
+
+
 def _exit(fault: Fault) -> None:
     """A hard exit that skips Python cleanup, as native code calling ``exit()`` does. Code 0 proves that an
     unrequested clean-looking exit is still reported as a death."""
@@ -214,6 +223,7 @@ def _flush_std_streams() -> None:
 
 _HANDLERS = {
     "raise": _raise,
+    "request_error": _request_error,
     "exit": _exit,
     "sigkill": _sigkill,
     "segv": _segv,

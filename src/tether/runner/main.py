@@ -2,9 +2,12 @@
 
 Threads in a runner, and why each exists:
 - main thread: the task loop. It drives the engine (engines are not thread-safe; signal handlers need the main
-  thread) and is the only thread that changes the runner's status.
+  thread) and is the only thread that changes the runner's status. While generating it runs the step loop: between
+  two steps it ends cancelled sequences, admits waiting requests into free batch slots (continuous batching) and
+  takes new tasks off the queue; each step advances every running sequence by one token, and the step's chunks
+  leave in one write.
 - reader thread: reads the tasks pipe and acknowledges every message as it arrives. Cancellation is acted on here,
-  at once (a flag the engine checks before every token), never queued behind generation.
+  at once (a flag the step loop checks between steps), never queued behind generation.
 - heartbeat thread: proves the interpreter still runs (a GIL-holding native hang stops it too).
 
 Every event is written straight to the events pipe (see ``channel``), so a runner that dies loses nothing it sent.
@@ -30,7 +33,7 @@ import msgspec
 
 from tether import env
 from tether.channel import ProtocolError, SyncReceiver, SyncSender
-from tether.engines.base import Engine, EngineLoadError, RequestError
+from tether.engines.base import BatchEngine, Delta, EngineLoadError, RequestError, batched
 from tether.engines.registry import create_engine
 from tether.errors import InvalidField
 from tether.protocol import (
@@ -74,7 +77,7 @@ RECENT_IDS = 10_000  # duplicate ids are refused among this many most recent tas
 _VALID_IN: dict[type, tuple[type, ...]] = {
     LoadTask: (Idle,),
     WarmupTask: (Loaded,),
-    GenerateTask: (Ready,),
+    GenerateTask: (Ready, Running),
     ShutdownTask: (Idle, Loading, Loaded, WarmingUp, Ready, Running),
 }
 _HINT: dict[type, str] = {
@@ -110,7 +113,9 @@ class Runner:
         self.config = config
         self.sender = sender
         self.tasks_fd = tasks_fd
-        self.engine: Engine | None = None
+        self.engine: BatchEngine | None = None
+        self.running: dict[str, int] = {}  # generations in the engine's batch -> tokens so far
+        self.waiting: collections.deque[GenerateTask] = collections.deque()  # accepted, waiting for a batch slot
         self.status: RunnerStatus = Idle()
         self.tasks: queue.SimpleQueue[Task | object] = queue.SimpleQueue()
         self.cancelled: set[str] = set()
@@ -120,6 +125,7 @@ class Runner:
         self._status_lock = threading.Lock()  # the reader thread may end the runner while the main thread reports
         self._final = False  # no status after the last one
         self.current: str | None = None  # the load or warm-up task the main thread is running
+        self.cancel_all = False  # set by the reader thread (shutdown, end of channel): the step loop cancels all
 
     # --- events ---------------------------------------------------------------------------------------------
 
@@ -195,8 +201,8 @@ class Runner:
         self.tasks.put(_EOF)
 
     def cancel_everything(self) -> None:
-        if isinstance(self.status, Running):
-            self.cancelled.add(self.status.task_id)
+        """From the reader thread: every generation ends cancelled at the step loop's next turn."""
+        self.cancel_all = True
 
     def _heartbeat(self, interval: float) -> None:
         seq = 0
@@ -218,22 +224,34 @@ class Runner:
                 daemon=True,
             ).start()
         while True:
-            item = self.tasks.get()
-            if item is _EOF:
-                self.close_engine()
-                return 0
-            if isinstance(item, ProtocolError):
-                raise ProtocolError(f"bad frame from the supervisor: {item}")
-            task = cast(Task, item)
-            if self.shutdown_requested.is_set() and not isinstance(task, ShutdownTask):
-                self.refuse(task, TaskState.CANCELLED, "the runner is shutting down; the task was not started")
-                continue
-            if not self.accept(task):
-                continue
-            if isinstance(task, ShutdownTask):
-                self.shutdown(task)
-                return 0
-            self.run_task(task)
+            busy = bool(self.running or self.waiting)
+            items: list[Task | object] = [] if busy else [self.tasks.get()]  # idle: sleep until a task comes
+            while True:
+                try:
+                    items.append(self.tasks.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is _EOF:
+                    self.close_engine()
+                    return 0
+                if isinstance(item, ProtocolError):
+                    raise ProtocolError(f"bad frame from the supervisor: {item}")
+                task = cast(Task, item)
+                if self.shutdown_requested.is_set() and not isinstance(task, ShutdownTask):
+                    self.refuse(task, TaskState.CANCELLED, "the runner is shutting down; the task was not started")
+                    continue
+                if not self.accept(task):
+                    continue
+                if isinstance(task, ShutdownTask):
+                    self.shutdown(task)
+                    return 0
+                if isinstance(task, GenerateTask):
+                    self.waiting.append(task)
+                else:
+                    self.run_task(task)
+            if self.running or self.waiting:
+                self.step()
 
     def accept(self, task: Task) -> bool:
         """Take a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
@@ -263,7 +281,7 @@ class Runner:
             self.task_status(tid, TaskState.RUNNING)
             self.set_status(Loading(0.0, "starting"))
             try:
-                self.engine = create_engine(self.config.spec)
+                self.engine = batched(create_engine(self.config.spec))
             except InvalidField as exc:  # an engine that cannot be had, or options it refuses: a load error
                 raise EngineLoadError(str(exc)) from exc
             self.engine.load(lambda fraction, detail: self.set_status(Loading(min(max(fraction, 0.0), 1.0), detail)))
@@ -275,8 +293,6 @@ class Runner:
             self.set_status(WarmingUp())
             self.engine.warmup()
             self.finish_current(tid, Ready())
-        elif isinstance(task, GenerateTask):
-            self.generate(task)
 
     def finish_current(self, task_id: str, status: RunnerStatus) -> None:
         """End the load or warm-up task: its status and completion go out together, unless a shutdown ended it."""
@@ -288,45 +304,108 @@ class Runner:
             self.sender.send(StatusUpdate(status))
             self.task_status(task_id, TaskState.COMPLETE)
 
-    def generate(self, task: GenerateTask) -> None:
-        assert self.engine is not None
-        tid = task.task_id
-        self.set_status(Running(tid))
-        self.task_status(tid, TaskState.RUNNING)
+    # --- the step loop ---------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One turn: end what was cancelled, fill free slots from the waiting queue, advance the batch one step."""
+        engine = self.engine
+        assert engine is not None
+        out: list[object] = []  # events, sent in one write before the step and one after it
         cancelled = self.cancelled
-        tokens = 0
-        finish = None
-        try:
-            for delta in self.engine.generate(task.params, lambda: tid in cancelled):
-                tokens += delta.tokens
-                finish = delta.finish_reason
-                self.sender.send(
+        if self.cancel_all:
+            cancelled.update(self.running)
+            cancelled.update(task.task_id for task in self.waiting)
+        for tid in [tid for tid in self.running if tid in cancelled]:
+            self._end_cancelled(tid, engine.drop(tid), out)
+        if any(task.task_id in cancelled for task in self.waiting):
+            for task in [task for task in self.waiting if task.task_id in cancelled]:
+                self.waiting.remove(task)
+                out.append(TaskStatus(task.task_id, TaskState.CANCELLED, "cancelled before it started"))
+                self._ended_task(task.task_id)
+        while self.waiting and engine.active() < engine.parallel:
+            task = self.waiting.popleft()
+            try:
+                engine.start(task.task_id, task.params)
+            except RequestError as exc:
+                out.append(ErrorChunk(task_id=task.task_id, message=str(exc)))
+                out.append(TaskStatus(task.task_id, TaskState.FAILED, str(exc)))
+                self._ended_task(task.task_id)
+                continue
+            self.running[task.task_id] = 0
+            out.append(TaskStatus(task.task_id, TaskState.RUNNING))
+        self._report_batch(out)
+        self.sender.send_many(out)  # before the step: a generation's deadlines start when it is known to run
+        out = []
+        if not self.running:
+            if self.waiting:  # never spin: an engine that will not take a sequence into an empty batch is broken
+                raise RuntimeError(f"{engine.name} reports {engine.active()} active sequences with none running")
+            return
+        for tid, result in engine.step():
+            if tid not in self.running:
+                continue
+            if tid in cancelled:  # cancelled while the step ran: nothing after a cancel is emitted
+                final = engine.drop(tid) if isinstance(result, Delta) and result.finish_reason is None else None
+                self._end_cancelled(tid, final, out)
+            elif isinstance(result, RequestError):
+                tokens = self.running.pop(tid)
+                out.append(ErrorChunk(task_id=tid, message=str(result)))
+                out.append(TaskStatus(tid, TaskState.FAILED, str(result), tokens=tokens))
+                self._ended_task(tid)
+            else:
+                tokens = self.running[tid] = self.running[tid] + result.tokens
+                out.append(
                     Chunk(
                         task_id=tid,
-                        text=delta.text,
-                        tokens=delta.tokens,
-                        finish_reason=delta.finish_reason,
-                        prompt_tokens=delta.prompt_tokens,
-                        completion_tokens=delta.completion_tokens,
+                        text=result.text,
+                        tokens=result.tokens,
+                        finish_reason=result.finish_reason,
+                        prompt_tokens=result.prompt_tokens,
+                        completion_tokens=result.completion_tokens,
                     )
                 )
-                if tid in cancelled:
-                    break
-        except RequestError as exc:
-            self.sender.send(ErrorChunk(task_id=tid, message=str(exc)))
-            self.task_status(tid, TaskState.FAILED, str(exc), tokens)
-        else:
-            if tid in cancelled or finish == "cancelled":
-                self.task_status(tid, TaskState.CANCELLED, "cancelled", tokens)
-            else:
-                self.task_status(tid, TaskState.COMPLETE, tokens=tokens)
-        finally:
-            self._ended.add(tid)
-            cancelled.discard(tid)
-        self.set_status(Ready())
+                if result.finish_reason is not None:
+                    del self.running[tid]
+                    state = TaskState.CANCELLED if result.finish_reason == "cancelled" else TaskState.COMPLETE
+                    out.append(
+                        TaskStatus(tid, state, "cancelled" if state is TaskState.CANCELLED else None, tokens=tokens)
+                    )
+                    self._ended_task(tid)
+        self._report_batch(out)
+        self.sender.send_many(out)
+
+    def _end_cancelled(self, tid: str, final: Delta | None, out: list[object]) -> None:
+        tokens = self.running.pop(tid)
+        prompt_tokens = final.prompt_tokens if final is not None else 0
+        out.append(Chunk(tid, "", 0, "cancelled", prompt_tokens, tokens))
+        out.append(TaskStatus(tid, TaskState.CANCELLED, "cancelled", tokens=tokens))
+        self._ended_task(tid)
+
+    def _ended_task(self, tid: str) -> None:
+        self._ended.add(tid)
+        self.cancelled.discard(tid)
+
+    def _report_batch(self, out: list[object]) -> None:
+        """The status follows the batch: Running(running, waiting) while anything is, Ready when it empties."""
+        status: RunnerStatus = (
+            Running(len(self.running), len(self.waiting)) if self.running or self.waiting else Ready()
+        )
+        if status != self.status:
+            with self._status_lock:
+                if self._final:
+                    return
+                self.status = status
+                out.append(StatusUpdate(status))
 
     def shutdown(self, task: ShutdownTask) -> None:
         self.task_status(task.task_id, TaskState.RUNNING)
+        out: list[object] = []
+        if self.engine is not None:  # what is generating ends cancelled; what waits was never started
+            for tid in list(self.running):
+                self._end_cancelled(tid, self.engine.drop(tid), out)
+        for waiting in self.waiting:
+            out.append(TaskStatus(waiting.task_id, TaskState.CANCELLED, "the runner shut down before the task started"))
+        self.waiting.clear()
+        self.sender.send_many(out)
         self.set_status(ShuttingDown())
         # Tasks queued behind the shutdown get an explicit answer rather than silence.
         while True:

@@ -279,6 +279,18 @@ class GenerationResponse(Response):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _queue(hosted: Hosted) -> dict[str, int]:
+    running, waiting = hosted.generations()
+    return {
+        "running": running,
+        "waiting": waiting,
+        "in_flight": hosted.in_flight,
+        "parallel": hosted.parallel,
+        "max_queue": hosted.config.max_queue,
+        "limit": hosted.limit,
+    }
+
+
 def instance_json(hosted: Hosted) -> dict[str, Any]:
     inst = hosted.instance
     state = inst.state
@@ -310,7 +322,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         "pids": list(inst.pids),
         "restarts": inst.restarts,
         "failures": {kind.value: count for kind, count in inst.failures.items()},  # every failed life, by cause
-        "queue": {"in_flight": hosted.in_flight, "limit": hosted.config.max_queue},
+        "queue": _queue(hosted),
         "cause": openai.cause_json(cause) if cause is not None else None,
         "history": [
             {

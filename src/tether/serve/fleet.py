@@ -2,10 +2,10 @@
 
 A ``Fleet`` owns every ``Instance`` of a worker (``tether serve``). Each instance runs in a host task of its own (an
 ``Instance`` is an async context manager, and a task group must be left by the task that entered it), so an HTTP
-handler can create one and another can delete it. Requests are admitted per instance against ``max_queue``: the
-runner serves one generation at a time and the rest wait in its queue, and a runner that dies fails everything
-queued with its cause (the supervisor's guarantee), so a full queue answers "busy, retry in N s" instead of letting
-latency grow without bound.
+handler can create one and another can delete it. Requests are admitted per instance up to its runner's
+``parallel`` (the generations its engine batches) plus ``max_queue`` waiting for a slot; a runner that dies fails
+everything running and waiting with its cause (the supervisor's guarantee), and a full queue answers "busy, retry
+in N s" instead of letting latency grow without bound.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
     memory_limit: Annotated[int, documented(minimum=MIN_MEMORY_LIMIT, maximum=(1 << 63) - 1)] | None = None  # bytes
-    max_queue: Annotated[int, documented(minimum=1, maximum=MAX_QUEUE_LIMIT)] = 16  # in flight before a 503
+    max_queue: Annotated[int, documented(minimum=1, maximum=MAX_QUEUE_LIMIT)] = 16  # waiting, beyond parallel running
     force: bool = False  # load even when the fit check says it does not fit
 
     def check(self) -> InvalidField | None:
@@ -133,6 +133,7 @@ class Hosted:
     id: str
     config: InstanceConfig
     instance: Instance
+    parallel: int = 1  # generations its runner's engine serves at once
     created_at: float = field(default_factory=time.time)
     in_flight: int = 0  # generations admitted and not ended (running + waiting in the runner's queue)
     _stop: anyio.Event = field(default_factory=anyio.Event)
@@ -141,6 +142,18 @@ class Hosted:
     @property
     def supervisor(self) -> Supervisor | None:
         return self.instance.supervisor
+
+    @property
+    def limit(self) -> int:
+        """Generations admitted at most: ``parallel`` running plus ``max_queue`` waiting."""
+        return self.parallel + self.config.max_queue
+
+    def generations(self) -> tuple[int, int]:
+        """(running, waiting) now: in the runner's batch, and admitted but waiting for a slot (in the runner's queue
+        or not yet handed to it)."""
+        sup = self.supervisor
+        running, _ = sup.generations() if sup is not None else (0, 0)
+        return running, max(self.in_flight - running, 0)
 
     def retry_after(self) -> float | None:
         """How long until this instance can take a request again, as best known; None when retrying cannot help."""
@@ -229,7 +242,7 @@ class Fleet:
             stop_timeout=self.stop_timeout,
             admitted=admitted,
         )
-        hosted = Hosted(id=instance_id, config=config, instance=instance)
+        hosted = Hosted(id=instance_id, config=config, instance=instance, parallel=registry.parallel(spec))
         self._hosted[instance_id] = hosted
         self.listeners(hosted)
         self._tg.start_soon(self._host, hosted)
@@ -269,11 +282,12 @@ class Fleet:
             raise Unavailable(
                 hosted.instance.unavailable_reason(), retry_after=hosted.retry_after(), cause=hosted.instance.cause
             )
-        limit = hosted.config.max_queue
-        if hosted.in_flight >= limit:
+        if hosted.in_flight >= hosted.limit:
+            running, waiting = hosted.generations()
             raise Unavailable(
-                f"instance {hosted.id} is busy: {hosted.in_flight} requests in flight, its queue holds {limit}; "
-                "retry shortly or raise max_queue",
+                f"instance {hosted.id} is busy: {running} requests generating (parallel {hosted.parallel}) and "
+                f"{waiting} waiting (max_queue {hosted.config.max_queue}); retry shortly, or raise max_queue (more "
+                "waiting) or the engine's parallel option (more at once, more memory)",
                 retry_after=1.0,
             )
         hosted.in_flight += 1

@@ -38,6 +38,18 @@ class _FleetCollector(Collector):
             "tether_queue_depth", "Generations in flight (running + waiting) per instance", labels=["instance"]
         )
         queue_limit = GaugeMetricFamily("tether_queue_limit", "Generations admitted at most", labels=["instance"])
+        running = GaugeMetricFamily(
+            "tether_generations_running", "Generations in the runner's batch now", labels=["instance"]
+        )
+        waiting = GaugeMetricFamily(
+            "tether_generations_waiting", "Generations admitted and waiting for a batch slot", labels=["instance"]
+        )
+        parallel = GaugeMetricFamily(
+            "tether_batch_slots", "Generations the runner's engine serves at once (parallel)", labels=["instance"]
+        )
+        occupancy = GaugeMetricFamily(
+            "tether_batch_occupancy", "Running generations / batch slots (0..1)", labels=["instance"]
+        )
         footprint = GaugeMetricFamily(
             "tether_runner_footprint_bytes",
             "What the runner's process group really holds (anonymous + shmem + swap + GPU)",
@@ -52,12 +64,29 @@ class _FleetCollector(Collector):
             for cause, count in hosted.instance.failures.items():
                 failures.add_metric([hosted.id, cause.value], count)
             queue.add_metric([hosted.id], hosted.in_flight)
-            queue_limit.add_metric([hosted.id], hosted.config.max_queue)
+            queue_limit.add_metric([hosted.id], hosted.limit)
+            now_running, now_waiting = hosted.generations()
+            running.add_metric([hosted.id], now_running)
+            waiting.add_metric([hosted.id], now_waiting)
+            parallel.add_metric([hosted.id], hosted.parallel)
+            occupancy.add_metric([hosted.id], now_running / hosted.parallel)
             sup = hosted.supervisor
             if sup is not None and sup.footprint is not None:
                 footprint.add_metric([hosted.id], sup.footprint.footprint)
                 rss.add_metric([hosted.id], sup.footprint.rss)
-        yield from (state, restarts, failures, queue, queue_limit, footprint, rss)
+        yield from (
+            state,
+            restarts,
+            failures,
+            queue,
+            queue_limit,
+            running,
+            waiting,
+            parallel,
+            occupancy,
+            footprint,
+            rss,
+        )
 
 
 class Metrics:

@@ -142,7 +142,14 @@ class ModelList(msgspec.Struct):
 
 
 class Queue(msgspec.Struct):
+    """Generations admitted: ``running`` in the runner's batch (at most ``parallel``) plus ``waiting`` for a slot
+    (at most ``max_queue``); ``in_flight`` is their sum, ``limit`` its bound (beyond it: 503 with Retry-After)."""
+
+    running: int
+    waiting: int
     in_flight: int
+    parallel: int
+    max_queue: int
     limit: int
 
 
