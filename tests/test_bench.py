@@ -106,6 +106,11 @@ def test_serve_bench_quick_run_prints_its_json_line() -> None:
     assert result["quick"] is True and result["error"] is None, result
     assert result["errors"] == 0 and result["leftover_processes"] == 0, result
     assert result["tokens_per_s_ratio"] > 0 and result["ttft_added_ms"] is not None
+    if result["llama_server_skipped"] is None:  # only where llama-server is already built: --quick never builds
+        for c in result["concurrency"]:
+            assert result[f"tokens_per_s_ratio_vs_llama_server_c{c}"] > 0, (c, result)
+            assert result[f"llama_server_ttft_p50_ms_c{c}"] > 0, (c, result)
+        assert isinstance(result["llama_server_outputs_identical"], bool), result
 
 
 @pytest.mark.timeout(150)

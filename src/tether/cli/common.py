@@ -25,12 +25,15 @@ def fail(message: str, code: int = EXIT_FAILED) -> int:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    """The engine options a command line sets (``--n-ctx``, ``--threads``), for ``run`` and ``serve`` alike."""
+    """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``), for ``run`` and ``serve``
+    alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
     if args.threads is not None:
         options["n_threads"] = args.threads
+    if args.parallel is not None:
+        options["parallel"] = args.parallel
     return options
 
 

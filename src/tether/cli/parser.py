@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
     srv.add_argument("--name", default=None, help="the instance's id and model name (default: the GGUF's stem)")
     srv.add_argument("--restart", choices=("on-failure", "never"), default="on-failure", help="restart policy")
-    srv.add_argument("--max-queue", type=int, default=16, help="generations in flight before 503 (default 16)")
+    srv.add_argument(
+        "--max-queue", type=int, default=16, help="generations waiting for a batch slot before 503 (default 16)"
+    )
     srv.add_argument("--max-body", type=parse_size, default="4M", help="request body limit (default 4M)")
     srv.add_argument("--memory-limit", type=parse_size, default=None, help="memory limit of the runner's cgroup")
     _add_runner_arguments(srv, engine_help)
@@ -153,7 +155,13 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str) ->
     """What ``run`` and ``serve`` both take: the engine and model, its options, and how its runner is supervised."""
     command.add_argument("--engine", default="llama.cpp", help=engine_help)
     command.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
-    command.add_argument("--n-ctx", type=int, default=None, help="context length (llama.cpp)")
+    command.add_argument("--n-ctx", type=int, default=None, help="context length per sequence (llama.cpp)")
+    command.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        help="generations served at once in one batch (llama.cpp default 8; each holds n-ctx of KV cache)",
+    )
     command.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
     command.add_argument(
         "--fault",

@@ -6,14 +6,16 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
 
 * weights: the sum of the tensors' data sizes (mmapped: resident file-backed pages once touched);
 * KV cache: 2 (K and V) x layers x n_ctx x kv heads x head dim x bytes per element of the cache type, with n_ctx
-  rounded up to a multiple of 256 as llama.cpp does (n_ctx 1000 gets 1024 cells);
+  rounded up to a multiple of 256 as llama.cpp does (n_ctx 1000 gets 1024 cells), times ``parallel``: the engine
+  gives each of its parallel sequences a cache of n_ctx cells of its own;
 * runtime: a fixed base for the interpreter, tether's runner and the llama.cpp/ggml/numpy libraries
   (:data:`RUNTIME_BASE`), the tokenizer's tables (:data:`VOCAB_BYTES_PER_TOKEN` per vocabulary entry) and the
   compute scratch of one micro-batch: without flash attention, the attention scores of n_ubatch tokens against
-  n_ctx cells for every query head, kept in f32 in ggml's compute buffer and copied to f16 in the CPU backend's
-  work buffer for the V product (:data:`ATTENTION_BYTES_PER_SCORE` = 4 + 2 bytes), or the feed-forward activations
-  if larger. llama.cpp reserves more compute buffer than that (logits for a whole batch, 96 MiB for the default
-  model), but the engine asks for the last token's logits only, so those pages are never touched.
+  n_ctx cells (each sequence attends to its own cells only) for every query head, kept in f32 in ggml's compute
+  buffer and copied to f16 in the CPU backend's work buffer for the V product (:data:`ATTENTION_BYTES_PER_SCORE` =
+  4 + 2 bytes), or the feed-forward activations if larger. llama.cpp reserves more compute buffer than that (logits
+  for a whole batch, 96 MiB for the default model), but the engine asks for logits of one token per sequence only,
+  so those pages are never touched.
 * headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
 
 Measured on the default model (SmolLM2-135M-Instruct Q4_1: weights 92.1 MiB, llama-cpp-python 0.3.36, x86-64 Linux,
@@ -109,11 +111,12 @@ class ModelEstimate:
     cache_type: str
     n_batch: int
     n_ubatch: int
-    kv_cache: int
+    kv_cache: int  # all parallel sequences' caches
     runtime_base: int  # interpreter, libraries, tokenizer
     compute: int  # attention or feed-forward scratch of one micro-batch
     headroom: int
     notes: tuple[str, ...] = field(default=())
+    parallel: int = 1  # sequences served at once, each with n_ctx cells
 
     @property
     def runtime(self) -> int:
@@ -135,6 +138,8 @@ class ModelEstimate:
     def describe(self) -> str:
         """``needs ~X (weights A + KV cache B at n_ctx N + runtime C + headroom D)``."""
         ctx = f"the model's n_ctx {self.n_ctx}" if self.n_ctx_from_model else f"n_ctx {self.n_ctx}"
+        if self.parallel > 1:
+            ctx += f" x parallel {self.parallel}"
         cache = "" if self.cache_type == "f16" else f" ({self.cache_type})"
         return (
             f"needs ~{format_bytes(self.total)} (weights {format_bytes(self.weights)} + KV cache"
@@ -150,7 +155,8 @@ class ModelEstimate:
         """What to do when this does not fit ``available`` bytes: the largest n_ctx that would, if any."""
         best = self.max_n_ctx(available)
         if best is not None:
-            return f"use a smaller --n-ctx (up to {best} fits), free memory, or pass --force to load anyway"
+            fewer = " or a smaller --parallel" if self.parallel > 1 else ""
+            return f"use a smaller --n-ctx (up to {best} fits){fewer}, free memory, or pass --force to load anyway"
         smallest = self.with_n_ctx(KV_CELL_PADDING)
         if smallest.total > available:
             return (
@@ -185,6 +191,7 @@ def estimate_gguf(
     headroom: int = DEFAULT_HEADROOM,
     *,
     n_batch: int = DEFAULT_N_BATCH,
+    parallel: int = 1,
 ) -> ModelEstimate:
     """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring).
 
@@ -194,8 +201,11 @@ def estimate_gguf(
     """
     if cache_type.lower() not in CACHE_TYPES:
         raise ValueError(f"unknown KV cache type {cache_type!r}: use one of {', '.join(CACHE_TYPES)}")
-    if headroom < 0 or n_batch < 1 or (n_ctx is not None and n_ctx < 1):
-        raise ValueError(f"need n_ctx >= 1, n_batch >= 1 and headroom >= 0 (got {n_ctx}, {n_batch}, {headroom})")
+    if headroom < 0 or n_batch < 1 or parallel < 1 or (n_ctx is not None and n_ctx < 1):
+        raise ValueError(
+            f"need n_ctx >= 1, n_batch >= 1, parallel >= 1 and headroom >= 0 (got {n_ctx}, {n_batch}, {parallel}, "
+            f"{headroom})"
+        )
     gguf = read_gguf(path)
     parts = split_parts(gguf)
     shape = _shape(gguf)
@@ -232,6 +242,7 @@ def estimate_gguf(
         compute=0,
         headroom=headroom,
         notes=tuple(notes),
+        parallel=parallel,
     )
     chosen = n_ctx if n_ctx is not None else shape.context_length or 0
     return _estimate(seed, n_ctx=chosen, n_ctx_from_model=n_ctx is None)
@@ -241,8 +252,13 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
     s = base.shape
     cells = -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
     block, size = TYPE_SIZES[base.cache_type]
-    kv = cells * sum(
-        -(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size for heads in s.n_head_kv
+    kv = (
+        base.parallel
+        * cells
+        * sum(
+            -(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size
+            for heads in s.n_head_kv
+        )
     )
     n_ubatch = min(base.n_batch, MAX_N_UBATCH, n_ctx)
     attention = n_ubatch * cells * max(s.n_head) * ATTENTION_BYTES_PER_SCORE
@@ -308,4 +324,10 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
     """The estimate for a llama.cpp runner of ``spec`` with ``options`` (the engine's defaults under the spec's own,
     so the estimate matches the load). Raises ``GgufError`` for a file that is not a readable GGUF."""
     path = Path(spec.model) if spec.model else default_model_path()
-    return estimate_gguf(path, n_ctx=int(options["n_ctx"]), n_batch=int(options["n_batch"]), headroom=headroom)
+    return estimate_gguf(
+        path,
+        n_ctx=int(options["n_ctx"]),
+        n_batch=int(options["n_batch"]),
+        parallel=int(options.get("parallel", 1)),
+        headroom=headroom,
+    )
