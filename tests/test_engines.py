@@ -640,5 +640,5 @@ def test_llama_cancel_stops_within_one_delta(llama_engine: object) -> None:
 @pytest.mark.model
 @pytest.mark.timeout(120)
 def test_llama_prompt_longer_than_context_is_a_request_error(llama_engine: object) -> None:
-    with pytest.raises(RequestError, match=r"prompt is \d+ tokens but n_ctx is 512"):
+    with pytest.raises(RequestError, match=r"prompt is \d+ tokens but a sequence's context \(n_ctx\) is 512"):
         llama_engine.generate(GenerateParams(prompt="hello " * 2000), lambda: False)  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
+from tether.engines.llamacpp import PARALLEL_DEFAULT, LlamaCppEngine
 from tether.engines.llamacpp_estimate import DEFAULT_HEADROOM, estimate_gguf
 from tether.errors import DoesNotFit
 from tether.models import DefaultModelMissing, default_model_path
@@ -185,6 +186,16 @@ def test_kv_cache_scales_with_n_ctx_and_cache_type(model_path: Path) -> None:
         estimate_gguf(model_path, 2048, "q3")
 
 
+def test_each_parallel_sequence_has_a_cache_of_its_own_in_the_estimate(model_path: Path) -> None:
+    one, eight = estimate_gguf(model_path, 2048), estimate_gguf(model_path, 2048, parallel=8)
+    assert eight.kv_cache == 8 * one.kv_cache == 360 * MiB
+    assert eight.compute == one.compute  # a sequence attends to its own 2048 cells, not to all of them
+    assert "KV cache 360 MiB at n_ctx 2048 x parallel 8" in eight.describe()
+    assert "or a smaller --parallel" in eight.advice(eight.total - 1)
+    served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp"))  # what `tether serve` asks by default
+    assert served.parallel == PARALLEL_DEFAULT and served.kv_cache == PARALLEL_DEFAULT * one.kv_cache
+
+
 def test_estimate_uses_per_layer_heads_and_key_value_lengths(tmp_path: Path) -> None:
     kv = tiny_kv(
         **{
@@ -327,7 +338,7 @@ async def test_refused_model_loads_with_override_and_estimate_matches_the_runner
     assert ensure_fits(estimate, available, "test limit", override=True).ok  # ... so it is loaded anyway
 
     # One thread: on a small shared box, ggml's spinning thread barriers collapse under CPU contention.
-    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 2048, "n_threads": 1})
+    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 2048, "n_threads": 1, "parallel": 1})
     with anyio.fail_after(110):
         async with Supervisor(spec) as sup:
             await sup.ready()
@@ -357,7 +368,7 @@ async def test_estimate_bounds_the_ready_runner_at_n_ctx_8192(model_path: Path) 
     the estimate must bound it from above, and the static part from below."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: run `make install`")
     estimate = estimate_gguf(model_path, 8192)
-    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192, "n_threads": 1})
+    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192, "n_threads": 1, "parallel": 1})
     with anyio.fail_after(110):
         async with Supervisor(spec) as sup:
             await sup.ready()

@@ -52,6 +52,8 @@ def command(args: argparse.Namespace) -> int:
 
 def _engine_spec(args: argparse.Namespace) -> EngineSpec:
     options = engine_options(args)
+    if "parallel" not in options and "parallel" in registry.resolve(engine_name(args)).options:
+        options["parallel"] = 1  # one prompt: one sequence's cache, not a server's batch of them
     load_faults = tuple(f for f in args.fault if f.phase != "generate")
     return EngineSpec(
         engine=engine_name(args),

@@ -31,6 +31,7 @@ from typing import Any
 
 from tether.engines.base import Delta, RequestError, StepResult
 from tether.engines.text import TextStream
+from tether.errors import TetherError
 from tether.protocol import FinishReason
 
 TOP_K, MIN_P = 40, 0.05  # llama-cpp-python's and llama-server's defaults, for temperature > 0
@@ -38,7 +39,7 @@ PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size
 PIECE_BUFFER = 256
 
 
-class DecodeError(RuntimeError):
+class DecodeError(TetherError):
     """``llama_decode`` failed: the context's state is unknown, so this is fatal for the runner."""
 
 
