@@ -1,82 +1,125 @@
-"""Serving benchmark: ``tether serve`` against llama-cpp-python's own OpenAI server, same GGUF, same load.
+"""Serving benchmark: ``tether serve`` against llama-cpp-python's OpenAI server and llama.cpp's own C++
+``llama-server``, same GGUF, same load.
 
-Both servers serve the built-in default model (``tether.models.default_model_path()``, SmolLM2-135M-Instruct) on
-127.0.0.1, each started as a subprocess on a free port, one at a time (never both: the machine may have two cores):
+All three serve the built-in default model (``tether.models.default_model_path()``, SmolLM2-135M-Instruct) on
+127.0.0.1, each started as a subprocess on a free port, one at a time (never two at once: the machine may have two
+cores), with 2 threads, greedy sampling and a context of 2048 tokens per sequence:
 
-- tether: ``python -m tether serve --port P --n-ctx 2048 --threads 2`` (no ``--model``: the default model, the
-  same file). Ready when ``GET /readyz`` returns 200 (503 while loading). Stopped with SIGTERM, the exit awaited
-  (bounded; SIGKILL after it, counted in ``forced_kills``). Before the stop the bench snapshots the server's
-  descendants (psutil); after it (and a 2 s grace for exits under way), ``leftover_processes`` counts those still
-  running plus any process whose command line names ``tether.runner`` and either ``--worker=<server pid>`` or the
-  server as its parent. It must be 0 (promise 6); the bench kills what it counted.
-- baseline: ``python -m llama_cpp.server --model PATH --n_ctx 2048 --n_threads 2 --n_threads_batch 2 --n_batch 512
-  --seed 0 --interrupt_requests false --port P --host 127.0.0.1``. Ready when ``GET /v1/models`` returns 200.
-  Stopped with SIGTERM, then SIGKILL after the bound. ``--interrupt_requests false`` is required for a fair
-  concurrent load: by default llama_cpp.server ends a streaming response early (it sends ``[DONE]`` after the
-  current token) as soon as another request is waiting for the model, so at concurrency 4 most streams would be
-  cut short. Everything else is the server as shipped (``verbose`` included).
+- tether: ``python -m tether serve --port P --n-ctx 2048 --threads 2 [--parallel 8]`` (no ``--model``: the default
+  model, the same file). ``--parallel 8`` (``PARALLEL``, as many sequences as llama-server's slots) is passed only
+  when ``tether serve --help`` lists it (``tether_parallel`` in the JSON line says whether it was). Ready when
+  ``GET /readyz`` returns 200 (503 while loading). Stopped with SIGTERM, the exit awaited (bounded; SIGKILL after
+  it, counted in ``forced_kills``). Before the stop the bench snapshots the server's descendants (psutil); after it
+  (and a 2 s grace for exits under way), ``leftover_processes`` counts those still running plus any process whose
+  command line names ``tether.runner`` and either ``--worker=<server pid>`` or the server as its parent. It must be
+  0 (promise 6); the bench kills what it counted.
+- baseline (``llama_cpp.server`` in the table): ``python -m llama_cpp.server --model PATH --n_ctx 2048 --n_threads 2
+  --n_threads_batch 2 --n_batch 512 --seed 0 --interrupt_requests false --port P --host 127.0.0.1``. Ready when
+  ``GET /v1/models`` returns 200. Stopped with SIGTERM, then SIGKILL after the bound. ``--interrupt_requests
+  false`` is required for a fair concurrent load: by default llama_cpp.server ends a streaming response early (it
+  sends ``[DONE]`` after the current token) as soon as another request is waiting for the model, so at concurrency
+  4 most streams would be cut short. Everything else is the server as shipped (``verbose`` included). It serves one
+  request at a time.
+- llama-server (``llama_server`` in the JSON keys): llama.cpp's C++ server, built from the llama.cpp vendored in
+  the llama-cpp-python 0.3.36 sdist (the same kernels as ``llama_cpp``; ``bench/llama_server.py`` finds or builds
+  it in ``~/.cache/tether-bench``): ``llama-server -m PATH --host 127.0.0.1 --port P -t 2 -tb 2 -c 16384 -np 8
+  -b 512 -fa off --seed 0 --temp 0 --no-webui``. ``-np 8`` gives it 8 slots decoded together (continuous batching,
+  its default) and ``-c`` is the total context, ``PARALLEL * 2048``: with an explicit ``-np`` the KV cache is not
+  unified, so each slot gets 2048 tokens, the others' per-sequence context. ``-fa off``: its default is ``auto``,
+  which turns flash attention on for this CPU, while ``llama_cpp`` (tether's engine, llama_cpp.server) builds its
+  contexts without it; with it on, the greedy texts drift from the others' after some tokens (observed on 5 of the
+  8 prompts at 32 tokens) and the comparison would be of attention kernels, not servers. ``--no-webui``: nothing but
+  the API. It is built without curl, so it cannot download anything; the model is a local path. Its prompt cache
+  stays at its default (``cache_prompt`` on: a slot keeps its last prompt's KV and a new request reuses the common
+  prefix; idle slots are saved to the RAM prompt cache, ``--cache-ram`` 8192 MiB). Ready when ``GET /health``
+  returns 200 (503 while it loads). Stopped with SIGTERM, then SIGKILL after the bound.
+
+  Where it comes from: ``--quick`` never builds; it uses the cached binary when ``llama_server.find()`` finds one
+  (it exists and ``--version`` runs), else the side is skipped. A full run builds it when missing (about 10 min on
+  two cores, output to ``~/.cache/tether-bench/llama-server-build.log``) unless ``--no-build``. When it cannot be
+  found, built or started, ``llama_server_skipped`` says why, its figures are null and the rest runs as before.
 
 Server output goes to a log file in a temporary directory (its tail is in the error when a server fails to start).
 
 Sampling is identical: greedy (``temperature: 0``), ``max_tokens`` 128 (``--quick``: 32), ``seed: 0``, and
-``repeat_penalty: 1.0`` in the baseline's request body (llama_cpp.server accepts it as an extra field; its default
-is 1.1, tether's engine uses 1.0; at temperature 0 the penalty still changes which token is the argmax). Other
-sampling fields are left at their defaults: greedy sampling makes them irrelevant. ``outputs_identical`` checks
-it: every prompt's completion text must be the same on both sides in every round and at every concurrency (a
-check, reported, not a figure; a prefix reused from the KV cache of a different previous request can, rarely,
-change the float rounding and so a greedy choice).
+``repeat_penalty: 1.0`` in the request body of both llama.cpp servers (llama_cpp.server accepts it as an extra field
+and defaults to 1.1; llama-server's chat endpoint accepts it and defaults to 1.0; tether's engine uses 1.0; at
+temperature 0 the penalty still changes which token is the argmax). Other sampling fields are left at their
+defaults: greedy sampling makes them irrelevant. ``outputs_identical`` checks tether against llama_cpp.server:
+every prompt's completion text must be the same on both sides in every round and at every concurrency;
+``llama_server_outputs_identical`` checks tether against llama-server the same way (checks, reported, not
+figures, and never a failure: a prefix reused from the KV cache of a different previous request, or a batch of
+several sequences, can change the float rounding and so, rarely, a greedy choice; and llama-server renders the
+chat template with its own Jinja engine).
 
 Requests: ``POST /v1/chat/completions`` with ``stream: true``, ``stream_options: {"include_usage": true}``, a
 fixed system message and one of ``PROMPTS`` (stories: answers longer than ``max_tokens``), ``model`` = the first id
 of the server's ``GET /v1/models``. At concurrency ``C``, ``C`` clients each send ``N = max(1, R // C)`` requests
-back to back (a closed loop; ``R`` = ``--requests``, default 8, so every concurrency sends the same work when ``C``
+back to back (a closed loop; ``R`` = ``--requests``, default 16, so every concurrency sends the same work when ``C``
 divides ``R``), request ``j`` of client ``i`` with prompt ``PROMPTS[(i * N + j) % len(PROMPTS)]``: the same
-prompts in the same order on both sides.
+prompts in the same order on every side. ``R`` is 16 rather than 8 so that at C=8 each client sends two requests,
+not one: with one, the phase is a single wave of 8 simultaneous arrivals, its TTFT p99 is the maximum of 8 samples
+and no request arrives while the server is already generating for the others (what a batching server's admission
+between steps is for). 16 doubles the run time: one round of the three servers takes about 5 min on two cores
+(llama_cpp.server's C=4 and C=8 phases, one request at a time, are 2 of them), the default 3 rounds about 15 min.
 One ``httpx.AsyncClient`` per load phase, all clients in one anyio task group. Each server gets one untimed warm-up
 request first (``PROMPTS[0]``, 16 tokens). Per request, stamped with ``time.perf_counter()``:
 
 - *TTFT* = from just before the request is sent to the first SSE line ``data: {...}`` whose
   ``choices[0].delta.content`` is non-empty (role-only and empty chunks do not count);
+- *inter-token gaps* = the times between successive content chunks of the stream (one chunk is one token on all
+  three servers, except where a server holds back a partial UTF-8 character or a possible stop-string prefix);
 - *output tokens* = ``usage.completion_tokens`` when the server sends a usage chunk, else the number of content
-  chunks (llama_cpp.server sends no usage in streams; it sends one chunk per token, except where it holds back
-  a partial UTF-8 character or a possible stop-string prefix). ``tokens_source`` says which each side used;
+  chunks (llama_cpp.server sends no usage in streams). ``tokens_source`` says which each side used;
 - an *error* = a status other than 200, an ``error`` object in the stream, a stream that ends without
-  ``data: [DONE]``, no content at all, or an exception (timeout: 120 s per request). ``errors`` must be 0.
+  ``data: [DONE]``, no content at all, or an exception (timeout: 120 s per request). ``errors`` (all sides) must be
+  0; ``errors_by_side`` splits it.
 
 Per (round, side, concurrency): aggregate output tokens/s = the requests' output tokens / the wall time of the load
-phase (first request sent -> last stream ended), and the p50 of the requests' TTFTs. Both servers serialise
-generation (one model, one request at a time), so at concurrency 4 TTFT is mostly queueing behind the other
-clients' requests: it measures throughput as much as latency.
+phase (first request sent -> last stream ended); the p50 and p99 of the requests' TTFTs; the p99 of the
+inter-token gaps, pooled over the phase's requests (``itl``). llama_cpp.server serialises generation (one request at
+a time), so its TTFT at C>1 is mostly queueing behind the other clients' requests while its gaps stay those of one
+stream; a batching server (llama-server, tether with ``--parallel``) starts the queued requests between steps, so
+its TTFT stays short and its gaps grow with the batch. TTFT at C>1 measures throughput as much as latency.
 
-Rounds: ``--rounds`` (default 3; ``--quick``: 1). Each round runs both servers, one after the other (start, warm
-up, concurrency 1, then 4, stop), the order alternating (round 0: baseline first, round 1: tether first, ...), so
-a slow stretch of a noisy machine falls on both sides. Each side's figure is the median over the rounds of its
-per-round figures. Then, per concurrency C:
+Rounds: ``--rounds`` (default 3; ``--quick``: 1). Each round runs every side, one after the other (start, warm
+up, concurrency 1, 4, 8, stop), the order rotating (round 0: baseline, tether, llama-server; round 1: tether,
+llama-server, baseline; ...; with llama-server skipped: baseline and tether alternating), so a slow stretch of a
+noisy machine falls on every side. Each side's figure is the median over the rounds of its per-round figures. Then,
+per concurrency C:
 
 - ``tokens_per_s_ratio_cC`` = tether tokens/s / baseline tokens/s (medians over the rounds);
-- ``ttft_added_ms_cC`` = tether p50 TTFT - baseline p50 TTFT (medians over the rounds).
+- ``ttft_added_ms_cC`` = tether p50 TTFT - baseline p50 TTFT (medians over the rounds);
+- ``tokens_per_s_ratio_vs_llama_server_cC`` = tether tokens/s / llama-server tokens/s (null when skipped);
+- per side (``baseline``, ``tether``, ``llama_server``): ``SIDE_tokens_per_s_cC``, ``SIDE_ttft_p50_ms_cC``,
+  ``SIDE_ttft_p99_ms_cC``, ``SIDE_itl_p99_ms_cC``.
 
-Headlines: ``tokens_per_s_ratio`` = the minimum over the concurrencies (the target must hold at every load);
-``ttft_added_ms`` = the figure at the lowest concurrency, 1 by default (no queueing: what the server adds to one
-request's first token). ``meets_target`` = ``tokens_per_s_ratio >= target_ratio`` (0.98).
+Headlines: ``tokens_per_s_ratio`` = the minimum over the concurrencies of the ratio to llama_cpp.server (the target
+must hold at every load); ``ttft_added_ms`` = the figure at the lowest concurrency, 1 by default (no queueing: what
+the server adds to one request's first token). ``meets_target`` = ``tokens_per_s_ratio >= target_ratio`` (0.98).
+Against the C++ server: ``tokens_per_s_ratio_vs_llama_server_c1``/``_c4``/``_c8``, ``ttft_p50_ms_c8`` (tether)
+beside ``llama_server_ttft_p50_ms_c8``: how close tether gets to llama.cpp's own batching server.
 
 Reading the figures: on a shared two-core machine another program's burst can halve one phase's rate (llama.cpp's
 threads wait for each other at every step, so a stolen core costs far more than its share); the per-round table
 shows such a phase, and the median over the rounds drops it. Observed on such a machine: llama_cpp.server's
 aggregate rate at concurrency 4 stays well below its rate at concurrency 1 and its rate varies from phase to phase
 far more than tether's, with the machine otherwise idle (it then uses about 1.2 of the 2 cores instead of 1.9); so
-the C=4 ratio says how each server copes with queued requests, not what tether's layers cost, and the headline
-minimum is normally the C=1 ratio.
+the C>1 ratios to it say how each server copes with queued requests, not what tether's layers cost, and the
+headline minimum is normally the C=1 ratio.
 
-Statistics: p50 = ``statistics.quantiles(samples, n=100, method="inclusive")`` (``benchstats.percentile``).
+Statistics: p50/p99 = ``statistics.quantiles(samples, n=100, method="inclusive")`` (``benchstats.percentile``).
 Runner records and runner logs go to a private temporary ``TETHER_RUNTIME_DIR`` / ``TETHER_LOG_DIR`` (removed at
 the end). Without the default model (``DefaultModelMissing``) the figures are null and ``skipped`` says why (exit
-0). A server that does not start is an error: null figures, ``error`` says why, exit 1.
+0). A tether or llama_cpp.server that does not start is an error: null figures, ``error`` says why, exit 1 (a
+llama-server that does not start only skips its side).
 
-``--quick`` (for CI): 1 round, concurrency 1 and 4, ``R`` = 4 (4 requests at C=1, 1 per client at C=4),
-``max_tokens`` 32 (``"quick": true``); its figures are only a smoke test.
+``--quick`` (for CI): 1 round, concurrency 1, 4 and 8, ``R`` = 4 (4 requests at C=1, 1 per client at C=4 and C=8),
+``max_tokens`` 32 (``"quick": true``); its figures are only a smoke test. llama-server runs in it only when
+already built; it starts in under a second and its three phases take a few seconds, so the whole quick run,
+three servers, takes about 35-45 s on two cores (CI allows 190 s). Without a cached binary the quick run skips it.
 
-Run: ``.venv/bin/python bench/serve.py [--quick]``. The last line printed is one JSON object.
+Run: ``.venv/bin/python bench/serve.py [--quick] [--no-build]``. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -100,18 +143,23 @@ import anyio
 import httpx
 import psutil
 
+import llama_server
 from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.models import DefaultModelMissing, default_model_path
 
-SIDES = ("baseline", "tether")
-CONCURRENCY = (1, 4)
+SIDES = ("baseline", "tether", "llama_server")
+LABELS = {"baseline": "llama_cpp.server", "tether": "tether", "llama_server": "llama-server"}
+CONCURRENCY = (1, 4, 8)
+PARALLEL = 8  # llama-server's slots, and tether's --parallel when it has one
 TARGET_RATIO = 0.98
-N_CTX = 2048
+N_CTX = 2048  # per sequence
 THREADS = 2
 N_BATCH = 512
 SEED = 0
 MAX_TOKENS = 128
 QUICK_MAX_TOKENS = 32
+REQUESTS = 16
+QUICK_REQUESTS = 4
 WARMUP_TOKENS = 16
 SYSTEM = "You are a helpful AI assistant."
 PROMPTS = (
@@ -127,6 +175,7 @@ PROMPTS = (
 READY_TIMEOUT = 120.0  # start-up and model load
 STOP_TIMEOUT = 15.0  # SIGTERM -> exit, then SIGKILL
 REQUEST_TIMEOUT = 120.0
+HELP_TIMEOUT = 60.0
 POLL_INTERVAL = 0.1
 
 
@@ -137,10 +186,23 @@ class ServerFailed(RuntimeError):
         super().__init__(message)
         self.tail = tail
 
+    def one_line(self) -> str:
+        last = " | ".join(line.strip() for line in self.tail.splitlines()[-3:] if line.strip())
+        return f"{self}; log: {last}" if last else str(self)
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Servers
 # --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the sides' command lines depend on, found once before the rounds."""
+
+    model: Path
+    llama_server: Path | None  # the binary, None when that side is skipped
+    tether_parallel: bool  # whether `tether serve` has --parallel
 
 
 def free_port() -> int:
@@ -150,12 +212,36 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(side: str, model: Path, port: int) -> tuple[list[str], str]:
+def tether_has_parallel() -> bool:
+    """Whether ``tether serve --help`` lists ``--parallel`` (the bench runs before and after it exists)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "tether", "serve", "--help"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=HELP_TIMEOUT,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "--parallel" in out.stdout
+
+
+def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
     """The command line and the readiness path of one side (see the module docstring for why each flag)."""
     if side == "tether":
         cmd = [sys.executable, "-m", "tether", "serve", "--port", str(port), "--n-ctx", str(N_CTX)]
-        return [*cmd, "--threads", str(THREADS)], "/readyz"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", str(N_CTX)]
+        cmd += ["--threads", str(THREADS)]
+        if setup.tether_parallel:
+            cmd += ["--parallel", str(PARALLEL)]
+        return cmd, "/readyz"
+    if side == "llama_server":
+        assert setup.llama_server is not None
+        cmd = [str(setup.llama_server), "-m", str(setup.model), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["-t", str(THREADS), "-tb", str(THREADS), "-c", str(PARALLEL * N_CTX), "-np", str(PARALLEL)]
+        cmd += ["-b", str(N_BATCH), "-fa", "off", "--seed", str(SEED), "--temp", "0", "--no-webui"]
+        return cmd, "/health"
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(setup.model), "--n_ctx", str(N_CTX)]
     cmd += ["--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_batch", str(N_BATCH)]
     cmd += ["--seed", str(SEED), "--interrupt_requests", "false", "--port", str(port), "--host", "127.0.0.1"]
     return cmd, "/v1/models"
@@ -186,11 +272,12 @@ def wait_ready(server: Server, ready_path: str) -> None:
     """Poll the readiness path until 200 (bounded); then read the served model id."""
     began = time.monotonic()
     deadline = began + READY_TIMEOUT
+    label = LABELS[server.side]
     with httpx.Client(base_url=server.base_url, timeout=5.0) as client:
         while True:
             if server.proc.poll() is not None:
                 raise ServerFailed(
-                    f"{server.side} server exited with status {server.proc.returncode} before it was ready",
+                    f"{label} exited with status {server.proc.returncode} before it was ready",
                     log_tail(server.log),
                 )
             with contextlib.suppress(httpx.TransportError):
@@ -198,7 +285,7 @@ def wait_ready(server: Server, ready_path: str) -> None:
                     break
             if time.monotonic() > deadline:
                 raise ServerFailed(
-                    f"{server.side} server not ready after {READY_TIMEOUT:.0f} s ({ready_path} never returned 200)",
+                    f"{label} not ready after {READY_TIMEOUT:.0f} s ({ready_path} never returned 200)",
                     log_tail(server.log),
                 )
             time.sleep(POLL_INTERVAL)
@@ -206,7 +293,7 @@ def wait_ready(server: Server, ready_path: str) -> None:
         response = client.get("/v1/models")
         models = (response.json().get("data") or []) if response.status_code == 200 else []
         if not models:
-            raise ServerFailed(f"{server.side} server lists no model: GET /v1/models -> {response.status_code}")
+            raise ServerFailed(f"{label} lists no model: GET /v1/models -> {response.status_code}")
         server.model_id = str(models[0]["id"])
 
 
@@ -254,10 +341,10 @@ def stop_server(server: Server) -> tuple[int, bool]:
 
 
 @contextlib.contextmanager
-def running(side: str, model: Path, logdir: Path) -> Iterator[Server]:
+def running(side: str, setup: Setup, logdir: Path) -> Iterator[Server]:
     """Start one server, wait until it is ready, yield it, stop it (always)."""
     port = free_port()
-    cmd, ready_path = server_command(side, model, port)
+    cmd, ready_path = server_command(side, setup, port)
     log = logdir / f"{side}-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
@@ -285,10 +372,16 @@ class Request:
     usage_tokens: int | None = None  # usage.completion_tokens, when the server sent it
     text: str = ""
     error: str | None = None
+    stamps: list[float] = field(default_factory=list)  # perf_counter() of each content chunk
 
     @property
     def tokens(self) -> int:
         return self.usage_tokens if self.usage_tokens is not None else self.chunks
+
+    @property
+    def gaps(self) -> list[float]:
+        """Seconds between successive content chunks."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
 
 
 def request_body(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -301,13 +394,13 @@ def request_body(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if server.side == "baseline":
+    if server.side in ("baseline", "llama_server"):
         body["repeat_penalty"] = 1.0  # llama_cpp.server defaults to 1.1; tether's engine uses 1.0
     return body
 
 
 async def stream_one(client: httpx.AsyncClient, server: Server, index: int, max_tokens: int) -> Request:
-    """Send one streaming chat completion and read it to ``[DONE]``, stamping the first content chunk."""
+    """Send one streaming chat completion and read it to ``[DONE]``, stamping every content chunk."""
     req = Request(index)
     body = request_body(server, PROMPTS[index], max_tokens)
     parts: list[str] = []
@@ -337,8 +430,10 @@ async def stream_one(client: httpx.AsyncClient, server: Server, index: int, max_
                     for choice in chunk.get("choices") or []:
                         content = (choice.get("delta") or {}).get("content")
                         if content:
+                            now = time.perf_counter()
                             if req.ttft is None:
-                                req.ttft = time.perf_counter() - began
+                                req.ttft = now - began
+                            req.stamps.append(now)
                             req.chunks += 1
                             parts.append(content)
     except TimeoutError:
@@ -369,9 +464,12 @@ class Load:
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
-    @property
-    def ttft_p50_ms(self) -> float:
-        return percentile([r.ttft * 1000.0 for r in self.requests if r.ttft is not None], 50)
+    def ttft_ms(self, pct: int) -> float:
+        return percentile([r.ttft * 1000.0 for r in self.requests if r.ttft is not None], pct)
+
+    def itl_ms(self, pct: int) -> float:
+        """A percentile of the gaps between content chunks, pooled over the phase's requests."""
+        return percentile([g * 1000.0 for r in self.requests if r.error is None for g in r.gaps], pct)
 
     @property
     def errors(self) -> int:
@@ -414,14 +512,27 @@ class Run:
     warmup_error: str | None = None
 
 
-async def run_side(side: str, rnd: int, model: Path, logdir: Path, args: argparse.Namespace) -> Run:
-    with running(side, model, logdir) as server:
+async def run_side(side: str, rnd: int, setup: Setup, logdir: Path, args: argparse.Namespace) -> Run:
+    """One server's round: start, warm up, each concurrency in turn, stop (a progress line per phase)."""
+    with running(side, setup, logdir) as server:
+        print(f"round {rnd} {LABELS[side]}: ready in {server.load_s:.2f} s", flush=True)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT) as client:
             warm = await stream_one(client, server, 0, WARMUP_TOKENS)
         loads = {}
         for c in args.concurrency:
-            loads[c] = await run_load(server, c, per_client(args.requests, c), args.max_tokens)
+            loads[c] = load = await run_load(server, c, per_client(args.requests, c), args.max_tokens)
+            print(
+                f"round {rnd} {LABELS[side]}: C={c} {len(load.requests)} request(s), {load.errors} error(s), "
+                f"{fmt(load.tokens_per_s)} tokens/s",
+                flush=True,
+            )
     return Run(side, rnd, loads, server.load_s, server.leftover, server.forced, warm.error)
+
+
+def round_order(sides: Sequence[str], rnd: int) -> list[str]:
+    """The sides rotated by the round: each side leads in turn (two sides alternate)."""
+    k = rnd % len(sides)
+    return [*sides[k:], *sides[:k]]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -434,13 +545,32 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(clean) if clean else float("nan")
 
 
-def side_figures(runs: Sequence[Run], c: int) -> tuple[float, float]:
-    """(tokens/s, p50 TTFT ms) of one side at concurrency ``c``: medians over the rounds."""
-    return median([r.loads[c].tokens_per_s for r in runs]), median([r.loads[c].ttft_p50_ms for r in runs])
+@dataclass(frozen=True)
+class Figures:
+    """One side at one concurrency: medians over the rounds (nan without runs)."""
+
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p99_ms: float
+
+
+def side_figures(runs: Sequence[Run], c: int) -> Figures:
+    loads = [r.loads[c] for r in runs]
+    return Figures(
+        median([load.tokens_per_s for load in loads]),
+        median([load.ttft_ms(50) for load in loads]),
+        median([load.ttft_ms(99) for load in loads]),
+        median([load.itl_ms(99) for load in loads]),
+    )
 
 
 def rounded(value: float, digits: int = 1) -> float | None:
     return None if value != value else round(value, digits)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
 
 
 def outputs_identical(runs: Sequence[Run]) -> tuple[bool, int]:
@@ -456,14 +586,15 @@ def outputs_identical(runs: Sequence[Run]) -> tuple[bool, int]:
 
 
 def print_table(runs: Sequence[Run]) -> None:
-    headers = ("round", "side", "C", "reqs", "errors", "chunks", "tokens", "wall s", "tok/s", "TTFT p50 ms", "load s")
+    headers = ["round", "side", "C", "reqs", "errors", "chunks", "tokens", "wall s", "tok/s", "TTFT p50 ms"]
+    headers += ["TTFT p99 ms", "ITL p99 ms", "load s"]
     rows = []
     for run in runs:
         for c, load in run.loads.items():
             rows.append(
                 (
                     str(run.round),
-                    run.side,
+                    LABELS[run.side],
                     str(c),
                     str(len(load.requests)),
                     str(load.errors),
@@ -471,7 +602,9 @@ def print_table(runs: Sequence[Run]) -> None:
                     str(load.tokens),
                     fmt(load.wall_s),
                     fmt(load.tokens_per_s),
-                    fmt(load.ttft_p50_ms),
+                    fmt(load.ttft_ms(50)),
+                    fmt(load.ttft_ms(99)),
+                    fmt(load.itl_ms(99)),
                     fmt(run.load_s),
                 )
             )
@@ -481,50 +614,95 @@ def print_table(runs: Sequence[Run]) -> None:
 def null_result(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"bench": "serve", "tokens_per_s_ratio": None, "ttft_added_ms": None}
     result.update({"target_ratio": TARGET_RATIO, "meets_target": False, "quick": bool(args.quick)})
-    result.update({"percentile": PERCENTILE, "skipped": None, "error": None})
+    result.update({"percentile": PERCENTILE, "skipped": None, "error": None, "llama_server_skipped": None})
     result.update(extra)
     return result
 
 
-async def bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+def locate_llama_server(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """The llama-server binary, or None and why: the cached one; else built, unless --quick or --no-build."""
+    binary = llama_server.find()
+    if binary is not None:
+        return binary, None
+    if args.quick or args.no_build:
+        why = "--quick never builds" if args.quick else "--no-build was given"
+        return None, (
+            f"llama-server is not built ({llama_server.binary_path()} is missing or does not run) and {why}: "
+            "build it with `.venv/bin/python bench/llama_server.py --build` (about 10 min on two cores) "
+            "or a full run of bench/serve.py"
+        )
+    log = llama_server.default_log()
+    print(f"building llama-server from llama.cpp (about 10 min on two cores); log: {log}", flush=True)
+    try:
+        binary = llama_server.build(log)
+    except llama_server.BuildFailed as exc:
+        print(f"llama-server skipped: {exc}")
+        return None, f"llama-server could not be built: {str(exc).splitlines()[0]}"
+    print(f"built {binary}")
+    return binary, None
+
+
+async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | None) -> dict[str, Any]:
     began = time.monotonic()
     runs: list[Run] = []
+    sides = [side for side in SIDES if side != "llama_server" or setup.llama_server is not None]
     with tempfile.TemporaryDirectory(prefix="tether-bench-serve-") as tmp:
         for rnd in range(args.rounds):
-            order = SIDES if rnd % 2 == 0 else SIDES[::-1]
-            for side in order:
-                runs.append(await run_side(side, rnd, model, Path(tmp), args))
+            for side in round_order(sides, rnd):
+                try:
+                    runs.append(await run_side(side, rnd, setup, Path(tmp), args))
+                except ServerFailed as exc:
+                    if side != "llama_server":
+                        raise
+                    print(f"llama-server skipped: {exc}; its log ends with:\n{exc.tail}")
+                    llama_skipped = f"llama-server did not start: {exc.one_line()}"
+                    sides.remove(side)  # not in the later rounds; its earlier runs are dropped
+                    runs = [r for r in runs if r.side != side]
     wall_s = time.monotonic() - began
 
+    present = " and llama-server" if "llama_server" in sides else f" (llama-server skipped: {llama_skipped})"
     print(
-        f"tether serve vs llama_cpp.server on {model.name}: {args.rounds} round(s), concurrency "
-        f"{list(args.concurrency)}, {args.requests} request(s) per concurrency, max_tokens {args.max_tokens} "
+        f"tether serve vs llama_cpp.server{present} on {setup.model.name}: {args.rounds} round(s), concurrency "
+        f"{list(args.concurrency)}, {args.requests} request(s) per concurrency, max_tokens {args.max_tokens}, "
+        f"tether {'--parallel ' + str(PARALLEL) if setup.tether_parallel else 'without --parallel'} "
         f"({wall_s:.1f} s){' (quick)' if args.quick else ''}"
     )
     print_table(runs)
 
     by_side = {side: [r for r in runs if r.side == side] for side in SIDES}
-    result = null_result(args)
+    result = null_result(args, llama_server_skipped=llama_skipped)
     ratios: dict[int, float] = {}
     added: dict[int, float] = {}
     for c in args.concurrency:
-        t_rate, t_ttft = side_figures(by_side["tether"], c)
-        b_rate, b_ttft = side_figures(by_side["baseline"], c)
-        ratios[c] = t_rate / b_rate if b_rate > 0 else float("nan")
-        added[c] = t_ttft - b_ttft
-        result[f"tether_tokens_per_s_c{c}"] = rounded(t_rate)
-        result[f"baseline_tokens_per_s_c{c}"] = rounded(b_rate)
-        result[f"tether_ttft_p50_ms_c{c}"] = ms(t_ttft)
-        result[f"baseline_ttft_p50_ms_c{c}"] = ms(b_ttft)
+        figs = {side: side_figures(by_side[side], c) for side in SIDES}
+        t, b, ls = figs["tether"], figs["baseline"], figs["llama_server"]
+        ratios[c] = ratio(t.tokens_per_s, b.tokens_per_s)
+        added[c] = t.ttft_p50_ms - b.ttft_p50_ms
+        for side, f in figs.items():
+            result[f"{side}_tokens_per_s_c{c}"] = rounded(f.tokens_per_s)
+            result[f"{side}_ttft_p50_ms_c{c}"] = ms(f.ttft_p50_ms)
+            result[f"{side}_ttft_p99_ms_c{c}"] = ms(f.ttft_p99_ms)
+            result[f"{side}_itl_p99_ms_c{c}"] = ms(f.itl_p99_ms)
         result[f"tokens_per_s_ratio_c{c}"] = rounded(ratios[c], 3)
         result[f"ttft_added_ms_c{c}"] = ms(added[c])
+        result[f"tokens_per_s_ratio_vs_llama_server_c{c}"] = rounded(ratio(t.tokens_per_s, ls.tokens_per_s), 3)
+    result["ttft_p50_ms_c8"] = result.get("tether_ttft_p50_ms_c8")
+    result.setdefault("llama_server_ttft_p50_ms_c8", None)
     headline_ratio = min(ratios.values()) if all(v == v for v in ratios.values()) else float("nan")
     first = min(args.concurrency)
     result["tokens_per_s_ratio"] = rounded(headline_ratio, 3)
     result["ttft_added_ms"] = ms(added[first])
     result["meets_target"] = bool(headline_ratio == headline_ratio and headline_ratio >= TARGET_RATIO)
-    identical, differing = outputs_identical(runs)
-    errors = sum(load.errors for r in runs for load in r.loads.values()) + sum(1 for r in runs if r.warmup_error)
+    identical, differing = outputs_identical(by_side["baseline"] + by_side["tether"])
+    ls_identical: bool | None = None
+    ls_differing: int | None = None
+    if by_side["llama_server"]:
+        ls_identical, ls_differing = outputs_identical(by_side["llama_server"] + by_side["tether"])
+    errors_by_side = {
+        side: sum(load.errors for r in rs for load in r.loads.values()) + sum(1 for r in rs if r.warmup_error)
+        for side, rs in by_side.items()
+    }
+    errors = sum(errors_by_side.values())
     leftover = sum(r.leftover for r in by_side["tether"])
     sources = {
         side: sorted({"usage" if q.usage_tokens is not None else "chunks" for r in rs for q in _requests(r)})
@@ -535,20 +713,27 @@ async def bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "headline": f"tokens_per_s_ratio: min over concurrency {list(args.concurrency)}; "
             f"ttft_added_ms: concurrency {first}",
             "errors": errors,
+            "errors_by_side": errors_by_side,
             "leftover_processes": leftover,
             "forced_kills": sum(1 for r in runs if r.forced),
             "outputs_identical": identical,
             "prompts_with_differing_outputs": differing,
-            "tokens_source": {side: "+".join(s) for side, s in sources.items()},
+            "llama_server_outputs_identical": ls_identical,
+            "llama_server_prompts_with_differing_outputs": ls_differing,
+            "tokens_source": {side: "+".join(s) for side, s in sources.items() if s},
             "tether_load_s": rounded(median([r.load_s for r in by_side["tether"]]), 2),
             "baseline_load_s": rounded(median([r.load_s for r in by_side["baseline"]]), 2),
+            "llama_server_load_s": rounded(median([r.load_s for r in by_side["llama_server"]]), 2),
+            "llama_server_version": llama_server.version(setup.llama_server) if setup.llama_server else None,
+            "tether_parallel": PARALLEL if setup.tether_parallel else None,
+            "llama_server_parallel": PARALLEL,
             "concurrency": list(args.concurrency),
             "rounds": args.rounds,
             "requests_per_concurrency": args.requests,
             "requests_per_client": {str(c): per_client(args.requests, c) for c in args.concurrency},
             "requests_per_side": sum(len(load.requests) for r in by_side["tether"] for load in r.loads.values()),
             "max_tokens": args.max_tokens,
-            "model": model.name,
+            "model": setup.model.name,
             "threads": THREADS,
             "n_ctx": N_CTX,
             "wall_s": round(wall_s, 1),
@@ -556,22 +741,31 @@ async def bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     )
     print(f"percentiles: {PERCENTILE}; per side: the median over the rounds")
     for c in args.concurrency:
+        vs_cpp = (
+            f"; tokens/s tether/llama-server = {result[f'tokens_per_s_ratio_vs_llama_server_c{c}']}, "
+            f"TTFT p50 tether {result[f'tether_ttft_p50_ms_c{c}']} ms vs llama-server "
+            f"{result[f'llama_server_ttft_p50_ms_c{c}']} ms"
+            if by_side["llama_server"]
+            else ""
+        )
         print(
-            f"C={c}: tokens/s tether/baseline = {result[f'tokens_per_s_ratio_c{c}']}, "
-            f"TTFT p50 added = {result[f'ttft_added_ms_c{c}']} ms"
+            f"C={c}: tokens/s tether/llama_cpp.server = {result[f'tokens_per_s_ratio_c{c}']}, "
+            f"TTFT p50 added = {result[f'ttft_added_ms_c{c}']} ms{vs_cpp}"
         )
     print(
         f"headline: tokens/s ratio {result['tokens_per_s_ratio']} (target {TARGET_RATIO}: "
         f"{'met' if result['meets_target'] else 'NOT met'}), TTFT added {result['ttft_added_ms']} ms at C={first}; "
-        f"outputs identical: {identical}"
+        f"outputs identical: {identical} (llama_cpp.server), {ls_identical} (llama-server)"
     )
     if errors or leftover:
         print(f"FAILURE: {errors} request error(s), {leftover} leftover process(es) after tether serve stopped")
         for r in runs:
+            if r.warmup_error:
+                print(f"  round {r.round} {LABELS[r.side]} warm-up: {r.warmup_error}")
             for load in r.loads.values():
                 for q in load.requests:
                     if q.error:
-                        print(f"  round {r.round} {r.side} C={load.concurrency} prompt {q.prompt}: {q.error}")
+                        print(f"  round {r.round} {LABELS[r.side]} C={load.concurrency} prompt {q.prompt}: {q.error}")
     return result
 
 
@@ -582,18 +776,26 @@ def _requests(run: Run) -> Iterator[Request]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, each running both servers (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each running every server (default 3)")
     parser.add_argument(
-        "--requests", type=int, default=8, help="R: requests per concurrency C, R // C per client (default 8)"
+        "--requests",
+        type=int,
+        default=REQUESTS,
+        help=f"R: requests per concurrency C, R // C per client (default {REQUESTS})",
     )
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"per request (default {MAX_TOKENS})")
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="client counts (default 1 4)"
+        "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="client counts (default 1 4 8)"
     )
-    parser.add_argument("--quick", action="store_true", help="1 round, R=4, 32 tokens (CI)")
+    parser.add_argument(
+        "--no-build", action="store_true", help="do not build llama-server when it is missing (skip that side)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"1 round, R={QUICK_REQUESTS}, {QUICK_MAX_TOKENS} tokens, no build (CI)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.requests, args.max_tokens = 1, 4, QUICK_MAX_TOKENS
+        args.rounds, args.requests, args.max_tokens = 1, QUICK_REQUESTS, QUICK_MAX_TOKENS
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
         parser.error("--rounds, --requests, --max-tokens and --concurrency must be at least 1")
     args.concurrency = tuple(args.concurrency)
@@ -603,13 +805,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {exc}")
         print(json.dumps(null_result(args, skipped=str(exc))))
         return 0
+    binary, llama_skipped = locate_llama_server(args)
+    setup = Setup(model, binary, tether_has_parallel())
     with private_tether_dirs("tether-bench-serve-"):
         try:
-            result = anyio.run(bench, args, model)
+            result = anyio.run(bench, args, setup, llama_skipped)
         except ServerFailed as exc:
             print(f"FAILURE: {exc}; its log ends with:\n{exc.tail}")
-            last = " | ".join(line.strip() for line in exc.tail.splitlines()[-3:] if line.strip())
-            print(json.dumps(null_result(args, error=f"{exc}; log: {last}" if last else str(exc))))
+            print(json.dumps(null_result(args, error=exc.one_line(), llama_server_skipped=llama_skipped)))
             return 1
     print(json.dumps(result))
     return 0
