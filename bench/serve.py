@@ -646,6 +646,7 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
     began = time.monotonic()
     runs: list[Run] = []
     sides = [side for side in SIDES if side != "llama_server" or setup.llama_server is not None]
+    sides = [side for side in sides if side in args.sides]
     with tempfile.TemporaryDirectory(prefix="tether-bench-serve-") as tmp:
         for rnd in range(args.rounds):
             for side in round_order(sides, rnd):
@@ -786,6 +787,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"per request (default {MAX_TOKENS})")
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="client counts (default 1 4 8)"
+    )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=SIDES,
+        default=list(SIDES),
+        help="servers to run (default all; figures of a side left out are null)",
     )
     parser.add_argument(
         "--no-build", action="store_true", help="do not build llama-server when it is missing (skip that side)"

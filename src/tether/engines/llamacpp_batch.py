@@ -15,9 +15,10 @@ strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its co
 
 A slot keeps the tokens its cells hold after its sequence ends: the next request placed there reuses the longest
 common prefix (a chat's system prompt, a conversation's history) and prefills only the rest, as llama.cpp's own
-server does. A request goes to the lowest free slot, or to another free slot whose cached prefix saves at least
-``prefill_chunk`` more tokens of prefill: llama.cpp splits a batch of separate caches into one pass per run of
-consecutive sequence ids, so keeping the busy slots contiguous keeps a step to one pass.
+server does. A request goes to the free slot with the longest common prefix, the lowest on a tie. (llama.cpp
+splits a batch over separate caches into one pass per run of consecutive sequence ids, so a gap among the busy slots
+costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than re-prefilling a
+prompt the cache already holds.) Decode rows go into the batch in slot order for the same reason.
 
 Only the thread that owns the engine touches any of this (llama.cpp contexts are not thread-safe).
 """
@@ -136,10 +137,7 @@ class Batch:
         free = [slot for slot in self._slots if slot.index not in busy]
         if not free:
             raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
-        slot = free[0]  # the lowest: see the module docstring
-        best = max(free, key=lambda s: (_common_prefix(s.cached, prompt), -s.index))
-        if _common_prefix(best.cached, prompt) - _common_prefix(slot.cached, prompt) >= self.prefill_chunk:
-            slot = best  # reusing that much is worth a gap in the slot order
+        slot = max(free, key=lambda s: (_common_prefix(s.cached, prompt), -s.index))
         keep = min(_common_prefix(slot.cached, prompt), len(prompt) - 1)  # the last prompt token makes the logits
         if not self.lib.llama_memory_seq_rm(self.memory, slot.index, keep, -1):
             self.lib.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
