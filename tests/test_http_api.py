@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -244,6 +245,42 @@ def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_
         assert waited and waited[0].status_code == 500, waited
         assert waited[0].json()["error"]["code"] == "signal", waited[0].text
         assert metric(server, "tether_requests_total", instance="q", outcome="rejected") == 1
+
+
+def test_parallel_streams_run_together_and_the_api_metrics_and_status_show_running_and_waiting() -> None:
+    with debug_server() as server:
+        _admin_debug_instance(server, "b", options={"token_seconds": 0.01, "parallel": 2}, max_queue=1)
+        body = {"model": "b", "prompt": "go", "max_tokens": 100_000, "stream": True}
+        waited: list[httpx.Response] = []
+
+        def wait_for_a_slot() -> None:  # answers only once a slot frees and it has run: it needs a thread
+            with httpx.Client(base_url=server.url, timeout=30) as client:
+                waited.append(client.post("/v1/completions", json={**body, "max_tokens": 5, "stream": False}))
+
+        waiter = threading.Thread(target=wait_for_a_slot)
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(server.http.stream("POST", "/v1/completions", json=body)) for _ in range(2)]
+            events = [sse_events(stream) for stream in streams]  # (kept: a dropped iterator closes its response)
+            for e in events:
+                next(e)  # both are generating, side by side
+            waiter.start()
+            wait_until(lambda: server.instance("b")["queue"]["waiting"] == 1, 10, "two running, one waiting")
+            queue = server.instance("b")["queue"]
+            assert queue == {"running": 2, "waiting": 1, "in_flight": 3, "parallel": 2, "max_queue": 1, "limit": 3}
+            assert metric(server, "tether_generations_running", instance="b") == 2
+            assert metric(server, "tether_generations_waiting", instance="b") == 1
+            assert metric(server, "tether_batch_occupancy", instance="b") == 1.0
+            assert metric(server, "tether_batch_slots", instance="b") == 2
+            status = subprocess.run(
+                [*TETHER, "status", "--url", server.url], capture_output=True, text=True, timeout=30, check=True
+            )
+            header, *rows = status.stdout.splitlines()
+            row = next(r for r in rows if r.startswith("b "))
+            assert "RUNNING" in header and "WAITING" in header and " 2/2 " in row and " 1/1 " in row, status.stdout
+            full = server.http.post("/v1/completions", json=body)
+            assert full.status_code == 503 and "2 requests generating (parallel 2)" in full.json()["error"]["message"]
+        waiter.join(30)  # the streams closed: their clients left, their slots freed, the waiting one ran
+        assert waited and waited[0].status_code == 200 and waited[0].json()["usage"]["completion_tokens"] == 5
 
 
 # --------------------------------------------------------------------------------------------------------------
