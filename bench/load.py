@@ -49,7 +49,7 @@ Retry-After waits included (``request_ttft``, ``request_e2e``: what a user sees)
 half the requests is refused, so ``request_*`` there measures the 503 + Retry-After protocol as much as the server.
 
 Default model (``tether.models.default_model_path()``, SmolLM2-135M-Instruct), 8 concurrent clients: ``tether serve
---n-ctx 2048 --threads 2`` against ``python -m llama_cpp.server`` on the same GGUF, both started, stopped and read
+--n-ctx 2048 --threads 2 --parallel 8`` (all 8 in one batch) against ``python -m llama_cpp.server`` on the same GGUF, both started, stopped and read
 exactly as in ``bench/serve.py`` (its ``running`` and ``stream_one``: greedy, ``seed`` 0, its stories,
 ``repeat_penalty`` 1.0 on the baseline), one 4-token warm-up request each, then 8 clients x 2 requests of
 ``max_tokens`` 64 (``--quick``: x 1 of 8 tokens); tokens/s, TTFT and e2e p50/p99 as above (``model_c8_*``); a
@@ -104,6 +104,7 @@ from serve import (
     SYSTEM,
     Server,
     ServerFailed,
+    Setup,
     free_port,
     running,
     stop_server,
@@ -641,7 +642,8 @@ async def run_model_side(side: str, rnd: int, model: Path, logdir: Path, args: a
     requests: list[ModelRequest] = []
     n = args.model_per_client
     with contextlib.ExitStack() as stack:
-        server = await anyio.to_thread.run_sync(lambda: stack.enter_context(running(side, model, logdir)))
+        setup = Setup(model=model, llama_server=None)
+        server = await anyio.to_thread.run_sync(lambda: stack.enter_context(running(side, setup, logdir)))
         limits = pool(MODEL_CLIENTS + 2)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_BOUND, limits=limits) as client:
             warm = await stream_one(client, server, 0, WARMUP_TOKENS)

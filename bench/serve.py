@@ -5,9 +5,8 @@ All three serve the built-in default model (``tether.models.default_model_path()
 127.0.0.1, each started as a subprocess on a free port, one at a time (never two at once: the machine may have two
 cores), with 2 threads, greedy sampling and a context of 2048 tokens per sequence:
 
-- tether: ``python -m tether serve --port P --n-ctx 2048 --threads 2 [--parallel 8]`` (no ``--model``: the default
-  model, the same file). ``--parallel 8`` (``PARALLEL``, as many sequences as llama-server's slots) is passed only
-  when ``tether serve --help`` lists it (``tether_parallel`` in the JSON line says whether it was). Ready when
+- tether: ``python -m tether serve --port P --n-ctx 2048 --threads 2 --parallel 8`` (no ``--model``: the default
+  model, the same file; ``--parallel 8`` is ``PARALLEL``, as many sequences as llama-server's slots). Ready when
   ``GET /readyz`` returns 200 (503 while loading). Stopped with SIGTERM, the exit awaited (bounded; SIGKILL after
   it, counted in ``forced_kills``). Before the stop the bench snapshots the server's descendants (psutil); after it
   (and a 2 s grace for exits under way), ``leftover_processes`` counts those still running plus any process whose
@@ -175,7 +174,6 @@ PROMPTS = (
 READY_TIMEOUT = 120.0  # start-up and model load
 STOP_TIMEOUT = 15.0  # SIGTERM -> exit, then SIGKILL
 REQUEST_TIMEOUT = 120.0
-HELP_TIMEOUT = 60.0
 POLL_INTERVAL = 0.1
 
 
@@ -202,7 +200,6 @@ class Setup:
 
     model: Path
     llama_server: Path | None  # the binary, None when that side is skipped
-    tether_parallel: bool  # whether `tether serve` has --parallel
 
 
 def free_port() -> int:
@@ -212,28 +209,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def tether_has_parallel() -> bool:
-    """Whether ``tether serve --help`` lists ``--parallel`` (the bench runs before and after it exists)."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "tether", "serve", "--help"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=HELP_TIMEOUT,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "--parallel" in out.stdout
-
-
 def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
     """The command line and the readiness path of one side (see the module docstring for why each flag)."""
     if side == "tether":
         cmd = [sys.executable, "-m", "tether", "serve", "--port", str(port), "--n-ctx", str(N_CTX)]
         cmd += ["--threads", str(THREADS)]
-        if setup.tether_parallel:
-            cmd += ["--parallel", str(PARALLEL)]
+        cmd += ["--parallel", str(PARALLEL)]
         return cmd, "/readyz"
     if side == "llama_server":
         assert setup.llama_server is not None
@@ -665,7 +646,7 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
     print(
         f"tether serve vs llama_cpp.server{present} on {setup.model.name}: {args.rounds} round(s), concurrency "
         f"{list(args.concurrency)}, {args.requests} request(s) per concurrency, max_tokens {args.max_tokens}, "
-        f"tether {'--parallel ' + str(PARALLEL) if setup.tether_parallel else 'without --parallel'} "
+        f"tether --parallel {PARALLEL} "
         f"({wall_s:.1f} s){' (quick)' if args.quick else ''}"
     )
     print_table(runs)
@@ -726,7 +707,7 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
             "baseline_load_s": rounded(median([r.load_s for r in by_side["baseline"]]), 2),
             "llama_server_load_s": rounded(median([r.load_s for r in by_side["llama_server"]]), 2),
             "llama_server_version": llama_server.version(setup.llama_server) if setup.llama_server else None,
-            "tether_parallel": PARALLEL if setup.tether_parallel else None,
+            "tether_parallel": PARALLEL,
             "llama_server_parallel": PARALLEL,
             "concurrency": list(args.concurrency),
             "rounds": args.rounds,
@@ -814,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(null_result(args, skipped=str(exc))))
         return 0
     binary, llama_skipped = locate_llama_server(args)
-    setup = Setup(model, binary, tether_has_parallel())
+    setup = Setup(model, binary)
     with private_tether_dirs("tether-bench-serve-"):
         try:
             result = anyio.run(bench, args, setup, llama_skipped)
