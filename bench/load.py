@@ -49,12 +49,12 @@ Retry-After waits included (``request_ttft``, ``request_e2e``: what a user sees)
 half the requests is refused, so ``request_*`` there measures the 503 + Retry-After protocol as much as the server.
 
 Default model (``tether.models.default_model_path()``, SmolLM2-135M-Instruct), 8 concurrent clients: ``tether serve
---n-ctx 2048 --threads 2 --parallel 8`` (all 8 in one batch) against ``python -m llama_cpp.server`` on the same GGUF, both started, stopped and read
-exactly as in ``bench/serve.py`` (its ``running`` and ``stream_one``: greedy, ``seed`` 0, its stories,
-``repeat_penalty`` 1.0 on the baseline), one 4-token warm-up request each, then 8 clients x 2 requests of
-``max_tokens`` 64 (``--quick``: x 1 of 8 tokens); tokens/s, TTFT and e2e p50/p99 as above (``model_c8_*``); a
-request error (``serve.stream_one``'s definition) counts in ``model_errors``. Without the default model or
-llama-cpp-python this part is null and ``model_skipped`` says why.
+--n-ctx 2048 --threads 2 --parallel 8`` (all 8 in one batch) against ``python -m llama_cpp.server`` on the same
+GGUF, both started, stopped and read exactly as in ``bench/serve.py`` (its ``running`` and ``stream_one``: greedy,
+``seed`` 0, its stories, ``repeat_penalty`` 1.0 on the baseline), one 4-token warm-up request each, then 8 clients
+x 2 requests of ``max_tokens`` 64 (``--quick``: x 1 of 8 tokens); tokens/s, TTFT and e2e p50/p99 as above
+(``model_c8_*``); a request error (``serve.stream_one``'s definition) counts in ``model_errors``. Without the
+default model or llama-cpp-python this part is null and ``model_skipped`` says why.
 
 Rounds: ``--rounds`` (default 3; ``--quick``: 1). Each round runs both servers of the debug load, one after the
 other (start, warm up, C=64, C=256, stop), then both model servers, the order alternating (round 0: baseline
