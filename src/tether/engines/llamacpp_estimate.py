@@ -27,7 +27,7 @@ n_ctx    ready (after warm-up)                      after a prompt filling 95% o
 1024     182 MiB (anon 67.3 + file 115)             -                                                    -
 2048     205 MiB (anon 89.8 + file 115; KV 45.0)    257 MiB (anon 142 + file 115)                        259 MiB
 8192     340 MiB (anon 225 + file 115; KV 180)      564 MiB (anon 449 + file 115)                        556 MiB
-2048 x8  520 MiB (anon 405; KV 360)                 576 MiB (8 prompts of ~1,900 tokens, one after another)  574 MiB
+2048 x8  520 MiB (anon 405; KV 360)                 576 MiB (8 concurrent prompts of ~1,900 tokens)         574 MiB
 =======  =========================================  ===================================================  ==========
 
 (The first three rows at parallel 1; the last at parallel 8, the engine's batch engine, measured later the same way.)
