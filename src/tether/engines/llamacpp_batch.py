@@ -108,7 +108,7 @@ class Batch:
         self.prompt_cache = prompt_cache
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx * parallel
-        params.n_batch = n_batch
+        params.n_batch = n_batch + parallel  # a step: up to parallel decode rows, plus up to n_batch prompt tokens
         params.n_ubatch = min(n_batch, 512)
         params.n_seq_max = parallel
         params.n_threads = n_threads
@@ -123,9 +123,7 @@ class Batch:
                 f"{n_ctx}): lower parallel or n_ctx (the stderr tail has llama.cpp's reason)"
             )
         self.memory = lib.llama_get_memory(self.ctx)
-        rows = max(n_batch, parallel)
-        self._batch = lib.llama_batch_init(rows, 0, 1)
-        self._rows = rows
+        self._batch = lib.llama_batch_init(n_batch + parallel, 0, 1)
         self._slots = [_Slot(i) for i in range(parallel)]
         self._seqs: dict[str, _Sequence] = {}
         self._piece = ctypes.create_string_buffer(PIECE_BUFFER)
@@ -186,9 +184,7 @@ class Batch:
             seq.next_token = None
             seq.row = n
             n += 1
-        budget = min(self.n_batch, self._rows) - n
-        if decoding:
-            budget = min(budget, self.prefill_chunk)
+        budget = min(self.n_batch, self.prefill_chunk) if decoding else self.n_batch
         prefilling = next((seq for seq in self._seqs.values() if seq.prefilled < len(seq.prompt)), None)
         if prefilling is not None and budget > 0:  # one prompt per step: see the module docstring
             seq = prefilling
