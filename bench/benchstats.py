@@ -7,7 +7,10 @@ import importlib.util
 import os
 import statistics
 import tempfile
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+
+import anyio
 
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node.output import LOG_DIR_ENV
@@ -73,3 +76,18 @@ def print_rows(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int 
         print(
             "  ".join(v.ljust(w) if i < left else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
         )
+
+
+async def closed_loop(concurrency: int, per_client: int, send: Callable[[int, int], Awaitable[None]]) -> float:
+    """``concurrency`` clients, each awaiting ``send(client, j)`` for its requests ``j`` < ``per_client`` back to
+    back (a closed loop); returns the wall seconds from the first send to the last answer."""
+
+    async def client_loop(i: int) -> None:
+        for j in range(per_client):
+            await send(i, j)
+
+    began = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(concurrency):
+            tg.start_soon(client_loop, i)
+    return time.perf_counter() - began

@@ -98,7 +98,7 @@ import anyio
 import httpx
 from starlette.requests import Request as HttpRequest  # module level: FastAPI resolves handler annotations here
 
-from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, closed_loop, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from serve import (
     PROMPTS,
     SYSTEM,
@@ -561,17 +561,13 @@ async def run_phase(url: str, side: str, rnd: int, concurrency: int, per_client:
     limits = pool(concurrency + 8)
     timeout = httpx.Timeout(REQUEST_BOUND, connect=30.0)
 
-    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
-        for j in range(per_client):
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+
+        async def send(i: int, j: int) -> None:
             body = chat_body(PROMPTS[(i * per_client + j) % len(PROMPTS)], max_tokens)
             phase.requests.append(await request_with_retries(client, body))
 
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
-        began = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for i in range(concurrency):
-                tg.start_soon(client_loop, client, i)
-        phase.wall_s = time.perf_counter() - began
+        phase.wall_s = await closed_loop(concurrency, per_client, send)
     return phase
 
 
@@ -648,19 +644,14 @@ async def run_model_side(side: str, rnd: int, model: Path, logdir: Path, args: a
         async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_BOUND, limits=limits) as client:
             warm = await stream_one(client, server, 0, WARMUP_TOKENS)
 
-            async def client_loop(i: int) -> None:
-                for j in range(n):
-                    began = time.perf_counter()
-                    req = await stream_one(client, server, (i * n + j) % len(PROMPTS), args.model_max_tokens)
-                    e2e = (time.perf_counter() - began) * 1000.0
-                    ttft = req.ttft * 1000.0 if req.ttft is not None else None
-                    requests.append(ModelRequest(ttft, e2e, req.tokens, req.error))
+            async def send(i: int, j: int) -> None:
+                began = time.perf_counter()
+                req = await stream_one(client, server, (i * n + j) % len(PROMPTS), args.model_max_tokens)
+                e2e = (time.perf_counter() - began) * 1000.0
+                ttft = req.ttft * 1000.0 if req.ttft is not None else None
+                requests.append(ModelRequest(ttft, e2e, req.tokens, req.error))
 
-            began = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for i in range(MODEL_CLIENTS):
-                    tg.start_soon(client_loop, i)
-            wall = time.perf_counter() - began
+            wall = await closed_loop(MODEL_CLIENTS, n, send)
         await anyio.to_thread.run_sync(stack.close)
     return ModelRun(side, rnd, requests, wall, server.leftover, server.forced, warm.error)
 

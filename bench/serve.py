@@ -143,7 +143,7 @@ import httpx
 import psutil
 
 import llama_server
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, closed_loop, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.models import DefaultModelMissing, default_model_path
 
 SIDES = ("baseline", "tether", "llama_server")
@@ -462,16 +462,12 @@ async def run_load(server: Server, concurrency: int, per_client: int, max_tokens
     load = Load(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
 
-    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
-        for j in range(per_client):
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+
+        async def send(i: int, j: int) -> None:
             load.requests.append(await stream_one(client, server, (i * per_client + j) % len(PROMPTS), max_tokens))
 
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
-        began = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for i in range(concurrency):
-                tg.start_soon(client_loop, client, i)
-        load.wall_s = time.perf_counter() - began
+        load.wall_s = await closed_loop(concurrency, per_client, send)
     return load
 
 

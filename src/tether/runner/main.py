@@ -317,11 +317,10 @@ class Runner:
             cancelled.update(task.task_id for task in self.waiting)
         for tid in [tid for tid in self.running if tid in cancelled]:
             self._end_cancelled(tid, engine.drop(tid), out)
-        if any(task.task_id in cancelled for task in self.waiting):
-            for task in [task for task in self.waiting if task.task_id in cancelled]:
-                self.waiting.remove(task)
-                out.append(TaskStatus(task.task_id, TaskState.CANCELLED, "cancelled before it started"))
-                self._ended_task(task.task_id)
+        for task in [task for task in self.waiting if task.task_id in cancelled] if cancelled else ():
+            self.waiting.remove(task)
+            out.append(TaskStatus(task.task_id, TaskState.CANCELLED, "cancelled before it started"))
+            self._ended_task(task.task_id)
         while self.waiting and engine.active() < engine.parallel:
             task = self.waiting.popleft()
             try:
