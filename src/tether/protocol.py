@@ -139,10 +139,23 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # a token count every engine (and the msgpack wire) can carry
 TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's
 SEED_RANGE = (-(1 << 63), 1 << 64)  # [low, high): a 64-bit integer, signed or not (msgpack carries either)
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence_penalty and frequency_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+MAX_TOP_LOGPROBS = 20  # OpenAI's
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI documents no limit; a bound keeps a request bounded)
 
 
 class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One generation request. Exactly one of ``prompt`` (raw completion) or ``messages`` (chat) is set."""
+    """One generation (or, with ``embed``, one embedding) request. Exactly one of ``prompt`` (raw completion) or
+    ``messages`` (chat) is set.
+
+    Sampling follows OpenAI's definitions where OpenAI has the parameter (``presence_penalty`` and
+    ``frequency_penalty`` over the tokens generated so far, ``logit_bias`` added to the logits of token ids) and
+    llama.cpp's for its extensions (``top_k``, ``min_p``, ``repeat_penalty``; None means the engine's default).
+    ``logprobs``: None for none, else how many alternatives to report beside each chosen token (0 to 20).
+    ``json_schema``: the JSON text of a JSON Schema the output must match (``{}`` for any JSON object is
+    ``{"type": "object"}``), enforced by the engine's grammar-constrained sampling.
+    """
 
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
@@ -151,6 +164,15 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None
+    json_schema: str | None = None
+    embed: bool = False  # an embedding of the prompt (or the rendered chat), not a generation
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
     def check(self) -> InvalidField | None:
@@ -166,7 +188,52 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return InvalidField("temperature", f"temperature must be in [{low:g}, {high:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             return InvalidField("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                return InvalidField(name, f"{name} must be in [{low:g}, {high:g}] (0 is neutral), got {value}")
+        if self.repeat_penalty is not None and not 0.0 < self.repeat_penalty <= 10.0:
+            return InvalidField(
+                "repeat_penalty", f"repeat_penalty must be in (0, 10] (1 is neutral), got {self.repeat_penalty}"
+            )
+        if self.top_k is not None and not 0 <= self.top_k <= MAX_TOKENS_LIMIT:
+            return InvalidField("top_k", f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            return InvalidField("min_p", f"min_p must be in [0, 1] (0 keeps every token), got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return InvalidField(
+                "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias:
+            if not 0 <= token <= MAX_TOKENS_LIMIT:
+                return InvalidField("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token}")
+            if not low <= bias <= high:
+                return InvalidField(
+                    "logit_bias", f"logit_bias values must be in [{low:g}, {high:g}], got {bias} for token {token}"
+                )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            return InvalidField("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         return None
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One candidate token: its text, its log-probability under the model, its bytes (``piece``: a token can be
+    part of a character, so its text alone can lose information)."""
+
+    token: str
+    logprob: float
+    piece: bytes
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A chosen token with its log-probability and the ``top`` most likely tokens at that position."""
+
+    token: str
+    logprob: float
+    piece: bytes
+    top: tuple[TopLogprob, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -352,6 +419,8 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     prompt_tokens: int = 0  # set on the final chunk
     completion_tokens: int = 0  # set on the final chunk
     sent_ns: int = 0  # CLOCK_MONOTONIC at send time (latency measurement; 0 = unset)
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this delta covers, when the request asked for logprobs
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector (on its final chunk)
 
 
 class ErrorChunk(msgspec.Struct, tag="error", frozen=True):

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tether.errors import TetherError
-from tether.protocol import FinishReason, GenerateParams
+from tether.protocol import FinishReason, GenerateParams, TokenLogprob
 from tether.units import format_bytes
 
 ProgressCallback = Callable[[float, str], None]  # (fraction 0..1, detail)
@@ -41,6 +41,8 @@ class Delta(msgspec.Struct, frozen=True):
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # for the tokens this delta covers, when the request asked
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its final delta
 
 
 class RequestError(TetherError):

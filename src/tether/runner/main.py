@@ -360,6 +360,8 @@ class Runner:
                         finish_reason=result.finish_reason,
                         prompt_tokens=result.prompt_tokens,
                         completion_tokens=result.completion_tokens,
+                        logprobs=result.logprobs,
+                        embedding=result.embedding,
                     )
                 )
                 if result.finish_reason is not None:
