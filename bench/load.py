@@ -444,7 +444,7 @@ def baseline_server(port: int, options: dict[str, Any], max_queue: int) -> None:
         try:
             body = wire.decode("chat", await request.body())
             assert isinstance(body, wire.ChatRequest)
-            params = wire.chat_params(body)
+            params = wire.chat_plan(body).params
         except InvalidField as exc:
             return error(400, str(exc), "invalid_request")
         if not body.stream:

@@ -14,6 +14,7 @@ import hmac
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
@@ -32,6 +33,7 @@ from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
 from tether.serve import openai, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
+from tether.serve.shaping import Shaper, cause_json, failure_of
 
 log = logging.getLogger("tether.api")
 
@@ -120,8 +122,21 @@ def _too_large(exc: BodyTooLarge) -> Response:
 # --------------------------------------------------------------------------------------------------------------
 
 
+async def next_event(handle: TaskHandle) -> Chunk | TaskStatus | ErrorChunk:
+    """A task's next event that matters to a client: a chunk, a request error, or the terminal status."""
+    while True:
+        event = await handle.__anext__()
+        if isinstance(event, Chunk | ErrorChunk):
+            return event
+        if isinstance(event, TaskStatus) and event.state.terminal:
+            return event
+
+
 class GenerationResponse(Response):
-    """Streams (SSE) or collects one generation while watching the client; ends the fleet's request bookkeeping."""
+    """Streams or collects one generation while watching the client; ends the fleet's request bookkeeping.
+
+    The bytes are the ``shaper``'s (one per API dialect); the outcome rules are this class's alone.
+    """
 
     def __init__(
         self,
@@ -130,10 +145,9 @@ class GenerationResponse(Response):
         hosted: Hosted,
         handle: TaskHandle,
         release: contextlib.AsyncExitStack,
-        shaper: openai.Shaper,
+        shaper: Shaper,
         *,
         stream: bool,
-        include_usage: bool,
         endpoint: str,
         started: float,
     ) -> None:
@@ -145,7 +159,6 @@ class GenerationResponse(Response):
         self.release = release
         self.shaper = shaper
         self.stream = stream
-        self.include_usage = include_usage
         self.endpoint = endpoint
         self.started = started
         self.outcome = "failed"
@@ -176,23 +189,14 @@ class GenerationResponse(Response):
                 await self.release.aclose()
                 self._record()
 
-    async def _next(self) -> Chunk | TaskStatus | ErrorChunk:
-        """The next event that matters to the client: a chunk, a request error, or the terminal status."""
-        while True:
-            event = await self.handle.__anext__()
-            if isinstance(event, Chunk | ErrorChunk):
-                return event
-            if isinstance(event, TaskStatus) and event.state.terminal:
-                return event
-
     async def _respond(self, send: Send) -> None:
-        text: list[str] = []
+        shaper = self.shaper
         finish: str | None = None
         request_error: str | None = None
         started_stream = False
         while True:
             try:
-                event = await self._next()
+                event = await next_event(self.handle)
             except StopAsyncIteration:  # cannot happen: every task ends with a terminal status
                 event = TaskStatus(self.handle.task_id, TaskState.FAILED, error="the task stream ended unexpectedly")
             if isinstance(event, ErrorChunk):
@@ -206,15 +210,15 @@ class GenerationResponse(Response):
                     finish = event.finish_reason
                     self.prompt_tokens = event.prompt_tokens
                     self.completion_tokens = event.completion_tokens or self.completion_tokens
+                piece = shaper.feed(event)
                 if not self.stream:
-                    text.append(event.text)
                     continue
                 if not started_stream:  # the status is decided: the first token is out
-                    await self._start(send, 200, "text/event-stream")
+                    await self._start(send, 200, shaper.media_type)
                     started_stream = True
-                    await self._body(send, self.shaper.chunk(event.text, None, first=True))
-                elif event.text:  # the finish reason goes in a chunk of its own, at the terminal status
-                    await self._body(send, self.shaper.chunk(event.text, None))
+                    await self._body(send, shaper.opening())
+                if piece:
+                    await self._body(send, piece)
                 continue
             # The terminal status.
             self.outcome = event.state.value
@@ -222,34 +226,20 @@ class GenerationResponse(Response):
                 reason = "length" if finish == "length" else "stop"
                 if self.stream:
                     if not started_stream:
-                        await self._start(send, 200, "text/event-stream")
-                        await self._body(send, self.shaper.chunk("", None, first=True))
-                    await self._body(send, self.shaper.chunk("", reason))
-                    if self.include_usage:
-                        await self._body(send, self.shaper.usage_chunk(self.prompt_tokens, self.completion_tokens))
-                    await self._body(send, openai.DONE, more=False)
+                        await self._start(send, 200, shaper.media_type)
+                        await self._body(send, shaper.opening())
+                    await self._body(send, shaper.closing(reason, self.prompt_tokens, self.completion_tokens), False)
                 else:
-                    body = self.shaper.whole("".join(text), reason, self.prompt_tokens, self.completion_tokens)
+                    body = shaper.whole(reason, self.prompt_tokens, self.completion_tokens)
                     await self._whole(send, 200, body)
                 return
-            status, type_, code, message, extra = self._failure(event, request_error)
+            failure = failure_of(event, request_error, self.completion_tokens)
+            self.outcome = failure.outcome
             if started_stream:
-                await self._body(send, self.shaper.error_event(message, type_, code, **extra), more=False)
+                await self._body(send, shaper.stream_error(failure), more=False)
             else:
-                await self._whole(send, status, openai.error_body(message, type_, code=code, **extra))
+                await self._whole(send, failure.status, shaper.error_body(failure))
             return
-
-    def _failure(self, final: TaskStatus, request_error: str | None) -> tuple[int, str, str, str, dict[str, Any]]:
-        """(HTTP status, error type, code, message, extra fields) for a generation that did not complete."""
-        extra: dict[str, Any] = {"completion_tokens": self.completion_tokens}
-        if final.state is TaskState.CANCELLED:
-            return 409, "cancelled", "cancelled", f"the request was cancelled: {final.error or 'cancelled'}", extra
-        if final.cause is not None:  # the runner failed: say why, with the evidence
-            extra["cause"] = openai.cause_json(final.cause)
-            message = f"the model runner failed: {final.cause.summary}"
-            return 500, "server_error", final.cause.kind.value, message, extra
-        self.outcome = "bad_request"
-        return 400, "invalid_request_error", "invalid_request", request_error or final.error or "refused", extra
 
     async def _start(self, send: Send, status: int, media_type: str) -> None:
         headers = [(b"content-type", media_type.encode()), (b"x-request-id", self.handle.task_id.encode())]
@@ -323,14 +313,14 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         "restarts": inst.restarts,
         "failures": {kind.value: count for kind, count in inst.failures.items()},  # every failed life, by cause
         "queue": _queue(hosted),
-        "cause": openai.cause_json(cause) if cause is not None else None,
+        "cause": cause_json(cause) if cause is not None else None,
         "history": [
             {
                 "at": f.at,
                 "life": f.life,
                 "pid": f.pid,
                 "detected_in": f.detected_in,
-                "cause": openai.cause_json(f.cause),
+                "cause": cause_json(f.cause),
             }
             for f in inst.history
         ],
@@ -375,7 +365,7 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     async def unavailable(_: Request, exc: Unavailable) -> Response:
         extra: dict[str, Any] = {"retry_after": exc.retry_after}
         if exc.cause is not None:
-            extra["cause"] = openai.cause_json(exc.cause)
+            extra["cause"] = cause_json(exc.cause)
         return _error(503, str(exc), "server_error", code="unavailable", **extra)
 
     @app.exception_handler(ClientDisconnect)
@@ -390,38 +380,37 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     async def too_large(_: Request, exc: BodyTooLarge) -> Response:
         return _too_large(exc)
 
+    async def respond(
+        hosted: Hosted, plan: openai.Plan, shaper: Shaper, request_id: str, endpoint: str, started: float
+    ) -> Response:
+        """Admit the plan's generation to ``hosted``, answered with ``shaper`` (every generating route ends here)."""
+        release = contextlib.AsyncExitStack()
+        try:
+            handle = await release.enter_async_context(fleet.generation(hosted, plan.params, request_id))
+        except Unavailable:
+            metrics.requests.labels(hosted.id, endpoint, "rejected").inc()
+            raise
+        return GenerationResponse(
+            fleet, metrics, hosted, handle, release, shaper, stream=plan.stream, endpoint=endpoint, started=started
+        )
+
+    def planned(hosted_id: str, endpoint: str, make: Callable[[], openai.Plan]) -> openai.Plan:
+        """``make()``, with a refused request counted as the route's bad request."""
+        try:
+            return make()
+        except InvalidField:
+            metrics.requests.labels(hosted_id, endpoint, "bad_request").inc()
+            raise
+
     async def generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
         started = time.monotonic()
         endpoint = "chat" if kind == "chat" else "completions"
         body = openai.decode(kind, await request.body())
         hosted = fleet.route(body.model)
-        try:
-            if isinstance(body, openai.ChatRequest):
-                params = openai.chat_params(body)
-            else:
-                params = openai.completion_params(body)
-        except InvalidField:
-            metrics.requests.labels(hosted.id, endpoint, "bad_request").inc()
-            raise
+        plan = planned(hosted.id, endpoint, lambda: openai.plan(body))
         request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
-        release = contextlib.AsyncExitStack()
-        try:
-            handle = await release.enter_async_context(fleet.generation(hosted, params, request_id))
-        except Unavailable:
-            metrics.requests.labels(hosted.id, endpoint, "rejected").inc()
-            raise
-        return GenerationResponse(
-            fleet,
-            metrics,
-            hosted,
-            handle,
-            release,
-            openai.Shaper(kind, request_id, hosted.id),
-            stream=body.stream,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            endpoint=endpoint,
-            started=started,
-        )
+        shaper = openai.Shaper(kind, request_id, hosted.id, plan)
+        return await respond(hosted, plan, shaper, request_id, endpoint, started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -1,8 +1,10 @@
 """OpenAI's wire format: request bodies in, completion objects and SSE chunks out, errors in OpenAI's shape.
 
-Bodies are decoded with msgspec (typed, with the offending field named in the error) into structs that ignore fields
-tether does not use (clients send many) but refuse the ones whose meaning it cannot honour (``n`` > 1, ``echo``,
-tools) rather than silently answering something else.
+Bodies are decoded with msgspec (typed, with the offending field named in the error) into structs that refuse
+fields they do not declare, as OpenAI's API does. Every declared field is honoured or refused with a 400 naming
+it, or is metadata that changes nothing; each struct registers which (``fields``), and the README's table is made
+from that. A request becomes a ``Plan``: the ``GenerateParams`` the runner gets, plus how the answer is shaped
+(streaming, usage, logprobs, tool calls).
 """
 
 from __future__ import annotations
@@ -10,74 +12,269 @@ from __future__ import annotations
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from tether.errors import InvalidField
 from tether.protocol import (
+    LOGIT_BIAS_RANGE,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    PENALTY_RANGE,
     SEED_RANGE,
     TEMPERATURE_RANGE,
-    Cause,
     ChatMessage,
+    Chunk,
     GenerateParams,
+    TokenLogprob,
     documented,
 )
+from tether.serve import tools as toolkit
+from tether.serve.fields import EXTENSION as E
+from tether.serve.fields import HONOURED as H
+from tether.serve.fields import LIMITED as L
+from tether.serve.fields import METADATA as M
+from tether.serve.fields import REFUSED as R
+from tether.serve.fields import Policy, register
+from tether.serve.shaping import Failure
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions; chat templates know "system"
 MAX_STOPS = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
 
 
 Tokens = Annotated[int, documented(minimum=1, maximum=MAX_TOKENS_LIMIT)]
 Stops = str | Annotated[list[str], documented(maxItems=MAX_STOPS)]
+Penalty = Annotated[float, documented(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])]
+Seed = Annotated[int, documented(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1)]
+Bias = Annotated[
+    dict[str, Annotated[float, documented(minimum=LOGIT_BIAS_RANGE[0], maximum=LOGIT_BIAS_RANGE[1])]],
+    documented(propertyNames={"pattern": "^[0-9]{1,9}$"}),  # a token id below MAX_TOKENS_LIMIT
+]
 
 
-class TextPart(msgspec.Struct):
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Annotated[str, documented(enum=["text"], description="only text parts are supported")]
     text: str | None = None
 
 
-class MessageIn(msgspec.Struct):
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: Annotated[str, documented(enum=["function"])] = "function"
+
+
+class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
     role: Annotated[str, documented(enum=[*ROLES, *ROLE_ALIASES])]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI pads streamed chunks against side channels; nothing to pad here
 
 
-class ResponseFormat(msgspec.Struct):
-    type: Annotated[str, documented(enum=["text"], description="structured output is not supported yet")] = "text"
+class JsonSchema(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] = msgspec.field(default_factory=dict)
+    strict: bool | None = None  # the grammar enforces the schema whether or not strict is set
+    description: str | None = None
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=["text", "json_object", "json_schema"])] = "text"
+    json_schema: JsonSchema | None = None
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, documented(minLength=1, maxLength=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar enforces the parameters' schema either way
+
+
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionDef
+    type: Annotated[str, documented(enum=["function"], description="only function tools")] = "function"
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    function: NamedFunction
+    type: Annotated[str, documented(enum=["function"])] = "function"
+
+
+ToolChoice = Annotated[str, documented(enum=["none", "auto", "required"])] | NamedChoice
+
+
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     max_tokens: Tokens | None = None
     temperature: Annotated[float, documented(minimum=TEMPERATURE_RANGE[0], maximum=TEMPERATURE_RANGE[1])] = 1.0
     top_p: Annotated[float, documented(exclusiveMinimum=0, maximum=1)] = 1.0
     stop: Stops | None = None
-    seed: Annotated[int, documented(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1)] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Bias | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, documented(enum=[1], description="one runner generates one choice per request")] = 1
+    n: Annotated[int, documented(enum=[1], description="one choice per request")] = 1
     user: str | None = None
+    # llama.cpp's extensions
+    top_k: Annotated[int, documented(minimum=0, maximum=MAX_TOKENS_LIMIT)] | None = None
+    min_p: Annotated[float, documented(minimum=0, maximum=1)] | None = None
+    repeat_penalty: Annotated[float, documented(exclusiveMinimum=0, maximum=10)] | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: Annotated[list[MessageIn], documented(minItems=1)]
     max_completion_tokens: Tokens | None = None
-    tools: Annotated[list[Any], documented(maxItems=0, description="tools are not supported yet")] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, documented(minimum=0, maximum=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: Annotated[bool, documented(enum=[False], description="tether keeps no completions")] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: Annotated[list[str], documented(items={"enum": ["text"]})] | None = None
+    # refused whenever set: what they ask for does not exist here
+    audio: Annotated[Any, documented(type="null", description="audio output is not supported")] = None
+    prediction: Annotated[Any, documented(type="null", description="predicted outputs are not supported")] = None
+    reasoning_effort: Annotated[Any, documented(type="null", description="no reasoning control")] = None
+    verbosity: Annotated[Any, documented(type="null", description="not supported")] = None
+    web_search_options: Annotated[Any, documented(type="null", description="web search is not supported")] = None
+    functions: Annotated[Any, documented(type="null", description="deprecated: send tools")] = None
+    function_call: Annotated[Any, documented(type="null", description="deprecated: send tool_choice")] = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | Annotated[list[str], documented(minItems=1, maxItems=1)]
+    logprobs: Annotated[int, documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: Annotated[bool, documented(enum=[False], description="echo is not supported")] = False
     suffix: Annotated[str, documented(maxLength=0, description="suffix is not supported")] | None = None
+    best_of: Annotated[int, documented(enum=[1], description="one candidate per request")] | None = None
+
+
+BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the API fuzzer accepts them; each says what to do)
+    "tool_choice": "a named tool_choice must name one of the request's tools",
+    "tools": "tool names must be unique",
+}
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
+    "ChatRequest": {
+        "allOf": [
+            {
+                "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            },
+            {  # a tool_choice that demands a call needs tools to call
+                "if": {
+                    "required": ["tool_choice"],
+                    "properties": {"tool_choice": {"anyOf": [{"type": "object"}, {"const": "required"}]}},
+                },
+                "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+            },
+        ]
+    },
+    "MessageIn": {
+        "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+        "then": {"properties": {"role": {"const": "assistant"}}},
+    },
+}
+_SAMPLING_POLICY = {
+    "model": Policy(H, "picks the instance; with one instance any name reaches it"),
+    "max_tokens": Policy(H, "default 512 for chat, 16 for completions"),
+    "temperature": Policy(H, "0 is greedy"),
+    "top_p": Policy(H),
+    "stop": Policy(H, "up to 4 strings, never emitted, matched across tokens"),
+    "seed": Policy(H, "same seed, same request, same instance: same text"),
+    "presence_penalty": Policy(H, "over the tokens generated so far"),
+    "frequency_penalty": Policy(H, "over the tokens generated so far"),
+    "logit_bias": Policy(H, "token ids of the model's vocabulary; -100 bans, 100 forces"),
+    "stream": Policy(H, "server-sent events"),
+    "stream_options": Policy(H, "`include_usage`; `include_obfuscation` is metadata"),
+    "n": Policy(L, "1 only"),
+    "user": Policy(M),
+    "top_k": Policy(E, "0 keeps every token; default 40 when temperature > 0"),
+    "min_p": Policy(E, "default 0.05 when temperature > 0"),
+    "repeat_penalty": Policy(E, "over the last 64 tokens; default: the instance's option (1.0)"),
+}
+register(
+    "POST /v1/chat/completions",
+    ChatRequest,
+    {
+        **_SAMPLING_POLICY,
+        "messages": Policy(H, "roles system/developer, user, assistant (with `tool_calls`), tool; text parts only"),
+        "max_completion_tokens": Policy(H, "wins over `max_tokens`"),
+        "logprobs": Policy(H, "the model's log-probabilities (before sampling), with bytes"),
+        "top_logprobs": Policy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
+        "response_format": Policy(H, "`text`, `json_object`, `json_schema`: grammar-constrained, always parses"),
+        "tools": Policy(H, "function tools, through a grammar-constrained JSON answer"),
+        "tool_choice": Policy(H, "`none`, `auto`, `required`, a named function"),
+        "parallel_tool_calls": Policy(H, "false: at most one call"),
+        "metadata": Policy(M),
+        "store": Policy(L, "false or absent only: tether stores nothing"),
+        "service_tier": Policy(M, "one tier here"),
+        "prompt_cache_key": Policy(M, "prefix reuse is automatic (the `prompt_cache` option)"),
+        "safety_identifier": Policy(M),
+        "modalities": Policy(L, '`["text"]` only'),
+        "audio": Policy(R),
+        "prediction": Policy(R),
+        "reasoning_effort": Policy(R),
+        "verbosity": Policy(R),
+        "web_search_options": Policy(R),
+        "functions": Policy(R, "deprecated by OpenAI: send `tools`"),
+        "function_call": Policy(R, "deprecated by OpenAI: send `tool_choice`"),
+    },
+)
+register(
+    "POST /v1/completions",
+    CompletionRequest,
+    {
+        **_SAMPLING_POLICY,
+        "prompt": Policy(L, "one string (or a list of one)"),
+        "logprobs": Policy(H, "0 to 5 alternatives per token, OpenAI's legacy shape"),
+        "echo": Policy(L, "false only"),
+        "suffix": Policy(L, "empty only"),
+        "best_of": Policy(L, "1 only"),
+    },
+)
+register(
+    "chat message",
+    MessageIn,
+    {
+        "role": Policy(H, "`developer` is `system`"),
+        "content": Policy(H, "a string or text parts"),
+        "name": Policy(M),
+        "tool_calls": Policy(H, "an earlier assistant turn's calls, shown to the model"),
+        "tool_call_id": Policy(H, "a tool result's call, shown to the model"),
+        "refusal": Policy(M),
+    },
+)
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -103,8 +300,17 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str = "requ
             converted: T = msgspec.convert(_integral(msgspec.json.decode(body)), decoder.type)
             return converted
     except msgspec.ValidationError as exc:  # "Expected `float`, got `str` - at `$.temperature`"
-        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
-        raise InvalidField(param, f"invalid {what}: {exc}") from None
+        text = str(exc)
+        at = text.rsplit("`$", 1)[-1].rstrip("`").lstrip(".") if "`$" in text else ""
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+        if unknown:  # "Object contains unknown field `foo` - at `$.messages[0]`"
+            param = f"{at}.{unknown[1]}" if at else unknown[1]
+            raise InvalidField(
+                param,
+                f"invalid {what}: unknown field {param!r}. This server refuses fields it does not know rather than "
+                "ignore them: correct or remove it (GET /openapi.json lists every field)",
+            ) from None
+        raise InvalidField(at or None, f"invalid {what}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidField(None, f"the body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -135,6 +341,23 @@ def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | Co
     return decode_body(_completion_decoder, body)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Requests to plans
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one request asks for: the generation, and how its answer is shaped (every honoured field lands here)."""
+
+    params: GenerateParams
+    model: str | None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False  # render the tokens' logprobs in the answer
+    tools: toolkit.ToolPlan | None = None
+
+
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -144,69 +367,170 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _common(request: _Sampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidField("logit_bias", f"logit_bias keys are token ids (digits, as strings), got {key!r}")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def _refuse_set(request: msgspec.Struct, names: tuple[str, ...], why: str) -> None:
+    for name in names:
+        if getattr(request, name) is not None:
+            raise InvalidField(name, f"{name} is not supported by this server ({why}): remove it from the request")
+
+
+def sampling(request: _Sampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
+    """The ``GenerateParams`` fields every OpenAI-shaped request shares (the Responses and Ollama APIs use it too)."""
     if request.n != 1:
-        raise InvalidField("n", f"n must be 1 (one runner generates one choice per request), got {request.n}")
+        raise InvalidField("n", f"n must be 1 (one choice per request; send n requests for n answers), got {request.n}")
     return {
         "max_tokens": default_max if max_tokens is None else max_tokens,
         "temperature": request.temperature,
         "top_p": request.top_p,
         "stop": _stops(request.stop),
         "seed": request.seed,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logit_bias": _logit_bias(request.logit_bias),
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "repeat_penalty": request.repeat_penalty,
     }
 
 
-def _checked(params: GenerateParams) -> GenerateParams:
+def checked(params: GenerateParams) -> GenerateParams:
     problem = params.check()
     if problem is not None:
         raise problem
     return params
 
 
-def chat_params(request: ChatRequest) -> GenerateParams:
-    if request.tools:
-        raise InvalidField("tools", "tools are not supported by this server")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise InvalidField("response_format", "response_format other than 'text' is not supported by this server")
-    if not request.messages:
-        raise InvalidField("messages", "messages must hold at least one message")
-    messages = []
-    for i, message in enumerate(request.messages):
+def schema_text(schema: dict[str, Any], field: str) -> str:
+    """A JSON Schema as the JSON text ``GenerateParams.json_schema`` carries (the engine compiles it to a grammar)."""
+    if not isinstance(schema, dict):
+        raise InvalidField(field, f"{field} must be a JSON Schema object")
+    return msgspec.json.encode(schema).decode()
+
+
+def response_schema(fmt: ResponseFormat | None) -> str | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or not fmt.json_schema.schema:
+            raise InvalidField("response_format.json_schema", "response_format json_schema needs json_schema.schema")
+        return schema_text(fmt.json_schema.schema, "response_format.json_schema.schema")
+    raise InvalidField(
+        "response_format.type", f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}"
+    )
+
+
+def chat_messages(messages: list[MessageIn], field: str = "messages") -> list[ChatMessage]:
+    """The conversation as the engine renders it: roles checked, text parts joined, earlier tool calls and tool
+    results written in the generic tool format (``tools``)."""
+    if not messages:
+        raise InvalidField(field, f"{field} must hold at least one message")
+    out = []
+    names: dict[str, str] = {}  # tool call id -> function name, for the results that answer them
+    for i, message in enumerate(messages):
         role = ROLE_ALIASES.get(message.role, message.role)
-        if role in ("tool", "function"):
-            raise InvalidField(
-                f"messages[{i}].role",
-                f"messages[{i}].role {message.role!r} answers a tool call, and tools are not supported by this server",
-            )
         if role not in ROLES:
             raise InvalidField(
-                f"messages[{i}].role",
-                f"messages[{i}].role must be one of {', '.join(repr(r) for r in (*ROLES, *ROLE_ALIASES))}, "
+                f"{field}[{i}].role",
+                f"{field}[{i}].role must be one of {', '.join(repr(r) for r in (*ROLES, *ROLE_ALIASES))}, "
                 f"got {message.role!r}",
             )
         content = message.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
-                raise InvalidField(f"messages[{i}].content", f"messages[{i}]: only text content parts are supported")
+                raise InvalidField(f"{field}[{i}].content", f"{field}[{i}]: only text content parts are supported")
             content = "".join(part.text or "" for part in content)
-        messages.append(ChatMessage(role=role, content=content or ""))
+        if message.tool_calls:
+            if role != "assistant":
+                raise InvalidField(f"{field}[{i}].tool_calls", f"{field}[{i}]: only assistant turns carry tool_calls")
+            for call in message.tool_calls:
+                if call.id:
+                    names[call.id] = call.function.name
+            calls = [toolkit.render_call(c.function.name, c.function.arguments) for c in message.tool_calls]
+            content = toolkit.assistant_turn(calls, content)
+        if role == "tool":
+            call_id = message.tool_call_id
+            content = toolkit.tool_result(call_id, names.get(call_id or "", message.name), content or "")
+            role = "user"  # the generic format: a result is a user turn (templates without a tool role read it)
+        out.append(ChatMessage(role=role, content=content or ""))
+    return out
+
+
+def chat_plan(request: ChatRequest) -> Plan:
+    _refuse_set(request, ("audio", "prediction", "web_search_options", "verbosity", "reasoning_effort"), "text only")
+    _refuse_set(request, ("functions", "function_call"), "deprecated by OpenAI: send tools and tool_choice")
+    if request.store:
+        raise InvalidField("store", "store must be false or absent: this server stores no completions")
+    if request.modalities is not None and set(request.modalities) - {"text"}:
+        raise InvalidField("modalities", f'modalities must be ["text"] (text output only), got {request.modalities}')
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
+    messages = chat_messages(request.messages)
+    tools = toolkit.plan(request.tools or [], request.tool_choice, request.parallel_tool_calls)
+    json_schema = response_schema(request.response_format)
+    if tools is not None:
+        if json_schema is not None:
+            raise InvalidField("response_format", "response_format cannot be combined with tools (tool_choice none)")
+        json_schema = schema_text(tools.schema(), "tools")
+        messages.insert(0, ChatMessage(role="system", content=tools.system_prompt()))
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    return _checked(GenerateParams(messages=tuple(messages), **_common(request, max_tokens, DEFAULT_MAX_TOKENS)))
+    params = GenerateParams(
+        messages=tuple(messages),
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        json_schema=json_schema,
+        **sampling(request, max_tokens, DEFAULT_MAX_TOKENS),
+    )
+    return Plan(
+        checked(params),
+        request.model,
+        request.stream,
+        bool(request.stream_options and request.stream_options.include_usage),
+        request.logprobs,
+        tools,
+    )
 
 
-def completion_params(request: CompletionRequest) -> GenerateParams:
+def completion_plan(request: CompletionRequest) -> Plan:
     if request.echo:
         raise InvalidField("echo", "echo is not supported by this server")
     if request.suffix:
         raise InvalidField("suffix", "suffix is not supported by this server")
+    if request.best_of not in (None, 1):
+        raise InvalidField("best_of", f"best_of must be 1 (one candidate per request), got {request.best_of}")
     prompt = request.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
             raise InvalidField("prompt", f"prompt must be one string (got a list of {len(prompt)})")
         prompt = prompt[0]
-    return _checked(
-        GenerateParams(prompt=prompt, **_common(request, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS))
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidField("logprobs", f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {request.logprobs}")
+    params = GenerateParams(
+        prompt=prompt,
+        logprobs=request.logprobs,
+        **sampling(request, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
     )
+    return Plan(
+        checked(params),
+        request.model,
+        request.stream,
+        bool(request.stream_options and request.stream_options.include_usage),
+        request.logprobs is not None,
+    )
+
+
+def plan(body: ChatRequest | CompletionRequest) -> Plan:
+    return chat_plan(body) if isinstance(body, ChatRequest) else completion_plan(body)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -221,17 +545,6 @@ def error_body(message: str, type_: str, *, code: str | None = None, param: str 
     return _encode({"error": {"message": message, "type": type_, "param": param, "code": code, **extra}})
 
 
-def cause_json(cause: Cause) -> dict[str, Any]:
-    return {
-        "kind": cause.kind.value,
-        "summary": cause.summary,
-        "evidence": list(cause.evidence),
-        "phase": cause.phase,
-        "exit_code": cause.exit_code,
-        "signal": cause.signal,
-    }
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -240,28 +553,160 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class Shaper:
-    """Builds one request's response objects (chat or completion), sharing its id, creation time and model."""
+def chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """One token in the chat API's logprobs shape (``bytes`` as a list of ints, as OpenAI sends them)."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.piece),
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.piece)} for t in entry.top],
+    }
 
-    def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str) -> None:
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """Tokens in the legacy completions API's logprobs shape; ``offset``: the text before them (streaming)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class Shaper:
+    """One request's OpenAI chat or completion objects and SSE chunks (see ``shaping.Shaper``)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, kind: Literal["chat", "completion"], request_id: str, model: str, plan: Plan | None = None
+    ) -> None:
         self.kind = kind
         self.id = request_id
         self.model = model
         self.created = int(time.time())
+        self.plan = plan or Plan(GenerateParams(prompt=""), None)
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self._offset = 0  # streamed text so far (completion logprobs' text_offset)
 
-    def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False) -> bytes:
+    # --- shaping.Shaper ---------------------------------------------------------------------------------------
+
+    def opening(self) -> bytes:
+        return self.chunk("", None, first=True)
+
+    def feed(self, chunk: Chunk) -> bytes:
+        self.text.append(chunk.text)
+        if self.plan.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+        if self.plan.tools is not None or not (chunk.text or (self.plan.logprobs and chunk.logprobs)):
+            return b""  # a tool answer is parsed whole; the finish reason goes in a chunk of its own
+        return self.chunk(chunk.text, None, logprobs=list(chunk.logprobs) if self.plan.logprobs else None)
+
+    def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        out = b""
+        content, calls = self._answer()
+        if self.plan.tools is not None:
+            if calls:
+                out += self._sse(
+                    self._chunk_obj({"tool_calls": [dict(c.json(), index=i) for i, c in enumerate(calls)]})
+                )
+            elif content:
+                out += self.chunk(content, None)
+        out += self.chunk("", self._finish(finish, calls))
+        if self.plan.include_usage:
+            out += self.usage_chunk(prompt_tokens, completion_tokens)
+        return out + DONE
+
+    def whole(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        content, calls = self._answer()
+        reason = self._finish(finish, calls)
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.json() for c in calls]
+            logprobs = {"content": [chat_logprob(e) for e in self.logprobs], "refusal": None}
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            logprobs = completion_logprobs(self.logprobs)
+            choice = {"index": 0, "text": content or "", "finish_reason": reason}
+            obj = "text_completion"
+        choice["logprobs"] = logprobs if self.plan.logprobs else None
+        return _encode(
+            {
+                "id": self.id,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens),
+            }
+        )
+
+    def stream_error(self, failure: Failure) -> bytes:
+        return self.error_event(failure.message, failure.type, failure.code, **failure.extra)
+
+    def error_body(self, failure: Failure) -> bytes:
+        return error_body(failure.message, failure.type, code=failure.code, **failure.extra)
+
+    # --- pieces ------------------------------------------------------------------------------------------------
+
+    def _answer(self) -> tuple[str | None, list[toolkit.ToolCall]]:
+        text = "".join(self.text)
+        if self.plan.tools is None:
+            return text, []
+        return toolkit.parse(text)
+
+    @staticmethod
+    def _finish(finish: str, calls: list[toolkit.ToolCall]) -> str:
+        if calls:
+            return "tool_calls"
+        return "length" if finish == "length" else "stop"
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        *,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text} if text or logprobs or not finish_reason else {}
             if first:
                 delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-            obj = "text_completion"
+            chunk = self._chunk_obj(delta, finish_reason)
+            if logprobs is not None:
+                chunk["choices"][0]["logprobs"] = {"content": [chat_logprob(e) for e in logprobs], "refusal": None}
+            return self._sse(chunk)
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        if logprobs is not None:
+            choice["logprobs"] = completion_logprobs(logprobs, self._offset)
+        self._offset += len(text)
         return self._sse(
-            {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+            {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
         )
+
+    def _chunk_obj(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -272,29 +717,6 @@ class Shaper:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens),
-            }
-        )
-
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> bytes:
-        if self.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return _encode(
-            {
-                "id": self.id,
-                "object": obj,
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
                 "usage": usage(prompt_tokens, completion_tokens),
             }
         )

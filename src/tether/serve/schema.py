@@ -55,16 +55,68 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float | None  # null only where the log-probability is -inf
+    bytes: list[int]
+
+
+class LogprobOut(msgspec.Struct):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """``logprobs: true``: each generated token's log-probability under the model, and the ``top_logprobs`` most
+    likely tokens at its position."""
+
+    content: list[LogprobOut]
+    refusal: None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions API's logprobs (``logprobs: n``)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class ToolCallDelta(msgspec.Struct):
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the answer is tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: None
+    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -79,8 +131,8 @@ class ChatCompletion(msgspec.Struct):
 class TextChoice(msgspec.Struct):
     index: int
     text: str
-    finish_reason: Literal["stop", "length"]
-    logprobs: None
+    finish_reason: FinishReason
+    logprobs: CompletionLogprobs | None
 
 
 class Completion(msgspec.Struct):
@@ -95,13 +147,14 @@ class Completion(msgspec.Struct):
 class ChatDelta(msgspec.Struct):
     role: Literal["assistant"] | None = None  # in the first chunk
     content: str | None = None  # absent in the chunk that carries the finish reason
+    tool_calls: list[ToolCallDelta] | None = None  # a tool answer: every call, whole, in one chunk
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -116,8 +169,8 @@ class ChatCompletionChunk(msgspec.Struct):
 class TextChunkChoice(msgspec.Struct):
     index: int
     text: str
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None
 
 
 class CompletionChunk(msgspec.Struct):
@@ -302,6 +355,8 @@ def _id(name: str) -> list[dict[str, Any]]:
 def openapi(*, auth: bool) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the API (``auth``: the server wants a bearer key on every route but probes)."""
     _, components = msgspec.json.schema_components(_BODIES + _ANSWERS, ref_template=REF)
+    for name, rules in openai.SCHEMA_RULES.items():
+        components[name].update(rules)
     paths: dict[str, Any] = {
         "/v1/chat/completions": {
             "post": _generation(openai.ChatRequest, ChatCompletion, ChatCompletionChunk, "OpenAI chat completion"),
