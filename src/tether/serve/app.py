@@ -15,7 +15,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -29,11 +30,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
 from tether.node.instance import InstanceReady
 from tether.node.tasks import TaskHandle
-from tether.protocol import Chunk, ErrorChunk, TaskState, TaskStatus, tag_of
+from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
 from tether.serve import openai, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
-from tether.serve.shaping import Shaper, cause_json, failure_of
+from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
 
 log = logging.getLogger("tether.api")
 
@@ -42,6 +43,7 @@ DEFAULT_MAX_BODY = 4 << 20
 _encode = msgspec.json.Encoder().encode
 _instance_decoder = msgspec.json.Decoder(InstanceConfig)
 _CODES = {404: "not_found", 405: "method_not_allowed"}
+T = TypeVar("T")
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -264,6 +266,104 @@ class GenerationResponse(Response):
         m.duration.labels(instance).observe(time.monotonic() - self.started)
 
 
+class GenerationFailed(TetherError):
+    """A request that did not complete (an embedding's runner failed, say): its ``Failure``, for any dialect."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+@dataclass
+class Api:
+    """What a route module (``openai``'s routes here, ``responses``, ``ollama``) needs to serve generations: the
+    fleet, the metrics, and the one way a generation is admitted and answered."""
+
+    fleet: Fleet
+    metrics: Metrics
+
+    async def respond(
+        self, hosted: Hosted, plan: openai.Plan, shaper: Shaper, request_id: str, endpoint: str, started: float
+    ) -> Response:
+        """Admit the plan's generation to ``hosted``, answered with ``shaper`` (every generating route ends here)."""
+        release = contextlib.AsyncExitStack()
+        try:
+            handle = await release.enter_async_context(self.fleet.generation(hosted, plan.params, request_id))
+        except Unavailable:
+            self.metrics.requests.labels(hosted.id, endpoint, "rejected").inc()
+            raise
+        return GenerationResponse(
+            self.fleet,
+            self.metrics,
+            hosted,
+            handle,
+            release,
+            shaper,
+            stream=plan.stream,
+            endpoint=endpoint,
+            started=started,
+        )
+
+    def planned(self, hosted_id: str, endpoint: str, make: Callable[[], T]) -> T:
+        """``make()``, with a refused request counted as the route's bad request."""
+        try:
+            return make()
+        except InvalidField:
+            self.metrics.requests.labels(hosted_id, endpoint, "bad_request").inc()
+            raise
+
+    async def embed(self, hosted: Hosted, inputs: list[GenerateParams], request_id: str, endpoint: str) -> list[Chunk]:
+        """Each input's final chunk (its ``embedding`` set), in order; ``GenerationFailed`` when one fails.
+
+        Inputs go to the runner at most ``parallel`` at a time, so a long list waits its turn instead of overflowing
+        the queue; each is a task like any generation (deadlines, cancel, a runner's death reported with its cause).
+        """
+        started = time.monotonic()
+        results: list[Chunk | None] = [None] * len(inputs)
+        outcome = "failed"
+        limiter = anyio.Semaphore(max(hosted.parallel, 1))
+        prompt_tokens = 0
+
+        async def one(i: int, params: GenerateParams) -> None:
+            nonlocal prompt_tokens
+            async with limiter, self.fleet.generation(hosted, params, f"{request_id}-{i}") as handle:
+                request_error: str | None = None
+                while True:
+                    event = await next_event(handle)
+                    if isinstance(event, ErrorChunk):
+                        request_error = event.message
+                    elif isinstance(event, Chunk):
+                        if event.finish_reason is not None:
+                            results[i] = event
+                            prompt_tokens += event.prompt_tokens
+                    elif event.state is TaskState.COMPLETE and results[i] is not None:
+                        return
+                    else:
+                        raise GenerationFailed(failure_of(event, request_error, 0))
+
+        try:
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i, params in enumerate(inputs):
+                        tg.start_soon(one, i, params)
+            except BaseExceptionGroup as group:  # the first failure speaks for the request
+                first = group.exceptions[0]
+                while isinstance(first, BaseExceptionGroup):
+                    first = first.exceptions[0]
+                if isinstance(first, GenerationFailed):
+                    outcome = first.failure.outcome
+                elif isinstance(first, Unavailable):
+                    outcome = "rejected"
+                raise first from None
+            outcome = "complete"
+        finally:
+            m = self.metrics
+            m.requests.labels(hosted.id, endpoint, outcome).inc()
+            m.tokens.labels(hosted.id, "prompt").inc(prompt_tokens)
+            m.duration.labels(hosted.id).observe(time.monotonic() - started)
+        return [chunk for chunk in results if chunk is not None]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # JSON views of the fleet
 # --------------------------------------------------------------------------------------------------------------
@@ -368,6 +468,11 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
             extra["cause"] = cause_json(exc.cause)
         return _error(503, str(exc), "server_error", code="unavailable", **extra)
 
+    @app.exception_handler(GenerationFailed)
+    async def generation_failed(_: Request, exc: GenerationFailed) -> Response:
+        f = exc.failure
+        return _error(f.status, f.message, f.type, code=f.code, **f.extra)
+
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, _: ClientDisconnect) -> Response:
         """The client left while its body was arriving: nobody to answer, nothing started, nothing to log but that.
@@ -380,27 +485,8 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     async def too_large(_: Request, exc: BodyTooLarge) -> Response:
         return _too_large(exc)
 
-    async def respond(
-        hosted: Hosted, plan: openai.Plan, shaper: Shaper, request_id: str, endpoint: str, started: float
-    ) -> Response:
-        """Admit the plan's generation to ``hosted``, answered with ``shaper`` (every generating route ends here)."""
-        release = contextlib.AsyncExitStack()
-        try:
-            handle = await release.enter_async_context(fleet.generation(hosted, plan.params, request_id))
-        except Unavailable:
-            metrics.requests.labels(hosted.id, endpoint, "rejected").inc()
-            raise
-        return GenerationResponse(
-            fleet, metrics, hosted, handle, release, shaper, stream=plan.stream, endpoint=endpoint, started=started
-        )
-
-    def planned(hosted_id: str, endpoint: str, make: Callable[[], openai.Plan]) -> openai.Plan:
-        """``make()``, with a refused request counted as the route's bad request."""
-        try:
-            return make()
-        except InvalidField:
-            metrics.requests.labels(hosted_id, endpoint, "bad_request").inc()
-            raise
+    api = Api(fleet, metrics)
+    respond, planned = api.respond, api.planned
 
     async def generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
         started = time.monotonic()
@@ -419,6 +505,8 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
+
+    # Other dialects: each module adds its routes, answering through ``api`` (one line each, here).
 
     @app.get("/v1/models")
     async def models() -> Response:
