@@ -31,7 +31,7 @@ from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, Te
 from tether.node.instance import InstanceReady
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
-from tether.serve import openai, schema
+from tether.serve import embeddings, openai, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
 from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
@@ -505,6 +505,14 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        body = embeddings.decode(await request.body())
+        hosted = fleet.route(body.model)
+        inputs = planned(hosted.id, "embeddings", lambda: embeddings.inputs(body))
+        chunks = await api.embed(hosted, inputs, new_request_id("embd"), "embeddings")
+        return Response(embeddings.body(chunks, hosted.id, body.encoding_format), media_type="application/json")
 
     # Other dialects: each module adds its routes, answering through ``api`` (one line each, here).
 

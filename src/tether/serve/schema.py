@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.serve import openai
+from tether.serve import embeddings, openai
 from tether.serve.fleet import InstanceConfig
 
 REF = "#/components/schemas/{name}"
@@ -182,6 +182,26 @@ class CompletionChunk(msgspec.Struct):
     usage: Usage | None = None
 
 
+class EmbeddingOut(msgspec.Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # ``encoding_format: base64``: little-endian float32, base64
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    """One unit-length vector per input, in order."""
+
+    object: Literal["list"]
+    data: list[EmbeddingOut]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Model(msgspec.Struct):
     id: str
     object: Literal["model"]
@@ -272,7 +292,7 @@ class Readiness(msgspec.Struct):
 # The document
 # --------------------------------------------------------------------------------------------------------------
 
-_BODIES = (openai.ChatRequest, openai.CompletionRequest, InstanceConfig)
+_BODIES = (openai.ChatRequest, openai.CompletionRequest, embeddings.EmbeddingRequest, InstanceConfig)
 _ANSWERS = (
     ErrorBody,
     ChatCompletion,
@@ -280,6 +300,7 @@ _ANSWERS = (
     ChatCompletionChunk,
     CompletionChunk,
     ModelList,
+    EmbeddingList,
     Instance,
     InstanceList,
     Deleted,
@@ -365,6 +386,19 @@ def openapi(*, auth: bool) -> dict[str, Any]:
             "post": _generation(
                 openai.CompletionRequest, Completion, CompletionChunk, "OpenAI (legacy) text completion"
             ),
+        },
+        "/v1/embeddings": {
+            "post": {
+                "summary": "OpenAI embeddings, from an instance started with the llama.cpp option embedding: true",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref(embeddings.EmbeddingRequest)}},
+                },
+                "responses": {
+                    "200": _json(EmbeddingList, "the vectors"),
+                    **_errors(400, 404, 409, 413, 500, 503),
+                },
+            }
         },
         "/v1/models": {
             "get": {"summary": "the models served", "responses": {"200": _json(ModelList, "the instances' ids")}}

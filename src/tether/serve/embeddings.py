@@ -1,0 +1,90 @@
+"""OpenAI's embeddings API: ``POST /v1/embeddings`` from an instance started for embeddings.
+
+An embedding is a task like a generation (``GenerateParams.embed``): the same queue, deadlines, cancel and failure
+causes; the runner returns the pooled, L2-normalised vector of each input on its final chunk. Inputs are strings;
+token-id arrays and ``dimensions`` are refused (the vector's size is the model's).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Annotated, Any
+
+import msgspec
+
+from tether.errors import InvalidField
+from tether.protocol import Chunk, GenerateParams, documented
+from tether.serve.fields import HONOURED, LIMITED, METADATA, Policy, register
+from tether.serve.openai import decode_body
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    input: str | Annotated[list[str], documented(minItems=1, maxItems=MAX_INPUTS)]
+    model: str | None = None
+    encoding_format: Annotated[str, documented(enum=["float", "base64"])] = "float"
+    dimensions: Annotated[int, documented(type="null", description="the model's size only")] | None = None
+    user: str | None = None
+
+
+register(
+    "POST /v1/embeddings",
+    EmbeddingRequest,
+    {
+        "input": Policy(LIMITED, "a string or a list of strings (token-id arrays are refused)"),
+        "model": Policy(HONOURED, "an instance started with the llama.cpp option `embedding: true`"),
+        "encoding_format": Policy(HONOURED, "`float` or `base64` (little-endian float32)"),
+        "dimensions": Policy(LIMITED, "absent only: the vector has the model's size"),
+        "user": Policy(METADATA),
+    },
+)
+
+_decoder = msgspec.json.Decoder(EmbeddingRequest)
+_encode = msgspec.json.Encoder().encode
+
+
+def decode(body: bytes) -> EmbeddingRequest:
+    return decode_body(_decoder, body)
+
+
+def inputs(request: EmbeddingRequest) -> list[GenerateParams]:
+    """One embedding task per input."""
+    if request.dimensions is not None:
+        raise InvalidField(
+            "dimensions", "dimensions is not supported: the vector has the model's size (omit dimensions)"
+        )
+    if request.encoding_format not in ("float", "base64"):
+        raise InvalidField(
+            "encoding_format", f"encoding_format must be 'float' or 'base64', got {request.encoding_format!r}"
+        )
+    texts = [request.input] if isinstance(request.input, str) else request.input
+    if not texts:
+        raise InvalidField("input", "input must hold at least one string")
+    if len(texts) > MAX_INPUTS:
+        raise InvalidField("input", f"input takes at most {MAX_INPUTS} strings per request, got {len(texts)}")
+    return [GenerateParams(prompt=text, max_tokens=1, embed=True) for text in texts]
+
+
+def vector(values: tuple[float, ...], encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+    return list(values)
+
+
+def body(chunks: list[Chunk], model: str, encoding: str) -> bytes:
+    """The list object: one embedding per input, in order, with the prompt tokens they took."""
+    tokens = sum(chunk.prompt_tokens for chunk in chunks)
+    data: list[dict[str, Any]] = [
+        {"object": "embedding", "index": i, "embedding": vector(chunk.embedding or (), encoding)}
+        for i, chunk in enumerate(chunks)
+    ]
+    return _encode(
+        {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
