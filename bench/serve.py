@@ -118,7 +118,14 @@ llama-server that does not start only skips its side).
 already built; it starts in under a second and its three phases take a few seconds, so the whole quick run,
 three servers, takes about 35-45 s on two cores (CI allows 190 s). Without a cached binary the quick run skips it.
 
-Run: ``.venv/bin/python bench/serve.py [--quick] [--no-build]``. The last line printed is one JSON object.
+``--variants logprobs json_schema``: after each batching server's load phases (tether, llama-server), the highest
+concurrency again with that option in every request (``logprobs: true, top_logprobs: 5``; ``response_format``
+``json_schema`` with ``STORY``, the stories as a JSON object); ``SIDE_tokens_per_s_VARIANT_cC``,
+``SIDE_VARIANT_vs_plain_cC`` (its rate over the same side's plain rate: the option's cost) and
+``tokens_per_s_ratio_vs_llama_server_VARIANT_cC``. The plain phases are unchanged by it.
+
+Run: ``.venv/bin/python bench/serve.py [--quick] [--no-build] [--variants ...]``. The last line printed is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -365,7 +372,20 @@ class Request:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
 
 
-def request_body(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
+STORY = {  # the json_schema variant's schema: the stories as JSON
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 60}, "story": {"type": "string"}},
+    "required": ["title", "story"],
+}
+VARIANTS: dict[str, dict[str, Any]] = {  # request fields per variant: the cost of each option on tokens/s
+    "plain": {},
+    "logprobs": {"logprobs": True, "top_logprobs": 5},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}}},
+}
+VARIANT_SIDES = ("tether", "llama_server")  # the batching servers (llama_cpp.server serves one at a time)
+
+
+def request_body(server: Server, prompt: str, max_tokens: int, variant: str = "plain") -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": server.model_id,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
@@ -377,13 +397,15 @@ def request_body(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]
     }
     if server.side in ("baseline", "llama_server"):
         body["repeat_penalty"] = 1.0  # llama_cpp.server defaults to 1.1; tether's engine uses 1.0
-    return body
+    return body | VARIANTS[variant]
 
 
-async def stream_one(client: httpx.AsyncClient, server: Server, index: int, max_tokens: int) -> Request:
+async def stream_one(
+    client: httpx.AsyncClient, server: Server, index: int, max_tokens: int, variant: str = "plain"
+) -> Request:
     """Send one streaming chat completion and read it to ``[DONE]``, stamping every content chunk."""
     req = Request(index)
-    body = request_body(server, PROMPTS[index], max_tokens)
+    body = request_body(server, PROMPTS[index], max_tokens, variant)
     parts: list[str] = []
     done = False
     began = time.perf_counter()
@@ -457,7 +479,7 @@ class Load:
         return sum(1 for r in self.requests if r.error is not None)
 
 
-async def run_load(server: Server, concurrency: int, per_client: int, max_tokens: int) -> Load:
+async def run_load(server: Server, concurrency: int, per_client: int, max_tokens: int, variant: str = "plain") -> Load:
     """A closed loop: each of ``concurrency`` clients sends ``per_client`` requests back to back."""
     load = Load(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
@@ -465,7 +487,8 @@ async def run_load(server: Server, concurrency: int, per_client: int, max_tokens
     async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
 
         async def send(i: int, j: int) -> None:
-            load.requests.append(await stream_one(client, server, (i * per_client + j) % len(PROMPTS), max_tokens))
+            index = (i * per_client + j) % len(PROMPTS)
+            load.requests.append(await stream_one(client, server, index, max_tokens, variant))
 
         load.wall_s = await closed_loop(concurrency, per_client, send)
     return load
@@ -487,6 +510,7 @@ class Run:
     leftover: int = 0
     forced: bool = False
     warmup_error: str | None = None
+    variants: dict[str, Load] = field(default_factory=dict)  # at the highest concurrency, one per --variants
 
 
 async def run_side(side: str, rnd: int, setup: Setup, logdir: Path, args: argparse.Namespace) -> Run:
@@ -503,7 +527,18 @@ async def run_side(side: str, rnd: int, setup: Setup, logdir: Path, args: argpar
                 f"{fmt(load.tokens_per_s)} tokens/s",
                 flush=True,
             )
-    return Run(side, rnd, loads, server.load_s, server.leftover, server.forced, warm.error)
+        variants = {}
+        top = max(args.concurrency)
+        for variant in args.variants if side in VARIANT_SIDES else ():
+            variants[variant] = load = await run_load(
+                server, top, per_client(args.requests, top), args.max_tokens, variant
+            )
+            print(
+                f"round {rnd} {LABELS[side]}: {variant} C={top} {load.errors} error(s), "
+                f"{fmt(load.tokens_per_s)} tokens/s",
+                flush=True,
+            )
+    return Run(side, rnd, loads, server.load_s, server.leftover, server.forced, warm.error, variants)
 
 
 def round_order(sides: Sequence[str], rnd: int) -> list[str]:
@@ -676,8 +711,24 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
     ls_differing: int | None = None
     if by_side["llama_server"]:
         ls_identical, ls_differing = outputs_identical(by_side["llama_server"] + by_side["tether"])
+    top = max(args.concurrency)
+    for variant in args.variants:
+        for side in VARIANT_SIDES:
+            rates = [r.variants[variant].tokens_per_s for r in by_side[side] if variant in r.variants]
+            plain = result.get(f"{side}_tokens_per_s_c{top}")
+            rate = median(rates) if rates else float("nan")
+            result[f"{side}_tokens_per_s_{variant}_c{top}"] = rounded(rate)
+            result[f"{side}_{variant}_vs_plain_c{top}"] = rounded(ratio(rate, plain or float("nan")), 3)
+        result[f"tokens_per_s_ratio_vs_llama_server_{variant}_c{top}"] = rounded(
+            ratio(
+                result[f"tether_tokens_per_s_{variant}_c{top}"] or float("nan"),
+                result[f"llama_server_tokens_per_s_{variant}_c{top}"] or float("nan"),
+            ),
+            3,
+        )
     errors_by_side = {
-        side: sum(load.errors for r in rs for load in r.loads.values()) + sum(1 for r in rs if r.warmup_error)
+        side: sum(load.errors for r in rs for load in [*r.loads.values(), *r.variants.values()])
+        + sum(1 for r in rs if r.warmup_error)
         for side, rs in by_side.items()
     }
     errors = sum(errors_by_side.values())
@@ -771,6 +822,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=SIDES,
         default=list(SIDES),
         help="servers to run (default all; figures of a side left out are null)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        choices=[v for v in VARIANTS if v != "plain"],
+        default=[],
+        help="after the load phases, the highest concurrency again with each option on (tether and llama-server): "
+        "logprobs (top 5), json_schema (the stories as JSON); default none",
     )
     parser.add_argument(
         "--no-build", action="store_true", help="do not build llama-server when it is missing (skip that side)"
