@@ -4,6 +4,18 @@ Output is a pseudo-random word sequence seeded by a stable hash of the prompt (a
 same request always produces the same text, in any process, without a model. Faults come from the engine spec
 (load, warmup, generate and idle phases; generate faults apply to every request) and from each request's params.
 
+What a deterministic engine can honestly say about the rest of a request:
+
+* ``embed``: an embedding of the prompt (or the chat, rendered as ``role: content`` lines) in one step: a unit
+  vector of ``embedding_dim`` numbers drawn from a stable hash of that text, so the same text always gives the same
+  vector and different texts (almost surely) different ones. ``generate`` faults fire at that step as at a
+  generation's first token, so supervision can be rehearsed for embedding requests too.
+* ``logprobs``: every word is the only possible one, so each token's logprob is 0.0 (probability 1) and ``top``
+  holds just that token when the request asks for one or more alternatives.
+* ``json_schema``: refused (``RequestError``): the word stream cannot follow a schema.
+* The other sampling parameters (temperature, penalties, ``logit_bias``, top_k, ...) are checked and otherwise
+  change nothing: the text depends on the prompt and ``seed`` alone.
+
 Options (``spec.options``):
   load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
   load_step_seconds  delay per load step (default 0.001)
@@ -21,6 +33,7 @@ Options (``spec.options``):
                      or "double_fork" (a daemon: fork, setsid, fork again, the middle process exits, so ``sleep`` is
                      reparented to init and nothing links it to the runner but its cgroup); a comma-separated list
                      gives helper ``i`` the kind ``i`` modulo its length
+  embedding_dim      the dimension of ``embed`` vectors (default 64)
   gpu_bytes          if set, allocate (and touch) this many bytes of GPU memory with ``torch.cuda`` at load and hold
                      them until close(): what a real engine's weights do to a GPU, for checking that GPU memory is
                      reported and given back (needs torch with CUDA; without it the load fails saying so)
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import random
 import signal
@@ -42,7 +56,7 @@ from types import MappingProxyType
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.text import TextStream
-from tether.protocol import EngineSpec, Fault, GenerateParams
+from tether.protocol import EngineSpec, Fault, GenerateParams, TokenLogprob, TopLogprob
 from tether.runner.faults import faults_for, fire, trigger
 
 VOCAB = tuple(
@@ -59,6 +73,7 @@ VOCAB = tuple(
 HELPER_KINDS = ("exec", "fork", "setsid", "setpgid", "double_fork")
 _NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow", "request_error"})  # inside an engine call
 MAX_PARALLEL = 256
+MAX_EMBEDDING_DIM = 65536
 
 
 @dataclass
@@ -71,6 +86,8 @@ class _Sequence:
     prompt_tokens: int
     budget: int
     done: int = 0
+    logprobs: int | None = None  # alternatives per token, None for no logprobs
+    embedding: tuple[float, ...] | None = None  # an embed request's vector: it ends at its first step
 
 
 class DebugEngine:
@@ -86,6 +103,7 @@ class DebugEngine:
             "n_ctx": None,
             "helpers": 0,
             "helper_kind": "exec",
+            "embedding_dim": 64,
             "gpu_bytes": 0,
         }
     )
@@ -105,6 +123,9 @@ class DebugEngine:
             self.helpers = max(0, int(options.get("helpers", 0)))
             self.helper_kind = str(options.get("helper_kind", "exec"))
             self.gpu_bytes = max(0, int(options.get("gpu_bytes", 0)))
+            self.embedding_dim = int(options.get("embedding_dim", 64))
+            if not 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM:
+                raise ValueError(f"embedding_dim must be in [1, {MAX_EMBEDDING_DIM}], got {self.embedding_dim}")
             self._kinds = self.helper_kind.split(",")
             unknown = [kind for kind in self._kinds if kind not in HELPER_KINDS]
             if unknown:
@@ -209,6 +230,10 @@ class DebugEngine:
         problem = params.check()
         if problem is not None:
             raise RequestError(str(problem))
+        if params.json_schema is not None and not params.embed:
+            raise RequestError(
+                "the debug engine does not do structured output (json_schema): use the llama.cpp engine for it"
+            )
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already running")
         if len(self._seqs) >= self.parallel:
@@ -219,19 +244,30 @@ class DebugEngine:
             raise RequestError(f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx")
         budget = params.max_tokens if self.n_ctx is None else max(1, min(params.max_tokens, self.n_ctx - prompt_tokens))
         self._seqs[seq_id] = _Sequence(
-            token_stream(text, params.seed), TextStream(params.stop), faults, prompt_tokens, budget
+            token_stream(text, params.seed),
+            TextStream(params.stop),
+            faults,
+            prompt_tokens,
+            budget,
+            logprobs=params.logprobs,
+            embedding=embedding_vector(text, self.embedding_dim) if params.embed else None,
         )
 
     def _advance(self, seq_id: str, seq: _Sequence) -> Delta:
-        piece = next(seq.words)
+        if seq.embedding is not None:
+            del self._seqs[seq_id]
+            return Delta("", 0, "stop", seq.prompt_tokens, 0, embedding=seq.embedding)
+        word = next(seq.words)
         seq.done += 1
-        text, stopped = seq.text.feed(piece if seq.done == 1 else " " + piece)
+        piece = word if seq.done == 1 else " " + word
+        logprobs = () if seq.logprobs is None else (certain(piece, seq.logprobs),)
+        text, stopped = seq.text.feed(piece)
         if stopped or seq.done == seq.budget:
             del self._seqs[seq_id]
             if not stopped:
                 text += seq.text.flush()
-            return Delta(text, 1, "stop" if stopped else "length", seq.prompt_tokens, seq.done)
-        return Delta(text, 1)
+            return Delta(text, 1, "stop" if stopped else "length", seq.prompt_tokens, seq.done, logprobs=logprobs)
+        return Delta(text, 1, logprobs=logprobs)
 
 
 def _hold_gpu_memory(n: int) -> object:
@@ -309,6 +345,21 @@ def token_stream(text: str, seed: int | None = None) -> Iterator[str]:
     rng = random.Random(int.from_bytes(digest, "big"))
     while True:
         yield rng.choice(VOCAB)
+
+
+def embedding_vector(text: str, dim: int) -> tuple[float, ...]:
+    """A unit vector of ``dim`` numbers drawn from a stable hash of ``text`` (the same in every process)."""
+    digest = hashlib.blake2b(f"embed\x00{text}".encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))
+    values = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return tuple(v / norm for v in values)
+
+
+def certain(piece: str, alternatives: int) -> TokenLogprob:
+    """The logprobs of a token that was the only possible one: 0.0, and itself as the one alternative."""
+    raw = piece.encode()
+    return TokenLogprob(piece, 0.0, raw, (TopLogprob(piece, 0.0, raw),) if alternatives >= 1 else ())
 
 
 def _cancelled(prompt_tokens: int, done: int) -> Delta:

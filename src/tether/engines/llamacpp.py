@@ -16,14 +16,32 @@ Three deliberate choices, each for the supervisor's sake:
   the prompt's exact token count is known before generating: a prompt that does not fit a sequence's context is a
   ``RequestError`` with numbers, and the final delta reports real ``prompt_tokens``.
 
+Requests map onto each sequence's own sampler chain (``llamacpp_batch`` gives its order and the semantics of
+logprobs): ``temperature`` 0 is greedy; ``top_k`` and ``min_p`` default to llama.cpp's 40 and 0.05 (for
+temperature > 0); ``repeat_penalty`` defaults to the engine option; ``logit_bias`` ids must be below the model's
+vocabulary size; ``json_schema`` is converted to a GBNF grammar by llama-cpp-python's converter (here, in the
+engine's process: a schema it cannot convert is that request's ``RequestError``), with strings kept free of raw
+control characters so the output is strict JSON.
+
+**Embeddings** need an instance of their own (option ``embedding``): llama.cpp computes pooled embeddings in a
+context built for them (``embeddings`` on, every prompt token an output), which a generating context is not. Such an
+instance serves only ``embed`` requests and refuses generations, and a generating instance refuses ``embed``
+requests; each error says which instance to start. Pooling is the model's own (``{arch}.pooling_type``: mean, cls or
+last), else mean, as llama-server's ``--embedding`` does for a generative model like the default one. Vectors are
+L2-normalised; their dimension is the model's embedding width (576 for SmolLM2-135M).
+
 Options (``spec.options``): n_ctx (2048, per sequence), parallel (8 sequences at once; the KV cache holds
 parallel x n_ctx cells), n_threads (usable CPUs, at most 8), n_batch (512), prefill_chunk (64: prompt tokens per step
 while other sequences decode), prompt_cache (True: reuse a slot's cached prefix, see ``llamacpp_batch``), seed (0),
-n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike llama-cpp-python's 1.1), verbose (False).
+n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike llama-cpp-python's 1.1), verbose (False), embedding (False:
+serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is prefilled in one micro-batch, and
+the cache holds n_ctx cells in all, one prompt at a time).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +71,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "n_gpu_layers": 0,
     "repeat_penalty": 1.0,  # neutral, as in OpenAI's API; llama-cpp-python's 1.1 derails small models
     "verbose": False,
+    "embedding": False,  # serve embeddings (embed requests) instead of generations: see the module docstring
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -103,6 +122,7 @@ class LlamaCppEngine:
             self.n_gpu_layers = int(options["n_gpu_layers"])
             self.repeat_penalty = float(options["repeat_penalty"])
             self.verbose = bool(options["verbose"])
+            self.embedding = bool(options["embedding"])
         except (TypeError, ValueError, OverflowError) as exc:
             raise EngineLoadError(f"invalid llama.cpp engine option in {spec.options!r}: {exc}") from exc
         if not (
@@ -124,6 +144,7 @@ class LlamaCppEngine:
         self._model: Any = None  # llama-cpp-python's LlamaModel: weights, vocabulary, tokenizer, metadata
         self._batch: Batch | None = None
         self._chat_formatter: Any = None
+        self._n_vocab = 0  # known once loaded
         self._calls = 0
 
     # -------------------------------------------------------------------------------------------------------
@@ -160,6 +181,7 @@ class LlamaCppEngine:
         if reporter.error is not None:
             raise reporter.error
         self._model = model
+        self._n_vocab = int(lib.llama_vocab_n_tokens(model.vocab))
         self._batch = Batch(
             lib,
             model.model,
@@ -170,13 +192,16 @@ class LlamaCppEngine:
             n_threads=self.n_threads,
             prefill_chunk=self.prefill_chunk,
             prompt_cache=self.prompt_cache,
+            embedding=self.embedding,
+            pooling=_pooling(lib, model) if self.embedding else None,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model)
         progress(1.0, f"loaded {described} in {time.monotonic() - started:.1f} s")
 
     def warmup(self) -> None:
-        """Generate one token so weights are paged in and buffers allocated before the first request."""
-        for _ in self.generate(GenerateParams(prompt="Hello", max_tokens=1), lambda: False):
+        """Generate one token (or embed one word) so weights are paged in and buffers allocated before the first
+        request."""
+        for _ in self.generate(GenerateParams(prompt="Hello", max_tokens=1, embed=self.embedding), lambda: False):
             pass
         self._require_batch().clear()
 
@@ -193,22 +218,72 @@ class LlamaCppEngine:
         problem = params.check()
         if problem is not None:
             raise RequestError(str(problem))
+        if params.embed != self.embedding:
+            raise RequestError(
+                "this llama.cpp instance serves embeddings only (it was started with the embedding option): send "
+                "generations to an instance started without the embedding option"
+                if self.embedding
+                else "this llama.cpp instance generates text and does not compute embeddings: start an instance "
+                "with option embedding: true for embedding requests"
+            )
+        if self.embedding:
+            self._start_embedding(batch, seq_id, params)
+            return
+        grammar = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
         stop = list(params.stop)
         if params.messages is not None:
             prompt_tokens, template_stop = self._render_chat(params)
             stop += template_stop
         else:
-            prompt_tokens = self._model.tokenize((params.prompt or "").encode("utf-8"), add_bos=True, special=True)
-            if not prompt_tokens:  # an empty prompt on a model without BOS-adding: condition on BOS alone
-                prompt_tokens = [self._model.token_bos()]
+            prompt_tokens = self._tokenize(params.prompt or "")
         if len(prompt_tokens) >= self.n_ctx:
             raise RequestError(
                 f"prompt is {len(prompt_tokens)} tokens but a sequence's context (n_ctx) is {self.n_ctx}: shorten "
                 "it or raise n_ctx"
             )
         seed = params.seed if params.seed is not None else self.seed
-        sampling = Sampling(params.temperature, params.top_p, seed, self.repeat_penalty)
+        sampling = Sampling(
+            params.temperature,
+            params.top_p,
+            seed,
+            repeat_penalty=params.repeat_penalty if params.repeat_penalty is not None else self.repeat_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            logit_bias=params.logit_bias,
+            grammar=grammar,
+            logprobs=params.logprobs,
+        )
         batch.start(seq_id, prompt_tokens, params.max_tokens, stop, sampling)
+
+    def _check_sampling(self, params: GenerateParams) -> str | None:
+        """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` (None without)."""
+        for token, _ in params.logit_bias:
+            if token >= self._n_vocab:
+                raise RequestError(
+                    f"logit_bias names token {token}, but {describe_model(self.model_path or '?')} has "
+                    f"{self._n_vocab} tokens (n_vocab; ids 0 to {self._n_vocab - 1})"
+                )
+        if params.json_schema is None:
+            return None
+        return schema_grammar(params.json_schema)
+
+    def _start_embedding(self, batch: Batch, seq_id: str, params: GenerateParams) -> None:
+        if params.messages is not None:
+            prompt_tokens, _ = self._render_chat(params)
+        else:
+            prompt_tokens = self._tokenize(params.prompt or "")
+        if len(prompt_tokens) > self.n_ctx:
+            raise RequestError(
+                f"the input is {len(prompt_tokens)} tokens but this embedding instance's context (n_ctx) is "
+                f"{self.n_ctx}: shorten it or start the instance with a larger n_ctx"
+            )
+        batch.start_embedding(seq_id, prompt_tokens)
+
+    def _tokenize(self, text: str) -> list[int]:
+        tokens: list[int] = self._model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        return tokens or [self._model.token_bos()]  # an empty prompt on a model without BOS-adding: BOS alone
 
     def step(self) -> list[StepResult]:
         return self._require_batch().step()
@@ -275,6 +350,61 @@ class LlamaCppEngine:
         stop = result.stop
         template_stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         return tokens, template_stop
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Structured output and pooling
+# ------------------------------------------------------------------------------------------------------------
+
+_LOOSE_CHAR = r'char ::= [^"\\] |'
+_STRICT_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+
+
+@functools.lru_cache(maxsize=64)
+def schema_grammar(schema: str) -> str:
+    """The GBNF grammar (root rule ``root``) for a JSON Schema's text, by llama-cpp-python's converter; a schema it
+    cannot convert is a ``RequestError`` (cached per schema text: a client sends the same schema again and again).
+
+    The converter's string characters admit raw control characters (a newline inside a string), which strict JSON
+    parsers refuse; they are excluded here, as llama.cpp's own converter does now.
+    """
+    try:
+        parsed = json.loads(schema)
+    except ValueError as exc:
+        raise RequestError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise RequestError(
+            f'json_schema must be a JSON object (a JSON Schema such as {{"type": "object"}}), got {schema[:60]!r}'
+        )
+    try:
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+        grammar: str = json_schema_to_gbnf(schema)
+    except Exception as exc:  # the converter raises ValueError, KeyError, TypeError, ... for what it cannot do
+        raise RequestError(f"json_schema is not supported: {type(exc).__name__}: {exc}") from None
+    if "\x00" in grammar:  # llama.cpp reads the grammar as a C string: it would end there
+        raise RequestError("json_schema asks for a NUL character (U+0000), which no token of the model can produce")
+    return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
+
+
+def _pooling(lib: Any, model: Any) -> int | None:
+    """The pooling an embedding context uses: None (llama.cpp then takes the model's own) when the GGUF declares
+    mean, cls or last; mean when it declares none; a reranker's rank pooling is refused (it gives scores, not
+    vectors)."""
+    metadata = model.metadata()
+    declared = metadata.get(f"{metadata.get('general.architecture', '')}.pooling_type")
+    try:
+        kind = int(declared) if declared is not None else lib.LLAMA_POOLING_TYPE_NONE
+    except ValueError:
+        kind = lib.LLAMA_POOLING_TYPE_NONE
+    if kind == lib.LLAMA_POOLING_TYPE_RANK:
+        raise EngineLoadError(
+            "this model is a reranker (its pooling type is rank): it scores pairs and gives no embedding, and "
+            "tether does not serve reranking"
+        )
+    if kind in (lib.LLAMA_POOLING_TYPE_MEAN, lib.LLAMA_POOLING_TYPE_CLS, lib.LLAMA_POOLING_TYPE_LAST):
+        return None
+    return int(lib.LLAMA_POOLING_TYPE_MEAN)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ several: measured here, prompts of several sequences prefilled in one batch chan
 to flip a greedy choice (4 of 8 chat prompts together: one of them diverged after ~40 tokens), while one prompt
 beside decode rows gives exactly the text of the one-at-a-time path; the cost is at most one step of first-token
 latency per request queued ahead in the same burst. Every sequence samples with its own
-sampler chain (its temperature, top_p and seed), decodes its pieces with its own ``TextStream`` (UTF-8 and stop
+sampler chain (its parameters: see Sampling below), decodes its pieces with its own ``TextStream`` (UTF-8 and stop
 strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its context.
 
 A slot keeps the tokens its cells hold after its sequence ends: the next request placed there reuses the longest
@@ -24,38 +24,82 @@ splits a batch over separate caches into one pass per run of consecutive sequenc
 costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than re-prefilling a
 prompt the cache already holds.) Decode rows go into the batch in slot order for the same reason.
 
+**Sampling.** Each sequence's chain (``Batch._sampler``), in this order: ``logit_bias`` (added to the logits);
+the repeat penalty over the last 64 tokens the model saw (its prompt's tail included, as llama.cpp does);
+``frequency_penalty`` and ``presence_penalty`` over every token of the completion so far (OpenAI's definition: a
+window of ``n_ctx``, the prompt not counted); the ``json_schema`` grammar (tokens it does not allow get -inf: see
+below); then greedy at temperature 0, else top-k (``TOP_K`` unless the request says; 0 keeps all), top-p, min-p
+(``MIN_P`` unless the request says), temperature and a seeded draw. Each stage is left out when neutral, so a plain
+request pays for none of them.
+
+**Logprobs** are those of the *raw* model distribution at the position: the log-softmax of the logits
+``llama_decode`` produced, before penalties, bias, grammar and truncation (vLLM's default, and what llama-server
+calls ``post_sampling_probs: false``), computed with numpy on a view of llama.cpp's logits row (no copy into
+Python). So a token the grammar or a bias forced can have a low logprob, and a greedy choice is always the top-1
+alternative only when nothing but the model shaped the choice. Nothing is computed for a request without
+``logprobs``.
+
+**Structured output.** A ``json_schema`` sequence samples under a grammar (a GBNF text whose root rule is ``root``)
+as llama.cpp's own common sampler does: the chain picks a token from the unconstrained logits, the grammar checks
+that one token, and only when it refuses it are the logits masked by the grammar (every token's piece matched
+against it: measured here, ~14 ms a token for the default model's 49,152-token vocabulary, more than a decode step)
+and the chain applied again. A greedy choice is the same either way (the argmax, when the grammar allows it, is the
+argmax of the allowed); a seeded draw may differ from masking first, as in llama.cpp. A pick the grammar leaves at
+-inf (it allows nothing at all) fails that request alone, where accepting it would abort the process inside
+llama.cpp. The output is tracked, and the sequence finishes ("stop") as soon as its text is one complete JSON value:
+the grammar allows nothing after it but one optional space and end-of-generation, so stopping there saves a step or
+two and leaves no trailing space.
+
+**Embeddings.** A batch built with ``embedding=True`` (its context computes pooled embeddings, and it serves only
+``start_embedding`` sequences) prefills one prompt per step, whole (its micro-batch holds ``n_ctx`` tokens, since
+pooling needs a sequence's every token in one micro-batch), reads the sequence's pooled vector, L2-normalises it (as
+llama-server does by default), frees the slot's cells and ends the sequence in that step. Its cache is unified and
+only ``n_ctx`` cells in all: one prompt is in it at a time.
+
 Only the thread that owns the engine touches any of this (llama.cpp contexts are not thread-safe).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.engines.base import Delta, RequestError, StepResult
+import numpy as np
+
+from tether.engines.base import Delta, EngineLoadError, RequestError, StepResult
 from tether.engines.text import TextStream
 from tether.errors import TetherError
-from tether.protocol import FinishReason
+from tether.protocol import FinishReason, TokenLogprob, TopLogprob
 
 TOP_K, MIN_P = 40, 0.05  # llama-cpp-python's and llama-server's defaults, for temperature > 0
 PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size
 PIECE_BUFFER = 256
+JSON_VALUE_ENDS = frozenset(b'}]"el')  # a JSON value nothing can extend ends so: {...} [...] "..." true false null
 
 
 class DecodeError(TetherError):
     """``llama_decode`` failed: the context's state is unknown, so this is fatal for the runner."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
-    """One sequence's sampling parameters."""
+    """One sequence's sampling parameters (the chain they build: see the module docstring)."""
 
     temperature: float
     top_p: float
     seed: int
-    repeat_penalty: float
+    repeat_penalty: float = 1.0  # over the last PENALTY_LAST_N tokens, the prompt's included; 1.0 is neutral
+    presence_penalty: float = 0.0  # over the completion so far; 0 is neutral
+    frequency_penalty: float = 0.0
+    top_k: int | None = None  # None: TOP_K; 0 keeps every token
+    min_p: float | None = None  # None: MIN_P; 0 keeps every token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): the caller has checked the ids are < n_vocab
+    grammar: str | None = None  # GBNF whose root rule is "root" (a json_schema converted)
+    logprobs: int | None = None  # None: none; else how many alternatives beside each chosen token
 
 
 @dataclass
@@ -72,10 +116,13 @@ class _Sequence:
     prefilled: int  # prompt tokens in the slot's cells
     max_tokens: int
     text: TextStream
-    sampler: Any
+    sampler: Any  # its chain (None for an embedding)
+    grammar: Any = None  # its grammar sampler, apart from the chain (json_schema)
     completion: int = 0
     next_token: int | None = None  # sampled, not yet decoded: goes into the next step's batch
     row: int = -1  # this step: the batch row whose logits it samples from (-1: none)
+    logprobs: int | None = None
+    output: bytearray | None = None  # the completion's bytes, for a json_schema sequence (it ends on a whole value)
 
     @property
     def decoding(self) -> bool:
@@ -98,35 +145,69 @@ class Batch:
         prefill_chunk: int,
         prompt_cache: bool = True,
         unified: bool = False,
+        embedding: bool = False,
+        pooling: int | None = None,
     ) -> None:
+        """``embedding``: a context for pooled embeddings (``pooling``: a ``LLAMA_POOLING_TYPE_*``, None for the
+        model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``."""
         self.lib = lib
         self.vocab = vocab
         self.parallel = parallel
         self.n_ctx = n_ctx  # per sequence
-        self.n_batch = n_batch
+        self.embedding = embedding
+        self.n_batch = n_ctx if embedding else n_batch
         self.prefill_chunk = prefill_chunk
-        self.prompt_cache = prompt_cache
+        self.prompt_cache = prompt_cache and not embedding
+        self.n_vocab: int = lib.llama_vocab_n_tokens(vocab)
+        n_embd_out = getattr(lib, "llama_model_n_embd_out", None) or lib.llama_model_n_embd
+        self.n_embd: int = n_embd_out(model)
         params = lib.llama_context_default_params()
-        params.n_ctx = n_ctx * parallel
-        params.n_batch = n_batch + parallel  # a step: up to parallel decode rows, plus up to n_batch prompt tokens
-        params.n_ubatch = min(n_batch, 512)
+        if embedding:  # one whole prompt at a time, in one micro-batch (pooling needs all of it): n_ctx cells
+            params.n_ctx = n_ctx
+            params.n_batch = params.n_ubatch = n_ctx
+            params.embeddings = True
+            params.pooling_type = lib.LLAMA_POOLING_TYPE_UNSPECIFIED if pooling is None else pooling
+            unified = True
+        else:
+            params.n_ctx = n_ctx * parallel
+            params.n_batch = n_batch + parallel  # a step: up to parallel decode rows, plus up to n_batch prompt tokens
+            params.n_ubatch = min(n_batch, 512)
         params.n_seq_max = parallel
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
-        params.kv_unified = unified  # each sequence attends to its own cells only
+        params.kv_unified = unified  # else each sequence attends to its own cells only
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as the Llama class builds its context
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(model, params)
         if not self.ctx:
+            cells = n_ctx if embedding else n_ctx * parallel
             raise RuntimeError(
-                f"llama.cpp could not create a context of {n_ctx * parallel} cells ({parallel} sequences of "
-                f"{n_ctx}): lower parallel or n_ctx (the stderr tail has llama.cpp's reason)"
+                f"llama.cpp could not create a context of {cells} cells ({parallel} sequences of {n_ctx}"
+                f"{', embeddings' if embedding else ''}): lower parallel or n_ctx (the stderr tail has llama.cpp's "
+                "reason)"
+            )
+        if embedding and lib.llama_pooling_type(self.ctx) not in (
+            lib.LLAMA_POOLING_TYPE_MEAN,
+            lib.LLAMA_POOLING_TYPE_CLS,
+            lib.LLAMA_POOLING_TYPE_LAST,
+        ):
+            kind = lib.llama_pooling_type(self.ctx)
+            lib.llama_free(self.ctx)
+            self.ctx = None
+            raise EngineLoadError(
+                f"llama.cpp's embedding context has pooling type {kind}, not mean, cls or last: this model gives no "
+                "embedding per input (a reranker's pooling is 4, rank)"
             )
         self.memory = lib.llama_get_memory(self.ctx)
-        self._batch = lib.llama_batch_init(n_batch + parallel, 0, 1)
+        self._batch = lib.llama_batch_init(self.n_batch + parallel, 0, 1)
         self._slots = [_Slot(i) for i in range(parallel)]
         self._seqs: dict[str, _Sequence] = {}
         self._piece = ctypes.create_string_buffer(PIECE_BUFFER)
+        self._candidates: Any = None  # llama_token_data[n_vocab] for grammar sampling, made on first use
+        self._candidate_view: Any = None  # a numpy view of it
+        self._one = lib.llama_token_data_array()  # one candidate, for the grammar's check of a pick
+        self._one_data = lib.llama_token_data()
+        self._ids = np.arange(self.n_vocab, dtype=np.int32)
 
     # --- sequences ------------------------------------------------------------------------------------------
 
@@ -134,14 +215,12 @@ class Batch:
         self, seq_id: str, prompt: Sequence[int], max_tokens: int, stops: Sequence[str], sampling: Sampling
     ) -> None:
         """Place a sequence in the free slot that shares the longest prefix with ``prompt`` (its first token comes
-        with a later step). The caller has checked the prompt fits the context."""
-        if seq_id in self._seqs:
-            raise RuntimeError(f"sequence {seq_id!r} is already running")
-        busy = {seq.slot.index for seq in self._seqs.values()}
-        free = [slot for slot in self._slots if slot.index not in busy]
-        if not free:
-            raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
-        slot = max(free, key=lambda s: (_common_prefix(s.cached, prompt), -s.index))
+        with a later step). The caller has checked the prompt fits the context. ``RequestError`` (nothing started)
+        when llama.cpp cannot build its sampler (a grammar it cannot parse)."""
+        if self.embedding:
+            raise RuntimeError("this batch computes embeddings: use start_embedding")
+        slot = self._free_slot(seq_id, prompt)
+        sampler, grammar = self._sampler(sampling, prompt)
         keep = min(_common_prefix(slot.cached, prompt), len(prompt) - 1) if self.prompt_cache else 0
         # (the last prompt token is always decoded again: its logits make the first token)
         if not self.lib.llama_memory_seq_rm(self.memory, slot.index, keep, -1):
@@ -149,15 +228,37 @@ class Batch:
             keep = 0
         del slot.cached[keep:]
         self._seqs[seq_id] = _Sequence(
-            seq_id, slot, list(prompt), keep, max_tokens, TextStream(stops), self._sampler(sampling)
+            seq_id,
+            slot,
+            list(prompt),
+            keep,
+            max_tokens,
+            TextStream(stops),
+            sampler,
+            grammar,
+            logprobs=sampling.logprobs,
+            output=bytearray() if grammar is not None else None,
         )
+
+    def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
+        """Queue an embedding of ``prompt`` (at most ``n_ctx`` tokens: the caller has checked): a later step
+        prefills it whole and ends it with its vector."""
+        if not self.embedding:
+            raise RuntimeError("this batch generates: build it with embedding=True for embeddings")
+        if not 0 < len(prompt) <= self.n_ctx:
+            raise RuntimeError(f"an embedding's prompt must have 1 to {self.n_ctx} tokens, got {len(prompt)}")
+        slot = self._free_slot(seq_id, ())
+        self._seqs[seq_id] = _Sequence(seq_id, slot, list(prompt), 0, 0, TextStream(), None)
 
     def drop(self, seq_id: str) -> tuple[int, int] | None:
         """End a sequence now; returns its (prompt, completion) token counts, None when it is not running."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return None
-        self.lib.llama_sampler_free(seq.sampler)
+        if seq.sampler is not None:
+            self.lib.llama_sampler_free(seq.sampler)
+        if seq.grammar is not None:
+            self.lib.llama_sampler_free(seq.grammar)
         return len(seq.prompt), seq.completion
 
     def active(self) -> int:
@@ -172,8 +273,11 @@ class Batch:
     # --- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[StepResult]:
-        """One ``llama_decode``: a token for every decoding sequence, prompt chunks for the prefilling ones."""
-        lib, batch = self.lib, self._batch
+        """One ``llama_decode``: a token for every decoding sequence, prompt chunks for the prefilling ones (or,
+        in an embedding batch, one whole prompt and its vector)."""
+        if self.embedding:
+            return self._embed_step()
+        batch = self._batch
         n = 0
         decoding = sorted((seq for seq in self._seqs.values() if seq.decoding), key=lambda seq: seq.slot.index)
         for seq in decoding:
@@ -201,13 +305,7 @@ class Batch:
                 seq.row = -1
         if n == 0:
             return []
-        batch.n_tokens = n
-        code = lib.llama_decode(self.ctx, batch)
-        if code != 0:
-            raise DecodeError(
-                f"llama_decode failed with {code} for a batch of {n} tokens over {len(self._seqs)} sequences "
-                f"({'no free KV cells' if code == 1 else 'see the stderr tail'})"
-            )
+        self._decode(n)
         results: list[StepResult] = []
         for seq in list(self._seqs.values()):
             if seq.row >= 0:
@@ -227,6 +325,15 @@ class Batch:
 
     # --- internals ------------------------------------------------------------------------------------------
 
+    def _free_slot(self, seq_id: str, prompt: Sequence[int]) -> _Slot:
+        if seq_id in self._seqs:
+            raise RuntimeError(f"sequence {seq_id!r} is already running")
+        busy = {seq.slot.index for seq in self._seqs.values()}
+        free = [slot for slot in self._slots if slot.index not in busy]
+        if not free:
+            raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
+        return max(free, key=lambda s: (_common_prefix(s.cached, prompt), -s.index))
+
     def _put(self, row: int, token: int, pos: int, seq: int, logits: bool) -> None:
         batch = self._batch
         batch.token[row] = token
@@ -235,19 +342,67 @@ class Batch:
         batch.seq_id[row][0] = seq
         batch.logits[row] = 1 if logits else 0
 
+    def _decode(self, n: int) -> None:
+        self._batch.n_tokens = n
+        code = self.lib.llama_decode(self.ctx, self._batch)
+        if code != 0:
+            raise DecodeError(
+                f"llama_decode failed with {code} for a batch of {n} tokens over {len(self._seqs)} sequences "
+                f"({'no free KV cells' if code == 1 else 'see the stderr tail'})"
+            )
+
+    def _embed_step(self) -> list[StepResult]:
+        """The earliest queued embedding: its whole prompt in one decode, its pooled vector L2-normalised."""
+        seq = next(iter(self._seqs.values()), None)
+        if seq is None:
+            return []
+        lib = self.lib
+        for pos, token in enumerate(seq.prompt):
+            self._put(pos, token, pos, seq.slot.index, True)  # pooling reads every token's output
+        self._decode(len(seq.prompt))
+        pointer = lib.llama_get_embeddings_seq(self.ctx, seq.slot.index)
+        vector = np.ctypeslib.as_array(pointer, shape=(self.n_embd,)).astype(np.float64) if pointer else None
+        lib.llama_memory_seq_rm(self.memory, seq.slot.index, -1, -1)
+        self.drop(seq.seq_id)
+        if vector is None:
+            raise DecodeError(f"llama.cpp computed no pooled embedding for sequence {seq.slot.index}")
+        norm = float(np.linalg.norm(vector))
+        if norm > 0.0:
+            vector /= norm
+        final = Delta("", 0, "stop", len(seq.prompt), 0, embedding=tuple(vector.tolist()))
+        return [(seq.seq_id, final)]
+
     def _sample(self, seq: _Sequence) -> Delta | RequestError:
         lib = self.lib
-        token = lib.llama_sampler_sample(seq.sampler, self.ctx, seq.row)
+        if seq.grammar is not None and seq.output is not None:
+            token = self._sample_constrained(seq)
+            if token is None:
+                self.drop(seq.seq_id)
+                return RequestError(
+                    f"the json_schema grammar allows no token after {len(seq.output)} bytes of output "
+                    f"({bytes(seq.output[-40:]).decode('utf-8', 'replace')!r} at its end): the schema cannot be "
+                    "completed with this model's vocabulary"
+                )
+        else:
+            token = lib.llama_sampler_sample(seq.sampler, self.ctx, seq.row)
         finish: FinishReason | None = None
+        logprobs: tuple[TokenLogprob, ...] = ()
         if lib.llama_vocab_is_eog(self.vocab, token):
             text, finish = seq.text.flush(), "stop"
             tokens = 0
         else:
             seq.completion += 1
             tokens = 1
-            size = lib.llama_token_to_piece(self.vocab, token, self._piece, PIECE_BUFFER, 0, False)
-            text, stopped = seq.text.feed(self._piece.raw[: max(size, 0)])
+            piece = self._token_piece(token, special=False)
+            if seq.logprobs is not None:
+                logprobs = (self._logprob(seq.row, token, piece, seq.logprobs),)
+            text, stopped = seq.text.feed(piece)
+            if seq.output is not None:
+                seq.output += piece
             if stopped:
+                finish = "stop"
+            elif seq.output is not None and _json_done(seq.output, piece):
+                text += seq.text.flush()
                 finish = "stop"
             elif seq.completion >= seq.max_tokens or len(seq.slot.cached) + 1 >= self.n_ctx:
                 text += seq.text.flush()
@@ -255,26 +410,152 @@ class Batch:
             else:
                 seq.next_token = token
         if finish is None:
-            return Delta(text, tokens)
+            return Delta(text, tokens, logprobs=logprobs)
         self.drop(seq.seq_id)
-        return Delta(text, tokens, finish, len(seq.prompt), seq.completion)
+        return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs)
 
-    def _sampler(self, sampling: Sampling) -> Any:
+    def _sample_constrained(self, seq: _Sequence) -> int | None:
+        """Sample under the grammar (see the module docstring): the chain's pick if the grammar allows it, else the
+        chain's pick among what the grammar allows; None when it allows nothing (accepting a token it refuses would
+        abort the process in llama.cpp)."""
         lib = self.lib
+        logits = self._logits(seq.row)
+        token, _ = self._apply(seq.sampler, logits, None)
+        if token < 0 or not self._allows(seq.grammar, token):  # mask every token by the grammar, then the chain again
+            token, logit = self._apply(seq.sampler, logits, seq.grammar)
+            if token < 0 or not math.isfinite(logit):
+                return None
+        lib.llama_sampler_accept(seq.grammar, token)
+        lib.llama_sampler_accept(seq.sampler, token)
+        return token
+
+    def _allows(self, grammar: Any, token: int) -> bool:
+        """Whether the grammar, in its present state, allows ``token`` next (it is applied to that one candidate)."""
+        one, data = self._one, self._one_data
+        data.id, data.logit, data.p = token, 1.0, 0.0
+        one.data, one.size, one.selected, one.sorted = ctypes.pointer(data), 1, -1, False
+        self.lib.llama_sampler_apply(grammar, ctypes.byref(one))
+        return math.isfinite(data.logit)
+
+    def _apply(self, chain: Any, logits: Any, grammar: Any) -> tuple[int, float]:
+        """Apply ``grammar`` (if any), then ``chain``, to every token's logit: the selected (token, logit), or
+        (-1, -inf) when the chain selected nothing. Accepts nothing."""
+        lib = self.lib
+        if self._candidates is None:
+            self._candidates = (lib.llama_token_data * self.n_vocab)()
+            self._candidate_view = np.ctypeslib.as_array(self._candidates)
+        view = self._candidate_view
+        view["id"] = self._ids
+        view["logit"] = logits
+        view["p"] = 0.0
+        array = lib.llama_token_data_array(
+            ctypes.cast(self._candidates, ctypes.POINTER(lib.llama_token_data)), self.n_vocab, -1, False
+        )
+        if grammar is not None:
+            lib.llama_sampler_apply(grammar, ctypes.byref(array))
+        lib.llama_sampler_apply(chain, ctypes.byref(array))
+        if not 0 <= array.selected < array.size:
+            return -1, -math.inf
+        chosen = array.data[array.selected]
+        return int(chosen.id), float(chosen.logit)
+
+    def _logits(self, row: int) -> Any:
+        """The raw logits of a batch row: a numpy view of llama.cpp's buffer (valid until the next decode)."""
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
+
+    def _logprob(self, row: int, token: int, piece: bytes, n: int) -> TokenLogprob:
+        """The chosen token's log-probability under the raw distribution at ``row`` and the ``n`` likeliest tokens
+        there (descending; ties by token id). Alternatives are rendered with special tokens named (``<|im_end|>``);
+        the chosen token's text is exactly what it added to the output."""
+        logits = self._logits(row)
+        top = float(logits.max())
+        log_z = top + math.log(float(np.exp(logits - top).sum(dtype=np.float64)))
+        alternatives: tuple[TopLogprob, ...] = ()
+        if n > 0:
+            k = min(n, self.n_vocab)
+            ids = np.argpartition(-logits, k - 1)[:k]
+            ids = ids[np.lexsort((ids, -logits[ids]))]
+            alternatives = tuple(self._top(int(i), float(logits[i]) - log_z) for i in ids)
+        logprob = min(float(logits[token]) - log_z, 0.0)
+        return TokenLogprob(piece.decode("utf-8", errors="replace"), logprob, piece, alternatives)
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        piece = self._token_piece(token, special=True)
+        return TopLogprob(piece.decode("utf-8", errors="replace"), min(logprob, 0.0), piece)
+
+    def _token_piece(self, token: int, special: bool) -> bytes:
+        size = self.lib.llama_token_to_piece(self.vocab, token, self._piece, PIECE_BUFFER, 0, special)
+        if size >= 0:
+            return self._piece.raw[:size]
+        buffer = ctypes.create_string_buffer(-size)  # a piece longer than the buffer: llama.cpp says how long
+        size = self.lib.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
+        return buffer.raw[: max(size, 0)]
+
+    def _sampler(self, sampling: Sampling, prompt: Sequence[int]) -> tuple[Any, Any]:
+        """The sequence's chain, in the order the module docstring gives, and its grammar sampler apart (None
+        without ``grammar``); ``RequestError`` for a grammar llama.cpp cannot parse."""
+        lib = self.lib
+        grammar: Any = None
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         add = lib.llama_sampler_chain_add
-        if sampling.repeat_penalty != 1.0:
-            n_vocab = lib.llama_vocab_n_tokens(self.vocab)
-            add(chain, lib.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, sampling.repeat_penalty, 0.0, 0.0))
-        if sampling.temperature <= 0.0:
-            add(chain, lib.llama_sampler_init_greedy())
-        else:
-            add(chain, lib.llama_sampler_init_top_k(TOP_K))
-            add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
-            add(chain, lib.llama_sampler_init_min_p(MIN_P, 1))
-            add(chain, lib.llama_sampler_init_temp(sampling.temperature))
-            add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-        return chain
+        try:
+            if sampling.logit_bias:
+                biases = (lib.llama_logit_bias * len(sampling.logit_bias))(
+                    *(lib.llama_logit_bias(token, bias) for token, bias in sampling.logit_bias)
+                )
+                add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(biases), biases))  # copies them
+            if sampling.repeat_penalty != 1.0:
+                repeat = lib.llama_sampler_init_penalties(
+                    self.n_vocab, PENALTY_LAST_N, sampling.repeat_penalty, 0.0, 0.0
+                )
+                add(chain, repeat)
+                for token in prompt[-PENALTY_LAST_N:]:  # the last 64 tokens the model saw, as llama.cpp counts
+                    lib.llama_sampler_accept(repeat, token)
+            if sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0:
+                add(
+                    chain,
+                    lib.llama_sampler_init_penalties(
+                        self.n_vocab, self.n_ctx, 1.0, sampling.frequency_penalty, sampling.presence_penalty
+                    ),
+                )
+            if sampling.grammar is not None:
+                grammar = lib.llama_sampler_init_grammar(self.vocab, sampling.grammar.encode("utf-8"), b"root")
+                if not grammar:
+                    raise RequestError(
+                        "llama.cpp could not build a grammar from this json_schema (its parser's reason is in the "
+                        "runner's stderr): simplify the schema"
+                    )
+            if sampling.temperature <= 0.0:
+                add(chain, lib.llama_sampler_init_greedy())
+            else:
+                top_k = TOP_K if sampling.top_k is None else sampling.top_k
+                min_p = MIN_P if sampling.min_p is None else sampling.min_p
+                if top_k > 0:
+                    add(chain, lib.llama_sampler_init_top_k(min(top_k, self.n_vocab)))
+                add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
+                if min_p > 0.0:
+                    add(chain, lib.llama_sampler_init_min_p(min_p, 1))
+                add(chain, lib.llama_sampler_init_temp(sampling.temperature))
+                add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
+        except BaseException:
+            lib.llama_sampler_free(chain)  # and every sampler added to it
+            if grammar:
+                lib.llama_sampler_free(grammar)
+            raise
+        return chain, grammar
+
+
+def _json_done(output: bytes | bytearray, piece: bytes) -> bool:
+    """Whether ``output`` is one complete JSON value that only whitespace could follow: it ends in a byte that
+    closes a value nothing can extend, or (a number) the grammar has just let a space end it."""
+    end = output.rstrip()
+    if not end or (end[-1] not in JSON_VALUE_ENDS and not piece.isspace()):
+        return False
+    try:
+        json.loads(bytes(output))
+    except ValueError:
+        return False
+    return True
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -18,6 +18,16 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
   so those pages are never touched.
 * headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
 
+**An embedding instance** (option ``embedding``) differs in three ways: its cache is n_ctx cells in all (one prompt
+at a time, whatever ``parallel``); its micro-batch is the whole prompt (n_ubatch = n_ctx, pooling needs it), so
+the attention scratch is n_ctx x n_ctx; and every prompt token is an output, so llama.cpp computes the logits of
+every token (a generative model's head runs regardless) and keeps them twice, in the compute buffer and in the
+output buffer: 2 x n_ctx x n_vocab x 4 bytes (:func:`embedding_outputs`), the largest part for a small model with
+a large vocabulary. Measured on the default model, peak anonymous memory above the ready state after a prompt
+filling the context: +197 MiB at n_ctx 512 (estimate +206) and +865 MiB at n_ctx 2048 (estimate +980), against
++60 MiB for a generating instance at n_ctx 2048. So embedding instances want a small n_ctx (512 serves most
+embedding inputs).
+
 Measured on the default model (SmolLM2-135M-Instruct Q4_1: weights 92.1 MiB, llama-cpp-python 0.3.36, x86-64 Linux,
 2 CPUs), RSS of the runner started by :class:`tether.node.supervisor.Supervisor`, and its estimate without headroom:
 
@@ -120,6 +130,8 @@ class ModelEstimate:
     headroom: int
     notes: tuple[str, ...] = field(default=())
     parallel: int = 1  # sequences served at once, each with n_ctx cells
+    embedding: bool = False  # an embedding instance (see the module docstring)
+    outputs: int = 0  # an embedding instance's logits (and vectors) of a whole prompt, in the output buffer
 
     @property
     def runtime(self) -> int:
@@ -128,7 +140,7 @@ class ModelEstimate:
     @property
     def expected(self) -> int:
         """What the runner itself is expected to hold at its peak: everything but the headroom."""
-        return self.weights + self.kv_cache + self.runtime
+        return self.weights + self.kv_cache + self.runtime + self.outputs
 
     @property
     def total(self) -> int:
@@ -141,13 +153,14 @@ class ModelEstimate:
     def describe(self) -> str:
         """``needs ~X (weights A + KV cache B at n_ctx N + runtime C + headroom D)``."""
         ctx = f"the model's n_ctx {self.n_ctx}" if self.n_ctx_from_model else f"n_ctx {self.n_ctx}"
-        if self.parallel > 1:
+        if self.parallel > 1 and not self.embedding:
             ctx += f" x parallel {self.parallel}"
         cache = "" if self.cache_type == "f16" else f" ({self.cache_type})"
+        outputs = f" + outputs {format_bytes(self.outputs)} (embeddings: every token's logits)" if self.outputs else ""
         return (
             f"needs ~{format_bytes(self.total)} (weights {format_bytes(self.weights)} + KV cache"
-            f"{cache} {format_bytes(self.kv_cache)} at {ctx} + runtime {format_bytes(self.runtime)} + headroom "
-            f"{format_bytes(self.headroom)})"
+            f"{cache} {format_bytes(self.kv_cache)} at {ctx} + runtime {format_bytes(self.runtime)}{outputs} + "
+            f"headroom {format_bytes(self.headroom)})"
         )
 
     @property
@@ -158,7 +171,7 @@ class ModelEstimate:
         """What to do when this does not fit ``available`` bytes: the largest n_ctx that would, if any."""
         best = self.max_n_ctx(available)
         if best is not None:
-            fewer = " or a smaller --parallel" if self.parallel > 1 else ""
+            fewer = " or a smaller --parallel" if self.parallel > 1 and not self.embedding else ""
             return f"use a smaller --n-ctx (up to {best} fits){fewer}, free memory, or pass --force to load anyway"
         smallest = self.with_n_ctx(KV_CELL_PADDING)
         if smallest.total > available:
@@ -195,8 +208,10 @@ def estimate_gguf(
     *,
     n_batch: int = DEFAULT_N_BATCH,
     parallel: int = 1,
+    embedding: bool = False,
 ) -> ModelEstimate:
-    """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring).
+    """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring;
+    ``embedding``: for an embedding instance).
 
     ``n_ctx`` None means the model's own context length (``{arch}.context_length``; ``describe`` says so).
     ``cache_type`` is the KV cache element type (one of :data:`CACHE_TYPES`). Raises :class:`GgufError` for a file
@@ -246,6 +261,7 @@ def estimate_gguf(
         headroom=headroom,
         notes=tuple(notes),
         parallel=parallel,
+        embedding=embedding,
     )
     chosen = n_ctx if n_ctx is not None else shape.context_length or 0
     return _estimate(seed, n_ctx=chosen, n_ctx_from_model=n_ctx is None)
@@ -256,16 +272,17 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
     cells = -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
     block, size = TYPE_SIZES[base.cache_type]
     kv = (
-        base.parallel
+        (1 if base.embedding else base.parallel)  # an embedding instance holds one prompt at a time
         * cells
         * sum(
             -(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size
             for heads in s.n_head_kv
         )
     )
-    n_ubatch = min(base.n_batch, MAX_N_UBATCH, n_ctx)
+    n_ubatch = n_ctx if base.embedding else min(base.n_batch, MAX_N_UBATCH, n_ctx)
     attention = n_ubatch * cells * max(s.n_head) * ATTENTION_BYTES_PER_SCORE
     feed_forward = n_ubatch * s.n_ff * 4 * 3  # gate, up and their product, f32
+    logits = embedding_outputs(s, n_ctx) if base.embedding else 0
     return replace(
         base,
         n_ctx=n_ctx,
@@ -274,8 +291,15 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
         n_ubatch=n_ubatch,
         kv_cache=kv,
         runtime_base=RUNTIME_BASE + VOCAB_BYTES_PER_TOKEN * s.n_vocab,
-        compute=max(attention, feed_forward),
+        compute=max(attention, feed_forward) + logits // 2,
+        outputs=logits // 2 + (n_ctx * s.n_embd * 4 if base.embedding else 0),
     )
+
+
+def embedding_outputs(shape: ModelShape, n_ctx: int) -> int:
+    """The logits an embedding instance's full prompt leaves: n_ctx x n_vocab f32 in the compute buffer and again in
+    the output buffer (every token is an output; see the module docstring)."""
+    return 2 * n_ctx * shape.n_vocab * 4
 
 
 def _shape(gguf: GgufFile) -> ModelShape:
@@ -333,4 +357,5 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
         n_batch=int(options["n_batch"]),
         parallel=int(options.get("parallel", 1)),
         headroom=headroom,
+        embedding=bool(options.get("embedding", False)),
     )
