@@ -94,11 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser(
         "serve",
-        help="serve a model over HTTP: OpenAI-compatible API, instance admin, /metrics",
+        help="serve a model over HTTP: OpenAI- and Ollama-compatible APIs, instance admin, /metrics",
         description="Start a worker with one model instance (the built-in default model unless --model) in a "
-        "supervised runner, and the HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /v1/instances, "
-        "/healthz, /readyz, /metrics, and their OpenAPI schema at /openapi.json. SIGINT/SIGTERM stop it within the "
-        "stop bound.",
+        "supervised runner, and the HTTP API: OpenAI's /v1/chat/completions, /v1/completions, /v1/responses, "
+        "/v1/embeddings, /v1/models; Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/ps, /api/show, "
+        "/api/version; /v1/instances, /healthz, /readyz, /metrics, and their OpenAPI schema at /openapi.json. "
+        "SIGINT/SIGTERM stop it within the stop bound.",
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
