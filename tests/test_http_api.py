@@ -474,6 +474,8 @@ def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanl
         bad = server.http.post("/v1/instances", json={"id": "x", "engine": "debug", "max_queue": 0})
         assert bad.status_code == 400 and "max_queue must be in [1, " in bad.json()["error"]["message"]
         assert bad.json()["error"]["param"] == "max_queue"
+        nameless = server.http.post("/v1/instances", json={"model": "."})  # its stem, "", is no id
+        assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "id", nameless.text
         typo = server.http.post("/v1/instances", json={"id": "x", "engien": "debug"})
         assert typo.status_code == 400 and "unknown field 'engien'" in typo.json()["error"]["message"]
         taken = server.http.post("/v1/instances", json={"id": "debug", "engine": "debug"})

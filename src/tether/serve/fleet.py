@@ -86,6 +86,12 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             registry.engine_class(engine)  # an engine named where it is must import, and keep the contract
         except UnknownEngine as exc:
             return exc
+        if self.id is None and not ID_PATTERN.match(default := self.default_id()):
+            return InvalidField(
+                "id",
+                f"without an id, the instance is named after its model file's stem, {default!r}, which is no valid id "
+                f"({ID_PATTERN.pattern}): pass an id",
+            )
         if not 1 <= self.max_queue <= MAX_QUEUE_LIMIT:
             return InvalidField("max_queue", f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}")
         if self.memory_limit is not None and not MIN_MEMORY_LIMIT <= self.memory_limit < (1 << 63):

@@ -160,7 +160,7 @@ class ChatRequest(_Sampling, kw_only=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    modalities: Annotated[list[str], documented(items={"enum": ["text"]})] | None = None
+    modalities: list[Annotated[str, documented(enum=["text"])]] | None = None
     # refused whenever set: what they ask for does not exist here
     audio: Annotated[Any, documented(type="null", description="audio output is not supported")] = None
     prediction: Annotated[Any, documented(type="null", description="predicted outputs are not supported")] = None
