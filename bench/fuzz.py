@@ -55,7 +55,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchstats import ms, percentile, private_tether_dirs
 from tether.chaos.target import ServeChild
-from tether.serve import openai
+from tether.serve import ollama, openai
 from tether.serve.shaping import ENGINE_REFUSED
 
 INSTANCE = "fuzz"
@@ -83,11 +83,27 @@ class FuzzReport:
             self.failures.append(problem[:600])
 
 
+def error_of(body: bytes) -> dict[str, Any] | None:
+    """An error body's fields: OpenAI's ``{"error": {...}}``, or Ollama's ``{"error": "<message>", ...}``."""
+    try:
+        whole = json.loads(body)
+        error = whole["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    found = whole if isinstance(error, str) else error
+    return found if isinstance(found, dict) else None
+
+
+@schemathesis.deserializer(ollama.NDJSON)
+def ndjson(_ctx: Any, response: Any) -> list[Any]:
+    """Ollama's streams: one JSON object a line, checked as the array the schema describes."""
+    return [json.loads(line) for line in response.content.decode().splitlines() if line.strip()]
+
+
 def classify_5xx(status: int, body: bytes) -> str | None:
     """What a 5xx documents (``runner_failure``, ``unavailable``, ``does_not_fit``), or None: it is a bug."""
-    try:
-        error = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
+    error = error_of(body)
+    if error is None:
         return None
     if status == 500 and isinstance(error.get("cause"), dict) and error["cause"].get("kind"):
         return "runner_failure"
@@ -183,14 +199,12 @@ class Fuzzer:
 
 def beyond_schema(status: int, body: bytes) -> bool:
     """A 400 for a rule the schema cannot state: one the engine enforces (its context length, the schema features
-    its grammar compiles, what the debug engine does not do) or one of ``openai.BEYOND_SCHEMA``."""
-    if status != 400:
+    its grammar compiles, what the debug engine does not do) or one of ``openai.BEYOND_SCHEMA`` (or ``ollama``'s)."""
+    error = error_of(body) if status == 400 else None
+    if error is None:
         return False
-    try:
-        error = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    return error.get("code") == ENGINE_REFUSED or error.get("param") in openai.BEYOND_SCHEMA
+    param = error.get("param")
+    return error.get("code") == ENGINE_REFUSED or param in openai.BEYOND_SCHEMA or param in ollama.BEYOND_SCHEMA
 
 
 def wait_ready(http: httpx.Client, instance_id: str, timeout: float = 30.0) -> None:
@@ -280,7 +294,12 @@ async def abuse(url: str, kind: str, idle: int) -> dict[str, Any]:
                     streams.append(stream)
                 figures["connections"] = 50
             elif kind == "invalid_http":
-                junk = [b"\x00\xff\xfe GARBAGE \r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"POST /v1/completions\r\n\r\n"]
+                # the HTTP parser takes "HTTP/9.9" (its 4xx is the route's 404), so it names no route: "/" is one
+                junk = [
+                    b"\x00\xff\xfe GARBAGE \r\n\r\n",
+                    b"GET /nowhere HTTP/9.9\r\n\r\n",
+                    b"POST /v1/completions\r\n\r\n",
+                ]
                 for i in range(50):
                     stream = await _open(url)
                     await stream.send(junk[i % len(junk)] + os.urandom(64))

@@ -31,7 +31,7 @@ from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, Te
 from tether.node.instance import InstanceReady
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
-from tether.serve import embeddings, openai, schema
+from tether.serve import embeddings, ollama, openai, responses, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
 from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
@@ -245,7 +245,7 @@ class GenerationResponse(Response):
 
     async def _start(self, send: Send, status: int, media_type: str) -> None:
         headers = [(b"content-type", media_type.encode()), (b"x-request-id", self.handle.task_id.encode())]
-        if media_type == "text/event-stream":
+        if media_type != "application/json":  # a stream (SSE, NDJSON): no cache, and no proxy buffering it
             headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
@@ -515,13 +515,24 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
         return Response(embeddings.body(chunks, hosted.id, body.encoding_format), media_type="application/json")
 
     # Other dialects: each module adds its routes, answering through ``api`` (one line each, here).
+    responses.routes(app, api)
+    ollama.routes(app, api)
+
+    def model_json(hosted: Hosted) -> dict[str, Any]:
+        return {"id": hosted.id, "object": "model", "created": int(hosted.created_at), "owned_by": "tether"}
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [
-            {"id": h.id, "object": "model", "created": int(h.created_at), "owned_by": "tether"} for h in fleet.list()
-        ]
-        return _json({"object": "list", "data": data})
+        return _json({"object": "list", "data": [model_json(h) for h in fleet.list()]})
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> Response:
+        try:
+            return _json(model_json(fleet.get(model_id)))
+        except NotFound:
+            served = ", ".join(h.id for h in fleet.list()) or "none"
+            message = f"model {model_id!r} is not served here; models: {served}"
+            return _error(404, message, "invalid_request_error", code="model_not_found", param="model")
 
     @app.post("/v1/instances")
     async def add_instance(request: Request) -> Response:

@@ -25,7 +25,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     input: str | Annotated[list[str], documented(minItems=1, maxItems=MAX_INPUTS)]
     model: str | None = None
     encoding_format: Annotated[str, documented(enum=["float", "base64"])] = "float"
-    dimensions: Annotated[int, documented(type="null", description="the model's size only")] | None = None
+    dimensions: Annotated[Any, documented(type="null", description="the model's size only")] = None
     user: str | None = None
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.serve import embeddings, openai
+from tether.serve import embeddings, ollama, openai, responses
 from tether.serve.fleet import InstanceConfig
 
 REF = "#/components/schemas/{name}"
@@ -202,6 +202,205 @@ class EmbeddingList(msgspec.Struct):
     usage: EmbeddingUsage
 
 
+# The Responses API (``responses``): the ``response`` object and its stream's typed events
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # ``cached_tokens``, ``cache_write_tokens``: not counted here, 0
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # ``reasoning_tokens``: 0
+    total_tokens: int
+
+
+class OutputText(msgspec.Struct):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]  # always empty
+    logprobs: list[LogprobOut]  # with ``include: ["message.output_text.logprobs"]`` or ``top_logprobs``
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str  # what the ``function_call_output`` item that answers it names
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class ResponseFailure(msgspec.Struct):
+    """Why a response failed: tether's error code (a runner failure's cause kind), its message and ``cause``."""
+
+    code: str
+    message: str
+    cause: CauseOut | None = None
+    completion_tokens: int | None = None
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(msgspec.Struct):
+    """A ``response`` (``object: "response"``), never stored; it echoes the request's settings."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    error: ResponseFailure | None
+    incomplete_details: IncompleteDetails | None  # the length limit ended it
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None  # null until it ends
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_logprobs: int | None
+    truncation: Literal["disabled"]
+    store: bool
+    background: bool
+    previous_response_id: None
+    reasoning: None
+
+
+class ResponseCreated(msgspec.Struct, tag_field="type", tag="response.created"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseInProgress(msgspec.Struct, tag_field="type", tag="response.in_progress"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseCompleted(msgspec.Struct, tag_field="type", tag="response.completed"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseIncomplete(msgspec.Struct, tag_field="type", tag="response.incomplete"):
+    """The length limit ended it (``max_output_tokens``)."""
+
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseFailed(msgspec.Struct, tag_field="type", tag="response.failed"):
+    """The runner failed (or the request was cancelled) mid-stream: ``response.error`` says why; an ``error``
+    event follows and ends the stream."""
+
+    sequence_number: int
+    response: ResponseObject
+
+
+class OutputItemAdded(msgspec.Struct, tag_field="type", tag="response.output_item.added"):
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(msgspec.Struct, tag_field="type", tag="response.output_item.done"):
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(msgspec.Struct, tag_field="type", tag="response.content_part.added"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(msgspec.Struct, tag_field="type", tag="response.content_part.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(msgspec.Struct, tag_field="type", tag="response.output_text.delta"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[LogprobOut]
+
+
+class OutputTextDone(msgspec.Struct, tag_field="type", tag="response.output_text.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[LogprobOut]
+
+
+class FunctionCallArgumentsDelta(msgspec.Struct, tag_field="type", tag="response.function_call_arguments.delta"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(msgspec.Struct, tag_field="type", tag="response.function_call_arguments.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponseErrorEvent(msgspec.Struct, tag_field="type", tag="error"):
+    """The last event of a failed stream; ``error`` is OpenAI's error object (with the cause), which the openai
+    client raises as an ``APIError``."""
+
+    sequence_number: int
+    code: str
+    message: str
+    param: None
+    error: ErrorDetail
+
+
+RESPONSE_EVENTS = (
+    ResponseCreated,
+    ResponseInProgress,
+    OutputItemAdded,
+    ContentPartAdded,
+    OutputTextDelta,
+    OutputTextDone,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemDone,
+    ResponseCompleted,
+    ResponseIncomplete,
+    ResponseFailed,
+    ResponseErrorEvent,
+)
+
+
 class Model(msgspec.Struct):
     id: str
     object: Literal["model"]
@@ -288,13 +487,175 @@ class Readiness(msgspec.Struct):
     instances: dict[str, str]
 
 
+# Ollama's API (``ollama``): JSON objects and NDJSON lines; errors are ``{"error": "<message>"}``
+
+
+class OllamaErrorBody(msgspec.Struct):
+    """Ollama's error shape (the ``ollama`` clients raise ``ResponseError`` with ``error``), with tether's ``code``,
+    the invalid field (``param``) and a runner failure's ``cause`` beside the message."""
+
+    error: str
+    code: str | None
+    param: str | None = None
+    cause: CauseOut | None = None
+    completion_tokens: int | None = None
+
+
+class OllamaFunctionOut(msgspec.Struct):
+    index: int
+    name: str
+    arguments: Any  # an object, matching the tool's parameters (grammar-constrained)
+
+
+class OllamaToolCallOut(msgspec.Struct):
+    id: str
+    function: OllamaFunctionOut
+
+
+class OllamaMessageOut(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[OllamaToolCallOut] | None = None
+
+
+OllamaDoneReason = Literal["stop", "length", "load"]  # "load": a request without a prompt, answered at once
+
+
+class OllamaChatChunk(msgspec.Struct):
+    model: str
+    created_at: str  # RFC 3339
+    message: OllamaMessageOut
+    done: Literal[False]
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaChatDone(msgspec.Struct):
+    """The last line of a chat stream, or the whole answer; durations in nanoseconds (absent for "load")."""
+
+    model: str
+    created_at: str
+    message: OllamaMessageOut
+    done: Literal[True]
+    done_reason: OllamaDoneReason
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaGenerateChunk(msgspec.Struct):
+    model: str
+    created_at: str
+    response: str
+    done: Literal[False]
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaGenerateDone(msgspec.Struct):
+    model: str
+    created_at: str
+    response: str
+    done: Literal[True]
+    done_reason: OllamaDoneReason
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaEmbedOut(msgspec.Struct):
+    model: str
+    embeddings: list[list[float]]  # unit length, one per input
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingOut(msgspec.Struct):
+    embedding: list[float]  # empty for an empty prompt
+
+
+class OllamaDetails(msgspec.Struct):
+    """From the model's GGUF header; empty strings where there is no model file (the debug engine)."""
+
+    parent_model: str
+    format: str
+    family: str
+    families: list[str] | None
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaTag(msgspec.Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int  # the model file's
+    digest: str  # sha256 of the file's path, size and mtime
+    details: OllamaDetails
+
+
+class OllamaTags(msgspec.Struct):
+    models: list[OllamaTag]
+
+
+class OllamaLoaded(msgspec.Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int  # the runner's footprint plus its resident mapped weights
+    digest: str
+    details: OllamaDetails
+    size_vram: int
+    expires_at: str  # far future: an instance stays loaded until it is removed
+    context_length: int | None = None
+
+
+class OllamaPs(msgspec.Struct):
+    models: list[OllamaLoaded]
+
+
+class OllamaShow(msgspec.Struct):
+    modelfile: str
+    parameters: str
+    template: str  # the GGUF's chat template (Jinja, not a Go template)
+    license: str
+    details: OllamaDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class OllamaVersion(msgspec.Struct):
+    version: str  # tether's
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The document
 # --------------------------------------------------------------------------------------------------------------
 
-_BODIES = (openai.ChatRequest, openai.CompletionRequest, embeddings.EmbeddingRequest, InstanceConfig)
+_BODIES = (
+    openai.ChatRequest,
+    openai.CompletionRequest,
+    embeddings.EmbeddingRequest,
+    responses.ResponsesRequest,
+    InstanceConfig,
+    ollama.OllamaChatRequest,
+    ollama.OllamaGenerateRequest,
+    ollama.OllamaEmbedRequest,
+    ollama.OllamaEmbeddingsRequest,
+    ollama.OllamaShowRequest,
+)
 _ANSWERS = (
     ErrorBody,
+    ResponseObject,
+    *RESPONSE_EVENTS,
     ChatCompletion,
     Completion,
     ChatCompletionChunk,
@@ -307,6 +668,17 @@ _ANSWERS = (
     CancelOut,
     Health,
     Readiness,
+    OllamaErrorBody,
+    OllamaChatChunk,
+    OllamaChatDone,
+    OllamaGenerateChunk,
+    OllamaGenerateDone,
+    OllamaEmbedOut,
+    OllamaEmbeddingOut,
+    OllamaTags,
+    OllamaPs,
+    OllamaShow,
+    OllamaVersion,
 )
 SSE = "text/event-stream"
 
@@ -369,14 +741,114 @@ def _generation(request: type, whole: type, chunk: type, summary: str) -> dict[s
     }
 
 
+def _response_events() -> dict[str, Any]:
+    """One server-sent event of a Responses stream: its ``event`` name and the typed JSON it carries."""
+    names = [struct.__struct_config__.tag for struct in RESPONSE_EVENTS]
+    payload = {"anyOf": [_ref(struct) for struct in RESPONSE_EVENTS]}
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {"type": "object", "required": ["event", "data"], "properties": {"event": {"enum": names}, "data": data}}
+
+
+def _not_stored(what: str) -> dict[str, Any]:
+    return {
+        "summary": f"{what} a stored response: tether stores none (store is false), so always 404",
+        "parameters": _id("response_id"),
+        "responses": {"404": _json(ErrorBody, "no such response: tether stores no responses")},
+    }
+
+
 def _id(name: str) -> list[dict[str, Any]]:
     return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+
+
+def _ollama_errors(*statuses: int) -> dict[str, Any]:
+    """Ollama's routes answer errors in Ollama's shape, but for the 401 and 413 the server gives before any route."""
+    answers = _errors(*statuses)
+    for status in statuses:
+        if status not in (401, 413):
+            answers[str(status)]["content"]["application/json"]["schema"] = _ref(OllamaErrorBody)
+    return answers
+
+
+def _ollama_body(request: type) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+
+
+def _ollama_generation(request: type, chunk: type, done: type, summary: str) -> dict[str, Any]:
+    lines = {"type": "array", "items": {"anyOf": [_ref(chunk), _ref(done), _ref(OllamaErrorBody)]}}
+    return {
+        "summary": summary,
+        "requestBody": _ollama_body(request),
+        "responses": {
+            "200": {
+                "description": f"the {done.__name__} (``stream: false``) or NDJSON lines (the default): pieces, then "
+                "a ``done: true`` line with the counts and durations, or an ``error`` line carrying the cause when the "
+                "runner fails",
+                "content": {"application/json": {"schema": _ref(done)}, ollama.NDJSON: {"schema": lines}},
+            },
+            **_ollama_errors(400, 404, 409, 413, 500, 503),
+        },
+    }
+
+
+def _ollama_paths() -> dict[str, Any]:
+    """Ollama's API: what its clients call, served from the same instances."""
+    return {
+        "/api/chat": {
+            "post": _ollama_generation(ollama.OllamaChatRequest, OllamaChatChunk, OllamaChatDone, "Ollama chat"),
+        },
+        "/api/generate": {
+            "post": _ollama_generation(
+                ollama.OllamaGenerateRequest, OllamaGenerateChunk, OllamaGenerateDone, "Ollama completion"
+            ),
+        },
+        "/api/embed": {
+            "post": {
+                "summary": "Ollama embeddings, one unit-length vector per input",
+                "requestBody": _ollama_body(ollama.OllamaEmbedRequest),
+                "responses": {
+                    "200": _json(OllamaEmbedOut, "the vectors"),
+                    **_ollama_errors(400, 404, 409, 413, 500, 503),
+                },
+            }
+        },
+        "/api/embeddings": {
+            "post": {
+                "summary": "Ollama's older embeddings route: one prompt, one vector",
+                "requestBody": _ollama_body(ollama.OllamaEmbeddingsRequest),
+                "responses": {
+                    "200": _json(OllamaEmbeddingOut, "the vector"),
+                    **_ollama_errors(400, 404, 409, 413, 500, 503),
+                },
+            }
+        },
+        "/api/tags": {"get": {"summary": "the instances, as models", "responses": {"200": _json(OllamaTags, "them")}}},
+        "/api/ps": {
+            "get": {"summary": "the ready instances, as loaded models", "responses": {"200": _json(OllamaPs, "them")}}
+        },
+        "/api/show": {
+            "post": {
+                "summary": "one instance's model: its GGUF metadata, chat template and capabilities",
+                "requestBody": _ollama_body(ollama.OllamaShowRequest),
+                "responses": {"200": _json(OllamaShow, "the model"), **_ollama_errors(400, 404, 413)},
+            }
+        },
+        "/api/version": {"get": {"summary": "tether's version", "responses": {"200": _json(OllamaVersion, "it")}}},
+        "/": {
+            "get": {
+                "summary": "what tools probe to find an Ollama server",
+                "responses": {
+                    "200": {"description": "it runs", "content": {"text/plain": {"schema": {"type": "string"}}}}
+                },
+            }
+        },
+    }
 
 
 def openapi(*, auth: bool) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the API (``auth``: the server wants a bearer key on every route but probes)."""
     _, components = msgspec.json.schema_components(_BODIES + _ANSWERS, ref_template=REF)
-    for name, rules in openai.SCHEMA_RULES.items():
+    for name, rules in {**openai.SCHEMA_RULES, **responses.SCHEMA_RULES, **ollama.SCHEMA_RULES}.items():
         components[name].update(rules)
     paths: dict[str, Any] = {
         "/v1/chat/completions": {
@@ -398,6 +870,38 @@ def openapi(*, auth: bool) -> dict[str, Any]:
                     "200": _json(EmbeddingList, "the vectors"),
                     **_errors(400, 404, 409, 413, 500, 503),
                 },
+            }
+        },
+        "/v1/responses": {
+            "post": {
+                "summary": "OpenAI Responses API, stateless (store false; previous_response_id refused)",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref(responses.ResponsesRequest)}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "the response object (``stream: false``) or its typed server-sent events, "
+                        "from ``response.created`` to ``response.completed`` (``response.incomplete`` when the length "
+                        "limit ended it), or ``response.failed`` and an ``error`` event carrying the cause when the "
+                        "runner fails",
+                        "content": {
+                            "application/json": {"schema": _ref(ResponseObject)},
+                            SSE: {"schema": _response_events()},
+                        },
+                    },
+                    **_errors(400, 404, 409, 413, 500, 503),
+                },
+            }
+        },
+        "/v1/responses/{response_id}": {"get": _not_stored("retrieve"), "delete": _not_stored("delete")},
+        "/v1/responses/{response_id}/cancel": {"post": _not_stored("cancel")},
+        "/v1/responses/{response_id}/input_items": {"get": _not_stored("list the input items of")},
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "one model served (an instance's id)",
+                "parameters": _id("model_id"),
+                "responses": {"200": _json(Model, "the model"), **_errors(404)},
             }
         },
         "/v1/models": {
@@ -433,6 +937,7 @@ def openapi(*, auth: bool) -> dict[str, Any]:
                 "responses": {"200": _json(CancelOut, "what the cancel did")},
             }
         },
+        **_ollama_paths(),
         "/healthz": {"get": {"summary": "liveness", "responses": {"200": _json(Health, "the worker answers")}}},
         "/readyz": {
             "get": {

@@ -1,0 +1,706 @@
+"""OpenAI's Responses API, stateless: ``POST /v1/responses`` in, a ``response`` object or its typed SSE events out.
+
+tether keeps no state, so the Responses API's server-side memory is refused by name rather than faked:
+``store: true``, ``previous_response_id``, ``conversation``, stored ``prompt`` templates and ``background``
+responses are 400s saying so, and ``GET``/``DELETE /v1/responses/{id}`` answer 404 (nothing is stored). The rest
+maps onto what chat completions already do: ``instructions`` and ``input`` items become the conversation (function
+calls and their outputs in the generic tool format, ``tools``), ``text.format`` is grammar-constrained structured
+output, function ``tools`` are ``function_call`` output items. Every field is honoured, refused or metadata, as
+registered below (the README's table).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tether.errors import InvalidField
+from tether.protocol import (
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    TEMPERATURE_RANGE,
+    ChatMessage,
+    Chunk,
+    GenerateParams,
+    documented,
+)
+from tether.serve import openai
+from tether.serve import tools as toolkit
+from tether.serve.fields import HONOURED as H
+from tether.serve.fields import LIMITED as L
+from tether.serve.fields import METADATA as M
+from tether.serve.fields import REFUSED as R
+from tether.serve.fields import Policy, register
+from tether.serve.shaping import Failure
+
+if TYPE_CHECKING:
+    from tether.serve.app import Api
+
+ENDPOINT = "responses"  # the metrics' endpoint label
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value with a meaning here
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_ROLES = ("user", "system", "developer", "assistant")
+PART_TYPES = ("input_text", "output_text")
+STATELESS = "tether is stateless: it stores no responses or conversations"
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ResponsesInputText(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=list(PART_TYPES), description="text parts only")]
+    text: str
+    annotations: list[Any] | None = None  # an earlier answer's output_text sent back: changes nothing
+    logprobs: list[Any] | None = None
+
+
+Text = str | list[ResponsesInputText]
+
+
+class ResponsesInputItem(msgspec.Struct, forbid_unknown_fields=True):
+    """One item of ``input``: a message, an earlier ``function_call``, or a ``function_call_output`` (the fields
+    each type takes are in ``SCHEMA_RULES``; a field of another type must be absent or null)."""
+
+    type: Annotated[str, documented(enum=list(ITEM_TYPES))] = "message"
+    role: Annotated[str, documented(enum=list(ITEM_ROLES))] | None = None
+    content: Text | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Text | None = None
+    id: str | None = None
+    status: Annotated[str, documented(enum=["in_progress", "completed", "incomplete"])] | None = None
+
+
+class ResponsesTextFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=["text", "json_object", "json_schema"])] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar enforces the schema whether or not strict is set
+    description: str | None = None
+
+
+class ResponsesTextConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: ResponsesTextFormat | None = None
+    verbosity: Annotated[Any, documented(type="null", description="no verbosity control")] = None
+
+
+class ResponsesFunctionTool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=["function"], description="only function tools")]
+    name: Annotated[str, documented(minLength=1, maxLength=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar enforces the parameters' schema either way
+
+
+class ResponsesNamedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=["function"])]
+    name: str
+
+
+class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_obfuscation: bool = True  # OpenAI pads streamed deltas against side channels; nothing to pad here
+
+
+Stateless = Annotated[Any, documented(type="null", description="stateless: send the whole conversation as input")]
+NoPrompt = Annotated[
+    Any, documented(type="null", description="no stored prompt templates: send instructions and input")
+]
+Unsupported = Annotated[Any, documented(type="null", description="not supported here")]
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    input: str | Annotated[list[ResponsesInputItem], documented(minItems=1)]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: openai.Tokens | None = None
+    temperature: Annotated[float, documented(minimum=TEMPERATURE_RANGE[0], maximum=TEMPERATURE_RANGE[1])] = 1.0
+    top_p: Annotated[float, documented(exclusiveMinimum=0, maximum=1)] = 1.0
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    text: ResponsesTextConfig | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Annotated[str, documented(enum=["none", "auto", "required"])] | ResponsesNamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    include: list[Annotated[str, documented(enum=[LOGPROBS])]] | None = None
+    top_logprobs: Annotated[int, documented(minimum=0, maximum=MAX_TOP_LOGPROBS)] | None = None
+    metadata: dict[str, str] | None = None
+    store: Annotated[bool, documented(enum=[False], description="tether stores no responses")] | None = None
+    background: Annotated[bool, documented(enum=[False], description="no background responses")] | None = None
+    truncation: Annotated[str, documented(enum=["disabled"], description="an over-long input is a 400")] | None = None
+    max_tool_calls: int | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Annotated[str, documented(enum=["in_memory", "24h"])] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # refused whenever set: state tether does not keep, or features it does not have
+    previous_response_id: Stateless = None
+    conversation: Stateless = None
+    prompt: NoPrompt = None
+    reasoning: Unsupported = None
+    context_management: Unsupported = None
+    moderation: Unsupported = None
+
+
+_TOOL_CHOICE_DEMANDS_A_CALL = {
+    "if": {
+        "required": ["tool_choice"],
+        "properties": {"tool_choice": {"anyOf": [{"type": "object"}, {"const": "required"}]}},
+    },
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+}
+_STRUCTURED_TEXT_WITH_TOOLS = {  # tools answer in the grammar's JSON shape: no second shape beside it
+    "type": "object",
+    "required": ["tools", "text"],
+    "properties": {
+        "tools": {"type": "array", "minItems": 1},
+        "tool_choice": {"not": {"const": "none"}},
+        "text": {
+            "type": "object",
+            "required": ["format"],
+            "properties": {
+                "format": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                }
+            },
+        },
+    },
+}
+
+
+def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+    """An item of type ``kind`` takes ``needs`` (required, typed) and none of the other types' fields."""
+    foreign = {"role", "content", "call_id", "name", "arguments", "output"} - set(needs)
+    condition: dict[str, Any] = {"properties": {"type": {"const": kind}}}
+    if kind != "message":  # an item without a type is a message
+        condition["required"] = ["type"]
+    properties = {**needs, **{name: {"type": "null"} for name in sorted(foreign)}}
+    return {"if": condition, "then": {"required": list(needs), "properties": properties}}
+
+
+_TEXT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array"}]}
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
+    "ResponsesRequest": {"allOf": [_TOOL_CHOICE_DEMANDS_A_CALL, {"not": _STRUCTURED_TEXT_WITH_TOOLS}]},
+    "ResponsesInputItem": {
+        "allOf": [
+            _item_rule("message", {"role": {"type": "string"}, "content": _TEXT_SCHEMA}),
+            _item_rule(
+                "function_call",
+                {"call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"}},
+            ),
+            _item_rule("function_call_output", {"call_id": {"type": "string"}, "output": _TEXT_SCHEMA}),
+        ]
+    },
+    "ResponsesTextFormat": {
+        "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}},
+        "else": {"properties": {name: {"type": "null"} for name in ("name", "schema", "strict", "description")}},
+    },
+}
+
+register(
+    "POST /v1/responses",
+    ResponsesRequest,
+    {
+        "input": Policy(H, "a string, or `message`, `function_call` and `function_call_output` items; text only"),
+        "model": Policy(H, "picks the instance; with one instance any name reaches it"),
+        "instructions": Policy(H, "a system message before the input"),
+        "max_output_tokens": Policy(H, "default 512; the limit ends it `incomplete`"),
+        "temperature": Policy(H, "0 is greedy"),
+        "top_p": Policy(H),
+        "stream": Policy(H, "typed server-sent events, `response.created` to `response.completed` (or `incomplete`)"),
+        "stream_options": Policy(M, "`include_obfuscation`: nothing to pad"),
+        "text": Policy(H, "`format`: `text`, `json_object`, `json_schema` (grammar-constrained); `verbosity` refused"),
+        "tools": Policy(H, "function tools, through a grammar-constrained JSON answer: `function_call` items"),
+        "tool_choice": Policy(H, "`none`, `auto`, `required`, a named function"),
+        "parallel_tool_calls": Policy(H, "false: at most one call"),
+        "include": Policy(L, f"`{LOGPROBS}` only"),
+        "top_logprobs": Policy(H, "0 to 20 alternatives per token; logprobs without `include` too"),
+        "metadata": Policy(H, "echoed in the response (stored nowhere)"),
+        "store": Policy(L, "false or absent only: tether stores nothing"),
+        "background": Policy(L, "false or absent only"),
+        "truncation": Policy(L, "`disabled` only: an input over the context is a 400"),
+        "max_tool_calls": Policy(M, "it bounds built-in tools; there are none here"),
+        "user": Policy(M),
+        "safety_identifier": Policy(M),
+        "prompt_cache_key": Policy(M, "prefix reuse is automatic (the `prompt_cache` option)"),
+        "prompt_cache_retention": Policy(M),
+        "prompt_cache_options": Policy(M),
+        "service_tier": Policy(M, "one tier here"),
+        "previous_response_id": Policy(R, "stateless: send the whole conversation"),
+        "conversation": Policy(R, "stateless: send the whole conversation"),
+        "prompt": Policy(R, "no stored prompt templates"),
+        "reasoning": Policy(R),
+        "context_management": Policy(R),
+        "moderation": Policy(R),
+    },
+)
+register(
+    "responses input item",
+    ResponsesInputItem,
+    {
+        "type": Policy(L, "`message` (the default), `function_call`, `function_call_output` only"),
+        "role": Policy(H, "`user`, `system`, `developer` (as system), `assistant`"),
+        "content": Policy(
+            H, "a string or `input_text`/`output_text` parts (their `annotations`, `logprobs`: metadata)"
+        ),
+        "call_id": Policy(H, "pairs an output with its call, shown to the model"),
+        "name": Policy(H, "an earlier call's function"),
+        "arguments": Policy(H, "an earlier call's arguments"),
+        "output": Policy(H, "a call's result, shown to the model"),
+        "id": Policy(M),
+        "status": Policy(M),
+    },
+)
+
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+def decode(body: bytes) -> ResponsesRequest:
+    return openai.decode_body(_decoder, body)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests to plans
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponsesPlan(openai.Plan):
+    """A chat plan plus what the ``response`` object echoes of the request (the openai client's model needs it)."""
+
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def _text(value: Text, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    for j, part in enumerate(value):
+        if part.type not in PART_TYPES:
+            raise InvalidField(
+                f"{where}[{j}].type", f"{where}[{j}]: only text parts (input_text, output_text), got {part.type!r}"
+            )
+    return "".join(part.text for part in value)
+
+
+def _check_item(item: ResponsesInputItem, at: str) -> None:
+    needs = {
+        "message": ("role", "content"),
+        "function_call": ("call_id", "name", "arguments"),
+        "function_call_output": ("call_id", "output"),
+    }
+    if item.type not in needs:
+        why = "item references and reasoning items refer to stored state" if item.type == "item_reference" else ""
+        raise InvalidField(
+            f"{at}.type",
+            f"{at}.type must be one of {', '.join(ITEM_TYPES)}, got {item.type!r}" + (f" ({why})" if why else ""),
+        )
+    for name in needs[item.type]:
+        if getattr(item, name) is None:
+            raise InvalidField(f"{at}.{name}", f"{at}: a {item.type} item needs {name}")
+    for name in ("role", "content", "call_id", "name", "arguments", "output"):
+        if name not in needs[item.type] and getattr(item, name) is not None:
+            raise InvalidField(f"{at}.{name}", f"{at}: a {item.type} item takes no {name}: remove it")
+    if item.role is not None and item.role not in ITEM_ROLES:
+        raise InvalidField(f"{at}.role", f"{at}.role must be one of {', '.join(ITEM_ROLES)}, got {item.role!r}")
+
+
+def input_messages(items: str | list[ResponsesInputItem]) -> list[ChatMessage]:
+    """``input`` as the conversation the engine renders: messages as they are, each run of function calls one
+    assistant turn (after the assistant message it follows, if any), each output a tool result (``tools``)."""
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    if not items:
+        raise InvalidField("input", "input must be a string or hold at least one item")
+    turns: list[openai.MessageIn] = []
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        _check_item(item, at)
+        if item.type == "message":
+            assert item.role is not None and item.content is not None
+            turns.append(openai.MessageIn(role=item.role, content=_text(item.content, f"{at}.content")))
+        elif item.type == "function_call":
+            assert item.name is not None and item.arguments is not None
+            call = openai.ToolCallIn(openai.FunctionCallIn(item.name, item.arguments), id=item.call_id)
+            last = turns[-1] if turns else None
+            if last is not None and last.role == "assistant":
+                turns[-1] = openai.MessageIn("assistant", last.content, tool_calls=[*(last.tool_calls or []), call])
+            else:
+                turns.append(openai.MessageIn("assistant", tool_calls=[call]))
+        else:
+            assert item.output is not None
+            turns.append(openai.MessageIn("tool", _text(item.output, f"{at}.output"), tool_call_id=item.call_id))
+    return openai.chat_messages(turns, "input")
+
+
+def text_schema(text: ResponsesTextConfig | None) -> str | None:
+    """``text.format`` as the JSON Schema text the grammar enforces (None: free text)."""
+    if text is None:
+        return None
+    if text.verbosity is not None:
+        raise InvalidField("text.verbosity", "text.verbosity is not supported by this server: remove it")
+    fmt = text.format
+    if fmt is None or fmt.type in ("text", "json_object"):
+        if fmt is not None:
+            for name in ("name", "schema", "strict", "description"):
+                if getattr(fmt, name) is not None:
+                    raise InvalidField(f"text.format.{name}", f"text.format.{name} belongs to json_schema formats")
+        return '{"type": "object"}' if fmt is not None and fmt.type == "json_object" else None
+    if fmt.type == "json_schema":
+        if fmt.schema is None:
+            raise InvalidField("text.format.schema", "a json_schema text.format needs schema (a JSON Schema object)")
+        return openai.schema_text(fmt.schema, "text.format.schema")
+    raise InvalidField("text.format.type", f"text.format.type must be text, json_object or json_schema: {fmt.type!r}")
+
+
+def _refuse(request: ResponsesRequest) -> None:
+    for name in ("previous_response_id", "conversation"):
+        if getattr(request, name) is not None:
+            raise InvalidField(name, f"{name} is not supported: {STATELESS}. Send the whole conversation as input")
+    if request.store:
+        raise InvalidField("store", f"store must be false or absent: {STATELESS} (store: false is the only mode)")
+    if request.background:
+        raise InvalidField("background", f"background must be false or absent: {STATELESS}, so none to poll")
+    if request.prompt is not None:
+        raise InvalidField("prompt", "prompt (a stored prompt template) is not supported: send instructions and input")
+    for name in ("reasoning", "context_management", "moderation"):
+        if getattr(request, name) is not None:
+            raise InvalidField(name, f"{name} is not supported by this server: remove it from the request")
+    if request.truncation not in (None, "disabled"):
+        raise InvalidField(
+            "truncation",
+            f'truncation must be "disabled" (an input over the context is a 400), got {request.truncation!r}',
+        )
+    for value in request.include or ():
+        if value != LOGPROBS:
+            raise InvalidField("include", f"include takes only {LOGPROBS!r} here, got {value!r}")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidField(
+            "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}"
+        )
+    tokens = request.max_output_tokens
+    if tokens is not None and not 1 <= tokens <= MAX_TOKENS_LIMIT:
+        raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
+
+
+def plan(request: ResponsesRequest) -> ResponsesPlan:
+    """What the request asks for; every refusal names its field."""
+    _refuse(request)
+    messages = input_messages(request.input)
+    if request.instructions is not None:
+        messages.insert(0, ChatMessage(role="system", content=request.instructions))
+    declared = request.tools or []
+    functions = [
+        openai.FunctionTool(openai.FunctionDef(t.name, t.description, t.parameters, t.strict)) for t in declared
+    ]
+    for i, tool in enumerate(declared):
+        if tool.type != "function":
+            raise InvalidField(f"tools[{i}].type", f"tools[{i}]: only function tools are supported, got {tool.type!r}")
+        if not 1 <= len(tool.name) <= 64:
+            raise InvalidField(f"tools[{i}].name", f"tools[{i}].name must be 1 to 64 characters, got {tool.name!r}")
+    choice: Any = request.tool_choice
+    if isinstance(choice, ResponsesNamedChoice):
+        if choice.type != "function":
+            raise InvalidField("tool_choice", f"tool_choice names a {choice.type!r} tool: only functions exist here")
+        choice = openai.NamedChoice(openai.NamedFunction(choice.name))
+    elif choice is not None and choice not in ("none", "auto", "required"):
+        raise InvalidField("tool_choice", f"tool_choice must be none, auto, required or a function, got {choice!r}")
+    tools = toolkit.plan(functions, choice, request.parallel_tool_calls)
+    json_schema = text_schema(request.text)
+    if tools is not None:
+        if json_schema is not None:
+            raise InvalidField("text", "text.format json_object/json_schema cannot be combined with tools")
+        json_schema = openai.schema_text(tools.schema(), "tools")
+        messages.insert(0, ChatMessage(role="system", content=tools.system_prompt()))
+    logprobs = LOGPROBS in (request.include or ()) or request.top_logprobs is not None
+    max_tokens = openai.DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens
+    params = GenerateParams(
+        messages=tuple(messages),
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        logprobs=(request.top_logprobs or 0) if logprobs else None,
+        json_schema=json_schema,
+    )
+    text_format = {"type": "text"}
+    if request.text is not None and request.text.format is not None:
+        text_format = {k: v for k, v in msgspec.to_builtins(request.text.format).items() if v is not None}
+    echo = {
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "metadata": request.metadata or {},
+        "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "text": {"format": text_format},
+        "tool_choice": msgspec.to_builtins(request.tool_choice) if request.tool_choice is not None else "auto",
+        "tools": [msgspec.to_builtins(t) for t in declared],
+        "top_logprobs": request.top_logprobs,
+        "truncation": "disabled",
+        "store": False,
+        "background": False,
+        "previous_response_id": None,
+        "reasoning": None,
+    }
+    return ResponsesPlan(openai.checked(params), request.model, request.stream, False, logprobs, tools, echo=echo)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------------------------
+
+_encode = msgspec.json.Encoder().encode
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def response_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # not counted here
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponsesShaper:
+    """One request's ``response`` object, or its typed SSE events (see ``shaping.Shaper``).
+
+    Text streams as ``response.output_text.delta`` events as it comes; a tool answer is parsed whole, so its
+    ``function_call`` items (and a direct answer's message) arrive together at the end. A failure mid-stream sends
+    ``response.failed`` (its ``error`` with the cause) and then an ``error`` event carrying OpenAI's error object
+    under ``error``, which the openai client raises as an ``APIError``: never ``response.completed``.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, response_id: str, model: str, plan: ResponsesPlan) -> None:
+        self.id = response_id
+        self.model = model
+        self.plan = plan
+        self.created_at = int(time.time())
+        self.message_id = new_id("msg")
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self._sequence = 0
+        self._opened = False
+
+    # --- shaping.Shaper ---------------------------------------------------------------------------------------
+
+    def opening(self) -> bytes:
+        return self._begin()
+
+    def feed(self, chunk: Chunk) -> bytes:
+        self.text.append(chunk.text)
+        logprobs = [openai.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
+        self.logprobs.extend(logprobs)
+        if not self.plan.stream or self.plan.tools is not None or not (chunk.text or logprobs):
+            return b""  # a tool answer is parsed whole, at the end
+        # the first chunk is fed before ``opening``: the opening events go first, in sequence
+        return self._begin() + self._event(
+            "response.output_text.delta", **self._at(0), content_index=0, delta=chunk.text, logprobs=logprobs
+        )
+
+    def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        out = self._begin()
+        items = self._items(finish)
+        if self.plan.tools is None:  # its item and part were opened by ``_begin``
+            out += self._finish_message(0, items[0])
+        else:
+            for index, item in enumerate(items):
+                out += self._item_events(index, item)
+        status = self._status(finish)
+        event = "response.completed" if status == "completed" else "response.incomplete"
+        return out + self._event(event, response=self._response(status, items, prompt_tokens, completion_tokens))
+
+    def whole(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        items = self._items(finish)
+        return _encode(self._response(self._status(finish), items, prompt_tokens, completion_tokens))
+
+    def stream_error(self, failure: Failure) -> bytes:
+        out = self._begin()
+        status = "cancelled" if failure.outcome == "cancelled" else "failed"
+        partial = [self._message("incomplete", "".join(self.text))] if self.plan.tools is None else []
+        response = self._response(status, partial, None, None)
+        response["error"] = {"code": failure.code, "message": failure.message, **failure.extra}
+        out += self._event("response.failed", response=response)
+        error = {"message": failure.message, "type": failure.type, "param": None, "code": failure.code}
+        return out + self._event(
+            "error", code=failure.code, message=failure.message, param=None, error={**error, **failure.extra}
+        )
+
+    def error_body(self, failure: Failure) -> bytes:
+        return openai.error_body(failure.message, failure.type, code=failure.code, **failure.extra)
+
+    # --- pieces ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _status(finish: str) -> str:
+        return "incomplete" if finish == "length" else "completed"
+
+    def _items(self, finish: str) -> list[dict[str, Any]]:
+        """The output items, made once (call ids are drawn here)."""
+        status = "incomplete" if finish == "length" else "completed"
+        text = "".join(self.text)
+        if self.plan.tools is None:
+            return [self._message(status, text, self.logprobs)]
+        content, calls = toolkit.parse(text)
+        items = []
+        if content is not None and (content or not calls):  # a direct answer (or the length limit cut the JSON)
+            items.append(self._message(status, content, []))
+        for call in calls:
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": new_id("fc"),
+                    "call_id": call.id,
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "status": "completed",
+                }
+            )
+        return items
+
+    def _message(self, status: str, text: str | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text, logprobs or [])]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def _at(self, index: int, item_id: str | None = None) -> dict[str, Any]:
+        return {"item_id": item_id or self.message_id, "output_index": index}
+
+    def _begin(self) -> bytes:
+        """``response.created`` and ``response.in_progress``, and for text its message and part (once)."""
+        if self._opened:
+            return b""
+        self._opened = True
+        snapshot = self._response("in_progress", [], None, None)
+        out = self._event("response.created", response=snapshot)
+        out += self._event("response.in_progress", response=snapshot)
+        if self.plan.tools is None:
+            out += self._event("response.output_item.added", output_index=0, item=self._message("in_progress", None))
+            out += self._event("response.content_part.added", **self._at(0), content_index=0, part=self._part("", []))
+        return out
+
+    def _finish_message(self, index: int, item: dict[str, Any]) -> bytes:
+        part = item["content"][0]
+        at = self._at(index, item["id"])
+        out = self._event(
+            "response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"]
+        )
+        out += self._event("response.content_part.done", **at, content_index=0, part=part)
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def _item_events(self, index: int, item: dict[str, Any]) -> bytes:
+        """A whole item, as a stream tells it: added, its text or arguments, done."""
+        at = self._at(index, item["id"])
+        if item["type"] == "message":
+            out = self._event("response.output_item.added", output_index=index, item={**item, "content": []})
+            if item["content"]:
+                part = item["content"][0]
+                out += self._event("response.content_part.added", **at, content_index=0, part=self._part("", []))
+                out += self._event(
+                    "response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=part["logprobs"]
+                )
+                out += self._finish_message(index, item)
+            else:
+                out += self._event("response.output_item.done", output_index=index, item=item)
+            return out
+        opened = {**item, "arguments": "", "status": "in_progress"}
+        out = self._event("response.output_item.added", output_index=index, item=opened)
+        out += self._event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+        out += self._event(
+            "response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"]
+        )
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def _response(
+        self, status: str, output: list[dict[str, Any]], prompt_tokens: int | None, completion_tokens: int | None
+    ) -> dict[str, Any]:
+        done = status in ("completed", "incomplete")
+        usage = None
+        if prompt_tokens is not None and completion_tokens is not None:
+            usage = response_usage(prompt_tokens, completion_tokens)
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "completed_at": int(time.time()) if done else None,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            **self.plan.echo,
+        }
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _encode(obj) + b"\n\n"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------------------------
+
+NOT_STORED = (
+    "tether stores no responses (every response is store: false), so there is no response {id!r} to {what}; "
+    "to stop a generation in flight, POST /v1/requests/{{id}}/cancel with the response's id"
+)
+
+
+def _not_stored(response_id: str, what: str) -> Response:
+    body = openai.error_body(
+        NOT_STORED.format(id=response_id, what=what), "invalid_request_error", code="not_found", param="response_id"
+    )
+    return Response(body, status_code=404, media_type="application/json")
+
+
+def routes(app: FastAPI, api: Api) -> None:
+    """``POST /v1/responses``, and the stored-response routes, which find nothing stored."""
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        started = time.monotonic()
+        body = decode(await request.body())
+        hosted = api.fleet.route(body.model)
+        planned = api.planned(hosted.id, ENDPOINT, lambda: plan(body))
+        response_id = new_id("resp")
+        shaper = ResponsesShaper(response_id, hosted.id, planned)
+        return await api.respond(hosted, planned, shaper, response_id, ENDPOINT, started)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return _not_stored(response_id, "retrieve")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return _not_stored(response_id, "delete")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return _not_stored(response_id, "cancel")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str) -> Response:
+        return _not_stored(response_id, "list the input items of")
