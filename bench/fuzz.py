@@ -73,6 +73,7 @@ class FuzzReport:
     documented_5xx: Counter[str] = field(default_factory=Counter)
     unexpected_5xx: int = 0
     nonconforming: int = 0
+    nonconforming_by_operation: Counter[str] = field(default_factory=Counter)  # every one, beyond the samples
     transport_errors: int = 0
     failures: list[str] = field(default_factory=list)
     operations: int = 0
@@ -184,6 +185,7 @@ class Fuzzer:
             case.validate_response(response, excluded_checks=excluded)
         except (Failure, FailureGroup) as exc:  # schemathesis raises its failures: one, or a group
             report.nonconforming += 1
+            report.nonconforming_by_operation[label] += 1
             report.note(f"{label} ({mode}): {exc}")
         self.tidy(label, status, body)
 

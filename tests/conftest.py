@@ -219,5 +219,15 @@ def serving(
         server.proc.kill() if server.proc.poll() is None else None
 
 
+@pytest.fixture(scope="module")
+def model_server() -> Iterator[Server]:
+    """`tether serve` on the default model (2 threads, n_ctx 2048), shared by a module's tests."""
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    with serving("--threads", "2", "--n-ctx", "2048") as server:
+        yield server
+
+
 def debug_server(*args: str, **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
     return serving("--engine", "debug", *args, **kwargs)

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import TETHER, Server, debug_server, model_missing, pid_alive, serving, wait_until
+from conftest import TETHER, Server, debug_server, model_missing, pid_alive, wait_until
 from tether.kernel.cgroups import MemoryCgroup
 from tether.kernel.pids import live_processes
 
@@ -52,15 +52,6 @@ def metric(server: Server, name: str, **labels: str) -> float:
 # --------------------------------------------------------------------------------------------------------------
 # The default model through the openai client
 # --------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_server() -> Iterator[Server]:
-    missing = model_missing()
-    if missing:
-        pytest.skip(missing)
-    with serving("--threads", "2", "--n-ctx", "1024") as server:
-        yield server
 
 
 @pytest.mark.model

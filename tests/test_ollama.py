@@ -16,7 +16,7 @@ import ollama
 import pytest
 
 import tether
-from conftest import Server, debug_server, model_missing, serving, wait_until
+from conftest import Server, debug_server, wait_until
 from tether.protocol import Chunk, GenerateParams
 from tether.serve import ollama as dialect
 from tether.serve.openai import Plan
@@ -213,15 +213,6 @@ def test_tool_calls_are_answered_in_ollamas_shape() -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_server() -> Iterator[Server]:
-    missing = model_missing()
-    if missing:
-        pytest.skip(missing)
-    with serving("--threads", "2", "--n-ctx", "1024") as server:
-        yield server
-
-
 @pytest.mark.model
 @pytest.mark.timeout(180)
 def test_format_json_schema_on_the_default_model_parses_and_validates(model_server: Server) -> None:
@@ -254,7 +245,7 @@ def test_the_default_model_is_described_from_its_gguf_header(model_server: Serve
     assert shown.modelinfo is not None and shown.modelinfo["general.architecture"] == "llama"
     assert "num_ctx" in (shown.parameters or "")
     [loaded] = c.ps().models
-    assert (loaded.size or 0) > 0 and loaded.context_length == 1024
+    assert (loaded.size or 0) > 0 and loaded.context_length == 2048
     text = "".join(
         p.message.content or "" for p in c.chat(model="x", messages=HI, stream=True, options={"num_predict": 16})
     )

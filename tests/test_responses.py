@@ -21,7 +21,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from conftest import Server, debug_server, model_missing, serving, wait_until
+from conftest import Server, debug_server, wait_until
 from tether.protocol import Chunk, TokenLogprob, TopLogprob
 from tether.serve import responses
 
@@ -272,15 +272,6 @@ def test_logprobs_stream_with_each_delta() -> None:
 # --------------------------------------------------------------------------------------------------------------
 # The default model
 # --------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_server() -> Iterator[Server]:
-    missing = model_missing()
-    if missing:
-        pytest.skip(missing)
-    with serving("--threads", "2", "--n-ctx", "2048") as server:
-        yield server
 
 
 CITY = {

@@ -557,10 +557,7 @@ def chat_plan(body: OllamaChatRequest) -> openai.Plan | None:
         return None
     messages = chat_messages(body.messages)
     if tools is not None:
-        if json_schema is not None:
-            raise InvalidField("format", "format cannot be combined with tools (their answer has a schema of its own)")
-        json_schema = openai.schema_text(tools.schema(), "tools")
-        messages.insert(0, ChatMessage(role="system", content=tools.system_prompt()))
+        json_schema = tools.apply(messages, json_schema, "format")
     params = GenerateParams(messages=tuple(messages), json_schema=json_schema, **common)
     return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs, tools)
 

@@ -480,10 +480,7 @@ def chat_plan(request: ChatRequest) -> Plan:
     tools = toolkit.plan(request.tools or [], request.tool_choice, request.parallel_tool_calls)
     json_schema = response_schema(request.response_format)
     if tools is not None:
-        if json_schema is not None:
-            raise InvalidField("response_format", "response_format cannot be combined with tools (tool_choice none)")
-        json_schema = schema_text(tools.schema(), "tools")
-        messages.insert(0, ChatMessage(role="system", content=tools.system_prompt()))
+        json_schema = tools.apply(messages, json_schema, "response_format")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = GenerateParams(
         messages=tuple(messages),

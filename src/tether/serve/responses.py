@@ -420,10 +420,7 @@ def plan(request: ResponsesRequest) -> ResponsesPlan:
     tools = toolkit.plan(functions, choice, request.parallel_tool_calls)
     json_schema = text_schema(request.text)
     if tools is not None:
-        if json_schema is not None:
-            raise InvalidField("text", "text.format json_object/json_schema cannot be combined with tools")
-        json_schema = openai.schema_text(tools.schema(), "tools")
-        messages.insert(0, ChatMessage(role="system", content=tools.system_prompt()))
+        json_schema = tools.apply(messages, json_schema, "text")
     logprobs = LOGPROBS in (request.include or ()) or request.top_logprobs is not None
     max_tokens = openai.DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens
     params = GenerateParams(

@@ -20,7 +20,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tether.errors import InvalidField
+from tether.protocol import ChatMessage
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,14 @@ class ToolPlan:
         else:
             how = 'Answer {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}.'
         return f"You can call these tools:\n{json.dumps(specs, ensure_ascii=False)}\nAnswer with one JSON object. {how}"
+
+    def apply(self, messages: list[ChatMessage], json_schema: str | None, field: str) -> str:
+        """Put the tools' description first in ``messages``; return the schema the answer must match (``field``: the
+        request's own structured-output field, which cannot be combined with tools: the answer has this schema)."""
+        if json_schema is not None:
+            raise InvalidField(field, f"{field} cannot be combined with tools: their answer has a schema of its own")
+        messages.insert(0, ChatMessage(role="system", content=self.system_prompt()))
+        return msgspec.json.encode(self.schema()).decode()
 
     def offered(self) -> tuple[Tool, ...]:
         if self.choice in ("auto", "required"):
