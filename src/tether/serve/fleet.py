@@ -330,5 +330,6 @@ class Fleet:
         return CancelReply(request_id, "unknown", f"no request {request_id!r}: nothing to cancel")
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_request_id(prefix: str, sep: str = "-") -> str:
+    """A fresh id in OpenAI's style: ``chatcmpl-...`` (``sep`` "_" for the newer ``resp_...``, ``call_...``)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"

@@ -12,7 +12,6 @@ registered below (the README's table).
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -37,6 +36,7 @@ from tether.serve.fields import LIMITED as L
 from tether.serve.fields import METADATA as M
 from tether.serve.fields import REFUSED as R
 from tether.serve.fields import Policy, register
+from tether.serve.fleet import new_request_id
 from tether.serve.shaping import Failure
 
 if TYPE_CHECKING:
@@ -462,7 +462,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return new_request_id(prefix, "_")
 
 
 def response_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -16,7 +16,6 @@ models get the generic format too, which they follow under the grammar but were 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ import msgspec
 
 from tether.errors import InvalidField
 from tether.protocol import ChatMessage
+from tether.serve.fleet import new_request_id
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
     if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
         calls = [
             ToolCall(
-                f"call_{uuid.uuid4().hex[:24]}",
+                new_request_id("call", "_"),
                 str(call.get("name", "")),
                 json.dumps(call.get("arguments", {}), ensure_ascii=False),
             )
