@@ -62,6 +62,11 @@ def inputs(request: EmbeddingRequest) -> list[GenerateParams]:
     texts = [request.input] if isinstance(request.input, str) else request.input
     if not texts:
         raise InvalidField("input", "input must hold at least one string")
+    return tasks(texts)
+
+
+def tasks(texts: list[str]) -> list[GenerateParams]:
+    """One embedding task per text (at most ``MAX_INPUTS``): what OpenAI's and Ollama's routes send the runner."""
     if len(texts) > MAX_INPUTS:
         raise InvalidField("input", f"input takes at most {MAX_INPUTS} strings per request, got {len(texts)}")
     return [GenerateParams(prompt=text, max_tokens=1, embed=True) for text in texts]

@@ -241,14 +241,10 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the fuzzer accepts them; each message says what to do)
     "keep_alive": "keep_alive 0 (unload now) is refused: DELETE /v1/instances/{id} unloads an instance",
 }
-_LOGPROBS_RULE = {
-    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-}
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     "OllamaChatRequest": {
         "allOf": [
-            _LOGPROBS_RULE,
+            openai.LOGPROBS_RULE,
             {  # tools answer through a grammar of their own: no format beside them
                 "if": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
                 "then": {"properties": {"format": {"enum": [None, ""]}}},
@@ -257,17 +253,14 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
     },
     "OllamaGenerateRequest": {
         "allOf": [
-            _LOGPROBS_RULE,
+            openai.LOGPROBS_RULE,
             {  # a raw prompt is sent as written: no system prompt to put around it
                 "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
                 "then": {"properties": {"system": {"anyOf": [{"type": "null"}, {"maxLength": 0}]}}},
             },
         ]
     },
-    "OllamaMessage": {
-        "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
-        "then": {"properties": {"role": {"const": "assistant"}}},
-    },
+    "OllamaMessage": openai.ASSISTANT_CALLS_RULE,
 }
 
 _GENERATION_POLICY = {
@@ -612,9 +605,7 @@ def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRe
             )
         if body.dimensions is not None:
             raise InvalidField("dimensions", "dimensions is not supported: the vector has the model's size")
-        if len(texts) > embeddings.MAX_INPUTS:
-            raise InvalidField("input", f"input takes at most {embeddings.MAX_INPUTS} strings, got {len(texts)}")
-    return [GenerateParams(prompt=text, max_tokens=1, embed=True) for text in texts]
+    return embeddings.tasks(texts)
 
 
 def show_model(body: OllamaShowRequest) -> str | None:
@@ -642,15 +633,6 @@ def ns(seconds: float) -> int:
 def error_body(message: str, code: str | None = None, **extra: Any) -> bytes:
     """Ollama's error shape, ``{"error": "<message>"}``, with tether's ``code`` (and ``param``, ``cause``) beside."""
     return _encode({"error": message, "code": code, **extra})
-
-
-def logprob_json(entry: TokenLogprob) -> dict[str, Any]:
-    return {
-        "token": entry.token,
-        "logprob": entry.logprob,
-        "bytes": list(entry.piece),
-        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.piece)} for t in entry.top],
-    }
 
 
 class Shaper:
@@ -738,7 +720,7 @@ class Shaper:
         if stats is not None:
             obj.update(stats)
         if logprobs and self.plan.logprobs:
-            obj["logprobs"] = [logprob_json(e) for e in logprobs]
+            obj["logprobs"] = [openai.chat_logprob(e) for e in logprobs]
         return obj
 
     @staticmethod

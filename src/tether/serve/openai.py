@@ -183,14 +183,19 @@ BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the API fuzzer acc
     "tool_choice": "a named tool_choice must name one of the request's tools",
     "tools": "tool names must be unique",
 }
+LOGPROBS_RULE = {  # top_logprobs needs logprobs: true (chat, and Ollama's chat and generate)
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+ASSISTANT_CALLS_RULE = {  # only an assistant turn carries tool_calls (OpenAI's and Ollama's messages)
+    "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+    "then": {"properties": {"role": {"const": "assistant"}}},
+}
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
     "ChatRequest": {
         "allOf": [
-            {
-                "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-                "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-            },
+            LOGPROBS_RULE,
             {  # a tool_choice that demands a call needs tools to call
                 "if": {
                     "required": ["tool_choice"],
@@ -200,10 +205,7 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
             },
         ]
     },
-    "MessageIn": {
-        "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
-        "then": {"properties": {"role": {"const": "assistant"}}},
-    },
+    "MessageIn": ASSISTANT_CALLS_RULE,
 }
 _SAMPLING_POLICY = {
     "model": Policy(H, "picks the instance; with one instance any name reaches it"),

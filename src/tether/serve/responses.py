@@ -386,10 +386,6 @@ def _refuse(request: ResponsesRequest) -> None:
     for value in request.include or ():
         if value != LOGPROBS:
             raise InvalidField("include", f"include takes only {LOGPROBS!r} here, got {value!r}")
-    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidField(
-            "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}"
-        )
     tokens = request.max_output_tokens
     if tokens is not None and not 1 <= tokens <= MAX_TOKENS_LIMIT:
         raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
