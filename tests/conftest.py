@@ -110,7 +110,7 @@ def memory_cgroup() -> Iterator[MakeCgroup]:
     def make(limit: int) -> Path:
         if not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
             pytest.skip(f"no cgroup v1 memory hierarchy at {CGROUP_V1_MEMORY}: cannot set a memory limit")
-        path = CGROUP_V1_MEMORY / f"tether-test-{uuid.uuid4().hex[:8]}"
+        path = CGROUP_V1_MEMORY / f"tether-test-{uuid.uuid4().hex[:8]}x"  # never tether-<runner>-<worker pid>
         try:
             path.mkdir()
         except OSError as exc:
@@ -142,7 +142,7 @@ def memory_cgroup() -> Iterator[MakeCgroup]:
 @pytest.fixture
 def own_cgroups() -> None:
     """Skip (saying why) where this machine gives runners no memory cgroups of their own."""
-    probe, why = create_child_cgroup(f"tether-probe-{uuid.uuid4().hex[:8]}")
+    probe, why = create_child_cgroup(f"tether-probe-{uuid.uuid4().hex[:8]}x")
     if probe is None:
         pytest.skip(f"no per-runner cgroups here: {why}")
     remove_cgroup(probe)

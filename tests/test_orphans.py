@@ -608,3 +608,30 @@ async def test_each_escaping_helper_kind_leaves_the_group_but_not_the_cgroup(hel
             else:  # a daemon: a session of its own, and not the runner's child any more
                 assert session not in (helper, os.getsid(sup.pid)) and parent != sup.pid
     assert wait_gone(members, 10) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_cgroup_named_like_a_runners_that_holds_the_scanner_is_not_a_dead_workers(memory_cgroup: Any) -> None:
+    """``tether-test-14929379`` (a test cgroup whose random suffix was all digits) reads as runner "test" of the
+    dead worker 14929379: a ``tether run`` started inside it reaped itself with SIGTERM before it printed a word."""
+    parent = memory_cgroup(1 << 30)
+    lookalike = parent / "tether-lookalike-99999999"  # beyond any pid_max: the "worker" is dead
+    lookalike.mkdir()
+    try:
+        probe = (
+            "import os; from tether.node import orphans; "
+            "print(sum(str(f.cgroup.path) == os.environ['LOOKALIKE'] for f in orphans.dead_workers_cgroups()))"
+        )
+        procs = lookalike / "cgroup.procs"
+        result = subprocess.run(
+            ["sh", "-c", f'echo $$ > {procs} && exec {sys.executable} -c "{probe}"'],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env={**os.environ, "LOOKALIKE": str(lookalike)},
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "0", "a cgroup holding the scanning process was taken for a dead worker's"
+        assert lookalike in [f.cgroup.path for f in orphans.dead_workers_cgroups()]  # from outside it still is
+    finally:
+        lookalike.rmdir()

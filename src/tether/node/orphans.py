@@ -201,8 +201,13 @@ def _same_pid_namespace(pid: int) -> bool:
 
 
 def dead_workers_cgroups() -> list[RunnerCgroup]:
-    """The runner cgroups whose worker is dead (each may still hold processes; see ``scan``)."""
-    return [found for found in runner_cgroups() if _worker_gone(found)]
+    """The runner cgroups whose worker is dead (each may still hold processes; see ``scan``).
+
+    A cgroup that holds this very process is never one: a worker is never inside its runners' cgroups, so such a
+    cgroup only looks like a runner's by its name (``tether-test-14929379`` matched ``tether-<runner>-<worker
+    pid>``, and a starting ``tether run`` inside it reaped itself with SIGTERM)."""
+    me = os.getpid()
+    return [found for found in runner_cgroups() if _worker_gone(found) and me not in found.cgroup.pids()]
 
 
 def scan(registry: Registry | None = None, *, memory: bool = True) -> Scan:
