@@ -206,10 +206,14 @@ def test_every_name_of_llama_cpp_runs_the_fit_check(name: str) -> None:
     assert out.returncode == 3 and "does not fit" in out.stderr, (out.returncode, out.stderr)
 
 
-def test_an_engine_without_an_estimate_is_admitted_with_that_said() -> None:
-    result = fit.assess(EngineSpec(engine="debug"))
+def test_an_engine_without_an_estimate_is_admitted_with_that_said(tmp_path: Path) -> None:
+    source = ECHO_ENGINE.replace("def estimate_memory(spec):", "def _no_estimate(spec):")
+    (tmp_path / "mute_engine.py").write_text(source)
+    engine = f"{tmp_path / 'mute_engine.py'}:EchoEngine"
+    result = fit.assess(EngineSpec(engine=engine))
     assert result.ok and result.estimate is None
-    assert result.message == "no memory estimate for engine 'debug' (it declares none): admitted without a fit check"
+    expected = f"no memory estimate for engine {registry.canonical(engine)!r} (it declares none): admitted without a"
+    assert result.message == f"{expected} fit check"
 
 
 def test_the_registry_resolves_names_aliases_and_classes_named_where_they_are(echo_module: Path) -> None:

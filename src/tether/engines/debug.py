@@ -37,6 +37,11 @@ Options (``spec.options``):
   gpu_bytes          if set, allocate (and touch) this many bytes of GPU memory with ``torch.cuda`` at load and hold
                      them until close(): what a real engine's weights do to a GPU, for checking that GPU memory is
                      reported and given back (needs torch with CUDA; without it the load fails saying so)
+  hold_bytes         if set, allocate and touch this many bytes of anonymous memory at load and hold them until
+                     close(): a model's weights and KV cache, for rehearsing memory-aware loading and eviction
+
+The engine declares a memory estimate (``estimate_memory``): the runner's own interpreter (``RUNTIME_BYTES``) plus
+``hold_bytes``, so the fit check and the scheduler's eviction see a debug model as they see a real one.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
+from tether.engines.base import Delta, EngineLoadError, Estimate, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.text import TextStream
 from tether.protocol import EngineSpec, Fault, GenerateParams, TokenLogprob, TopLogprob
 from tether.runner.faults import faults_for, fire, trigger
@@ -74,6 +79,9 @@ HELPER_KINDS = ("exec", "fork", "setsid", "setpgid", "double_fork")
 _NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow", "request_error"})  # inside an engine call
 MAX_PARALLEL = 256
 MAX_EMBEDDING_DIM = 65536
+PAGE = 4096
+RUNTIME_BYTES = 40 << 20  # a debug runner without hold_bytes, measured: 23 MiB footprint, 38 MiB resident
+RUNTIME_HEADROOM = 16 << 20
 
 
 @dataclass
@@ -105,8 +113,18 @@ class DebugEngine:
             "helper_kind": "exec",
             "embedding_dim": 64,
             "gpu_bytes": 0,
+            "hold_bytes": 0,
         }
     )
+
+    @staticmethod
+    def estimate_memory(spec: EngineSpec) -> Estimate:
+        """The runner's interpreter plus ``hold_bytes``; an option that is no number is left to ``load`` to refuse."""
+        try:
+            held = max(0, int(spec.options.get("hold_bytes", 0)))
+        except (TypeError, ValueError):
+            held = 0
+        return Estimate("the debug engine", {"runtime": RUNTIME_BYTES, "held": held}, headroom=RUNTIME_HEADROOM)
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -123,6 +141,7 @@ class DebugEngine:
             self.helpers = max(0, int(options.get("helpers", 0)))
             self.helper_kind = str(options.get("helper_kind", "exec"))
             self.gpu_bytes = max(0, int(options.get("gpu_bytes", 0)))
+            self.hold_bytes = max(0, int(options.get("hold_bytes", 0)))
             self.embedding_dim = int(options.get("embedding_dim", 64))
             if not 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM:
                 raise ValueError(f"embedding_dim must be in [1, {MAX_EMBEDDING_DIM}], got {self.embedding_dim}")
@@ -144,6 +163,7 @@ class DebugEngine:
         self._loaded = False
         self._helper_pids: list[int] = []
         self._gpu: object | None = None  # a torch tensor holding gpu_bytes
+        self._held: bytearray | None = None  # hold_bytes, every page written
         self._seqs: dict[str, _Sequence] = {}
         self._calls = 0  # generate() calls, for their sequence ids
 
@@ -157,6 +177,10 @@ class DebugEngine:
         if self.gpu_bytes:
             self._gpu = _hold_gpu_memory(self.gpu_bytes)
             progress(0.0, f"holding {self.gpu_bytes} bytes of GPU memory")
+        if self.hold_bytes:
+            self._held = bytearray(self.hold_bytes)
+            self._held[::PAGE] = b"\x01" * len(range(0, self.hold_bytes, PAGE))  # calloc's pages are not backed yet
+            progress(0.0, f"holding {self.hold_bytes} bytes of memory")
         for step in range(self.load_steps):
             fire(self.spec.faults, "load", step)
             if self.load_step_seconds:
@@ -218,6 +242,7 @@ class DebugEngine:
                 os.waitpid(pid, 0)
         self._helper_pids.clear()
         self._gpu = None
+        self._held = None
 
     # ------------------------------------------------------------------------------------------------------
 
