@@ -111,6 +111,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-body", type=parse_size, default="4M", help="request body limit (default 4M)")
     srv.add_argument("--memory-limit", type=parse_size, default=None, help="memory limit of the runner's cgroup")
+    models = srv.add_argument_group(
+        "many models",
+        "a catalog of models loaded on demand: a request naming an unloaded one loads it (evicting idle models, least "
+        "recently used first, if memory is short), and an idle one is unloaded when its keep-alive expires. The "
+        "built-in default model is always in the catalog. The model above (--model, default: the default model) "
+        "loads at start.",
+    )
+    models.add_argument("--models", type=Path, default=None, metavar="DIR", help="every *.gguf in DIR, by file stem")
+    models.add_argument(
+        "--catalog", type=Path, default=None, metavar="FILE", help="a TOML file of models (ids, aliases, options, ...)"
+    )
+    models.add_argument(
+        "--keep-alive",
+        default=None,
+        metavar="DURATION",
+        help="how long an idle model stays loaded: seconds or '5m', '1h'; 0 unloads when idle, -1 never (default: 5m "
+        "with --models/--catalog, else -1: the one model stays)",
+    )
+    models.add_argument("--max-loaded", type=int, default=None, metavar="N", help="at most N models loaded at once")
+    models.add_argument(
+        "--load-wait",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds a request waits for its model to load before a 503 (default 300)",
+    )
+    models.add_argument(
+        "--reclaim-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds an eviction waits for node memory to come back before the load is refused (default 10)",
+    )
+    models.add_argument(
+        "--reclaim-poll",
+        type=float,
+        default=None,
+        metavar="S",
+        help="after an eviction, check memory every S seconds (the first after S) instead of as soon as the evicted "
+        "runner is reaped: Ollama's way, for comparison (bench/swap.py)",
+    )
     _add_runner_arguments(srv, engine_help)
 
     st = sub.add_parser(

@@ -1,6 +1,7 @@
-"""``tether serve``: a worker with one model instance loaded and the HTTP API in front of it (the main job).
+"""``tether serve``: a worker with its first model loaded, more loaded on demand, and the HTTP API in front (the main
+job).
 
-The worker owns the fleet; uvicorn serves the app on a socket bound before the model loads (a taken port fails fast,
+The worker owns the fleet and its scheduler (the catalog: ``--models``, ``--catalog``, the built-in default model); uvicorn serves the app on a socket bound before the model loads (a taken port fails fast,
 not after a load). SIGINT/SIGTERM are handled here, not by uvicorn (which would re-raise them after its own shutdown
 and kill the worker before its runners are stopped): the server stops accepting, open requests get a short grace,
 then every instance stops within its bound, so nothing is left behind.
@@ -33,10 +34,21 @@ from tether.cli.common import (
     fail,
     reap_at_start,
 )
-from tether.errors import DoesNotFit, InvalidField, UnknownEngine
+from tether.errors import DoesNotFit, InvalidField, Unavailable, UnknownEngine
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.serve.app import create_app
+from tether.serve.catalog import (
+    DEFAULT_KEEP_ALIVE,
+    FOREVER,
+    Catalog,
+    Model,
+    builtin_default,
+    keep_alive_seconds,
+    read_catalog_file,
+    scan_models_dir,
+)
 from tether.serve.fleet import Fleet, InstanceConfig
+from tether.serve.scheduler import Scheduler
 
 log = logging.getLogger("tether.serve")
 KEEP_ALIVE_S = 30  # seconds an idle keep-alive connection is kept
@@ -80,6 +92,25 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
     )
 
 
+def build_catalog(args: argparse.Namespace, first: InstanceConfig) -> Catalog:
+    """The models this worker serves: its first (``first``, loaded at start), a ``--catalog`` file's, every GGUF in
+    ``--models``, and the built-in default model (when installed and not catalogued under its id already)."""
+    many = args.models is not None or args.catalog is not None
+    keep = keep_alive_seconds(args.keep_alive, "--keep-alive")
+    default_keep = keep if keep is not None else DEFAULT_KEEP_ALIVE if many else FOREVER
+    catalog = Catalog([Model(first.default_id(), first, (), default_keep, False, "the command line")])
+    if args.catalog is not None:
+        for model in read_catalog_file(args.catalog, default_keep):
+            catalog.add(model)
+    if args.models is not None:
+        for model in scan_models_dir(args.models, default_keep, first):
+            catalog.add(model)
+    builtin = builtin_default(default_keep, first)
+    if builtin is not None and catalog.find(builtin.id) is None:
+        catalog.add(builtin)
+    return catalog
+
+
 def command(args: argparse.Namespace) -> int:
     reap_at_start(args)
     return anyio.run(serve, args)
@@ -109,15 +140,30 @@ async def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_CANNOT_BIND
+    try:
+        catalog = build_catalog(args, config)
+    except InvalidField as exc:
+        sock.close()
+        return fail(str(exc), EXIT_USAGE)
     began = time.monotonic()
     url = f"http://{args.host}:{sock.getsockname()[1]}"
-    async with Fleet(stop_timeout=args.stop_timeout) as fleet:
+    fleet = Fleet(stop_timeout=args.stop_timeout)
+    scheduler = Scheduler(
+        fleet,
+        catalog,
+        max_loaded=args.max_loaded,
+        load_wait=args.load_wait,
+        reclaim_timeout=args.reclaim_timeout,
+        reclaim_poll=args.reclaim_poll,
+    )
+    scheduler.listeners.add(lambda d: print(f"tether: {d.kind} {d.model}: {d.reason}", file=sys.stderr, flush=True))
+    async with fleet, scheduler:
         try:
-            hosted = await fleet.add(config)
+            hosted = await scheduler.load_now(config.default_id(), "loaded at start")
         except DoesNotFit as exc:
             sock.close()
             return fail(str(exc), EXIT_DOES_NOT_FIT)
-        except InvalidField as exc:  # the model, the options or another field of the instance
+        except (InvalidField, Unavailable) as exc:  # the model, the options or another field of the instance
             sock.close()
             return fail(str(exc), EXIT_FAILED)
 
@@ -140,7 +186,7 @@ async def serve(args: argparse.Namespace) -> int:
 
         hosted.instance.add_state_listener(report)
         print(f"tether: listening on {url} (loading {hosted.id})", file=sys.stderr, flush=True)
-        app = create_app(fleet, api_key=api_key, max_body=args.max_body)
+        app = create_app(scheduler, api_key=api_key, max_body=args.max_body)
         server = _Server(
             uvicorn.Config(
                 app,

@@ -37,6 +37,7 @@ Options (``spec.options``):
   gpu_bytes          if set, allocate (and touch) this many bytes of GPU memory with ``torch.cuda`` at load and hold
                      them until close(): what a real engine's weights do to a GPU, for checking that GPU memory is
                      reported and given back (needs torch with CUDA; without it the load fails saying so)
+  close_seconds      delay in close() (default 0): a runner slow to shut down, so an unload can be raced
   hold_bytes         if set, allocate and touch this many bytes of anonymous memory at load and hold them until
                      close(): a model's weights and KV cache, for rehearsing memory-aware loading and eviction
 
@@ -59,7 +60,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from tether.engines.base import Delta, EngineLoadError, Estimate, ProgressCallback, RequestError, StepResult, generate_one
+from tether.engines.base import (
+    Delta,
+    EngineLoadError,
+    Estimate,
+    ProgressCallback,
+    RequestError,
+    StepResult,
+    generate_one,
+)
 from tether.engines.text import TextStream
 from tether.protocol import EngineSpec, Fault, GenerateParams, TokenLogprob, TopLogprob
 from tether.runner.faults import faults_for, fire, trigger
@@ -114,6 +123,7 @@ class DebugEngine:
             "embedding_dim": 64,
             "gpu_bytes": 0,
             "hold_bytes": 0,
+            "close_seconds": 0.0,
         }
     )
 
@@ -142,6 +152,7 @@ class DebugEngine:
             self.helper_kind = str(options.get("helper_kind", "exec"))
             self.gpu_bytes = max(0, int(options.get("gpu_bytes", 0)))
             self.hold_bytes = max(0, int(options.get("hold_bytes", 0)))
+            self.close_seconds = max(0.0, float(options.get("close_seconds", 0.0)))
             self.embedding_dim = int(options.get("embedding_dim", 64))
             if not 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM:
                 raise ValueError(f"embedding_dim must be in [1, {MAX_EMBEDDING_DIM}], got {self.embedding_dim}")
@@ -233,6 +244,8 @@ class DebugEngine:
         return len(self._seqs)
 
     def close(self) -> None:
+        if self.close_seconds:
+            time.sleep(self.close_seconds)
         self._loaded = False
         self._seqs.clear()
         for pid in self._helper_pids:

@@ -13,8 +13,9 @@ jitter. Two guarantees the seed system lacked:
 A crash loop (``crash_loop_failures`` failures within ``crash_loop_window`` seconds) ends the restarts: the instance
 stays failed with the last cause and the history of causes.
 
-Placement (does the model fit the node's memory, on which device) comes later: ``Instance._place`` is its seam,
-awaited before every life once the previous life's process group is gone.
+Placement (does the model fit the node's memory) is awaited before every life once the previous life's process
+group is gone: the fit check by default, or a ``Placer`` (the serving worker's scheduler, which loads one model at a
+time per node and evicts idle models to make room).
 """
 
 from __future__ import annotations
@@ -230,6 +231,12 @@ InstanceState = (
 )
 
 
+class Placer(Protocol):
+    """Decides where (whether) a life of ``instance`` may start: returns the fit verdict, raises ``DoesNotFit``."""
+
+    async def __call__(self, instance: Instance) -> FitResult: ...
+
+
 class SupervisorFactory(Protocol):
     """Builds the supervisor of one runner life (``Supervisor`` itself is one)."""
 
@@ -339,8 +346,10 @@ class Instance:
         force: bool = False,
         deadlines: Deadlines | None = None,
         admitted: FitResult | None = None,
+        placer: Placer | None = None,
     ) -> None:
         self.spec = spec
+        self._placer = placer
         self.deadlines = deadlines if deadlines is not None else Deadlines()  # per phase, for every life's runner
         self.force = force  # load even when the fit check says the model does not fit
         self.fit: FitResult | None = admitted  # the last placement decision, with its numbers
@@ -524,6 +533,8 @@ class Instance:
         """
         if self._admitted is not None:  # the first life, checked by the caller a moment ago
             self.fit, self._admitted = self._admitted, None
+        elif self._placer is not None:
+            self.fit = await self._placer(self)
         else:
             self.fit = await anyio.to_thread.run_sync(functools.partial(fit.admit, self.spec, override=self.force))
         log.info("instance %s: %s", self.name, self.fit.message)

@@ -34,6 +34,7 @@ from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskSt
 from tether.serve import embeddings, ollama, openai, responses, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
+from tether.serve.scheduler import Scheduler, scheduler_json
 from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
 
 log = logging.getLogger("tether.api")
@@ -277,20 +278,29 @@ class GenerationFailed(TetherError):
 @dataclass
 class Api:
     """What a route module (``openai``'s routes here, ``responses``, ``ollama``) needs to serve generations: the
-    fleet, the metrics, and the one way a generation is admitted and answered."""
+    scheduler (and its fleet), the metrics, and the one way a generation is admitted and answered."""
 
-    fleet: Fleet
+    scheduler: Scheduler
     metrics: Metrics
 
+    @property
+    def fleet(self) -> Fleet:
+        return self.scheduler.fleet
+
     async def respond(
-        self, hosted: Hosted, plan: openai.Plan, shaper: Shaper, request_id: str, endpoint: str, started: float
+        self, model_id: str, plan: openai.Plan, shaper: Shaper, request_id: str, endpoint: str, started: float
     ) -> Response:
-        """Admit the plan's generation to ``hosted``, answered with ``shaper`` (every generating route ends here)."""
+        """Admit the plan's generation to model ``model_id`` (loading it if it is not: the lease lasts as long as
+        the response), answered with ``shaper`` (every generating route ends here)."""
         release = contextlib.AsyncExitStack()
         try:
+            hosted = await release.enter_async_context(self.scheduler.lease(model_id, plan.keep_alive))
             handle = await release.enter_async_context(self.fleet.generation(hosted, plan.params, request_id))
-        except Unavailable:
-            self.metrics.requests.labels(hosted.id, endpoint, "rejected").inc()
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await release.aclose()
+            if isinstance(exc, Unavailable | DoesNotFit):
+                self.metrics.requests.labels(model_id, endpoint, "rejected").inc()
             raise
         return GenerationResponse(
             self.fleet,
@@ -312,12 +322,23 @@ class Api:
             self.metrics.requests.labels(hosted_id, endpoint, "bad_request").inc()
             raise
 
-    async def embed(self, hosted: Hosted, inputs: list[GenerateParams], request_id: str, endpoint: str) -> list[Chunk]:
+    async def embed(
+        self,
+        model_id: str,
+        inputs: list[GenerateParams],
+        request_id: str,
+        endpoint: str,
+        keep_alive: float | None = None,
+    ) -> list[Chunk]:
         """Each input's final chunk (its ``embedding`` set), in order; ``GenerationFailed`` when one fails.
 
         Inputs go to the runner at most ``parallel`` at a time, so a long list waits its turn instead of overflowing
         the queue; each is a task like any generation (deadlines, cancel, a runner's death reported with its cause).
         """
+        async with self.scheduler.lease(model_id, keep_alive) as hosted:
+            return await self._embed(hosted, inputs, request_id, endpoint)
+
+    async def _embed(self, hosted: Hosted, inputs: list[GenerateParams], request_id: str, endpoint: str) -> list[Chunk]:
         started = time.monotonic()
         results: list[Chunk | None] = [None] * len(inputs)
         outcome = "failed"
@@ -436,10 +457,12 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
-    """The ASGI app for ``fleet`` (which the caller owns: the app neither starts nor stops instances on its own)."""
+def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
+    """The ASGI app for ``scheduler`` and its fleet (which the caller owns: the app starts and stops instances only
+    when asked, or when the scheduler loads, unloads and evicts models)."""
     app = FastAPI(title="tether", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = Metrics(fleet)
+    fleet = scheduler.fleet
+    metrics = Metrics(fleet, scheduler)
     for hosted in fleet.list():  # instances added before the app existed
         metrics.watch(hosted)
     app.state.metrics = metrics
@@ -485,18 +508,18 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     async def too_large(_: Request, exc: BodyTooLarge) -> Response:
         return _too_large(exc)
 
-    api = Api(fleet, metrics)
+    api = Api(scheduler, metrics)
     respond, planned = api.respond, api.planned
 
     async def generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
         started = time.monotonic()
         endpoint = "chat" if kind == "chat" else "completions"
         body = openai.decode(kind, await request.body())
-        hosted = fleet.route(body.model)
-        plan = planned(hosted.id, endpoint, lambda: openai.plan(body))
+        model_id = scheduler.resolve(body.model)
+        plan = planned(model_id, endpoint, lambda: openai.plan(body))
         request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
-        shaper = openai.Shaper(kind, request_id, hosted.id, plan)
-        return await respond(hosted, plan, shaper, request_id, endpoint, started)
+        shaper = openai.Shaper(kind, request_id, model_id, plan)
+        return await respond(model_id, plan, shaper, request_id, endpoint, started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -509,28 +532,50 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> Response:
         body = embeddings.decode(await request.body())
-        hosted = fleet.route(body.model)
-        inputs = planned(hosted.id, "embeddings", lambda: embeddings.inputs(body))
-        chunks = await api.embed(hosted, inputs, new_request_id("embd"), "embeddings")
-        return Response(embeddings.body(chunks, hosted.id, body.encoding_format), media_type="application/json")
+        model_id = scheduler.resolve(body.model)
+        inputs = planned(model_id, "embeddings", lambda: embeddings.inputs(body))
+        chunks = await api.embed(model_id, inputs, new_request_id("embd"), "embeddings")
+        return Response(embeddings.body(chunks, model_id, body.encoding_format), media_type="application/json")
 
     # Other dialects: each module adds its routes, answering through ``api`` (one line each, here).
     responses.routes(app, api)
     ollama.routes(app, api)
 
-    def model_json(hosted: Hosted) -> dict[str, Any]:
-        return {"id": hosted.id, "object": "model", "created": int(hosted.created_at), "owned_by": "tether"}
+    async def model_json(model_id: str) -> dict[str, Any]:
+        """A model as OpenAI lists it, with what tether knows beside: its state, footprint or estimate, keep-alive."""
+        slot = scheduler.slots.get(model_id)
+        hosted = fleet.get(model_id) if slot is None else slot.hosted
+        created = int(hosted.created_at) if hosted is not None else int(started_at)
+        entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "tether"}
+        sup = hosted.supervisor if hosted is not None else None
+        if sup is not None and sup.alive:
+            await sup.sample_memory()
+        if slot is not None:
+            await scheduler.estimate(slot)
+            entry.update(scheduler.view(slot))
+        elif hosted is not None:
+            memory = sup.footprint if sup is not None and sup.alive else None
+            entry.update(
+                state="loaded" if isinstance(hosted.instance.state, InstanceReady) else tag_of(hosted.instance.state),
+                engine=hosted.instance.spec.engine,
+                model=hosted.config.model,
+                pinned=True,  # added through POST /v1/instances: it stays until it is deleted
+                footprint=memory.footprint if memory is not None else None,
+            )
+        return entry
+
+    started_at = time.time()
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [model_json(h) for h in fleet.list()]})
+        return _json({"object": "list", "data": [await model_json(name) for name in scheduler.names()]})
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str) -> Response:
         try:
-            return _json(model_json(fleet.get(model_id)))
+            return _json(await model_json(scheduler.resolve_exact(model_id)))
         except NotFound:
-            served = ", ".join(h.id for h in fleet.list()) or "none"
+            served = ", ".join(scheduler.names()) or "none"
             message = f"model {model_id!r} is not served here; models: {served}"
             return _error(404, message, "invalid_request_error", code="model_not_found", param="model")
 
@@ -538,7 +583,7 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
     async def add_instance(request: Request) -> Response:
         config = openai.decode_body(_instance_decoder, await request.body(), "instance")
         try:
-            hosted = await fleet.add(config)
+            hosted = await scheduler.add_instance(config)
         except InvalidField as exc:  # of the instance, not of a generation request: its own code
             return _error(400, str(exc), "invalid_request_error", code="invalid_instance", param=exc.field)
         return _json(instance_json(hosted), status=201)
@@ -552,7 +597,13 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
 
     @app.get("/v1/instances")
     async def list_instances() -> Response:
-        return _json({"object": "list", "data": [await fresh(h) for h in fleet.list()]})
+        return _json(
+            {
+                "object": "list",
+                "data": [await fresh(h) for h in fleet.list()],
+                "scheduler": scheduler_json(scheduler),
+            }
+        )
 
     @app.get("/v1/instances/{instance_id}")
     async def get_instance(instance_id: str) -> Response:
@@ -560,7 +611,7 @@ def create_app(fleet: Fleet, *, api_key: str | None = None, max_body: int = DEFA
 
     @app.delete("/v1/instances/{instance_id}")
     async def delete_instance(instance_id: str) -> Response:
-        hosted = await fleet.remove(instance_id)
+        hosted = await scheduler.remove(instance_id)
         return _json({"id": hosted.id, "object": "instance", "deleted": True, "state": tag_of(hosted.instance.state)})
 
     @app.post("/v1/requests/{request_id}/cancel")

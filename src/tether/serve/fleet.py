@@ -44,6 +44,7 @@ from tether.node.instance import (
     InstanceReady,
     InstanceRestarting,
     InstanceStarting,
+    Placer,
     RestartPolicy,
 )
 from tether.node.listeners import Listeners
@@ -174,8 +175,9 @@ class Hosted:
 class Fleet:
     """The instances of one serving worker. Use as ``async with Fleet() as fleet:``; leaving stops them all."""
 
-    def __init__(self, *, stop_timeout: float = 15.0) -> None:
+    def __init__(self, *, stop_timeout: float = 15.0, placer: Placer | None = None) -> None:
         self.stop_timeout = stop_timeout
+        self.placer = placer  # decides every life's placement (the scheduler); None: the fit check alone
         self._hosted: dict[str, Hosted] = {}
         self._requests: dict[str, Hosted] = {}  # request id (= the runner's task id) -> its instance, while in flight
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
@@ -236,7 +238,9 @@ class Fleet:
         refused = registry.spec_problem(spec)
         if refused is not None:
             raise refused
-        admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads the header
+        admitted = None  # a placer decides (under its node-wide load lock), else the fit check runs now
+        if self.placer is None:
+            admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads a header
         factory = partial(Supervisor, memory_limit=config.memory_limit)
         instance = Instance(
             spec,
@@ -247,6 +251,7 @@ class Fleet:
             force=config.force,
             stop_timeout=self.stop_timeout,
             admitted=admitted,
+            placer=self.placer,
         )
         hosted = Hosted(id=instance_id, config=config, instance=instance, parallel=registry.parallel(spec))
         self._hosted[instance_id] = hosted

@@ -17,8 +17,10 @@ from prometheus_client.registry import Collector
 from tether.node.instance import InstanceFailed, InstanceRestarting, InstanceState
 from tether.protocol import tag_of
 from tether.serve.fleet import Fleet, Hosted
+from tether.serve.scheduler import Decision, Scheduler
 
 STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
+MODEL_STATES = ("unloaded", "loading", "loaded", "unloading")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -89,10 +91,26 @@ class _FleetCollector(Collector):
         )
 
 
-class Metrics:
-    """The app's registry and the counters the API updates."""
+class _SchedulerCollector(Collector):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
 
-    def __init__(self, fleet: Fleet) -> None:
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "tether_model_state", "1 for the state each catalogued model is in", labels=["model", "state"]
+        )
+        busy = GaugeMetricFamily("tether_model_busy", "1 while a request holds the model", labels=["model"])
+        for slot in self.scheduler.slots.values():
+            for candidate in MODEL_STATES:
+                state.add_metric([slot.id, candidate], 1.0 if candidate == slot.state else 0.0)
+            busy.add_metric([slot.id], 0.0 if slot.idle else 1.0)
+        yield from (state, busy)
+
+
+class Metrics:
+    """The app's registry and the counters the API (and the scheduler's decisions) update."""
+
+    def __init__(self, fleet: Fleet, scheduler: Scheduler | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_FleetCollector(fleet))
         self.requests = Counter(
@@ -128,7 +146,61 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=self.registry,
         )
+        self.loads = Counter(
+            "tether_model_loads",
+            "Model loads by the scheduler, by outcome (loaded, failed)",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.load_seconds = Histogram(
+            "tether_model_load_seconds",
+            "From a load's start (a request for an unloaded model) to its runner ready, evictions included",
+            ["model"],
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "tether_model_evictions",
+            "Models unloaded by the scheduler, by reason (memory, max_loaded, keep_alive, deleted, failed, requested)",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.reclaim_wait = Histogram(
+            "tether_memory_reclaim_wait_seconds",
+            "From evicting models to node memory back (their groups reaped and memory risen)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.reclaimed = Counter(
+            "tether_memory_reclaimed_bytes", "Node memory that came back after evictions", registry=self.registry
+        )
+        self.refusals = Counter(
+            "tether_model_refusals",
+            "Loads refused (does not fit, reclaim timed out)",
+            ["model"],
+            registry=self.registry,
+        )
         fleet.listeners.add(self.watch)
+        if scheduler is not None:
+            self.registry.register(_SchedulerCollector(scheduler))
+            scheduler.listeners.add(self.decided)
+
+    def decided(self, d: Decision) -> None:
+        """Count one scheduler decision."""
+        if d.kind == "loaded":
+            self.loads.labels(d.model, "loaded").inc()
+            if d.seconds is not None:
+                self.load_seconds.labels(d.model).observe(d.seconds)
+        elif d.kind == "load_failed":
+            self.loads.labels(d.model, "failed").inc()
+        elif d.kind in ("evict", "unload"):
+            self.evictions.labels(d.model, d.why or d.kind).inc()
+        elif d.kind == "reclaimed":
+            if d.seconds is not None:
+                self.reclaim_wait.observe(d.seconds)
+            self.reclaimed.inc(d.bytes or 0)
+        elif d.kind in ("refuse", "wait_memory"):
+            self.refusals.labels(d.model).inc()
 
     def watch(self, hosted: Hosted) -> None:
         """Observe each failed life's detection latency as it is recorded."""

@@ -13,8 +13,9 @@ Every field is honoured or refused, as on the OpenAI side (``fields``). The choi
   (1.0: Ollama's 1.1 derails small models). ``seed: -1`` is Ollama's "random".
 * Load-time options (``num_ctx``, ``num_gpu``, ``num_thread``, ...) are refused, naming the instance option to set
   instead: Ollama loads a model per request's options, tether serves instances started ahead (``POST
-  /v1/instances``). For the same reason ``keep_alive`` is honoured as "at least that long" (an instance stays loaded
-  until it is removed), and ``keep_alive: 0`` ("unload now") is refused with the route that does unload one.
+  /v1/instances``). ``keep_alive`` is the scheduler's (``tether.serve.scheduler``): how long the model stays
+  loaded once idle, 0 to unload it after this request, negative for ever; an empty prompt with ``keep_alive: 0`` is
+  ``ollama stop``.
 * A request without a prompt (or messages) is Ollama's "load the model": answered ``done_reason: "load"`` at once
   when the instance is ready, 503 with the reason (and when to retry) while it is not.
 * Durations are measured on the request's timeline (nanoseconds): ``total_duration`` from arrival to the answer,
@@ -34,7 +35,6 @@ import functools
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ from fastapi.responses import Response
 
 from tether.engines import registry
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
-from tether.errors import InvalidField, NotFound, Unavailable, UnknownEngine
+from tether.errors import DoesNotFit, InvalidField, NotFound, Unavailable, UnknownEngine
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node.instance import InstanceReady
 from tether.protocol import (
@@ -66,12 +66,13 @@ from tether.protocol import (
 )
 from tether.serve import embeddings, openai
 from tether.serve import tools as toolkit
+from tether.serve.catalog import KeepAlive, keep_alive_seconds
 from tether.serve.fields import HONOURED as H
 from tether.serve.fields import LIMITED as L
 from tether.serve.fields import METADATA as M
 from tether.serve.fields import REFUSED as R
 from tether.serve.fields import Policy, register
-from tether.serve.fleet import Fleet, Hosted, new_request_id
+from tether.serve.fleet import Hosted, new_request_id
 from tether.serve.shaping import Failure, cause_json
 
 if TYPE_CHECKING:
@@ -81,12 +82,8 @@ NDJSON = "application/x-ndjson"
 MAX_STOPS = 16  # Ollama sets no limit; model files carry a few stop strings, a bound keeps a request bounded
 DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "num_predict": -1}
 PENALTY_WINDOW = 64  # the tokens repeat_penalty looks back over (llama.cpp engine), Ollama's repeat_last_n default
-FOREVER = "9999-12-31T23:59:59Z"  # expires_at of an instance: it stays loaded until it is removed
+FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model that stays loaded (pinned, busy, keep-alive forever)
 # Go's time.ParseDuration syntax ("5m", "1h30m", "-1s"), or a number of seconds as text
-DURATION = r"^-?(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$|^-?([0-9]+(\.[0-9]*)?|\.[0-9]+)$"
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
-_DURATION = re.compile(DURATION)
 
 # --------------------------------------------------------------------------------------------------------------
 # Request bodies
@@ -94,7 +91,6 @@ _DURATION = re.compile(DURATION)
 
 Refused = Annotated[Any, documented(type="null")]
 Empty = Annotated[list[Any], documented(maxItems=0, description="not supported: empty only")]
-KeepAlive = Annotated[float, documented(**{"not": {"const": 0}})] | Annotated[str, documented(pattern=DURATION)]
 Format = Annotated[str, documented(enum=["", "json"])] | dict[str, Any]
 Think = Annotated[bool | str, documented(enum=[False], description="no thinking mode: false only")]
 TopLogprobs = Annotated[int, documented(minimum=0, maximum=MAX_TOP_LOGPROBS)]
@@ -238,9 +234,7 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     verbose: Annotated[bool, documented(enum=[False], description="large arrays are not read")] | None = None
 
 
-BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the fuzzer accepts them; each message says what to do)
-    "keep_alive": "keep_alive 0 (unload now) is refused: DELETE /v1/instances/{id} unloads an instance",
-}
+BEYOND_SCHEMA: dict[str, str] = {}  # 400s for rules JSON Schema cannot state (the fuzzer accepts them): none now
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     "OllamaChatRequest": {
         "allOf": [
@@ -268,7 +262,7 @@ _GENERATION_POLICY = {
     "format": Policy(H, '`"json"` or a JSON Schema: grammar-constrained, always parses'),
     "options": Policy(H, "see Ollama options"),
     "stream": Policy(H, "default true: NDJSON, one object a line; a failure ends it with an `error` line"),
-    "keep_alive": Policy(L, "instances stay loaded until removed: any duration is honoured, 0 (unload) is refused"),
+    "keep_alive": Policy(H, "how long the model stays loaded once idle; 0: unload after this request; -1: forever"),
     "think": Policy(L, "false only: no thinking mode"),
     "logprobs": Policy(H, "the model's log-probabilities (before sampling), with bytes"),
     "top_logprobs": Policy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
@@ -383,31 +377,6 @@ def decode(struct: type[Any], body: bytes) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def keep_alive(value: float | str | None) -> float | None:
-    """``keep_alive`` in seconds (negative: forever); 0, Ollama's "unload now", is refused with what to do."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value
-        if not _DURATION.fullmatch(text):
-            raise InvalidField(
-                "keep_alive", f"keep_alive must be a number of seconds or a duration such as '5m' or '1h', got {text!r}"
-            )
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("-")
-        parts = _PART.findall(body)
-        seconds = sign * (sum(float(n) * _UNITS[unit] for n, unit in parts) if parts else float(body))
-    else:
-        seconds = float(value)
-    if seconds == 0:
-        raise InvalidField(
-            "keep_alive",
-            "keep_alive 0 asks to unload the model now, but a tether instance stays loaded until it is removed: "
-            "DELETE /v1/instances/{id} unloads it (GET /v1/instances lists them); omit keep_alive or send a duration",
-        )
-    return seconds
-
-
 def sampling(options: OllamaOptions | None) -> dict[str, Any]:
     """The ``GenerateParams`` fields ``options`` set, Ollama's defaults for the rest; a refused option is a 400."""
     o = options or OllamaOptions()
@@ -478,7 +447,7 @@ def format_schema(fmt: str | dict[str, Any] | None) -> str | None:
 
 def _common(body: _Generation) -> dict[str, Any]:
     """What chat and generate requests share: checks, then the sampling and logprobs fields."""
-    keep_alive(body.keep_alive)
+    keep_alive_seconds(body.keep_alive)
     if body.think not in (None, False):
         raise InvalidField("think", "think is not supported: there is no thinking mode here (send false or omit it)")
     if body.top_logprobs is not None and not body.logprobs:
@@ -552,7 +521,8 @@ def chat_plan(body: OllamaChatRequest) -> openai.Plan | None:
     if tools is not None:
         json_schema = tools.apply(messages, json_schema, "format")
     params = GenerateParams(messages=tuple(messages), json_schema=json_schema, **common)
-    return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs, tools)
+    keep = keep_alive_seconds(body.keep_alive)
+    return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
 
 
 def generate_plan(body: OllamaGenerateRequest) -> openai.Plan | None:
@@ -579,7 +549,8 @@ def generate_plan(body: OllamaGenerateRequest) -> openai.Plan | None:
         turns = [ChatMessage(role="system", content=body.system)] if body.system else []
         turns.append(ChatMessage(role="user", content=body.prompt))
         params = GenerateParams(messages=tuple(turns), json_schema=json_schema, **common)
-    return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs)
+    keep = keep_alive_seconds(body.keep_alive)
+    return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs, keep_alive=keep)
 
 
 def embed_texts(body: OllamaEmbedRequest) -> list[str]:
@@ -590,7 +561,7 @@ def embed_texts(body: OllamaEmbedRequest) -> list[str]:
 
 
 def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> list[GenerateParams]:
-    keep_alive(body.keep_alive)
+    keep_alive_seconds(body.keep_alive)
     if body.options:
         name = next(iter(body.options))
         raise InvalidField(
@@ -944,16 +915,6 @@ async def ps_json(hosted: Hosted, f: ModelFacts) -> dict[str, Any]:
     return entry
 
 
-def route(fleet: Fleet, model: str | None) -> Hosted:
-    """The instance a request names; Ollama's clients add ``:latest`` to a name without a tag."""
-    try:
-        return fleet.route(model)
-    except NotFound:
-        if model is not None and model.endswith(":latest"):
-            return fleet.route(model.removesuffix(":latest"))
-        raise
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Routes
 # --------------------------------------------------------------------------------------------------------------
@@ -977,7 +938,7 @@ def routes(app: FastAPI, api: Api) -> None:
     """Add Ollama's routes to ``app``, answering through ``api``."""
     from tether.serve.app import GenerationFailed  # app calls this once it is whole: no import cycle
 
-    fleet = api.fleet
+    fleet, scheduler = api.fleet, api.scheduler
 
     def ollama_errors(handler: Handler) -> Handler:
         """Errors in Ollama's shape (the app's handlers answer in OpenAI's)."""
@@ -990,6 +951,8 @@ def routes(app: FastAPI, api: Api) -> None:
                 return _error(400, str(exc), "invalid_request", param=exc.field)
             except NotFound as exc:
                 return _error(404, str(exc), "not_found")
+            except DoesNotFit as exc:
+                return _error(507, str(exc), "does_not_fit")
             except Unavailable as exc:
                 headers = None
                 if exc.retry_after is not None:
@@ -1007,20 +970,26 @@ def routes(app: FastAPI, api: Api) -> None:
         endpoint = f"ollama_{kind}"
         struct = OllamaChatRequest if kind == "chat" else OllamaGenerateRequest
         body = decode(struct, await request.body())
-        hosted = route(fleet, body.model)
+        model_id = scheduler.resolve(body.model)
         make = functools.partial(chat_plan if kind == "chat" else generate_plan, body)
-        plan = api.planned(hosted.id, endpoint, make)
-        if plan is None:  # Ollama's "load the model": it is loaded when its instance is ready
-            if not isinstance(hosted.instance.state, InstanceReady):
-                inst = hosted.instance
-                raise Unavailable(inst.unavailable_reason(), retry_after=hosted.retry_after(), cause=inst.cause)
-            answer = loaded(kind, hosted.id)
+        plan = api.planned(model_id, endpoint, make)
+        if plan is None:  # Ollama's "load the model" (or, with keep_alive 0, "unload it": ollama stop)
+            keep = keep_alive_seconds(body.keep_alive)
+            if keep == 0:
+                await scheduler.unload(model_id, "keep_alive 0 with nothing to generate (ollama stop)")
+                answer = {**loaded(kind, model_id), "done_reason": "unload"}
+            else:
+                async with scheduler.lease(model_id, keep) as hosted:
+                    if not isinstance(hosted.instance.state, InstanceReady):
+                        inst = hosted.instance
+                        raise Unavailable(inst.unavailable_reason(), retry_after=hosted.retry_after(), cause=inst.cause)
+                answer = loaded(kind, model_id)
             if body.stream:
                 return Response(_encode(answer) + b"\n", media_type=NDJSON)
             return _json(answer)
         request_id = new_request_id(f"ollama-{kind}")
-        shaper = Shaper(kind, hosted.id, plan, started)
-        return await api.respond(hosted, plan, shaper, request_id, endpoint, started)
+        shaper = Shaper(kind, model_id, plan, started)
+        return await api.respond(model_id, plan, shaper, request_id, endpoint, started)
 
     @app.post("/api/chat")
     @ollama_errors
@@ -1037,12 +1006,14 @@ def routes(app: FastAPI, api: Api) -> None:
     async def embed(request: Request) -> Response:
         started = time.monotonic()
         body = decode(OllamaEmbedRequest, await request.body())
-        hosted = route(fleet, body.model)
-        inputs = api.planned(hosted.id, "ollama_embed", lambda: embed_inputs(embed_texts(body), body))
-        chunks = await api.embed(hosted, inputs, new_request_id("ollama-embed"), "ollama_embed") if inputs else []
+        model_id = scheduler.resolve(body.model)
+        inputs = api.planned(model_id, "ollama_embed", lambda: embed_inputs(embed_texts(body), body))
+        keep = keep_alive_seconds(body.keep_alive)
+        embed_id = new_request_id("ollama-embed")
+        chunks = await api.embed(model_id, inputs, embed_id, "ollama_embed", keep) if inputs else []
         return _json(
             {
-                "model": hosted.id,
+                "model": model_id,
                 "embeddings": [list(c.embedding or ()) for c in chunks],
                 "total_duration": ns(time.monotonic() - started),
                 "load_duration": 0,
@@ -1054,11 +1025,12 @@ def routes(app: FastAPI, api: Api) -> None:
     @ollama_errors
     async def embeddings_(request: Request) -> Response:
         body = decode(OllamaEmbeddingsRequest, await request.body())
-        hosted = route(fleet, body.model)
-        inputs = api.planned(hosted.id, "ollama_embeddings", lambda: embed_inputs([body.prompt or ""], body))
+        model_id = scheduler.resolve(body.model)
+        inputs = api.planned(model_id, "ollama_embeddings", lambda: embed_inputs([body.prompt or ""], body))
         if not body.prompt:  # Ollama answers an empty prompt with an empty vector (it loads the model)
             return _json({"embedding": []})
-        chunks = await api.embed(hosted, inputs, new_request_id("ollama-embd"), "ollama_embeddings")
+        keep = keep_alive_seconds(body.keep_alive)
+        chunks = await api.embed(model_id, inputs, new_request_id("ollama-embd"), "ollama_embeddings", keep)
         return _json({"embedding": list(chunks[0].embedding or ())})
 
     @app.get("/api/tags")
@@ -1081,7 +1053,7 @@ def routes(app: FastAPI, api: Api) -> None:
     @app.post("/api/show")
     @ollama_errors
     async def show(request: Request) -> Response:
-        hosted = route(fleet, show_model(decode(OllamaShowRequest, await request.body())))
+        hosted = fleet.get(scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body()))))
         f = await anyio.to_thread.run_sync(facts, hosted)
         return _json(
             {

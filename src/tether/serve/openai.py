@@ -32,6 +32,7 @@ from tether.protocol import (
     documented,
 )
 from tether.serve import tools as toolkit
+from tether.serve.catalog import KeepAlive, keep_alive_seconds
 from tether.serve.fields import EXTENSION as E
 from tether.serve.fields import HONOURED as H
 from tether.serve.fields import LIMITED as L
@@ -144,6 +145,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_k: Annotated[int, documented(minimum=0, maximum=MAX_TOKENS_LIMIT)] | None = None
     min_p: Annotated[float, documented(minimum=0, maximum=1)] | None = None
     repeat_penalty: Annotated[float, documented(exclusiveMinimum=0, maximum=10)] | None = None
+    # Ollama's, for the catalog's models
+    keep_alive: KeepAlive | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -208,7 +211,7 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
     "MessageIn": ASSISTANT_CALLS_RULE,
 }
 _SAMPLING_POLICY = {
-    "model": Policy(H, "picks the instance; with one instance any name reaches it"),
+    "model": Policy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),
     "max_tokens": Policy(H, "default 512 for chat, 16 for completions"),
     "temperature": Policy(H, "0 is greedy"),
     "top_p": Policy(H),
@@ -224,6 +227,7 @@ _SAMPLING_POLICY = {
     "top_k": Policy(E, "0 keeps every token; default 40 when temperature > 0"),
     "min_p": Policy(E, "default 0.05 when temperature > 0"),
     "repeat_penalty": Policy(E, "over the last 64 tokens; default: the instance's option (1.0)"),
+    "keep_alive": Policy(E, "seconds or a duration ('5m') the model stays loaded when idle; 0 unloads, -1 never"),
 }
 register(
     "POST /v1/chat/completions",
@@ -358,6 +362,7 @@ class Plan:
     include_usage: bool = False
     logprobs: bool = False  # render the tokens' logprobs in the answer
     tools: toolkit.ToolPlan | None = None
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: forever); None: its default
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -497,6 +502,7 @@ def chat_plan(request: ChatRequest) -> Plan:
         bool(request.stream_options and request.stream_options.include_usage),
         request.logprobs,
         tools,
+        keep_alive_seconds(request.keep_alive),
     )
 
 
@@ -525,6 +531,7 @@ def completion_plan(request: CompletionRequest) -> Plan:
         request.stream,
         bool(request.stream_options and request.stream_options.include_usage),
         request.logprobs is not None,
+        keep_alive=keep_alive_seconds(request.keep_alive),
     )
 
 

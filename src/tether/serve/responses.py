@@ -676,11 +676,11 @@ def routes(app: FastAPI, api: Api) -> None:
     async def create_response(request: Request) -> Response:
         started = time.monotonic()
         body = decode(await request.body())
-        hosted = api.fleet.route(body.model)
-        planned = api.planned(hosted.id, ENDPOINT, lambda: plan(body))
+        model_id = api.scheduler.resolve(body.model)
+        planned = api.planned(model_id, ENDPOINT, lambda: plan(body))
         response_id = new_id("resp")
-        shaper = ResponsesShaper(response_id, hosted.id, planned)
-        return await api.respond(hosted, planned, shaper, response_id, ENDPOINT, started)
+        shaper = ResponsesShaper(response_id, model_id, planned)
+        return await api.respond(model_id, planned, shaper, response_id, ENDPOINT, started)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:

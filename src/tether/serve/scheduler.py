@@ -1,0 +1,717 @@
+"""Many models on one node: load on demand, keep-alive, and eviction that waits for memory to really come back.
+
+The scheduler serves the catalog (``tether.serve.catalog``) through the fleet. A request for a catalogued model
+holds a *lease* on it for its whole life: the first lease of an unloaded model starts its load (one load for any
+number of concurrent requests) and waits for it, bounded; a leased model is busy, and only idle models are unloaded
+(their keep-alive expired) or evicted. Its rules:
+
+- **One placement at a time per node.** Every runner life of every instance (a load, a restart, an instance added
+  through ``POST /v1/instances``) is placed under one lock, held from the fit check until the runner is ready or
+  gone, so two loads never both count the same free memory. A request for a loaded model never takes the lock: it
+  never waits behind another model's load.
+- **Eviction by memory, least recently used first, never more than needed.** When the estimate of the model to load
+  exceeds what the node has available (``tether.node.memory.node_memory``: cgroup-aware), idle unpinned models are
+  evicted in LRU order until their measured footprints cover the shortfall (``--max-loaded`` also evicts by
+  count). What cannot fit even with every idle model evicted is refused at once (507) with the numbers: needed,
+  available, what eviction would free, what is busy.
+- **Memory released means released.** An evicted runner's stop is awaited until its whole process group (and
+  cgroup) is gone, then node memory must have risen by what it held (or the new model fits) within
+  ``reclaim_timeout``; a runner that died on its own holds nothing, so its memory is counted free at once (its
+  supervisor saw the exit), with no timer.
+- **Keep-alive.** An idle model is unloaded ``keep_alive`` seconds after its last request ended (the model's
+  default, or the last request's ``keep_alive``; 0: as soon as it is idle; ``inf``: never). A request that arrives
+  while its model unloads waits for the unload, then loads it afresh: it is never lost.
+
+Every decision (load, loaded, evict and why, wait for memory, reclaimed, unload, refuse) is a ``Decision``: kept
+(the last ``DECISIONS``), logged, served by ``GET /v1/instances`` and ``tether status``, and counted in ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+
+from tether.engines import registry
+from tether.engines.base import MemoryEstimate
+from tether.errors import DoesNotFit, InstanceExists, InvalidField, ModelRequired, NotFound, TetherError, Unavailable
+from tether.node import fit
+from tether.node.fit import FitResult
+from tether.node.instance import (
+    Instance,
+    InstanceFailed,
+    InstanceStarting,
+    InstanceState,
+    InstanceStopped,
+    RunnerNotGone,
+    wait_runner_gone,
+)
+from tether.node.listeners import Listeners
+from tether.node.memory import NodeMemory, node_memory
+from tether.node.tasks import RunnerUnavailable
+from tether.serve.catalog import Catalog, Model, describe_keep_alive
+from tether.serve.fleet import Fleet, Hosted, InstanceConfig
+from tether.units import format_bytes
+
+log = logging.getLogger("tether.serve.scheduler")
+
+DECISIONS = 256  # decisions kept for GET /v1/instances and tether status
+RECLAIMED_SHARE = 0.9  # of an evicted runner's footprint, node memory must rise by at least this much
+
+ModelState = Literal["unloaded", "loading", "loaded", "unloading"]
+DecisionKind = Literal["load", "loaded", "load_failed", "evict", "wait_memory", "reclaimed", "unload", "refuse"]
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """One scheduler decision: what, for which model, why (in words, with the numbers), and the numbers themselves."""
+
+    at: float  # time.time()
+    kind: DecisionKind
+    model: str
+    reason: str
+    seconds: float | None = None  # how long it took (a load, a wait for memory)
+    bytes: int | None = None  # what it concerned (an evicted model's footprint, memory reclaimed)
+    why: str | None = None  # a short label: an eviction's or unload's reason (memory, max_loaded, keep_alive, ...)
+
+
+@dataclass
+class Slot:
+    """A catalogued model's scheduling state."""
+
+    model: Model
+    keep_alive: float
+    state: ModelState = "unloaded"
+    hosted: Hosted | None = None
+    holds: int = 0  # leases: requests using it or waiting for its load
+    last_used: float = field(default_factory=time.monotonic)
+    loads: int = 0
+    load_seconds: float | None = None  # the last load's, request to ready
+    load_error: BaseException | None = None  # why the last load failed (its waiters raise it)
+    estimate: MemoryEstimate | None = None  # cached: the spec never changes
+    _loaded: anyio.Event = field(default_factory=anyio.Event)  # set when a load ends, either way
+    _unloaded: anyio.Event = field(default_factory=anyio.Event)  # set when an unload ends
+    _activity: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def id(self) -> str:
+        return self.model.id
+
+    @property
+    def idle(self) -> bool:
+        return self.holds == 0 and (self.hosted is None or self.hosted.in_flight == 0)
+
+    def expires_in(self, now: float) -> float | None:
+        """Seconds until keep-alive unloads it (None: not counting down: busy, pinned, forever, or not loaded)."""
+        if self.state != "loaded" or not self.idle or self.model.pinned or math.isinf(self.keep_alive):
+            return None
+        return max(self.last_used + self.keep_alive - now, 0.0)
+
+    def poke(self) -> None:
+        self._activity.set()
+        self._activity = anyio.Event()
+
+
+def _footprint(hosted: Hosted) -> int:
+    """What stopping ``hosted``'s runner frees: its group's last measured footprint; 0 without a live runner."""
+    sup = hosted.supervisor
+    if sup is None or not sup.alive or sup.footprint is None:
+        return 0
+    return sup.footprint.footprint
+
+
+class Scheduler:
+    """The catalog served through ``fleet``. Use as ``async with Scheduler(fleet, catalog) as scheduler:`` inside
+    the fleet's block (the fleet is built with ``placer=scheduler.place``: see ``create``)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        catalog: Catalog,
+        *,
+        max_loaded: int | None = None,
+        load_wait: float = 300.0,
+        reclaim_timeout: float = 10.0,
+        reclaim_poll: float | None = None,
+        memory: Callable[[], NodeMemory] = node_memory,
+    ) -> None:
+        self.fleet = fleet
+        self.catalog = catalog
+        self.max_loaded = max_loaded
+        self.load_wait = load_wait  # how long a request waits for its model's load
+        self.reclaim_timeout = reclaim_timeout
+        # None: check node memory as soon as the evicted group is reaped. A number: sleep that long between checks,
+        # starting with a sleep, as Ollama does after an unload (bench/swap.py's baseline).
+        self.reclaim_poll = reclaim_poll
+        self.memory = memory
+        self.slots = {model.id: Slot(model, model.keep_alive) for model in catalog}
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS)
+        self.listeners: Listeners[Decision] = Listeners("scheduler decision")
+        self._placing = anyio.Semaphore(1)  # one placement (fit check to ready) at a time on this node
+        self._holder: Instance | None = None  # the instance whose placement holds it
+        self._placed: dict[str, anyio.Event] = {}  # instance id -> set once the placement awaited is decided
+        self._refused: dict[str, TetherError] = {}  # instance id -> why its placement was refused
+        self._tg: TaskGroup | None = None
+        self._closed = False
+        fleet.placer = self.place
+        fleet.listeners.add(self._watch)
+
+    async def __aenter__(self) -> Scheduler:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for slot in self.slots.values():
+            if slot.model.pinned:
+                self.preload(slot.id, "pinned")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        self._closed = True
+        self._tg.cancel_scope.cancel()  # keep-alive timers and loads in progress; the fleet stops the instances
+        await self._tg.__aexit__(None, None, None)
+        return None
+
+    # --- names ----------------------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Every model a request can name: the catalog's, then instances added beside it."""
+        return [*self.slots, *(h.id for h in self.fleet.list() if h.id not in self.slots)]
+
+    def resolve(self, name: str | None) -> str:
+        """The model id a request's ``model`` names: a catalogued model (by id or alias; ``name:latest`` finds
+        ``name``) or an instance. With exactly one model loaded, any other name (or none) reaches it, as with
+        llama.cpp's and llama-cpp-python's servers, whose clients often send a placeholder."""
+        model = self.catalog.find(name)
+        if model is not None:
+            return model.id
+        hosted_ids = [h.id for h in self.fleet.list()]
+        if name is not None:
+            for candidate in (name, name.removesuffix(":latest")):
+                if candidate in hosted_ids:
+                    return candidate
+        if len(hosted_ids) == 1:
+            return hosted_ids[0]
+        served = ", ".join(self.names()) or "none"
+        if name is None and self.names():
+            raise ModelRequired(f"'model' is required when more than one model is served; models: {served}")
+        raise NotFound(f"model {name!r} is not served here; models: {served}")
+
+    def resolve_exact(self, name: str) -> str:
+        """The model id ``name`` names (id, alias, ``:latest``, instance id), without the placeholder rule."""
+        model = self.catalog.find(name)
+        if model is not None:
+            return model.id
+        for candidate in (name, name.removesuffix(":latest")):
+            if candidate in {h.id for h in self.fleet.list()}:
+                return candidate
+        raise NotFound(f"model {name!r} is not served here; models: {', '.join(self.names()) or 'none'}")
+
+    async def remove(self, instance_id: str) -> Hosted:
+        """``DELETE /v1/instances/{id}``: stop it now, busy or not (its requests end with the cause); a catalogued
+        model is unloaded (a later request loads it again)."""
+        hosted = self.fleet.get(instance_id)
+        slot = self.slots.get(instance_id)
+        if slot is None or slot.hosted is not hosted:
+            await self._stop(hosted)
+            return hosted
+        await self._unload(slot, hosted, "deleted (DELETE /v1/instances)", "deleted")
+        return hosted
+
+    # --- leases ---------------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Hosted]:
+        """The model's instance, loaded (a catalogued model is loaded now if it is not, waiting at most
+        ``load_wait``), kept from unloading and eviction until the block ends. ``keep_alive`` (seconds) becomes
+        the model's from now on, as Ollama's per-request keep_alive does."""
+        slot = self.slots.get(model_id)
+        if slot is None:  # an instance added through POST /v1/instances: it stays until it is deleted
+            yield self.fleet.get(model_id)
+            return
+        slot.holds += 1
+        if keep_alive is not None:
+            slot.keep_alive = keep_alive
+        slot.poke()
+        try:
+            yield await self._ready_instance(slot)
+        finally:
+            slot.holds -= 1
+            slot.last_used = time.monotonic()
+            slot.poke()
+
+    async def _ready_instance(self, slot: Slot) -> Hosted:
+        began = time.monotonic()
+        with anyio.move_on_after(self.load_wait):
+            while True:
+                if slot.state == "loaded" and slot.hosted is not None:
+                    return slot.hosted
+                if slot.state == "unloading":
+                    await slot._unloaded.wait()
+                elif slot.state == "loading":
+                    waiting_for = slot._loaded
+                    await waiting_for.wait()
+                    if slot.load_error is not None:  # reset when a load starts, set only when it fails
+                        raise slot.load_error
+                else:
+                    self.preload(slot.id, "requested")
+        waited = time.monotonic() - began
+        raise Unavailable(
+            f"model {slot.id} is still {slot.state} after {waited:.0f} s (the longest a request waits for a load, "
+            f"--load-wait); retry later, or raise --load-wait",
+            retry_after=max(slot.load_seconds or 5.0, 1.0),
+        )
+
+    def preload(self, model_id: str, reason: str) -> None:
+        """Start loading a catalogued model unless it is loaded or loading (a no-op then)."""
+        slot = self.slots[model_id]
+        if slot.state != "unloaded":
+            return
+        assert self._tg is not None, "use 'async with Scheduler(...)'"
+        self._begin(slot, reason)
+        self._tg.start_soon(self._load, slot, None)
+
+    async def load_now(self, model_id: str, reason: str) -> Hosted:
+        """Load a catalogued model and return once its placement is decided (the runner then loads in the
+        background): a refusal (``DoesNotFit``, ``InvalidField``, ``Unavailable``) is raised here, as ``tether
+        serve`` wants for its first model."""
+        slot = self.slots[model_id]
+        assert self._tg is not None and slot.state == "unloaded"
+        began = self._begin(slot, reason)
+        try:
+            hosted = await self._start_instance(slot.model.config)
+        except BaseException as exc:
+            self._load_failed(slot, exc, began)
+            raise
+        slot.hosted = hosted
+        self._tg.start_soon(self._load, slot, hosted)
+        return hosted
+
+    def _begin(self, slot: Slot, reason: str) -> float:
+        slot.state = "loading"
+        slot.load_error = None
+        slot._loaded = anyio.Event()
+        self._decide("load", slot.id, f"loading {slot.id} ({reason})")
+        return time.monotonic()
+
+    async def _load(self, slot: Slot, hosted: Hosted | None) -> None:
+        """Load ``slot`` (its instance placed already when ``hosted`` is given) until its runner is ready."""
+        began = time.monotonic()
+        try:
+            if hosted is None:
+                hosted = slot.hosted = await self._start_instance(slot.model.config)
+            try:
+                await hosted.instance.wait_ready(self.load_wait)
+            except (RunnerUnavailable, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    why = hosted.instance.unavailable_reason()
+                    raise Unavailable(
+                        f"model {slot.id} did not load within {self.load_wait:g} s: {why}", retry_after=None
+                    ) from None
+                raise Unavailable(
+                    f"model {slot.id} could not be loaded: {exc}", retry_after=None, cause=exc.cause
+                ) from None
+        except BaseException as exc:
+            if slot.hosted is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.fleet.remove(slot.hosted.id)
+            self._load_failed(slot, exc, began)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            slot.state = "loaded"
+            slot.loads += 1
+            slot.load_seconds = time.monotonic() - began
+            slot.last_used = time.monotonic()
+            if hosted.supervisor is not None:
+                await hosted.supervisor.sample_memory()
+            memory = _footprint(hosted)
+            self._decide(
+                "loaded",
+                slot.id,
+                f"{slot.id} loaded in {slot.load_seconds:.2f} s, holding {format_bytes(memory)}; keep-alive "
+                f"{'pinned' if slot.model.pinned else describe_keep_alive(slot.keep_alive)}",
+                seconds=slot.load_seconds,
+                bytes=memory,
+            )
+            assert self._tg is not None
+            self._tg.start_soon(self._keep_alive, slot, hosted)
+            slot._loaded.set()
+
+    def _load_failed(self, slot: Slot, exc: BaseException, began: float) -> None:
+        """A load that did not end ready: its waiters get why (a tether error as it is, anything else wrapped)."""
+        slot.load_error = (
+            exc
+            if isinstance(exc, TetherError)
+            else Unavailable(f"model {slot.id} could not be loaded: {type(exc).__name__}: {exc}", retry_after=None)
+        )
+        slot.hosted = None
+        slot.state = "unloaded"
+        self._decide("load_failed", slot.id, str(slot.load_error), seconds=time.monotonic() - began)
+        slot._loaded.set()
+
+    # --- keep-alive and unloading ---------------------------------------------------------------------------
+
+    async def _keep_alive(self, slot: Slot, hosted: Hosted) -> None:
+        """Unload ``slot`` once it has been idle for its keep-alive; runs while this load lasts."""
+        while slot.state == "loaded" and slot.hosted is hosted:
+            wait = slot.expires_in(time.monotonic())
+            activity = slot._activity
+            if wait is None:
+                await activity.wait()
+                continue
+            if wait > 0:
+                with anyio.move_on_after(wait):
+                    await activity.wait()
+                continue
+            why = "idle, keep-alive 0" if slot.keep_alive == 0 else f"idle for {describe_keep_alive(slot.keep_alive)}"
+            await self.unload(slot.id, f"{why} (keep-alive expired)", reason="keep_alive")
+            return
+
+    async def unload(self, model_id: str, why: str, *, reason: str = "requested") -> bool:
+        """Unload an idle catalogued model now (its runner's whole group gone when this returns); False when it is
+        not loaded or busy."""
+        slot = self.slots.get(model_id)
+        if slot is None or slot.state != "loaded" or slot.hosted is None or not slot.idle:
+            return False
+        await self._unload(slot, slot.hosted, why, reason)
+        return True
+
+    async def _unload(self, slot: Slot, hosted: Hosted, why: str, reason: str) -> None:
+        memory = _footprint(hosted)
+        slot.state = "unloading"
+        slot._unloaded = anyio.Event()
+        try:
+            seconds = await self._stop(hosted)
+            self._decide("unload", slot.id, f"unloaded {slot.id}: {why}", seconds=seconds, bytes=memory, why=reason)
+        finally:
+            slot.hosted = None
+            slot.state = "unloaded"
+            slot._unloaded.set()
+
+    async def _stop(self, hosted: Hosted) -> float:
+        """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken)."""
+        began = time.monotonic()
+        sup = hosted.supervisor
+        process = sup.process if sup is not None else None
+        with anyio.CancelScope(shield=True):
+            await self.fleet.remove(hosted.id)
+            if process is not None:
+                await wait_runner_gone(process, self.reclaim_timeout)
+        return time.monotonic() - began
+
+    def _watch(self, hosted: Hosted) -> None:
+        """Every instance of the fleet: its placement lock released when its life leaves Starting, and a catalogued
+        model whose instance failed for good is forgotten (its runner is gone: it holds nothing), so the next
+        request loads it afresh."""
+        inst = hosted.instance
+
+        def on_state(state: InstanceState) -> None:
+            if self._holder is inst and not isinstance(state, InstanceStarting):
+                self._holder = None
+                self._placing.release()
+            slot = self.slots.get(hosted.id)
+            if (
+                slot is not None
+                and not self._closed
+                and slot.hosted is hosted
+                and slot.state == "loaded"
+                and isinstance(state, InstanceFailed | InstanceStopped)
+            ):
+                slot.hosted = None
+                slot.state = "unloaded"
+                why = state.cause.summary if isinstance(state, InstanceFailed) else "stopped"
+                self._decide("unload", slot.id, f"{slot.id} is gone: {why}", why="failed")
+                assert self._tg is not None
+                self._tg.start_soon(self.fleet.remove, hosted.id)
+                slot.poke()
+
+        inst.add_state_listener(on_state)
+
+    # --- placement ------------------------------------------------------------------------------------------
+
+    async def place(self, instance: Instance) -> FitResult:
+        """The ``Placer`` of every instance's every life: under the node's placement lock, evict what must go and
+        check the fit. The lock stays held until the life is ready or gone (``_watch``)."""
+        await self._placing.acquire()
+        self._holder = instance
+        try:
+            result = await self._make_room(instance)
+        except BaseException as exc:
+            self._holder = None
+            self._placing.release()
+            if isinstance(exc, DoesNotFit | Unavailable | InvalidField):
+                self._refused[instance.name] = exc
+                self._decide("refuse", instance.name, str(exc))
+            if isinstance(exc, Unavailable):  # the instance fails its placement as "does not fit", saying why
+                raise DoesNotFit(FitResult(None, None, "scheduler", False, False, str(exc))) from exc
+            raise
+        finally:
+            awaited = self._placed.pop(instance.name, None)
+            if awaited is not None:
+                awaited.set()
+        return result
+
+    async def add_instance(self, config: InstanceConfig) -> Hosted:
+        """``POST /v1/instances``: start it (evicting idle models if it needs their memory)."""
+        if config.default_id() in self.slots:
+            raise InstanceExists(config.default_id())
+        return await self._start_instance(config)
+
+    async def _start_instance(self, config: InstanceConfig) -> Hosted:
+        """Add an instance to the fleet and wait (bounded) until its placement is decided. A refusal is raised here
+        and the instance removed: ``DoesNotFit`` (507), ``Unavailable`` (503), ``InvalidField`` (400)."""
+        placed = self._placed[config.default_id()] = anyio.Event()
+        hosted = await self.fleet.add(config)
+        with anyio.move_on_after(self.load_wait):
+            await placed.wait()
+        refusal = self._refused.pop(hosted.id, None)
+        if refusal is not None:
+            await self.fleet.remove(hosted.id)
+            raise refusal
+        return hosted
+
+    async def _make_room(self, instance: Instance) -> FitResult:
+        spec = instance.spec
+        slot = self.slots.get(instance.name)
+        if slot is not None and slot.estimate is not None:
+            estimate: MemoryEstimate | None = slot.estimate
+        else:
+            estimate = await anyio.to_thread.run_sync(registry.estimate, spec)
+            if slot is not None:
+                slot.estimate = estimate
+        for candidate in self._candidates(instance):  # what each would free, measured now
+            sup = candidate.hosted.supervisor if candidate.hosted is not None else None
+            if sup is not None:
+                await sup.sample_memory()
+        node = await anyio.to_thread.run_sync(self.memory)
+        victims = self._victims(instance, estimate, node)
+        if victims:
+            node = await self._evict(instance.name, victims, estimate, node)
+        if estimate is None:
+            engine = registry.canonical(spec.engine)
+            return FitResult(None, None, "none", True, False, f"no memory estimate for engine {engine!r}: admitted")
+        return fit.check_fit(estimate, node.available, node.source, override=instance.force)
+
+    def _candidates(self, instance: Instance) -> list[Slot]:
+        """Idle, unpinned, loaded catalogued models other than ``instance``'s, least recently used first."""
+        found = [
+            s
+            for s in self.slots.values()
+            if s.state == "loaded" and s.hosted is not None and s.idle and not s.model.pinned and s.id != instance.name
+        ]
+        return sorted(found, key=lambda s: s.last_used)
+
+    def _victims(self, instance: Instance, estimate: MemoryEstimate | None, node: NodeMemory) -> list[Slot]:
+        """What must be evicted for ``instance`` to fit (by count under ``max_loaded``, then by memory); raise
+        ``DoesNotFit`` with every number when evicting every idle model would not be enough."""
+        candidates = self._candidates(instance)
+        victims: list[Slot] = []
+        if self.max_loaded is not None:
+            others = [  # placed: not waiting for the lock (that one has no runner yet and would count twice)
+                h
+                for h in self.fleet.list()
+                if h.instance is not instance
+                and (h.supervisor is not None or not isinstance(h.instance.state, InstanceStarting))
+            ]
+            excess = len(others) - self.max_loaded + 1
+            if excess > len(candidates):
+                busy = ", ".join(h.id for h in others)
+                raise Unavailable(
+                    f"cannot load {instance.name}: {len(others)} models are loaded (--max-loaded {self.max_loaded}) "
+                    f"and too few are idle to unload ({busy}); retry when one is idle",
+                    retry_after=1.0,
+                )
+            victims = candidates[: max(excess, 0)]
+        if estimate is None:
+            return victims
+        freed = sum(_footprint(s.hosted) for s in victims if s.hosted is not None)
+        shortfall = estimate.total - node.available - freed
+        for slot in candidates[len(victims) :]:
+            if shortfall <= 0:
+                break
+            assert slot.hosted is not None
+            victims.append(slot)
+            shortfall -= _footprint(slot.hosted)
+        if shortfall > 0 and not instance.force:
+            raise DoesNotFit(self._refusal(instance, estimate, node, candidates))
+        return victims
+
+    def _refusal(
+        self, instance: Instance, estimate: MemoryEstimate, node: NodeMemory, candidates: list[Slot]
+    ) -> FitResult:
+        evictable = sum(_footprint(s.hosted) for s in candidates if s.hosted is not None)
+        busy = [h for h in self.fleet.list() if h.instance is not instance and h.id not in {s.id for s in candidates}]
+        busy_text = ", ".join(f"{h.id} {format_bytes(_footprint(h))}" for h in busy) or "none"
+        message = (
+            f"{instance.name} cannot fit even with every idle model evicted: {estimate.describe()}; "
+            f"{format_bytes(node.available)} available ({node.source}) + {format_bytes(evictable)} that evicting "
+            f"{len(candidates)} idle model(s) would free = {format_bytes(node.available + evictable)}; busy or "
+            f"pinned: {busy_text}. Retry when a busy model is idle, unload or delete one, or load it with less "
+            "memory (a smaller n_ctx, parallel or quantisation)"
+        )
+        return FitResult(estimate, node.available, node.source, False, False, message)
+
+    async def _evict(
+        self, for_id: str, victims: list[Slot], estimate: MemoryEstimate | None, before: NodeMemory
+    ) -> NodeMemory:
+        """Evict ``victims`` (concurrently), await each runner's whole group gone, then node memory risen by what
+        they held (or enough for the estimate), bounded by ``reclaim_timeout``. Returns node memory after."""
+        expected = 0
+        stopping: list[tuple[Slot, Hosted, int]] = []
+        for slot in victims:
+            assert slot.hosted is not None
+            memory = _footprint(slot.hosted)
+            expected += memory
+            stopping.append((slot, slot.hosted, memory))
+            slot.state = "unloading"
+            slot._unloaded = anyio.Event()
+            needs = estimate.describe() if estimate is not None else "needs a slot (no estimate)"
+            self._decide(
+                "evict",
+                slot.id,
+                f"evicting {slot.id} (idle, least recently used; frees ~{format_bytes(memory)}) for {for_id}: it "
+                f"{needs}, {format_bytes(before.available)} available ({before.source})",
+                bytes=memory,
+                why="max_loaded" if estimate is None or estimate.total <= before.available else "memory",
+            )
+        began = time.monotonic()
+        try:
+            async with anyio.create_task_group() as tg:
+                for _, hosted, _ in stopping:
+                    tg.start_soon(self._stop, hosted)
+        except BaseExceptionGroup as group:
+            first = group.exceptions[0]
+            if isinstance(first, RunnerNotGone):
+                raise Unavailable(str(first), retry_after=None) from None
+            raise
+        finally:
+            for slot, _, _ in stopping:
+                slot.hosted = None
+                slot.state = "unloaded"
+                slot._unloaded.set()
+        reaped = time.monotonic() - began
+        need = estimate.total if estimate is not None else 0
+        target = before.available + int(expected * RECLAIMED_SHARE)
+        node = await self._reclaimed(target, need)
+        waited = time.monotonic() - began
+        risen = node.available - before.available
+        ids = ", ".join(s.id for s, _, _ in stopping)
+        if node.available < target and node.available < need:
+            message = (
+                f"evicted {ids} for {for_id} (runner groups gone in {reaped * 1000:.0f} ms), but node memory rose by "
+                f"{format_bytes(risen)} of the {format_bytes(expected)} they held within {self.reclaim_timeout:g} s "
+                f"(--reclaim-timeout): {format_bytes(node.available)} available ({node.source}), "
+                f"{format_bytes(need)} needed. Something else holds it: check the node's other processes"
+            )
+            self._decide("wait_memory", for_id, message, seconds=waited, bytes=risen)
+            raise Unavailable(message, retry_after=self.reclaim_timeout)
+        self._decide(
+            "reclaimed",
+            for_id,
+            f"memory back for {for_id}: +{format_bytes(risen)} (expected {format_bytes(expected)}) "
+            f"{waited * 1000:.0f} ms after evicting {ids} (groups gone in {reaped * 1000:.0f} ms)",
+            seconds=waited,
+            bytes=max(risen, 0),
+        )
+        return node
+
+    async def _reclaimed(self, target: int, need: int) -> NodeMemory:
+        """Node memory once it reaches ``target`` (or ``need``), or as it is after ``reclaim_timeout``."""
+        read = functools.partial(anyio.to_thread.run_sync, self.memory)
+        deadline = time.monotonic() + self.reclaim_timeout
+        pause = 0.001
+        if self.reclaim_poll is not None:  # the baseline: a ticker, first check one period after the unload
+            await anyio.sleep(self.reclaim_poll)
+        node = await read()
+        while node.available < target and node.available < need and time.monotonic() < deadline:
+            # The groups are reaped, so their anonymous memory is freed already; what lags is accounting (per-CPU
+            # charge caches) or a driver giving back device memory: short, growing pauses, bounded.
+            await anyio.sleep(self.reclaim_poll if self.reclaim_poll is not None else pause)
+            pause = min(pause * 2, 0.05)
+            node = await read()
+        return node
+
+    # --- what it knows ----------------------------------------------------------------------------------------
+
+    def _decide(
+        self,
+        kind: DecisionKind,
+        model: str,
+        reason: str,
+        *,
+        seconds: float | None = None,
+        bytes: int | None = None,
+        why: str | None = None,
+    ) -> None:
+        decision = Decision(time.time(), kind, model, reason, seconds, bytes, why)
+        self.decisions.append(decision)
+        log.info("%s %s: %s", kind, model, reason)
+        self.listeners(decision)
+
+    def view(self, slot: Slot) -> dict[str, Any]:
+        """A catalogued model as ``GET /v1/models`` shows it."""
+        hosted = slot.hosted
+        expires = slot.expires_in(time.monotonic())
+        estimate = slot.estimate
+        return {
+            "state": slot.state,
+            "aliases": list(slot.model.aliases),
+            "engine": slot.model.config.spec().engine,
+            "model": slot.model.config.model,
+            "pinned": slot.model.pinned,
+            "keep_alive": None if math.isinf(slot.keep_alive) else slot.keep_alive,
+            "expires_in": expires,
+            "busy": not slot.idle,
+            "footprint": _footprint(hosted) if hosted is not None else None,
+            "estimate": estimate.total if estimate is not None else None,
+            "loads": slot.loads,
+            "load_seconds": slot.load_seconds,
+            "source": slot.model.source,
+        }
+
+    async def estimate(self, slot: Slot) -> MemoryEstimate | None:
+        """The model's memory estimate (read once, off the event loop); None when the engine declares none or the
+        model file cannot be read."""
+        if slot.estimate is None:
+            with contextlib.suppress(InvalidField):
+                slot.estimate = await anyio.to_thread.run_sync(registry.estimate, slot.model.config.spec())
+        return slot.estimate
+
+
+def describe(decision: Decision) -> str:
+    """One line for a decision: ``12:00:01 evict smol: evicting smol (...)``."""
+    return (
+        f"{time.strftime('%H:%M:%S', time.localtime(decision.at))} {decision.kind} {decision.model}: {decision.reason}"
+    )
+
+
+def scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
+    """The scheduler for ``GET /v1/instances`` and ``tether status``: its settings, its models, its decisions."""
+    now = time.monotonic()
+    return {
+        "max_loaded": scheduler.max_loaded,
+        "load_wait": scheduler.load_wait,
+        "reclaim_timeout": scheduler.reclaim_timeout,
+        "models": {
+            slot.id: {
+                "state": slot.state,
+                "busy": not slot.idle,
+                "expires_in": slot.expires_in(now),
+                "loads": slot.loads,
+            }
+            for slot in scheduler.slots.values()
+        },
+        "decisions": [msgspec.to_builtins(d) for d in scheduler.decisions],
+    }
