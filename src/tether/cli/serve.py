@@ -1,10 +1,11 @@
-"""``tether serve``: a worker with its first model loaded, more loaded on demand, and the HTTP API in front (the main
-job).
+"""``tether serve``: a worker with its first model loaded, more loaded on demand, and the HTTP API in front of them
+(the main job).
 
-The worker owns the fleet and its scheduler (the catalog: ``--models``, ``--catalog``, the built-in default model); uvicorn serves the app on a socket bound before the model loads (a taken port fails fast,
-not after a load). SIGINT/SIGTERM are handled here, not by uvicorn (which would re-raise them after its own shutdown
-and kill the worker before its runners are stopped): the server stops accepting, open requests get a short grace,
-then every instance stops within its bound, so nothing is left behind.
+The worker owns the fleet and its scheduler (the catalog: ``--models``, ``--catalog``, the built-in default model).
+uvicorn serves the app on a socket bound before the model loads (a taken port fails fast, not after a load).
+SIGINT/SIGTERM are handled here, not by uvicorn (which would re-raise them after its own shutdown and kill the worker
+before its runners are stopped): the server stops accepting, open requests get a short grace, then every instance
+stops within its bound, so nothing is left behind.
 """
 
 from __future__ import annotations
