@@ -167,8 +167,10 @@ TETHER = [sys.executable, "-m", "tether"]
 class Server(ServeChild):
     """A `tether serve` child for tests: with an API key and an HTTP client, and a bounded stop."""
 
-    def __init__(self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> None:
-        super().__init__(*args, *(("--api-key", api_key) if api_key else ()), env=env)
+    def __init__(
+        self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None, cgroup: Path | None = None
+    ) -> None:
+        super().__init__(*args, *(("--api-key", api_key) if api_key else ()), env=env, cgroup=cgroup)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
 
@@ -205,10 +207,15 @@ class Server(ServeChild):
 
 @contextlib.contextmanager
 def serving(
-    *args: str, api_key: str | None = None, ready: bool = True, env: dict[str, str] | None = None
+    *args: str,
+    api_key: str | None = None,
+    ready: bool = True,
+    env: dict[str, str] | None = None,
+    cgroup: Path | None = None,
 ) -> Iterator[Server]:
-    """A `tether serve` child for the block (ready unless ``ready`` is False), stopped (bounded) after it."""
-    server = Server(*args, api_key=api_key, env=env)
+    """A `tether serve` child for the block (ready unless ``ready`` is False), stopped (bounded) after it; in the
+    memory ``cgroup`` when given."""
+    server = Server(*args, api_key=api_key, env=env, cgroup=cgroup)
     try:
         if ready:
             server.wait_ready()

@@ -22,6 +22,7 @@ import pytest
 import tether.serve.app  # noqa: F401  (every route module registers its bodies on import)
 from tether.errors import InvalidField
 from tether.serve import embeddings, fields, ollama, openai, responses
+from tether.serve.catalog import keep_alive_seconds as keep_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +72,7 @@ SAMPLING = {
     "top_k": Case(5),
     "min_p": Case(0.1),
     "repeat_penalty": Case(1.2),
+    "keep_alive": Case("5m"),
 }
 CHAT_BASE = {"messages": [{"role": "user", "content": "hi"}]}
 CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]] = {
@@ -215,12 +217,12 @@ def ollama_chat(body: bytes) -> Any:
 
 def ollama_embed(body: bytes) -> Any:
     request = ollama.decode(ollama.OllamaEmbedRequest, body)
-    return ollama.embed_inputs(ollama.embed_texts(request), request), request.model
+    return ollama.embed_inputs(ollama.embed_texts(request), request), request.model, keep_alive(request.keep_alive)
 
 
 def ollama_embeddings(body: bytes) -> Any:
     request = ollama.decode(ollama.OllamaEmbeddingsRequest, body)
-    return ollama.embed_inputs([request.prompt or ""], request), request.model
+    return ollama.embed_inputs([request.prompt or ""], request), request.model, keep_alive(request.keep_alive)
 
 
 OLLAMA_GENERATION = {
@@ -228,7 +230,7 @@ OLLAMA_GENERATION = {
     "format": Case("json"),
     "options": Case({"temperature": 0.1}),
     "stream": Case(False),
-    "keep_alive": Case("5m", refused=0),
+    "keep_alive": Case("5m"),
     "think": Case(False, refused=True),
     "logprobs": Case(True),
     "top_logprobs": Case(3, base={"logprobs": True}),
@@ -236,7 +238,7 @@ OLLAMA_GENERATION = {
 OLLAMA_EMBED = {
     "model": Case("other"),
     "options": Case({}, refused={"temperature": 0.5}),
-    "keep_alive": Case("5m", refused=0),
+    "keep_alive": Case("5m"),
 }
 CASES.update(
     {

@@ -25,9 +25,16 @@ class ServeChild:
     """
 
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, startup: float = 30.0, verbose: bool = False
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        startup: float = 30.0,
+        verbose: bool = False,
+        cgroup: Path | None = None,
     ) -> None:
         argv = [sys.executable, "-m", "tether", *(("-v",) if verbose else ()), "serve", "--port", "0", *args]
+        if cgroup is not None:  # the worker joins the memory cgroup before it starts (so do its runners, below it)
+            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )

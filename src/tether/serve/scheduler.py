@@ -67,6 +67,9 @@ from tether.units import format_bytes
 log = logging.getLogger("tether.serve.scheduler")
 
 DECISIONS = 256  # decisions kept for GET /v1/instances and tether status
+# A load is bounded by its runner's own deadlines (load progress, warmup: ``tether.node.hangs``), however long the
+# requests that started it wait (``load_wait``); this backstop bounds a runner that keeps reporting progress.
+LOAD_BACKSTOP = 3600.0
 RECLAIMED_SHARE = 0.9  # of an evicted runner's footprint, node memory must rise by at least this much
 
 ModelState = Literal["unloaded", "loading", "loaded", "unloading"]
@@ -312,12 +315,12 @@ class Scheduler:
             if hosted is None:
                 hosted = slot.hosted = await self._start_instance(slot.model.config)
             try:
-                await hosted.instance.wait_ready(self.load_wait)
+                await hosted.instance.wait_ready(LOAD_BACKSTOP)
             except (RunnerUnavailable, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
                     why = hosted.instance.unavailable_reason()
                     raise Unavailable(
-                        f"model {slot.id} did not load within {self.load_wait:g} s: {why}", retry_after=None
+                        f"model {slot.id} did not load within {LOAD_BACKSTOP:g} s: {why}", retry_after=None
                     ) from None
                 raise Unavailable(
                     f"model {slot.id} could not be loaded: {exc}", retry_after=None, cause=exc.cause

@@ -1,0 +1,273 @@
+"""Many models on one node, with real runners: load on demand, keep-alive, eviction under a real memory limit.
+
+Models are debug-engine instances that really hold memory (``hold_bytes``: anonymous pages, every one written), so
+a worker in a memory cgroup runs out of room for real, and what the scheduler measures is what the kernel counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import MakeCgroup, Server, pid_alive, serving, wait_until
+
+MiB = 1 << 20
+
+
+def toml(value: Any) -> str:
+    """A value in TOML (what a catalog holds: strings, numbers, booleans, lists and tables)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml(v) for v in value) + "]"
+    return "{ " + ", ".join(f"{k} = {toml(v)}" for k, v in value.items()) + " }"
+
+
+def write_catalog(path: Path, keep_alive: str = "5m", **models: dict[str, Any]) -> Path:
+    lines = [f"keep_alive = {toml(keep_alive)}"]
+    for model_id, fields in models.items():
+        lines += ["", "[[models]]", f"id = {toml(model_id)}", 'engine = "debug"']
+        lines += [f"{key} = {toml(value)}" for key, value in fields.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def ask(server: Server, model: str, **extra: Any) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **extra}
+    return server.http.post("/v1/chat/completions", json=body, timeout=60)
+
+
+def models(server: Server) -> dict[str, dict[str, Any]]:
+    return {m["id"]: m for m in server.http.get("/v1/models").json()["data"]}
+
+
+def decisions(server: Server) -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = server.http.get("/v1/instances").json()["scheduler"]["decisions"]
+    return listed
+
+
+def kinds(server: Server, model: str) -> list[str]:
+    return [d["kind"] for d in decisions(server) if d["model"] == model]
+
+
+def runner_pid(server: Server, model: str) -> int:
+    pid: int = server.instance(model)["runner"]["pid"]
+    return pid
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Path:
+    return tmp_path / "catalog.toml"
+
+
+@pytest.mark.timeout(60)
+def test_a_request_for_an_unloaded_model_loads_it_once_however_many_ask(catalog: Path) -> None:
+    write_catalog(catalog, a={"options": {"load_step_seconds": 0.1}, "aliases": ["gpt-4o-mini"]})
+    with serving("--engine", "debug", "--catalog", str(catalog)) as server:
+        listed = models(server)
+        assert listed["a"]["state"] == "unloaded" and listed["a"]["estimate"] > 40 * MiB, listed["a"]
+        assert listed["debug"]["state"] == "loaded" and listed["debug"]["footprint"] > 0
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: answers.append(ask(server, "gpt-4o-mini"))) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+        assert {a.json()["model"] for a in answers} == {"a"}
+        assert kinds(server, "a") == ["load", "loaded"]  # six first requests, one load
+        after = models(server)["a"]
+        assert after["state"] == "loaded" and after["loads"] == 1 and after["footprint"] > 0, after
+        unknown = ask(server, "nope")
+        assert unknown.status_code == 404 and "'nope'" in unknown.text
+        assert "debug, a" in unknown.json()["error"]["message"]
+        metrics = server.http.get("/metrics").text
+        assert 'tether_model_loads_total{model="a",outcome="loaded"} 1.0' in metrics
+        assert 'tether_model_state{model="a",state="loaded"} 1.0' in metrics
+
+
+@pytest.mark.timeout(60)
+def test_keep_alive_unloads_an_idle_model_and_0_unloads_it_after_the_request(catalog: Path) -> None:
+    write_catalog(catalog, keep_alive="1s", a={}, b={})
+    with serving("--engine", "debug", "--catalog", str(catalog)) as server:
+        assert ask(server, "a").status_code == 200
+        pid = runner_pid(server, "a")
+        began = time.monotonic()
+        wait_until(lambda: models(server)["a"]["state"] == "unloaded", 10, "a unloaded after its keep-alive")
+        assert time.monotonic() - began >= 0.5  # not before its keep-alive (1 s from the request's end)
+        assert not pid_alive(pid)
+        [unload] = [d for d in decisions(server) if d["model"] == "a" and d["kind"] == "unload"]
+        assert unload["why"] == "keep_alive" and "keep-alive expired" in unload["reason"], unload
+        # keep_alive as a request extension: 0 unloads the model as soon as this request is done
+        assert ask(server, "b", keep_alive=0).status_code == 200
+        wait_until(lambda: models(server)["b"]["state"] == "unloaded", 3, "b unloaded right after its request")
+        # -1: for ever (no countdown), then Ollama's `ollama stop`: an empty prompt with keep_alive 0
+        assert ask(server, "a", keep_alive=-1).status_code == 200
+        assert models(server)["a"]["keep_alive"] is None and models(server)["a"]["expires_in"] is None
+        stop = server.http.post("/api/generate", json={"model": "a", "prompt": "", "keep_alive": 0, "stream": False})
+        assert stop.status_code == 200 and stop.json()["done_reason"] == "unload", stop.text
+        assert models(server)["a"]["state"] == "unloaded"
+        assert {m["name"] for m in server.http.get("/api/ps").json()["models"]} == {"debug"}
+
+
+@pytest.mark.timeout(60)
+def test_a_request_racing_an_unload_is_served_by_a_fresh_load(catalog: Path) -> None:
+    write_catalog(catalog, slow_exit={"options": {"close_seconds": 1.5}})
+    with serving("--engine", "debug", "--catalog", str(catalog)) as server:
+        assert ask(server, "slow_exit", keep_alive=0).status_code == 200
+        wait_until(lambda: models(server)["slow_exit"]["state"] == "unloading", 5, "the unload under way")
+        racing = ask(server, "slow_exit")  # arrives while the runner shuts down
+        assert racing.status_code == 200, racing.text
+        assert kinds(server, "slow_exit") == ["load", "loaded", "unload", "load", "loaded"]
+        assert models(server)["slow_exit"]["loads"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_load_that_outlasts_load_wait_is_a_503_with_retry_after_and_still_loads(catalog: Path) -> None:
+    write_catalog(catalog, slow={"options": {"load_steps": 6, "load_step_seconds": 0.5}})
+    with serving("--engine", "debug", "--catalog", str(catalog), "--load-wait", "1") as server:
+        late = ask(server, "slow")
+        assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1, late.text
+        assert "still loading after 1 s" in late.json()["error"]["message"] and "--load-wait" in late.text
+        wait_until(lambda: models(server)["slow"]["state"] == "loaded", 20, "slow loaded all the same")
+        assert ask(server, "slow").status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_max_loaded_evicts_the_least_recently_used_idle_model(catalog: Path) -> None:
+    write_catalog(catalog, a={}, b={})
+    with serving("--engine", "debug", "--catalog", str(catalog), "--max-loaded", "2") as server:
+        assert ask(server, "a").status_code == 200  # debug (loaded at start) is now the least recently used
+        debug_pid = runner_pid(server, "debug")
+        assert ask(server, "b").status_code == 200
+        [evict] = [d for d in decisions(server) if d["kind"] == "evict"]
+        assert evict["model"] == "debug" and evict["why"] == "max_loaded", evict
+        assert not pid_alive(debug_pid)
+        assert {m: s["state"] for m, s in models(server).items() if s["state"] == "loaded"} == {
+            "a": "loaded",
+            "b": "loaded",
+        }
+
+
+def oom_kills(cgroup: Path) -> int:
+    for line in (cgroup / "memory.oom_control").read_text().splitlines():
+        if line.startswith("oom_kill "):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.fixture
+def limited(memory_cgroup: MakeCgroup, own_cgroups: None) -> Iterator[Path]:
+    """A 700 MiB memory cgroup for the worker: its base (interpreter, API, a bare debug runner: ~130 MiB) and two
+    models holding 200 MiB each fit; a third does not (each is estimated at 256 MiB)."""
+    yield memory_cgroup(700 * MiB)
+
+
+@pytest.mark.timeout(120)
+def test_eviction_under_a_real_memory_limit_frees_the_lru_idle_model_without_an_oom_kill(
+    catalog: Path, limited: Path
+) -> None:
+    held = {"options": {"hold_bytes": 200 * MiB}}
+    write_catalog(catalog, a=held, b=held, c=held, huge={"options": {"hold_bytes": 2048 * MiB}})
+    with serving("--engine", "debug", "--catalog", str(catalog), cgroup=limited) as server:
+        for model in ("a", "b", "debug", "a"):  # least recently used now: b, then debug, then a
+            assert ask(server, model).status_code == 200
+        assert [d for d in decisions(server) if d["kind"] == "evict"] == []  # a and b both fit
+        b_pid = runner_pid(server, "b")
+        assert ask(server, "c").status_code == 200
+        evicted = [d for d in decisions(server) if d["kind"] == "evict"]
+        assert [(d["model"], d["why"]) for d in evicted] == [("b", "memory")], evicted  # b alone was enough
+        assert evicted[0]["bytes"] > 200 * MiB
+        assert not pid_alive(b_pid)
+        [reclaimed] = [d for d in decisions(server) if d["kind"] == "reclaimed"]
+        assert reclaimed["model"] == "c" and reclaimed["bytes"] >= 0.9 * evicted[0]["bytes"], reclaimed
+        states = {m: s["state"] for m, s in models(server).items()}
+        assert states["a"] == states["c"] == states["debug"] == "loaded" and states["b"] == "unloaded", states
+        # Too big even with every idle model evicted: a 507 with the numbers, and nothing evicted for it.
+        huge = ask(server, "huge")
+        assert huge.status_code == 507, huge.text
+        message = huge.json()["error"]["message"]
+        for words in ("cannot fit even with every idle model evicted", "needs ~2.", "available (cgroup limit", "free"):
+            assert words in message, message
+        assert len([d for d in decisions(server) if d["kind"] == "evict"]) == 1
+        assert {m: s["state"] for m, s in models(server).items()}["a"] == "loaded"
+        assert oom_kills(limited) == 0
+        for instance in server.http.get("/v1/instances").json()["data"]:
+            assert instance["failures"] == {} and instance["restarts"] == 0, instance
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_runners_memory_is_reused_at_once(catalog: Path, limited: Path) -> None:
+    """``crashy`` dies at its first token and restarts only in a minute: its 350 MiB come back when it dies, and
+    ``b`` (estimated 406 MiB) loads at once, with nothing evicted and no wait for memory."""
+    crash = [{"kind": "sigkill", "phase": "generate", "after_tokens": 0}]
+    restart = {"initial_backoff": 60.0, "max_backoff": 60.0}
+    write_catalog(
+        catalog,
+        crashy={"options": {"hold_bytes": 350 * MiB}, "faults": crash, "restart": restart},
+        b={"options": {"hold_bytes": 350 * MiB}},
+    )
+    with serving("--engine", "debug", "--catalog", str(catalog), cgroup=limited) as server:
+        died = ask(server, "crashy")
+        assert died.status_code == 500 and "SIGKILL" in died.text, died.text
+        began = time.monotonic()
+        served = ask(server, "b")
+        took = time.monotonic() - began
+        assert served.status_code == 200, served.text
+        assert took < 10, took
+        assert not [d for d in decisions(server) if d["kind"] in ("evict", "wait_memory", "refuse")], decisions(server)
+        assert oom_kills(limited) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_loaded_models_stream_keeps_its_pace_while_another_loads(catalog: Path) -> None:
+    write_catalog(
+        catalog,
+        fast={"options": {"token_seconds": 0.02, "parallel": 2}, "pinned": True},
+        slow={"options": {"load_steps": 6, "load_step_seconds": 0.5}},
+    )
+    with serving("--engine", "debug", "--catalog", str(catalog)) as server:
+        wait_until(lambda: models(server)["fast"]["state"] == "loaded", 20, "fast (pinned) loaded at start")
+        arrivals: list[float] = []
+        first_token: list[float] = []
+
+        def stream() -> None:
+            body = {"model": "fast", "prompt": "go", "max_tokens": 200, "stream": True}
+            with server.http.stream("POST", "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.time())
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        wait_until(lambda: len(arrivals) >= 20, 10, "the stream under way")
+        loading = threading.Thread(target=lambda: ask(server, "slow"))
+        loading.start()
+        wait_until(lambda: models(server)["slow"]["state"] == "loading", 10, "slow loading")
+        began = time.monotonic()  # a second request to the loaded model, while slow loads
+        with server.http.stream("POST", "/v1/completions", json={"model": "fast", "prompt": "x", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first_token.append(time.monotonic() - began)
+                    break
+        loading.join(30)
+        streaming.join(30)
+        load = {d["kind"]: d["at"] for d in decisions(server) if d["model"] == "slow"}
+        during = [b - a for a, b in itertools.pairwise(arrivals) if load["load"] <= a <= load["loaded"]]
+        assert load["loaded"] - load["load"] >= 2.5  # the load really lasted
+        assert len(during) >= 20, during
+        assert first_token and first_token[0] < 1.0, first_token  # never behind the 3 s load
+        during.sort()
+        assert during[len(during) // 2] < 0.06 and during[-1] < 0.5, during  # 20 ms a token, as before the load
