@@ -113,6 +113,22 @@ def test_serve_bench_quick_run_prints_its_json_line() -> None:
         assert isinstance(result["llama_server_outputs_identical"], bool), result
 
 
+@pytest.mark.timeout(180)
+def test_swap_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("swap", timeout=170)
+    assert result["quick"] is True and result["error"] is None and result["ok"] is True, result
+    assert result["errors"] == 0 and result["leftover_processes"] == 0, result
+    assert result["wrong_evictions"] == 0 and result["instance_failures"] == 0, result
+    assert not result["oom_kills"], result  # 0, or None where there is no memory cgroup
+    for key in ("swap_ttft_p50_ms", "baseline_swap_ttft_p50_ms", "ratio", "load_s", "loaded_idle_ttft_p50_ms"):
+        assert result[key] > 0, (key, result)
+    assert result["loaded_during_load_ttft_p50_ms"] > 0 and result["loaded_during_load_requests"] > 0, result
+    assert result["loaded_model_added_gap_ms"] is not None, result  # a difference of medians: its sign is the data's
+    if result["eviction_by"] == "memory":
+        assert result["cgroup_limit_bytes"] > 0 and result["reclaim_p50_ms"] > 0, result
+        assert result["baseline_reclaim_p50_ms"] >= 1000 * result["baseline_reclaim_poll_s"], result
+
+
 @pytest.mark.timeout(150)
 def test_load_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("load", timeout=140)

@@ -435,7 +435,7 @@ def test_without_a_model_among_several_the_request_is_told_model_is_required() -
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "model" and "'model' is required" in error["message"], error
-        assert "debug, second" in error["message"]
+        assert "models: debug, " in error["message"] and ", second" in error["message"]  # catalog, then instances
 
 
 def test_the_api_key_is_required_everywhere_but_the_probes() -> None:
@@ -478,7 +478,7 @@ def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanl
         memory = second["runner"]["memory"]
         assert 0 < memory["footprint"] < memory["rss"] and second["state"] == "ready"
         unknown_model = server.http.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
-        assert unknown_model.status_code == 404 and "debug, second" in unknown_model.json()["error"]["message"]
+        assert unknown_model.status_code == 404 and ", second" in unknown_model.json()["error"]["message"]
         deleted = server.http.delete("/v1/instances/second")
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True
         assert not pid_alive(pid)

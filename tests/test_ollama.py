@@ -16,7 +16,7 @@ import ollama
 import pytest
 
 import tether
-from conftest import Server, debug_server, wait_until
+from conftest import Server, debug_server, model_missing, wait_until
 from tether.protocol import Chunk, GenerateParams
 from tether.serve import ollama as dialect
 from tether.serve.openai import Plan
@@ -114,7 +114,9 @@ def test_keep_alive_durations_are_honoured_as_at_least_that_long(debug: Server) 
 
 def test_list_ps_show_version_and_the_root_probe(debug: Server) -> None:
     c = client(debug)
-    [model] = c.list().models
+    listed = c.list().models  # every model a request can name: the debug instance, and the built-in model unloaded
+    assert len(listed) == 1 + (model_missing() is None)
+    model = listed[0]
     assert model.model == "debug" and model.digest and len(model.digest) == 64 and model.modified_at is not None
     [loaded] = c.ps().models
     assert loaded.model == "debug" and (loaded.size or 0) > 0 and loaded.size_vram == 0

@@ -158,12 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="show the instances and runners of a running tether server",
         description="Ask a running `tether serve` for its instances: state, runner pid, memory (footprint and RSS), "
-        "restarts, queue and the last failures with their causes.",
+        "restarts, queue and the last failures with their causes; then its catalog's models (state, busy, when "
+        "keep-alive unloads them) and the scheduler's last decisions (loads, evictions and why, waits for memory).",
     )
     st.add_argument("--url", default=None, help="the server (default http://127.0.0.1:PORT)")
     st.add_argument("--port", type=int, default=8000)
     st.add_argument("--api-key", default=None, help="its API key (also: TETHER_API_KEY)")
-    st.add_argument("--json", action="store_true", help="the server's JSON as it is")
+    st.add_argument("--json", action="store_true", help="the server's JSON (GET /v1/instances) as it is")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
 
     chaos = sub.add_parser(

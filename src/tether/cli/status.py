@@ -1,4 +1,5 @@
-"""``tether status``: ask a running server for its instances and print them as a table (or its JSON)."""
+"""``tether status``: ask a running server for its instances, models and scheduler decisions and print them as tables
+(or its JSON)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tether import env
 from tether.cli.common import table
@@ -35,13 +37,22 @@ def command(args: argparse.Namespace) -> int:
             message = response.text[:200]
         print(f"tether: {url} answered {response.status_code}: {message}", file=sys.stderr)
         return 1
-    instances = response.json()["data"]
+    body = response.json()
+    instances = body["data"]
     if args.json:
-        print(json.dumps(instances, indent=2))
+        print(json.dumps(body, indent=2))
         return 0
-    if not instances:
+    if instances:
+        print_instances(instances)
+    else:
         print(f"no instances at {url}")
-        return 0
+    scheduler = body.get("scheduler")
+    if scheduler:
+        print_scheduler(scheduler)
+    return 0
+
+
+def print_instances(instances: list[dict[str, Any]]) -> None:
     rows = [
         [
             "INSTANCE",
@@ -85,4 +96,29 @@ def command(args: argparse.Namespace) -> int:
         for failure in inst["history"][-3:]:
             when = time.strftime("%H:%M:%S", time.localtime(failure["at"]))
             print(f"    {when} life {failure['life']} (pid {failure['pid']}): {failure['cause']['summary']}")
-    return 0
+
+
+def print_scheduler(scheduler: dict[str, Any], last: int = 10) -> None:
+    """The catalog's models (state, busy, when keep-alive unloads them) and the scheduler's last decisions."""
+    limit = scheduler.get("max_loaded")
+    print(f"\nmodels (max loaded: {limit if limit is not None else 'by memory'}):")
+    rows = [["MODEL", "STATE", "BUSY", "UNLOADS IN", "LOADS"]]
+    for model, state in scheduler["models"].items():
+        expires = state["expires_in"]
+        rows.append(
+            [
+                model,
+                state["state"],
+                "yes" if state["busy"] else "no",
+                f"{expires:.0f} s" if expires is not None else "-",
+                str(state["loads"]),
+            ]
+        )
+    for line in table(rows):
+        print(f"  {line}")
+    decisions = scheduler["decisions"][-last:]
+    if decisions:
+        print(f"last {len(decisions)} scheduler decisions:")
+    for d in decisions:
+        when = time.strftime("%H:%M:%S", time.localtime(d["at"]))
+        print(f"  {when} {d['kind']} {d['model']}: {d['reason']}")

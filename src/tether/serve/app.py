@@ -545,7 +545,7 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: in
         """A model as OpenAI lists it, with what tether knows beside: its state, footprint or estimate, keep-alive."""
         slot = scheduler.slots.get(model_id)
         hosted = fleet.get(model_id) if slot is None else slot.hosted
-        created = int(hosted.created_at) if hosted is not None else int(started_at)
+        created = int(hosted.created_at if hosted is not None else scheduler.started_at)
         entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "tether"}
         sup = hosted.supervisor if hosted is not None else None
         if sup is not None and sup.alive:
@@ -563,8 +563,6 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: in
                 footprint=memory.footprint if memory is not None else None,
             )
         return entry
-
-    started_at = time.time()
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -60,6 +60,7 @@ from tether.protocol import (
     TEMPERATURE_RANGE,
     ChatMessage,
     Chunk,
+    EngineSpec,
     GenerateParams,
     TokenLogprob,
     documented,
@@ -73,6 +74,7 @@ from tether.serve.fields import METADATA as M
 from tether.serve.fields import REFUSED as R
 from tether.serve.fields import Policy, register
 from tether.serve.fleet import Hosted, new_request_id
+from tether.serve.scheduler import Scheduler
 from tether.serve.shaping import Failure, cause_json
 
 if TYPE_CHECKING:
@@ -792,8 +794,21 @@ def human_number(n: int) -> str:
     return str(n)
 
 
-def model_path(hosted: Hosted) -> Path | None:
-    spec = hosted.instance.spec
+@dataclass(frozen=True)
+class Listed:
+    """A model as Ollama's listings describe it, loaded or not: its id, its engine spec, when it was created."""
+
+    id: str
+    spec: EngineSpec
+    created_at: float
+
+    @classmethod
+    def of(cls, hosted: Hosted) -> Listed:
+        return cls(hosted.id, hosted.instance.spec, hosted.created_at)
+
+
+def model_path(item: Listed) -> Path | None:
+    spec = item.spec
     if spec.model is not None:
         return Path(spec.model)
     if spec.engine == "llama.cpp":
@@ -846,23 +861,23 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> ModelFacts:
     )
 
 
-def facts(hosted: Hosted) -> ModelFacts:
-    """The facts of ``hosted``'s model (reads its GGUF header, ~0.1 s, once per file version: call off the loop)."""
-    path = model_path(hosted)
+def facts(item: Listed) -> ModelFacts:
+    """The facts of ``item``'s model (reads its GGUF header, ~0.1 s, once per file version: call off the loop)."""
+    path = model_path(item)
     try:
         stat = path.stat() if path is not None else None
     except OSError:
         stat = None
     if path is None or stat is None:  # an engine without a model file (the debug engine), or a file gone
-        digest = hashlib.sha256(f"{hosted.instance.spec.engine}\0{hosted.id}\0{hosted.created_at}".encode())
-        details = {**NO_DETAILS, "family": hosted.instance.spec.engine}
-        return ModelFacts(None, 0, hosted.created_at, digest.hexdigest(), details, {}, "", "")
+        digest = hashlib.sha256(f"{item.spec.engine}\0{item.id}\0{item.created_at}".encode())
+        details = {**NO_DETAILS, "family": item.spec.engine}
+        return ModelFacts(None, 0, item.created_at, digest.hexdigest(), details, {}, "", "")
     return _gguf_facts(str(path), stat.st_size, stat.st_mtime_ns)
 
 
-def options_of(hosted: Hosted) -> dict[str, Any]:
-    """The instance's engine options in effect: its own over the engine's declared defaults."""
-    spec = hosted.instance.spec
+def options_of(item: Listed) -> dict[str, Any]:
+    """The model's engine options in effect: its own over the engine's declared defaults."""
+    spec = item.spec
     try:
         defaults = dict(registry.resolve(spec.engine).options)
     except UnknownEngine:  # a plugin that no longer imports: its own options are all there is to say
@@ -870,17 +885,17 @@ def options_of(hosted: Hosted) -> dict[str, Any]:
     return {**defaults, **spec.options}
 
 
-def capabilities(hosted: Hosted) -> list[str]:
-    if hosted.instance.spec.engine == "debug":
+def capabilities(item: Listed) -> list[str]:
+    if item.spec.engine == "debug":
         return ["completion", "tools", "embedding"]  # it does both: embeddings are hashes of the text
-    if options_of(hosted).get("embedding"):
+    if options_of(item).get("embedding"):
         return ["embedding"]
     return ["completion", "tools"]  # tools in the generic format, for any model
 
 
-def parameters_text(hosted: Hosted) -> str:
+def parameters_text(item: Listed) -> str:
     """Ollama's ``parameters``: the defaults a request without options gets here."""
-    options = options_of(hosted)
+    options = options_of(item)
     values: dict[str, Any] = {**DEFAULTS}
     if options.get("repeat_penalty") is not None:
         values["repeat_penalty"] = options["repeat_penalty"]
@@ -889,10 +904,10 @@ def parameters_text(hosted: Hosted) -> str:
     return "\n".join(f"{name:<30} {value}" for name, value in values.items())
 
 
-def tag_json(hosted: Hosted, f: ModelFacts) -> dict[str, Any]:
+def tag_json(item: Listed, f: ModelFacts) -> dict[str, Any]:
     return {
-        "name": hosted.id,
-        "model": hosted.id,
+        "name": item.id,
+        "model": item.id,
         "modified_at": rfc3339(f.modified_at),
         "size": f.size,
         "digest": f.digest,
@@ -900,19 +915,34 @@ def tag_json(hosted: Hosted, f: ModelFacts) -> dict[str, Any]:
     }
 
 
-async def ps_json(hosted: Hosted, f: ModelFacts) -> dict[str, Any]:
-    """A loaded model: its memory sampled now (the footprint, plus the mapped weights that are resident)."""
+async def ps_json(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> dict[str, Any]:
+    """A loaded model: its memory sampled now (the footprint, plus the mapped weights that are resident), and when
+    keep-alive unloads it (``expires_in`` seconds from now; None: not counting down)."""
     size, vram = f.size, 0
     sup = hosted.supervisor
     if sup is not None and sup.alive:
         memory = await sup.sample_memory()
         if memory is not None:
             size, vram = memory.footprint + memory.file, memory.gpu or 0
-    entry = {**tag_json(hosted, f), "size": size, "size_vram": vram, "expires_at": FOREVER}
-    n_ctx = options_of(hosted).get("n_ctx")
+    expires = FOREVER if expires_in is None else rfc3339(time.time() + expires_in)
+    entry = {**tag_json(Listed.of(hosted), f), "size": size, "size_vram": vram, "expires_at": expires}
+    n_ctx = options_of(Listed.of(hosted)).get("n_ctx")
     if isinstance(n_ctx, int):
         entry["context_length"] = n_ctx
     return entry
+
+
+def listed(scheduler: Scheduler) -> list[Listed]:
+    """Every model a request can name, loaded or not: the catalog's, then instances added beside it."""
+    items = []
+    for model_id in scheduler.names():
+        slot = scheduler.slots.get(model_id)
+        if slot is not None:
+            created = slot.hosted.created_at if slot.hosted is not None else scheduler.started_at
+            items.append(Listed(model_id, slot.model.config.spec(), created))
+        else:
+            items.append(Listed.of(scheduler.fleet.get(model_id)))
+    return items
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1037,33 +1067,38 @@ def routes(app: FastAPI, api: Api) -> None:
     @ollama_errors
     async def tags(request: Request) -> Response:
         models = []
-        for hosted in fleet.list():
-            models.append(tag_json(hosted, await anyio.to_thread.run_sync(facts, hosted)))
+        for item in listed(scheduler):
+            models.append(tag_json(item, await anyio.to_thread.run_sync(facts, item)))
         return _json({"models": models})
 
     @app.get("/api/ps")
     @ollama_errors
     async def ps(request: Request) -> Response:
         models = []
+        now = time.monotonic()
         for hosted in fleet.list():
             if isinstance(hosted.instance.state, InstanceReady):
-                models.append(await ps_json(hosted, await anyio.to_thread.run_sync(facts, hosted)))
+                slot = scheduler.slots.get(hosted.id)
+                expires = slot.expires_in(now) if slot is not None else None
+                f = await anyio.to_thread.run_sync(facts, Listed.of(hosted))
+                models.append(await ps_json(hosted, f, expires))
         return _json({"models": models})
 
     @app.post("/api/show")
     @ollama_errors
     async def show(request: Request) -> Response:
-        hosted = fleet.get(scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body()))))
-        f = await anyio.to_thread.run_sync(facts, hosted)
+        model_id = scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body())))
+        item = next(i for i in listed(scheduler) if i.id == model_id)
+        f = await anyio.to_thread.run_sync(facts, item)
         return _json(
             {
                 "modelfile": "",
-                "parameters": parameters_text(hosted),
+                "parameters": parameters_text(item),
                 "template": f.template,
                 "license": f.license,
                 "details": f.details,
                 "model_info": f.model_info,
-                "capabilities": capabilities(hosted),
+                "capabilities": capabilities(item),
                 "modified_at": rfc3339(f.modified_at),
             }
         )

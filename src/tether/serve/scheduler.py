@@ -13,7 +13,8 @@ number of concurrent requests) and waits for it, bounded; a leased model is busy
   exceeds what the node has available (``tether.node.memory.node_memory``: cgroup-aware), idle unpinned models are
   evicted in LRU order until their measured footprints cover the shortfall (``--max-loaded`` also evicts by
   count). What cannot fit even with every idle model evicted is refused at once (507) with the numbers: needed,
-  available, what eviction would free, what is busy.
+  available, what eviction would free, what is busy. A loaded model keeps the room its estimate promised it (it
+  was admitted on it, and grows into it as its KV cache fills): a load counts node memory less that room.
 - **Memory released means released.** An evicted runner's stop is awaited until its whole process group (and
   cgroup) is gone, then node memory must have risen by what it held (or the new model fits) within
   ``reclaim_timeout``; a runner that died on its own holds nothing, so its memory is counted free at once (its
@@ -46,6 +47,7 @@ from anyio.abc import TaskGroup
 from tether.engines import registry
 from tether.engines.base import MemoryEstimate
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, ModelRequired, NotFound, TetherError, Unavailable
+from tether.kernel.cgroups import MemoryCgroup
 from tether.node import fit
 from tether.node.fit import FitResult
 from tether.node.instance import (
@@ -125,6 +127,19 @@ class Slot:
         self._activity = anyio.Event()
 
 
+def _reserved(hosted: Hosted) -> int:
+    """What a loaded runner may still grow into: its estimate (without headroom) beyond what it is charged now (its
+    own cgroup's usage, page cache of its weights included, or else its resident memory). A model admitted on an
+    estimate keeps that room: the next load cannot take memory this one will need once its context fills."""
+    inst, sup = hosted.instance, hosted.supervisor
+    if inst.fit is None or inst.fit.estimate is None or sup is None or not sup.alive:
+        return 0
+    charged = MemoryCgroup.at(sup.cgroup).usage() if sup.cgroup is not None else None
+    if charged is None:
+        charged = sup.footprint.rss if sup.footprint is not None else 0
+    return max(0, inst.fit.estimate.expected - charged)
+
+
 def _footprint(hosted: Hosted) -> int:
     """What stopping ``hosted``'s runner frees: its group's last measured footprint; 0 without a live runner."""
     sup = hosted.supervisor
@@ -158,6 +173,7 @@ class Scheduler:
         self.reclaim_poll = reclaim_poll
         self.memory = memory
         self.slots = {model.id: Slot(model, model.keep_alive) for model in catalog}
+        self.started_at = time.time()
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS)
         self.listeners: Listeners[Decision] = Listeners("scheduler decision")
         self._placing = anyio.Semaphore(1)  # one placement (fit check to ready) at a time on this node
@@ -499,13 +515,18 @@ class Scheduler:
             if sup is not None:
                 await sup.sample_memory()
         node = await anyio.to_thread.run_sync(self.memory)
-        victims = self._victims(instance, estimate, node)
+        reserved = {h.id: _reserved(h) for h in self.fleet.list() if h.instance is not instance}
+        victims = self._victims(instance, estimate, node, reserved)
         if victims:
             node = await self._evict(instance.name, victims, estimate, node)
         if estimate is None:
             engine = registry.canonical(spec.engine)
             return FitResult(None, None, "none", True, False, f"no memory estimate for engine {engine!r}: admitted")
-        return fit.check_fit(estimate, node.available, node.source, override=instance.force)
+        held_back = sum(_reserved(h) for h in self.fleet.list() if h.instance is not instance)
+        source = node.source
+        if held_back:
+            source += f"; less {format_bytes(held_back)} the loaded models may still grow into, by their estimates"
+        return fit.check_fit(estimate, node.available - held_back, source, override=instance.force)
 
     def _candidates(self, instance: Instance) -> list[Slot]:
         """Idle, unpinned, loaded catalogued models other than ``instance``'s, least recently used first."""
@@ -516,9 +537,13 @@ class Scheduler:
         ]
         return sorted(found, key=lambda s: s.last_used)
 
-    def _victims(self, instance: Instance, estimate: MemoryEstimate | None, node: NodeMemory) -> list[Slot]:
+    def _victims(
+        self, instance: Instance, estimate: MemoryEstimate | None, node: NodeMemory, reserved: dict[str, int]
+    ) -> list[Slot]:
         """What must be evicted for ``instance`` to fit (by count under ``max_loaded``, then by memory); raise
-        ``DoesNotFit`` with every number when evicting every idle model would not be enough."""
+        ``DoesNotFit`` with every number when evicting every idle model would not be enough.
+
+        Each victim frees its measured footprint and what was reserved for it to grow into (``reserved``)."""
         candidates = self._candidates(instance)
         victims: list[Slot] = []
         if self.max_loaded is not None:
@@ -539,31 +564,41 @@ class Scheduler:
             victims = candidates[: max(excess, 0)]
         if estimate is None:
             return victims
-        freed = sum(_footprint(s.hosted) for s in victims if s.hosted is not None)
-        shortfall = estimate.total - node.available - freed
+
+        def frees(slot: Slot) -> int:
+            return (_footprint(slot.hosted) if slot.hosted is not None else 0) + reserved.get(slot.id, 0)
+
+        shortfall = estimate.total - (node.available - sum(reserved.values())) - sum(frees(s) for s in victims)
         for slot in candidates[len(victims) :]:
             if shortfall <= 0:
                 break
-            assert slot.hosted is not None
             victims.append(slot)
-            shortfall -= _footprint(slot.hosted)
+            shortfall -= frees(slot)
         if shortfall > 0 and not instance.force:
-            raise DoesNotFit(self._refusal(instance, estimate, node, candidates))
+            raise DoesNotFit(self._refusal(instance, estimate, node, candidates, reserved))
         return victims
 
     def _refusal(
-        self, instance: Instance, estimate: MemoryEstimate, node: NodeMemory, candidates: list[Slot]
+        self,
+        instance: Instance,
+        estimate: MemoryEstimate,
+        node: NodeMemory,
+        candidates: list[Slot],
+        reserved: dict[str, int],
     ) -> FitResult:
-        evictable = sum(_footprint(s.hosted) for s in candidates if s.hosted is not None)
+        evictable = sum(_footprint(s.hosted) + reserved.get(s.id, 0) for s in candidates if s.hosted is not None)
         busy = [h for h in self.fleet.list() if h.instance is not instance and h.id not in {s.id for s in candidates}]
         busy_text = ", ".join(f"{h.id} {format_bytes(_footprint(h))}" for h in busy) or "none"
-        message = (
-            f"{instance.name} cannot fit even with every idle model evicted: {estimate.describe()}; "
-            f"{format_bytes(node.available)} available ({node.source}) + {format_bytes(evictable)} that evicting "
-            f"{len(candidates)} idle model(s) would free = {format_bytes(node.available + evictable)}; busy or "
-            f"pinned: {busy_text}. Retry when a busy model is idle, unload or delete one, or load it with less "
-            "memory (a smaller n_ctx, parallel or quantisation)"
+        held_back = sum(reserved.values())
+        source = node.source
+        if held_back:
+            source += f", less {format_bytes(held_back)} the loaded models may still grow into"
+        source += (
+            f", plus {format_bytes(evictable)} that evicting every idle model ({len(candidates)}) would free; busy or "
+            f"pinned: {busy_text}"
         )
+        result = fit.check_fit(estimate, node.available - held_back + evictable, source)
+        message = f"{result.message}; or retry once a busy model is idle" if busy else result.message
         return FitResult(estimate, node.available, node.source, False, False, message)
 
     async def _evict(
