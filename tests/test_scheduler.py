@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import MakeCgroup, Server, pid_alive, serving, wait_until
+from conftest import TETHER, MakeCgroup, Server, model_missing, pid_alive, serving, wait_until
+from tether.models import default_model_path
 
 MiB = 1 << 20
 
@@ -271,3 +275,55 @@ def test_a_loaded_models_stream_keeps_its_pace_while_another_loads(catalog: Path
         assert first_token and first_token[0] < 1.0, first_token  # never behind the 3 s load
         during.sort()
         assert during[len(during) // 2] < 0.06 and during[-1] < 0.5, during  # 20 ms a token, as before the load
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_catalog_stops_the_server_before_it_listens_naming_the_file_and_field(tmp_path: Path) -> None:
+    cases = {
+        "keep_alive = 5\n[[models]]\nid = 'a'\nengine = 'debug'\nkeep_alive = 'soon'\n": "keep_alive must be",
+        "[[models]]\nid = 'a'\nengine = 'debug'\ncolour = 'red'\n": "unknown field `colour`",
+        "[[models]]\nid = 'a'\nengine = 'debug'\n[[models]]\nid = 'b'\nengine = 'debug'\naliases = ['a']\n": (
+            "the name 'a' of model 'b'"
+        ),
+        "[[models]\n": "is not valid TOML",
+    }
+    for text, words in cases.items():
+        path = tmp_path / "catalog.toml"
+        path.write_text(text)
+        out = subprocess.run(
+            [*TETHER, "serve", "--engine", "debug", "--port", "0", "--catalog", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        assert out.returncode == 64 and words in out.stderr and str(path) in out.stderr, (out.returncode, out.stderr)
+        assert "listening" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_models_dir_serves_each_gguf_by_its_stem_loaded_on_demand_and_status_shows_the_decisions(
+    tmp_path: Path,
+) -> None:
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    directory = tmp_path / "models"
+    directory.mkdir()
+    for name in ("smol-a", "smol-b"):  # copies of the default model: distinct models, as far as anyone can tell
+        shutil.copy(default_model_path(), directory / f"{name}.gguf")
+    with serving("--engine", "debug", "--models", str(directory), "--n-ctx", "512", "--threads", "1") as server:
+        listed = models(server)
+        assert {"smol-a", "smol-b", default_model_path().stem} <= set(listed), listed
+        assert listed["smol-a"]["state"] == "unloaded" and listed["smol-a"]["engine"] == "llama.cpp"
+        answer = server.http.post(
+            "/v1/chat/completions",
+            json={"model": "smol-b", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4},
+            timeout=60,
+        )
+        assert answer.status_code == 200 and answer.json()["model"] == "smol-b", answer.text
+        assert models(server)["smol-b"]["state"] == "loaded" and models(server)["smol-a"]["state"] == "unloaded"
+        status = subprocess.run(
+            [*TETHER, "status", "--url", server.url], capture_output=True, text=True, timeout=30, check=True
+        )
+        assert "smol-b" in status.stdout and "scheduler decisions" in status.stdout, status.stdout
+        assert re.search(r"loaded smol-b: smol-b loaded in [\d.]+ s, holding [\d.]+ MiB", status.stdout), status.stdout

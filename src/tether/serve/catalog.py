@@ -167,7 +167,10 @@ def entry_model(entry: ModelEntry, default_keep_alive: float, source: str, base:
         raise InvalidField(problem.field, f"model {config.default_id()!r} ({source}): {problem}")
     fields = {f: getattr(config, f) for f in InstanceConfig.__struct_fields__}
     instance = InstanceConfig(**{**fields, "id": config.default_id()})
-    seconds = keep_alive_seconds(entry.keep_alive)
+    try:
+        seconds = keep_alive_seconds(entry.keep_alive)
+    except InvalidField as exc:
+        raise InvalidField("keep_alive", f"model {instance.default_id()!r} ({source}): {exc}") from None
     return Model(
         id=instance.default_id(),
         config=instance,
@@ -190,7 +193,10 @@ def read_catalog_file(path: Path, default_keep_alive: float) -> list[Model]:
         parsed = msgspec.convert(data, CatalogFile)
     except msgspec.ValidationError as exc:
         raise InvalidField("catalog", f"the catalog {path} is invalid: {exc}") from exc
-    fallback = keep_alive_seconds(parsed.keep_alive)
+    try:
+        fallback = keep_alive_seconds(parsed.keep_alive)
+    except InvalidField as exc:
+        raise InvalidField("keep_alive", f"the catalog {path}: {exc}") from None
     default = default_keep_alive if fallback is None else fallback
     return [entry_model(entry, default, str(path), base=path.parent) for entry in parsed.models]
 
