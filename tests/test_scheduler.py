@@ -124,6 +124,11 @@ def test_keep_alive_unloads_an_idle_model_and_0_unloads_it_after_the_request(cat
         assert stop.status_code == 200 and stop.json()["done_reason"] == "unload", stop.text
         assert models(server)["a"]["state"] == "unloaded"
         assert {m["name"] for m in server.http.get("/api/ps").json()["models"]} == {"debug"}
+        generate = {"model": "a", "prompt": "hi", "stream": False, "options": {"num_predict": 2}, "keep_alive": "9s"}
+        loading = server.http.post("/api/generate", json=generate)
+        assert loading.status_code == 200 and loading.json()["load_duration"] > 0, loading.text  # it waited for a load
+        ps = {m["name"]: m for m in server.http.get("/api/ps").json()["models"]}
+        assert ps["a"]["expires_at"] < ps["debug"]["expires_at"]  # a: in 9 s (this request said so); debug: 5 min
 
 
 @pytest.mark.timeout(60)

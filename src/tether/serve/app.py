@@ -294,7 +294,9 @@ class Api:
         the response), answered with ``shaper`` (every generating route ends here)."""
         release = contextlib.AsyncExitStack()
         try:
+            leased = time.monotonic()
             hosted = await release.enter_async_context(self.scheduler.lease(model_id, plan.keep_alive))
+            shaper.load_seconds = time.monotonic() - leased
             handle = await release.enter_async_context(self.fleet.generation(hosted, plan.params, request_id))
         except BaseException as exc:
             with anyio.CancelScope(shield=True):

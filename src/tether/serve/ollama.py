@@ -16,14 +16,15 @@ Every field is honoured or refused, as on the OpenAI side (``fields``). The choi
   /v1/instances``). ``keep_alive`` is the scheduler's (``tether.serve.scheduler``): how long the model stays
   loaded once idle, 0 to unload it after this request, negative for ever; an empty prompt with ``keep_alive: 0`` is
   ``ollama stop``.
-* A request without a prompt (or messages) is Ollama's "load the model": answered ``done_reason: "load"`` at once
-  when the instance is ready, 503 with the reason (and when to retry) while it is not.
+* A request without a prompt (or messages) is Ollama's "load the model": the model is loaded (waiting for it) and
+  the answer is ``done_reason: "load"``; with ``keep_alive: 0`` it is unloaded instead (``done_reason: "unload"``).
 * Durations are measured on the request's timeline (nanoseconds): ``total_duration`` from arrival to the answer,
-  ``prompt_eval_duration`` from arrival to the first token (queue wait included), ``eval_duration`` from the first
-  token to the last; ``load_duration`` is 0, since a request never waits for a load here.
-* ``/api/tags``, ``/api/ps`` and ``/api/show`` describe the instances as models, from their GGUF headers: the
-  ``digest`` is the sha256 of the file's path, size and mtime (hashing gigabytes per listing would be too slow), and
-  ``/api/ps``'s ``size`` is the runner's footprint plus the weights it maps that are resident.
+  ``load_duration`` waiting for the model to load (0 when it was loaded), ``prompt_eval_duration`` from then to the
+  first token (queue wait included), ``eval_duration`` from the first token to the last.
+* ``/api/tags`` and ``/api/show`` describe every model a request can name (loaded or not), ``/api/ps`` the loaded
+  ones (``expires_at``: when keep-alive unloads them), from their GGUF headers: the ``digest`` is the sha256 of the
+  file's path, size and mtime (hashing gigabytes per listing would be too slow), and ``/api/ps``'s ``size`` is the
+  runner's footprint plus the weights it maps that are resident.
 
 Not served: Ollama's model management (pull, push, create, copy, delete, blobs): instances are tether's
 (``/v1/instances``).
@@ -260,7 +261,7 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
 }
 
 _GENERATION_POLICY = {
-    "model": Policy(H, "picks the instance (a `:latest` tag is dropped); with one instance any name reaches it"),
+    "model": Policy(H, "picks the model, loaded on demand (a `:latest` tag is dropped); one loaded: any name works"),
     "format": Policy(H, '`"json"` or a JSON Schema: grammar-constrained, always parses'),
     "options": Policy(H, "see Ollama options"),
     "stream": Policy(H, "default true: NDJSON, one object a line; a failure ends it with an `error` line"),
@@ -612,6 +613,7 @@ class Shaper:
     """One request's NDJSON lines or whole object, in Ollama's chat or generate shape (see ``shaping.Shaper``)."""
 
     media_type = NDJSON
+    load_seconds = 0.0  # set by the API: how long the request waited for its model to load
 
     def __init__(self, kind: Literal["chat", "generate"], model: str, plan: openai.Plan, started: float) -> None:
         self.kind = kind
@@ -666,9 +668,9 @@ class Shaper:
         return {
             "done_reason": "length" if finish == "length" else "stop",
             "total_duration": ns(end - self.started),
-            "load_duration": 0,  # instances load ahead: a request never waits for one
+            "load_duration": ns(self.load_seconds),  # waiting for the model's load (0 when it was loaded)
             "prompt_eval_count": prompt_tokens,
-            "prompt_eval_duration": ns(first - self.started),
+            "prompt_eval_duration": ns(max(first - self.started - self.load_seconds, 0.0)),
             "eval_count": completion_tokens,
             "eval_duration": ns(last - first),
         }

@@ -587,6 +587,7 @@ class Shaper:
     """One request's OpenAI chat or completion objects and SSE chunks (see ``shaping.Shaper``)."""
 
     media_type = "text/event-stream"
+    load_seconds = 0.0  # set by the API: how long the request waited for its model to load
 
     def __init__(
         self, kind: Literal["chat", "completion"], request_id: str, model: str, plan: Plan | None = None

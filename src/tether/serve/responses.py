@@ -215,7 +215,7 @@ register(
     ResponsesRequest,
     {
         "input": Policy(H, "a string, or `message`, `function_call` and `function_call_output` items; text only"),
-        "model": Policy(H, "picks the instance; with one instance any name reaches it"),
+        "model": Policy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),
         "instructions": Policy(H, "a system message before the input"),
         "max_output_tokens": Policy(H, "default 512; the limit ends it `incomplete`"),
         "temperature": Policy(H, "0 is greedy"),
@@ -481,6 +481,7 @@ class ResponsesShaper:
     """
 
     media_type = "text/event-stream"
+    load_seconds = 0.0  # set by the API: how long the request waited for its model to load
 
     def __init__(self, response_id: str, model: str, plan: ResponsesPlan) -> None:
         self.id = response_id

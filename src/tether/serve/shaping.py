@@ -64,6 +64,7 @@ class Shaper(Protocol):
     body; ``stream_error`` ends a failed stream and ``error_body`` is a failed request's body."""
 
     media_type: str  # of a stream
+    load_seconds: float  # how long the request waited for its model to load (the API sets it)
 
     def opening(self) -> bytes: ...
 
