@@ -128,16 +128,16 @@ class Slot:
 
 
 def _reserved(hosted: Hosted) -> int:
-    """What a loaded runner may still grow into: its estimate (without headroom) beyond what it is charged now (its
-    own cgroup's usage, page cache of its weights included, or else its resident memory). A model admitted on an
+    """What a loaded runner may still grow into: its estimate (without headroom) beyond what it holds now (its own
+    cgroup's usage, or its resident memory where more: weights cached before it started are resident but charged to
+    whoever read them first). A model admitted on an
     estimate keeps that room: the next load cannot take memory this one will need once its context fills."""
     inst, sup = hosted.instance, hosted.supervisor
     if inst.fit is None or inst.fit.estimate is None or sup is None or not sup.alive:
         return 0
-    charged = MemoryCgroup.at(sup.cgroup).usage() if sup.cgroup is not None else None
-    if charged is None:
-        charged = sup.footprint.rss if sup.footprint is not None else 0
-    return max(0, inst.fit.estimate.expected - charged)
+    usage = MemoryCgroup.at(sup.cgroup).usage() if sup.cgroup is not None else None
+    resident = sup.footprint.rss if sup.footprint is not None else 0  # mapped weights included, whoever was charged
+    return max(0, inst.fit.estimate.expected - max(usage or 0, resident))
 
 
 def _footprint(hosted: Hosted) -> int:
