@@ -53,6 +53,7 @@ bench: install
 	$(BIN)/python bench/chaos.py
 	$(BIN)/python bench/fuzz.py
 	$(BIN)/python bench/load.py
+	$(BIN)/python bench/swap.py
 	$(BIN)/python bench/soak.py
 
 clean:
