@@ -82,8 +82,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -311,21 +309,7 @@ class DebugServer(ServeChild):
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_TIMEOUT + 10)
-        except subprocess.TimeoutExpired:
-            self.forced = True
-            self.proc.kill()
-            self.proc.wait()
-        deadline = time.monotonic() + GONE_BOUND
-        while (left := self.runners()) and time.monotonic() < deadline:
-            time.sleep(POLL)
-        for pid in left:  # leave nothing behind ourselves, whatever the figure says
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.leftover = len(left)
+        self.forced, self.leftover = self.stop_and_sweep(STOP_TIMEOUT, GONE_BOUND, POLL)
 
 
 def load_instance_config(options: dict[str, Any]) -> dict[str, Any]:

@@ -405,7 +405,13 @@ async def stream_one(
 ) -> Request:
     """Send one streaming chat completion and read it to ``[DONE]``, stamping every content chunk."""
     req = Request(index)
-    body = request_body(server, PROMPTS[index], max_tokens, variant)
+    await read_stream(client, request_body(server, PROMPTS[index], max_tokens, variant), req)
+    return req
+
+
+async def read_stream(client: httpx.AsyncClient, body: dict[str, Any], req: Request) -> float:
+    """POST ``body`` (a streaming chat completion) and read it to ``[DONE]`` into ``req``: every content chunk
+    stamped, the text, the usage, or the error. Returns when it was sent (``time.perf_counter()``)."""
     parts: list[str] = []
     done = False
     began = time.perf_counter()
@@ -414,8 +420,8 @@ async def stream_one(
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
-                    req.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                    return req
+                    req.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                    return began
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, ": ping" comments, event names
@@ -425,8 +431,8 @@ async def stream_one(
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        req.error = f"error in stream: {json.dumps(chunk['error'])[:200]}"
-                        return req
+                        req.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
+                        return began
                     usage = chunk.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         req.usage_tokens = int(usage["completion_tokens"])
@@ -448,7 +454,7 @@ async def stream_one(
         req.error = "stream ended without data: [DONE]"
     elif req.error is None and req.chunks == 0:
         req.error = "no content"
-    return req
+    return began
 
 
 @dataclass

@@ -88,10 +88,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -105,7 +102,7 @@ import anyio
 import httpx
 
 from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
-from serve import PROMPTS, SYSTEM, Request
+from serve import PROMPTS, SYSTEM, Request, read_stream
 from tether.chaos.target import ServeChild
 from tether.kernel.cgroups import MemoryCgroup
 from tether.models import DefaultModelMissing, default_model_path
@@ -283,21 +280,7 @@ class SwapServer(ServeChild):
 
     def stop(self) -> None:
         self.http.close()
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_TIMEOUT + 10)
-        except subprocess.TimeoutExpired:
-            self.forced = True
-            self.proc.kill()
-            self.proc.wait()
-        deadline = time.monotonic() + GONE_BOUND
-        while (left := self.runners()) and time.monotonic() < deadline:
-            time.sleep(POLL)
-        for pid in left:  # leave nothing behind ourselves, whatever the figure says
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.leftover = len(left)
+        self.forced, self.leftover = self.stop_and_sweep(STOP_TIMEOUT, GONE_BOUND, POLL)
 
 
 @contextlib.contextmanager
@@ -363,41 +346,7 @@ async def stream(client: httpx.AsyncClient, model: str, index: int, max_tokens: 
         "seed": 0,
         "stream": True,
     }
-    done = False
-    began = time.perf_counter()
-    try:
-        with anyio.fail_after(REQUEST_TIMEOUT):
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    req.error = f"HTTP {response.status_code}: {response.text[:300]}"
-                    return Sent(model, req, began, None)
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        req.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
-                        break
-                    for choice in chunk.get("choices") or []:
-                        if (choice.get("delta") or {}).get("content"):
-                            now = time.perf_counter()
-                            if req.ttft is None:
-                                req.ttft = now - began
-                            req.stamps.append(now)
-                            req.chunks += 1
-    except TimeoutError:
-        req.error = f"no end of stream within {REQUEST_TIMEOUT:.0f} s"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        req.error = f"{type(exc).__name__}: {exc}"
-    if req.error is None and not done:
-        req.error = "stream ended without data: [DONE]"
-    elif req.error is None and req.chunks == 0:
-        req.error = "no content"
+    began = await read_stream(client, body, req)
     return Sent(model, req, began, req.stamps[0] if req.stamps else None)
 
 

@@ -111,6 +111,26 @@ class ServeChild:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
 
+    def stop_and_sweep(self, stop_timeout: float, gone_bound: float = 5.0, poll: float = 0.02) -> tuple[bool, int]:
+        """SIGTERM and wait (``stop_timeout`` plus a margin, then SIGKILL), then wait ``gone_bound`` s for its
+        runners to be gone and SIGKILL any left, whatever a figure says: (SIGKILL was needed, runners left)."""
+        forced = False
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(stop_timeout + 10)
+        except subprocess.TimeoutExpired:
+            forced = True
+            self.proc.kill()
+            self.proc.wait()
+        deadline = time.monotonic() + gone_bound
+        while (left := self.runners()) and time.monotonic() < deadline:
+            time.sleep(poll)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return forced, len(left)
+
 
 class Target(ServeChild):
     """The campaign's server: ``tether serve --engine debug`` with a warm instance, private runtime and log

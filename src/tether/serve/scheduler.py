@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -127,11 +127,24 @@ class Slot:
         self._activity = anyio.Event()
 
 
+@contextlib.contextmanager
+def _unloading(slot: Slot) -> Iterator[None]:
+    """``slot`` is unloading for the block, and unloaded after it, however it ends (its waiters then load afresh)."""
+    slot.state = "unloading"
+    slot._unloaded = anyio.Event()
+    try:
+        yield
+    finally:
+        slot.hosted = None
+        slot.state = "unloaded"
+        slot._unloaded.set()
+
+
 def _reserved(hosted: Hosted) -> int:
     """What a loaded runner may still grow into: its estimate (without headroom) beyond what it holds now (its own
     cgroup's usage, or its resident memory where more: weights cached before it started are resident but charged to
-    whoever read them first). A model admitted on an
-    estimate keeps that room: the next load cannot take memory this one will need once its context fills."""
+    whoever read them first). A model admitted on an estimate keeps that room: the next load cannot take memory this
+    one will need once its context fills."""
     inst, sup = hosted.instance, hosted.supervisor
     if inst.fit is None or inst.fit.estimate is None or sup is None or not sup.alive:
         return 0
@@ -149,8 +162,8 @@ def _footprint(hosted: Hosted) -> int:
 
 
 class Scheduler:
-    """The catalog served through ``fleet``. Use as ``async with Scheduler(fleet, catalog) as scheduler:`` inside
-    the fleet's block (the fleet is built with ``placer=scheduler.place``: see ``create``)."""
+    """The catalog served through ``fleet``, whose placer it becomes. Use as ``async with fleet, Scheduler(fleet,
+    catalog) as scheduler:`` (it leaves first: its timers and loads end, then the fleet stops every instance)."""
 
     def __init__(
         self,
@@ -325,8 +338,10 @@ class Scheduler:
         return time.monotonic()
 
     async def _load(self, slot: Slot, hosted: Hosted | None) -> None:
-        """Load ``slot`` (its instance placed already when ``hosted`` is given) until its runner is ready."""
+        """Load ``slot`` (its instance placed already when ``hosted`` is given) until its runner is ready. A load
+        that was overtaken (deleted while loading, and another load begun since) leaves the slot to the new one."""
         began = time.monotonic()
+        mine = slot._loaded
         try:
             if hosted is None:
                 hosted = slot.hosted = await self._start_instance(slot.model.config)
@@ -342,13 +357,16 @@ class Scheduler:
                     f"model {slot.id} could not be loaded: {exc}", retry_after=None, cause=exc.cause
                 ) from None
         except BaseException as exc:
-            if slot.hosted is not None:
+            if hosted is not None and hosted is slot.hosted:
                 with anyio.CancelScope(shield=True):
-                    await self.fleet.remove(slot.hosted.id)
-            self._load_failed(slot, exc, began)
+                    await self.fleet.remove(hosted.id)
+            if slot._loaded is mine:
+                self._load_failed(slot, exc, began)
             if not isinstance(exc, Exception):
                 raise
         else:
+            if slot._loaded is not mine or slot.hosted is not hosted:  # deleted while it loaded
+                return
             slot.state = "loaded"
             slot.loads += 1
             slot.load_seconds = time.monotonic() - began
@@ -409,15 +427,9 @@ class Scheduler:
 
     async def _unload(self, slot: Slot, hosted: Hosted, why: str, reason: str) -> None:
         memory = _footprint(hosted)
-        slot.state = "unloading"
-        slot._unloaded = anyio.Event()
-        try:
+        with _unloading(slot):
             seconds = await self._stop(hosted)
             self._decide("unload", slot.id, f"unloaded {slot.id}: {why}", seconds=seconds, bytes=memory, why=reason)
-        finally:
-            slot.hosted = None
-            slot.state = "unloaded"
-            slot._unloaded.set()
 
     async def _stop(self, hosted: Hosted) -> float:
         """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken)."""
@@ -518,7 +530,11 @@ class Scheduler:
         reserved = {h.id: _reserved(h) for h in self.fleet.list() if h.instance is not instance}
         victims = self._victims(instance, estimate, node, reserved)
         if victims:
-            node = await self._evict(instance.name, victims, estimate, node)
+            evicted = {slot.id for slot, _ in victims}
+            staying = sum(room for model_id, room in reserved.items() if model_id not in evicted)
+            need = estimate.total + staying if estimate is not None else 0
+            needs = estimate.describe() if estimate is not None else "needs a slot (no estimate)"
+            node = await self._evict(instance.name, victims, need, needs, node)
         if estimate is None:
             engine = registry.canonical(spec.engine)
             return FitResult(None, None, "none", True, False, f"no memory estimate for engine {engine!r}: admitted")
@@ -539,13 +555,14 @@ class Scheduler:
 
     def _victims(
         self, instance: Instance, estimate: MemoryEstimate | None, node: NodeMemory, reserved: dict[str, int]
-    ) -> list[Slot]:
+    ) -> list[tuple[Slot, str]]:
         """What must be evicted for ``instance`` to fit (by count under ``max_loaded``, then by memory); raise
         ``DoesNotFit`` with every number when evicting every idle model would not be enough.
 
-        Each victim frees its measured footprint and what was reserved for it to grow into (``reserved``)."""
+        Each victim (with why: ``max_loaded`` or ``memory``) frees its measured footprint and what was reserved for it
+        to grow into (``reserved``)."""
         candidates = self._candidates(instance)
-        victims: list[Slot] = []
+        victims: list[tuple[Slot, str]] = []
         if self.max_loaded is not None:
             others = [  # placed: not waiting for the lock (that one has no runner yet and would count twice)
                 h
@@ -561,18 +578,18 @@ class Scheduler:
                     f"and too few are idle to unload ({busy}); retry when one is idle",
                     retry_after=1.0,
                 )
-            victims = candidates[: max(excess, 0)]
+            victims = [(slot, "max_loaded") for slot in candidates[: max(excess, 0)]]
         if estimate is None:
             return victims
 
         def frees(slot: Slot) -> int:
             return (_footprint(slot.hosted) if slot.hosted is not None else 0) + reserved.get(slot.id, 0)
 
-        shortfall = estimate.total - (node.available - sum(reserved.values())) - sum(frees(s) for s in victims)
+        shortfall = estimate.total - (node.available - sum(reserved.values())) - sum(frees(s) for s, _ in victims)
         for slot in candidates[len(victims) :]:
             if shortfall <= 0:
                 break
-            victims.append(slot)
+            victims.append((slot, "memory"))
             shortfall -= frees(slot)
         if shortfall > 0 and not instance.force:
             raise DoesNotFit(self._refusal(instance, estimate, node, candidates, reserved))
@@ -602,50 +619,43 @@ class Scheduler:
         return FitResult(estimate, node.available, node.source, False, False, message)
 
     async def _evict(
-        self, for_id: str, victims: list[Slot], estimate: MemoryEstimate | None, before: NodeMemory
+        self, for_id: str, victims: list[tuple[Slot, str]], need: int, needs: str, before: NodeMemory
     ) -> NodeMemory:
         """Evict ``victims`` (concurrently), await each runner's whole group gone, then node memory risen by what
-        they held (or enough for the estimate), bounded by ``reclaim_timeout``. Returns node memory after."""
+        they held (or ``need`` bytes available), bounded by ``reclaim_timeout``. Returns node memory after."""
         expected = 0
-        stopping: list[tuple[Slot, Hosted, int]] = []
-        for slot in victims:
-            assert slot.hosted is not None
-            memory = _footprint(slot.hosted)
-            expected += memory
-            stopping.append((slot, slot.hosted, memory))
-            slot.state = "unloading"
-            slot._unloaded = anyio.Event()
-            needs = estimate.describe() if estimate is not None else "needs a slot (no estimate)"
-            self._decide(
-                "evict",
-                slot.id,
-                f"evicting {slot.id} (idle, least recently used; frees ~{format_bytes(memory)}) for {for_id}: it "
-                f"{needs}, {format_bytes(before.available)} available ({before.source})",
-                bytes=memory,
-                why="max_loaded" if estimate is None or estimate.total <= before.available else "memory",
-            )
         began = time.monotonic()
-        try:
-            async with anyio.create_task_group() as tg:
-                for _, hosted, _ in stopping:
-                    tg.start_soon(self._stop, hosted)
-        except BaseExceptionGroup as group:
-            first = group.exceptions[0]
-            if isinstance(first, RunnerNotGone):
-                raise Unavailable(str(first), retry_after=None) from None
-            raise
-        finally:
-            for slot, _, _ in stopping:
-                slot.hosted = None
-                slot.state = "unloaded"
-                slot._unloaded.set()
+        with contextlib.ExitStack() as unloading:
+            stopping: list[Hosted] = []
+            for slot, why in victims:
+                assert slot.hosted is not None
+                memory = _footprint(slot.hosted)
+                expected += memory
+                stopping.append(slot.hosted)
+                unloading.enter_context(_unloading(slot))
+                self._decide(
+                    "evict",
+                    slot.id,
+                    f"evicting {slot.id} (idle, least recently used; frees ~{format_bytes(memory)}) for {for_id}: it "
+                    f"{needs}, {format_bytes(before.available)} available ({before.source})",
+                    bytes=memory,
+                    why=why,
+                )
+            try:
+                async with anyio.create_task_group() as tg:
+                    for hosted in stopping:
+                        tg.start_soon(self._stop, hosted)
+            except BaseExceptionGroup as group:
+                first = group.exceptions[0]
+                if isinstance(first, RunnerNotGone):
+                    raise Unavailable(str(first), retry_after=None) from None
+                raise
         reaped = time.monotonic() - began
-        need = estimate.total if estimate is not None else 0
         target = before.available + int(expected * RECLAIMED_SHARE)
         node = await self._reclaimed(target, need)
         waited = time.monotonic() - began
         risen = node.available - before.available
-        ids = ", ".join(s.id for s, _, _ in stopping)
+        ids = ", ".join(slot.id for slot, _ in victims)
         if node.available < target and node.available < need:
             message = (
                 f"evicted {ids} for {for_id} (runner groups gone in {reaped * 1000:.0f} ms), but node memory rose by "
