@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -21,7 +22,9 @@ import httpx
 import pytest
 
 from conftest import TETHER, MakeCgroup, Server, model_missing, pid_alive, serving, wait_until
+from tether.errors import InvalidField
 from tether.models import default_model_path
+from tether.serve.catalog import keep_alive_seconds
 
 MiB = 1 << 20
 
@@ -100,6 +103,7 @@ def test_a_request_for_an_unloaded_model_loads_it_once_however_many_ask(catalog:
         metrics = server.http.get("/metrics").text
         assert 'tether_model_loads_total{model="a",outcome="loaded"} 1.0' in metrics
         assert 'tether_model_state{model="a",state="loaded"} 1.0' in metrics
+        assert 'tether_model_load_wait_seconds_count{model="a"} 6.0' in metrics  # each waited for the one load
 
 
 @pytest.mark.timeout(60)
@@ -332,3 +336,12 @@ def test_models_dir_serves_each_gguf_by_its_stem_loaded_on_demand_and_status_sho
         )
         assert "smol-b" in status.stdout and "scheduler decisions" in status.stdout, status.stdout
         assert re.search(r"loaded smol-b: smol-b loaded in [\d.]+ s, holding [\d.]+ MiB", status.stdout), status.stdout
+
+
+def test_keep_alive_takes_seconds_and_go_durations_and_anything_beyond_31_years_is_for_ever() -> None:
+    assert keep_alive_seconds("1h30m") == 5400 and keep_alive_seconds("250ms") == 0.25 and keep_alive_seconds(0) == 0
+    assert keep_alive_seconds(-1) == keep_alive_seconds("-1s") == keep_alive_seconds(4.1e16) == math.inf
+    assert keep_alive_seconds(None) is None
+    for bad in ("soon", "5 m", True):
+        with pytest.raises(InvalidField, match="keep_alive must be"):
+            keep_alive_seconds(bad)  # type: ignore[arg-type]

@@ -156,6 +156,7 @@ async def serve(args: argparse.Namespace) -> int:
         load_wait=args.load_wait,
         reclaim_timeout=args.reclaim_timeout,
         reclaim_poll=args.reclaim_poll,
+        default=config.default_id(),
     )
     scheduler.listeners.add(lambda d: print(f"tether: {d.kind} {d.model}: {d.reason}", file=sys.stderr, flush=True))
     async with fleet, scheduler:

@@ -295,8 +295,11 @@ class Api:
         release = contextlib.AsyncExitStack()
         try:
             leased = time.monotonic()
+            loaded = self.scheduler.loaded(model_id)
             hosted = await release.enter_async_context(self.scheduler.lease(model_id, plan.keep_alive))
-            shaper.load_seconds = time.monotonic() - leased
+            shaper.load_seconds = 0.0 if loaded else time.monotonic() - leased
+            if not loaded:
+                self.metrics.load_wait.labels(model_id).observe(shaper.load_seconds)
             handle = await release.enter_async_context(self.fleet.generation(hosted, plan.params, request_id))
         except BaseException as exc:
             with anyio.CancelScope(shield=True):

@@ -38,6 +38,7 @@ from tether.serve.fleet import ID_PATTERN, InstanceConfig
 
 FOREVER = math.inf
 DEFAULT_KEEP_ALIVE = 300.0  # Ollama's default: five minutes idle, then unloaded
+LONGEST_KEEP_ALIVE = 1e9  # seconds (31 years); longer is for ever (and no date overflows)
 # Go's time.ParseDuration syntax ("5m", "1h30m", "-1s"), as Ollama's keep_alive takes it, or seconds as text
 DURATION = r"^-?(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$|^-?([0-9]+(\.[0-9]*)?|\.[0-9]+)$"
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -49,7 +50,8 @@ KeepAlive = Annotated[float, documented()] | Annotated[str, documented(pattern=D
 
 def keep_alive_seconds(value: float | str | None, field: str = "keep_alive") -> float | None:
     """``keep_alive`` in seconds: a number of seconds or a duration ("5m", "1h30m"), as Ollama takes it; 0 means
-    "unload after this request", a negative value forever (``math.inf``); None when not given."""
+    "unload after this request", a negative value (or one beyond ``LONGEST_KEEP_ALIVE``) forever (``math.inf``);
+    None when not given."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -68,7 +70,7 @@ def keep_alive_seconds(value: float | str | None, field: str = "keep_alive") -> 
         seconds = float(value)
     if math.isnan(seconds):
         raise InvalidField(field, f"{field} must be a number of seconds, got NaN")
-    return FOREVER if seconds < 0 else seconds
+    return FOREVER if seconds < 0 or seconds > LONGEST_KEEP_ALIVE else seconds
 
 
 def describe_keep_alive(seconds: float) -> str:

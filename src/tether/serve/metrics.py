@@ -159,6 +159,13 @@ class Metrics:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
+        self.load_wait = Histogram(
+            "tether_model_load_wait_seconds",
+            "How long a request for a model that was not loaded waited for its load",
+            ["model"],
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
         self.evictions = Counter(
             "tether_model_evictions",
             "Models unloaded by the scheduler, by reason (memory, max_loaded, keep_alive, deleted, failed, requested)",

@@ -519,6 +519,8 @@ def chat_plan(body: OllamaChatRequest) -> openai.Plan | None:
     tools = toolkit.plan(body.tools or [], None, None)
     if not body.messages:
         checked(GenerateParams(prompt="", **common))  # a load request's options are checked too
+        if tools is not None:
+            tools.apply([], json_schema, "format")  # and tools beside a format are refused there too
         return None
     messages = chat_messages(body.messages)
     if tools is not None:

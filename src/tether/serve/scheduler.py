@@ -175,8 +175,10 @@ class Scheduler:
         reclaim_timeout: float = 10.0,
         reclaim_poll: float | None = None,
         memory: Callable[[], NodeMemory] = node_memory,
+        default: str | None = None,
     ) -> None:
         self.fleet = fleet
+        self.default = default  # the model a placeholder name reaches when none is loaded (tether serve's first)
         self.catalog = catalog
         self.max_loaded = max_loaded
         self.load_wait = load_wait  # how long a request waits for its model's load
@@ -224,7 +226,8 @@ class Scheduler:
     def resolve(self, name: str | None) -> str:
         """The model id a request's ``model`` names: a catalogued model (by id or alias; ``name:latest`` finds
         ``name``) or an instance. With exactly one model loaded, any other name (or none) reaches it, as with
-        llama.cpp's and llama-cpp-python's servers, whose clients often send a placeholder."""
+        llama.cpp's and llama-cpp-python's servers, whose clients often send a placeholder; with none loaded, the
+        default model (``tether serve``'s first) does."""
         model = self.catalog.find(name)
         if model is not None:
             return model.id
@@ -235,6 +238,8 @@ class Scheduler:
                     return candidate
         if len(hosted_ids) == 1:
             return hosted_ids[0]
+        if not hosted_ids and self.default is not None:
+            return self.default
         served = ", ".join(self.names()) or "none"
         if name is None and self.names():
             raise ModelRequired(f"'model' is required when more than one model is served; models: {served}")
@@ -260,6 +265,11 @@ class Scheduler:
             return hosted
         await self._unload(slot, hosted, "deleted (DELETE /v1/instances)", "deleted")
         return hosted
+
+    def loaded(self, model_id: str) -> bool:
+        """Whether a request for ``model_id`` would be served without waiting for a load."""
+        slot = self.slots.get(model_id)
+        return slot is None or slot.state == "loaded"
 
     # --- leases ---------------------------------------------------------------------------------------------
 

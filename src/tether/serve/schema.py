@@ -518,7 +518,8 @@ class OllamaMessageOut(msgspec.Struct):
     tool_calls: list[OllamaToolCallOut] | None = None
 
 
-OllamaDoneReason = Literal["stop", "length", "load"]  # "load": a request without a prompt, answered at once
+# "load" / "unload": a request without a prompt, answered once its model is loaded (or, with keep_alive 0, unloaded)
+OllamaDoneReason = Literal["stop", "length", "load", "unload"]
 
 
 class OllamaChatChunk(msgspec.Struct):
