@@ -195,4 +195,4 @@ def test_the_fuzzer_catches_a_schema_that_lies(server: ServeChild, document: dic
     failures = "\n".join(report.failures)
     assert report.nonconforming >= 2, failures
     assert set(report.nonconforming_by_operation) >= {"GET /healthz", "POST /v1/completions"}, failures
-    assert report.unexpected_5xx == 0
+    assert report.unexpected_5xx == 0, failures

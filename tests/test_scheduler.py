@@ -133,6 +133,8 @@ def test_keep_alive_unloads_an_idle_model_and_0_unloads_it_after_the_request(cat
         assert loading.status_code == 200 and loading.json()["load_duration"] > 0, loading.text  # it waited for a load
         ps = {m["name"]: m for m in server.http.get("/api/ps").json()["models"]}
         assert ps["a"]["expires_at"] < ps["debug"]["expires_at"]  # a: in 9 s (this request said so); debug: 5 min
+        assert ask(server, "a").status_code == 200  # without keep_alive: the model's own again (1 s), as in Ollama
+        wait_until(lambda: models(server)["a"]["state"] == "unloaded", 10, "a unloaded on its own keep-alive")
 
 
 @pytest.mark.timeout(60)

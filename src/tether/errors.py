@@ -66,8 +66,8 @@ class NotFound(TetherError, LookupError):
 class InstanceExists(TetherError):
     """An instance with that id is already served."""
 
-    def __init__(self, instance_id: str) -> None:
-        super().__init__(f"an instance {instance_id!r} exists already: DELETE it first or choose another id")
+    def __init__(self, instance_id: str, why: str | None = None) -> None:
+        super().__init__(why or f"an instance {instance_id!r} exists already: DELETE it first or choose another id")
         self.instance_id = instance_id
 
 

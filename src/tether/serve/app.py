@@ -571,7 +571,11 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: in
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [await model_json(name) for name in scheduler.names()]})
+        data = []
+        for name in scheduler.names():
+            with contextlib.suppress(NotFound):  # an instance deleted while the list was read
+                data.append(await model_json(name))
+        return _json({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str) -> Response:

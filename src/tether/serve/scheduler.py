@@ -276,21 +276,21 @@ class Scheduler:
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Hosted]:
         """The model's instance, loaded (a catalogued model is loaded now if it is not, waiting at most
-        ``load_wait``), kept from unloading and eviction until the block ends. ``keep_alive`` (seconds) becomes
-        the model's from now on, as Ollama's per-request keep_alive does."""
+        ``load_wait``), kept from unloading and eviction until the block ends. ``keep_alive`` (seconds; None: the
+        model's own) is how long it stays loaded once this request is done, as Ollama's per-request keep_alive:
+        the last request to end sets the countdown."""
         slot = self.slots.get(model_id)
         if slot is None:  # an instance added through POST /v1/instances: it stays until it is deleted
             yield self.fleet.get(model_id)
             return
         slot.holds += 1
-        if keep_alive is not None:
-            slot.keep_alive = keep_alive
         slot.poke()
         try:
             yield await self._ready_instance(slot)
         finally:
             slot.holds -= 1
             slot.last_used = time.monotonic()
+            slot.keep_alive = slot.model.keep_alive if keep_alive is None else keep_alive
             slot.poke()
 
     async def _ready_instance(self, slot: Slot) -> Hosted:
@@ -506,8 +506,13 @@ class Scheduler:
 
     async def add_instance(self, config: InstanceConfig) -> Hosted:
         """``POST /v1/instances``: start it (evicting idle models if it needs their memory)."""
-        if config.default_id() in self.slots:
-            raise InstanceExists(config.default_id())
+        model_id = config.default_id()
+        if model_id in self.slots:
+            raise InstanceExists(
+                model_id,
+                f"{model_id!r} is a catalogued model ({self.slots[model_id].model.source}): a request naming it loads "
+                "it, DELETE /v1/instances/{id} unloads it; choose another id for an instance of your own",
+            )
         return await self._start_instance(config)
 
     async def _start_instance(self, config: InstanceConfig) -> Hosted:
