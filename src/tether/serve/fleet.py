@@ -31,7 +31,6 @@ from tether.engines import registry
 from tether.errors import (
     InstanceExists,
     InvalidField,
-    ModelRequired,
     NotFound,
     Unavailable,
     UnknownEngine,
@@ -210,18 +209,6 @@ class Fleet:
         if hosted is None:
             raise NotFound(f"no instance {instance_id!r}; instances: {', '.join(self._hosted) or 'none'}")
         return hosted
-
-    def route(self, model: str | None) -> Hosted:
-        """The instance a request names; with a single instance, any model name reaches it (as with llama.cpp's
-        and llama-cpp-python's servers, whose clients often send a placeholder)."""
-        if model is not None and model in self._hosted:
-            return self._hosted[model]
-        if len(self._hosted) == 1:
-            return next(iter(self._hosted.values()))
-        served = ", ".join(self._hosted) or "none"
-        if model is None and self._hosted:
-            raise ModelRequired(f"'model' is required when more than one model is served; models: {served}")
-        raise NotFound(f"model {model!r} is not served here; models: {served}")
 
     async def add(self, config: InstanceConfig) -> Hosted:
         """Start an instance (it loads in the background). Raises ``InvalidField`` for a bad config (naming the
