@@ -280,15 +280,9 @@ class DebugServer(ServeChild):
     and a bounded stop that counts the runners left (``leftover``) and whether SIGKILL was needed (``forced``)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        try:
-            super().__init__(
-                "--engine", "debug", "--name", "warm", "--stop-timeout", str(STOP_TIMEOUT), startup=READY_TIMEOUT
-            )
-        except BaseException:
-            if hasattr(self, "proc"):
-                self.proc.kill()
-                self.proc.wait()
-            raise
+        super().__init__(  # a child that never listens is killed
+            "--engine", "debug", "--name", "warm", "--stop-timeout", str(STOP_TIMEOUT), startup=READY_TIMEOUT
+        )
         self.leftover = 0
         self.forced = False
         self.instance_id = str(config["id"])

@@ -239,13 +239,7 @@ class SwapServer(ServeChild):
     def __init__(self, setup: Setup, extra: Sequence[str], cgroup: Path | None) -> None:
         args = ["--engine", "debug", "--name", "boot", "--catalog", str(setup.catalog)]
         args += [f"--keep-alive={KEEP_ALIVE}", "--stop-timeout", str(STOP_TIMEOUT), *extra]
-        try:
-            super().__init__(*args, startup=READY_TIMEOUT, cgroup=cgroup)
-        except BaseException:
-            if hasattr(self, "proc"):
-                self.proc.kill()
-                self.proc.wait()
-            raise
+        super().__init__(*args, startup=READY_TIMEOUT, cgroup=cgroup)  # a child that never listens is killed
         self.leftover = 0
         self.forced = False
         self.http = httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT)

@@ -41,7 +41,12 @@ class ServeChild:
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self.wait_for(r"listening on (http://\S+)", startup).group(1)
+        try:
+            self.url = self.wait_for(r"listening on (http://\S+)", startup).group(1)
+        except BaseException:  # it never listened: nothing of it may outlive the failure
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     @property
     def pid(self) -> int:
