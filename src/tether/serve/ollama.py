@@ -929,8 +929,9 @@ async def ps_json(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> di
         if memory is not None:
             size, vram = memory.footprint + memory.file, memory.gpu or 0
     expires = FOREVER if expires_in is None else rfc3339(time.time() + expires_in)
-    entry = {**tag_json(Listed.of(hosted), f), "size": size, "size_vram": vram, "expires_at": expires}
-    n_ctx = options_of(Listed.of(hosted)).get("n_ctx")
+    item = Listed.of(hosted)
+    entry = {**tag_json(item, f), "size": size, "size_vram": vram, "expires_at": expires}
+    n_ctx = options_of(item).get("n_ctx")
     if isinstance(n_ctx, int):
         entry["context_length"] = n_ctx
     return entry

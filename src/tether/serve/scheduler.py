@@ -223,19 +223,23 @@ class Scheduler:
         """Every model a request can name: the catalog's, then instances added beside it."""
         return [*self.slots, *(h.id for h in self.fleet.list() if h.id not in self.slots)]
 
+    def _named(self, name: str) -> str | None:
+        """The model id ``name`` names (catalogued id or alias, instance id; ``name:latest`` finds ``name``)."""
+        model = self.catalog.find(name)
+        if model is not None:
+            return model.id
+        hosted_ids = {h.id for h in self.fleet.list()}
+        return next((c for c in (name, name.removesuffix(":latest")) if c in hosted_ids), None)
+
     def resolve(self, name: str | None) -> str:
         """The model id a request's ``model`` names: a catalogued model (by id or alias; ``name:latest`` finds
         ``name``) or an instance. With exactly one model loaded, any other name (or none) reaches it, as with
         llama.cpp's and llama-cpp-python's servers, whose clients often send a placeholder; with none loaded, the
         default model (``tether serve``'s first) does."""
-        model = self.catalog.find(name)
-        if model is not None:
-            return model.id
+        named = self._named(name) if name is not None else None
+        if named is not None:
+            return named
         hosted_ids = [h.id for h in self.fleet.list()]
-        if name is not None:
-            for candidate in (name, name.removesuffix(":latest")):
-                if candidate in hosted_ids:
-                    return candidate
         if len(hosted_ids) == 1:
             return hosted_ids[0]
         if not hosted_ids and self.default is not None:
@@ -247,13 +251,10 @@ class Scheduler:
 
     def resolve_exact(self, name: str) -> str:
         """The model id ``name`` names (id, alias, ``:latest``, instance id), without the placeholder rule."""
-        model = self.catalog.find(name)
-        if model is not None:
-            return model.id
-        for candidate in (name, name.removesuffix(":latest")):
-            if candidate in {h.id for h in self.fleet.list()}:
-                return candidate
-        raise NotFound(f"model {name!r} is not served here; models: {', '.join(self.names()) or 'none'}")
+        named = self._named(name)
+        if named is None:
+            raise NotFound(f"model {name!r} is not served here; models: {', '.join(self.names()) or 'none'}")
+        return named
 
     async def remove(self, instance_id: str) -> Hosted:
         """``DELETE /v1/instances/{id}``: stop it now, busy or not (its requests end with the cause); a catalogued
@@ -544,16 +545,15 @@ class Scheduler:
         node = await anyio.to_thread.run_sync(self.memory)
         reserved = {h.id: _reserved(h) for h in self.fleet.list() if h.instance is not instance}
         victims = self._victims(instance, estimate, node, reserved)
+        evicted = {slot.id for slot, _ in victims}
+        held_back = sum(room for model_id, room in reserved.items() if model_id not in evicted)  # the staying ones'
         if victims:
-            evicted = {slot.id for slot, _ in victims}
-            staying = sum(room for model_id, room in reserved.items() if model_id not in evicted)
-            need = estimate.total + staying if estimate is not None else 0
+            need = estimate.total + held_back if estimate is not None else 0
             needs = estimate.describe() if estimate is not None else "needs a slot (no estimate)"
             node = await self._evict(instance.name, victims, need, needs, node)
         if estimate is None:
             engine = registry.canonical(spec.engine)
             return FitResult(None, None, "none", True, False, f"no memory estimate for engine {engine!r}: admitted")
-        held_back = sum(_reserved(h) for h in self.fleet.list() if h.instance is not instance)
         source = node.source
         if held_back:
             source += f"; less {format_bytes(held_back)} the loaded models may still grow into, by their estimates"
@@ -762,19 +762,10 @@ def describe(decision: Decision) -> str:
 
 def scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
     """The scheduler for ``GET /v1/instances`` and ``tether status``: its settings, its models, its decisions."""
-    now = time.monotonic()
     return {
         "max_loaded": scheduler.max_loaded,
         "load_wait": scheduler.load_wait,
         "reclaim_timeout": scheduler.reclaim_timeout,
-        "models": {
-            slot.id: {
-                "state": slot.state,
-                "busy": not slot.idle,
-                "expires_in": slot.expires_in(now),
-                "loads": slot.loads,
-            }
-            for slot in scheduler.slots.values()
-        },
+        "models": {slot.id: scheduler.view(slot) for slot in scheduler.slots.values()},  # as GET /v1/models says
         "decisions": [msgspec.to_builtins(d) for d in scheduler.decisions],
     }
