@@ -287,6 +287,7 @@ class CauseKind(enum.StrEnum):
     SPAWN_ERROR = "spawn_error"  # the runner process could not be started
     STOP_ESCALATED = "stop_escalated"  # asked to stop, had to be terminated or killed
     DOES_NOT_FIT = "does_not_fit"  # refused before load: the model's estimate exceeds the memory available
+    NODE_LOST = "node_lost"  # the runner's node agent died, its node was removed, went silent, or fenced itself
 
 
 class Cause(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tether.engines import registry
 from tether.engines.base import MemoryEstimate
@@ -35,6 +36,7 @@ class FitResult:
     fits: bool
     overridden: bool
     message: str
+    nodes: tuple[dict[str, Any], ...] = ()  # on a cluster: every node's verdict (node, fits, needed, available, source)
 
     @property
     def ok(self) -> bool:

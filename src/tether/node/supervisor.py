@@ -139,6 +139,7 @@ class Supervisor:
         memory_interval: float = 2.0,
     ) -> None:
         self.spec = spec
+        self.node: str | None = None  # the node it runs on when that is not this machine (a cluster's)
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
         self.stop_timeout = stop_timeout
         self.start_timeout = start_timeout

@@ -72,6 +72,20 @@ class TaskHandle:
             self._receive.close()
         return event
 
+    def ready_now(self) -> list[TaskEvent]:
+        """The events already delivered, without waiting (up to the terminal status): how a relay batches them."""
+        events: list[TaskEvent] = []
+        while self.final is None:
+            try:
+                event = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if isinstance(event, TaskStatus) and event.state.terminal:
+                self.final = event
+                self._receive.close()
+            events.append(event)
+        return events
+
     async def wait(self) -> TaskStatus:
         """Consume the remaining events and return the terminal status."""
         async for _ in self:
