@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -28,7 +28,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
-from tether.node.instance import InstanceReady
+from tether.node.instance import Instance, InstanceReady
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
 from tether.serve import embeddings, ollama, openai, responses, schema
@@ -38,6 +38,13 @@ from tether.serve.scheduler import Scheduler, scheduler_json
 from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
 
 log = logging.getLogger("tether.api")
+
+
+class ClusterView(Protocol):
+    """The Ray cluster's nodes, agents and events (``tether.cluster.coordinator.Cluster``), for GET /v1/instances."""
+
+    def view(self) -> dict[str, Any]: ...
+
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answer without the API key (probes)
 DEFAULT_MAX_BODY = 4 << 20
@@ -421,6 +428,7 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
             "memory": {"footprint": memory.footprint, **msgspec.to_builtins(memory)} if memory is not None else None,
             "log": str(sup.output_log) if sup.output_log else None,
             "cgroup": str(sup.cgroup) if sup.cgroup is not None else None,
+            "node": sup.node,
         }
     cause = inst.cause
     return {
@@ -454,6 +462,21 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         "measured": inst.measured.describe() if inst.measured is not None else None,
         "restart": msgspec.to_builtins(hosted.config.restart),
         "deadlines": msgspec.to_builtins(hosted.config.deadlines),
+        "replicas": [_replica(r, hosted.serving.get(r, 0)) for r in hosted.replicas],
+        "spread": hosted.config.spread,
+    }
+
+
+def _replica(inst: Instance, serving: int) -> dict[str, Any]:
+    sup = inst.supervisor
+    return {
+        "name": inst.name,
+        "state": tag_of(inst.state),
+        "node": sup.node if sup is not None else None,
+        "pid": sup.pid if sup is not None else None,
+        "serving": serving,
+        "restarts": inst.restarts,
+        "cause": cause_json(inst.cause) if inst.cause is not None else None,
     }
 
 
@@ -462,7 +485,13 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> ASGIApp:
+def create_app(
+    scheduler: Scheduler,
+    *,
+    api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    cluster: ClusterView | None = None,
+) -> ASGIApp:
     """The ASGI app for ``scheduler`` and its fleet (which the caller owns: the app starts and stops instances only
     when asked, or when the scheduler loads, unloads and evicts models)."""
     app = FastAPI(title="tether", docs_url=None, redoc_url=None, openapi_url=None)
@@ -483,7 +512,8 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: in
 
     @app.exception_handler(DoesNotFit)
     async def does_not_fit(_: Request, exc: DoesNotFit) -> Response:
-        return _error(507, str(exc), "insufficient_memory", code="does_not_fit")
+        extra: dict[str, Any] = {"nodes": list(exc.result.nodes)} if exc.result.nodes else {}
+        return _error(507, str(exc), "insufficient_memory", code="does_not_fit", **extra)
 
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> Response:
@@ -609,6 +639,7 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, max_body: in
                 "object": "list",
                 "data": [await fresh(h) for h in fleet.list()],
                 "scheduler": scheduler_json(scheduler),
+                **({"cluster": cluster.view()} if cluster is not None else {}),
             }
         )
 

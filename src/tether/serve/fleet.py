@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Protocol
 
 import anyio
 import msgspec
@@ -45,6 +45,7 @@ from tether.node.instance import (
     InstanceStarting,
     Placer,
     RestartPolicy,
+    SupervisorFactory,
 )
 from tether.node.listeners import Listeners
 from tether.node.supervisor import Supervisor
@@ -57,6 +58,8 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RECENT_REQUESTS = 10_000
 MAX_QUEUE_LIMIT = 1 << 20
 MIN_MEMORY_LIMIT = 16 << 20  # below this a runner cannot even start Python
+MAX_REPLICAS = 64
+Spread = Literal["SPREAD", "STRICT_SPREAD", "PACK"]
 
 
 class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -72,6 +75,10 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory_limit: Annotated[int, documented(minimum=MIN_MEMORY_LIMIT, maximum=(1 << 63) - 1)] | None = None  # bytes
     max_queue: Annotated[int, documented(minimum=1, maximum=MAX_QUEUE_LIMIT)] = 16  # waiting, beyond parallel running
     force: bool = False  # load even when the fit check says it does not fit
+    # Copies of the instance, each a runner of its own; requests go to the least loaded ready one. On a cluster
+    # ``spread`` says where: SPREAD prefers distinct nodes, STRICT_SPREAD requires them, PACK prefers shared ones.
+    replicas: Annotated[int, documented(minimum=1, maximum=MAX_REPLICAS)] = 1
+    spread: Spread = "SPREAD"
 
     def check(self) -> InvalidField | None:
         """What is wrong with this config (naming the field), or None. Resolves the engine through the registry
@@ -99,6 +106,8 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "memory_limit",
                 f"memory_limit must be at least 16 MiB (16777216 bytes) and below 2**63 bytes, got {self.memory_limit}",
             )
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            return InvalidField("replicas", f"replicas must be in [1, {MAX_REPLICAS}], got {self.replicas}")
         if self.faults and engine != "debug":
             return InvalidField("faults", "faults are for the debug engine only")
         if self.memory_limit is None and any(fault.kind == "oom" for fault in self.faults):
@@ -134,16 +143,22 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass
 class Hosted:
-    """One instance of the fleet and what the API needs beside it: its config and its request queue."""
+    """One instance of the fleet and what the API needs beside it: its config, its replicas and its request queue."""
 
     id: str
     config: InstanceConfig
-    instance: Instance
-    parallel: int = 1  # generations its runner's engine serves at once
+    replicas: list[Instance]
+    parallel: int = 1  # generations each replica's runner serves at once
     created_at: float = field(default_factory=time.time)
     in_flight: int = 0  # generations admitted and not ended (running + waiting in the runner's queue)
+    serving: dict[Instance, int] = field(default_factory=dict)  # replica -> generations handed to it, not ended
     _stop: anyio.Event = field(default_factory=anyio.Event)
     _done: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def instance(self) -> Instance:
+        """The replica that speaks for the instance: the first ready one, else the first (its only one, mostly)."""
+        return next((r for r in self.replicas if isinstance(r.state, InstanceReady)), self.replicas[0])
 
     @property
     def supervisor(self) -> Supervisor | None:
@@ -151,14 +166,21 @@ class Hosted:
 
     @property
     def limit(self) -> int:
-        """Generations admitted at most: ``parallel`` running plus ``max_queue`` waiting."""
-        return self.parallel + self.config.max_queue
+        """Generations admitted at most: ``parallel`` running on each replica plus ``max_queue`` waiting."""
+        return self.parallel * len(self.replicas) + self.config.max_queue
+
+    def pick(self) -> Instance | None:
+        """The least loaded ready replica (ties: the first), or None when none is ready."""
+        ready = [r for r in self.replicas if isinstance(r.state, InstanceReady)]
+        return min(ready, key=lambda r: self.serving.get(r, 0)) if ready else None
 
     def generations(self) -> tuple[int, int]:
-        """(running, waiting) now: in the runner's batch, and admitted but waiting for a slot (in the runner's queue
-        or not yet handed to it)."""
-        sup = self.supervisor
-        running, _ = sup.generations() if sup is not None else (0, 0)
+        """(running, waiting) now: in the runners' batches, and admitted but waiting for a slot (in a runner's queue
+        or not yet handed to one)."""
+        running = 0
+        for replica in self.replicas:
+            sup = replica.supervisor
+            running += sup.generations()[0] if sup is not None else 0
         return running, max(self.in_flight - running, 0)
 
     def retry_after(self) -> float | None:
@@ -171,14 +193,28 @@ class Hosted:
         return None
 
 
+class Runners(Protocol):
+    """Where an instance's runners live when not on this machine (the Ray cluster): it builds each replica's
+    supervisor factory and learns which replicas belong together, so placement can spread them."""
+
+    def runners(self, memory_limit: int | None) -> SupervisorFactory: ...
+
+    def join(self, instances: list[Instance], spread: Spread) -> None: ...
+
+    def forget(self, instances: list[Instance]) -> None: ...
+
+
 class Fleet:
     """The instances of one serving worker. Use as ``async with Fleet() as fleet:``; leaving stops them all."""
 
-    def __init__(self, *, stop_timeout: float = 15.0, placer: Placer | None = None) -> None:
+    def __init__(
+        self, *, stop_timeout: float = 15.0, placer: Placer | None = None, cluster: Runners | None = None
+    ) -> None:
         self.stop_timeout = stop_timeout
         self.placer = placer  # decides every life's placement (the scheduler); None: the fit check alone
+        self.cluster = cluster  # None: every runner on this machine
         self._hosted: dict[str, Hosted] = {}
-        self._requests: dict[str, Hosted] = {}  # request id (= the runner's task id) -> its instance, while in flight
+        self._requests: dict[str, tuple[Hosted, Instance]] = {}  # request id -> its instance and replica, in flight
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
         self._tg: TaskGroup | None = None
         self.listeners: Listeners[Hosted] = Listeners("fleet")  # told of every instance added (metrics)
@@ -225,22 +261,37 @@ class Fleet:
         refused = registry.spec_problem(spec)
         if refused is not None:
             raise refused
+        if config.spread == "STRICT_SPREAD" and config.replicas > 1 and self.cluster is None:
+            raise InvalidField(
+                "spread",
+                f"STRICT_SPREAD puts each of the {config.replicas} replicas on a node of its own: this worker is one "
+                "node (tether serve --ray serves a cluster); use SPREAD or PACK",
+            )
         admitted = None  # a placer decides (under its node-wide load lock), else the fit check runs now
-        if self.placer is None:
+        if self.placer is None and self.cluster is None:
             admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads a header
-        factory = partial(Supervisor, memory_limit=config.memory_limit)
-        instance = Instance(
-            spec,
-            config.restart,
-            name=instance_id,
-            supervisor_factory=factory,
-            deadlines=config.deadlines,
-            force=config.force,
-            stop_timeout=self.stop_timeout,
-            admitted=admitted,
-            placer=self.placer,
+        factory: SupervisorFactory = (
+            partial(Supervisor, memory_limit=config.memory_limit)
+            if self.cluster is None
+            else self.cluster.runners(config.memory_limit)
         )
-        hosted = Hosted(id=instance_id, config=config, instance=instance, parallel=registry.parallel(spec))
+        replicas = [
+            Instance(
+                spec,
+                config.restart,
+                name=name,
+                supervisor_factory=factory,
+                deadlines=config.deadlines,
+                force=config.force,
+                stop_timeout=self.stop_timeout,
+                admitted=admitted if i == 0 else None,
+                placer=self.placer,
+            )
+            for i, name in enumerate(replica_names(config))
+        ]
+        if self.cluster is not None:
+            self.cluster.join(replicas, config.spread)
+        hosted = Hosted(id=instance_id, config=config, replicas=replicas, parallel=registry.parallel(spec))
         self._hosted[instance_id] = hosted
         self.listeners(hosted)
         self._tg.start_soon(self._host, hosted)
@@ -252,11 +303,15 @@ class Fleet:
         hosted = self.get(instance_id)
         await self._stop_one(hosted)
         self._hosted.pop(instance_id, None)
+        if self.cluster is not None:
+            self.cluster.forget(hosted.replicas)
         return hosted
 
     async def _host(self, hosted: Hosted) -> None:
         try:
-            async with hosted.instance:
+            async with contextlib.AsyncExitStack() as stack:
+                for replica in hosted.replicas:
+                    await stack.enter_async_context(replica)
                 await hosted._stop.wait()
         except Exception:
             log.exception("instance %s ended with an error", hosted.id)
@@ -275,27 +330,28 @@ class Fleet:
     @contextlib.asynccontextmanager
     async def generation(self, hosted: Hosted, params: GenerateParams, request_id: str) -> AsyncIterator[TaskHandle]:
         """Admit a generation to ``hosted``'s queue and submit it; ``Unavailable`` says why not and when to retry."""
-        state = hosted.instance.state
-        if not isinstance(state, InstanceReady):
-            raise Unavailable(
-                hosted.instance.unavailable_reason(), retry_after=hosted.retry_after(), cause=hosted.instance.cause
-            )
+        replica = hosted.pick()
+        if replica is None:
+            inst = hosted.instance
+            raise Unavailable(inst.unavailable_reason(), retry_after=hosted.retry_after(), cause=inst.cause)
         if hosted.in_flight >= hosted.limit:
             running, waiting = hosted.generations()
             raise Unavailable(
-                f"instance {hosted.id} is busy: {running} requests generating (parallel {hosted.parallel}) and "
+                f"instance {hosted.id} is busy: {running} requests generating (parallel {hosted.parallel}"
+                f"{f' on each of {len(hosted.replicas)} replicas' if len(hosted.replicas) > 1 else ''}) and "
                 f"{waiting} waiting (max_queue {hosted.config.max_queue}); retry shortly, or raise max_queue (more "
                 "waiting) or the engine's parallel option (more at once, more memory)",
                 retry_after=1.0,
             )
         hosted.in_flight += 1
+        hosted.serving[replica] = hosted.serving.get(replica, 0) + 1
         outcome = "failed"
         try:
             try:
-                handle = await hosted.instance.generate(params, task_id=request_id)
+                handle = await replica.generate(params, task_id=request_id)
             except RunnerUnavailable as exc:
                 raise Unavailable(str(exc), retry_after=hosted.retry_after(), cause=exc.cause) from exc
-            self._requests[request_id] = hosted
+            self._requests[request_id] = (hosted, replica)
             try:
                 yield handle
             finally:
@@ -304,6 +360,7 @@ class Fleet:
                     outcome = handle.final.state.value
         finally:
             hosted.in_flight -= 1
+            hosted.serving[replica] -= 1
             self._requests.pop(request_id, None)
             self._recent[request_id] = outcome
             if len(self._recent) > RECENT_REQUESTS:
@@ -311,15 +368,21 @@ class Fleet:
 
     async def cancel(self, request_id: str) -> CancelReply:
         """Cancel a request by id; a finished or unknown one is a no-op that says so."""
-        hosted = self._requests.get(request_id)
-        if hosted is not None:
-            sup = hosted.supervisor
+        serving = self._requests.get(request_id)
+        if serving is not None:
+            sup = serving[1].supervisor
             if sup is not None:
                 return await sup.cancel(request_id)
             return CancelReply(request_id, "runner_gone", "the runner is gone; the request ends with its cause")
         if request_id in self._recent:
             return CancelReply(request_id, "finished", f"already {self._recent[request_id]}: nothing to cancel")
         return CancelReply(request_id, "unknown", f"no request {request_id!r}: nothing to cancel")
+
+
+def replica_names(config: InstanceConfig) -> list[str]:
+    """The names of an instance's replicas (in runner ids, logs and cgroups): its id alone, or ``<id>.r<i>``."""
+    instance_id = config.default_id()
+    return [instance_id] if config.replicas == 1 else [f"{instance_id}.r{i}" for i in range(config.replicas)]
 
 
 def new_request_id(prefix: str, sep: str = "-") -> str:

@@ -56,6 +56,7 @@ from tether.node.instance import (
     InstanceStarting,
     InstanceState,
     InstanceStopped,
+    Placer,
     RunnerNotGone,
     wait_runner_gone,
 )
@@ -63,7 +64,7 @@ from tether.node.listeners import Listeners
 from tether.node.memory import NodeMemory, node_memory
 from tether.node.tasks import RunnerUnavailable
 from tether.serve.catalog import Catalog, Model, describe_keep_alive
-from tether.serve.fleet import Fleet, Hosted, InstanceConfig
+from tether.serve.fleet import Fleet, Hosted, InstanceConfig, replica_names
 from tether.units import format_bytes
 
 log = logging.getLogger("tether.serve.scheduler")
@@ -176,8 +177,11 @@ class Scheduler:
         reclaim_poll: float | None = None,
         memory: Callable[[], NodeMemory] = node_memory,
         default: str | None = None,
+        placement: Placer | None = None,
     ) -> None:
         self.fleet = fleet
+        # Where a life goes on a cluster (``Cluster.place``: the node where it fits); None: this node, making room
+        self.placement = placement
         self.default = default  # the model a placeholder name reaches when none is loaded (tether serve's first)
         self.catalog = catalog
         self.max_loaded = max_loaded
@@ -457,29 +461,30 @@ class Scheduler:
         """Every instance of the fleet: its placement lock released when its life leaves Starting, and a catalogued
         model whose instance failed for good is forgotten (its runner is gone: it holds nothing), so the next
         request loads it afresh."""
-        inst = hosted.instance
 
-        def on_state(state: InstanceState) -> None:
+        def on_state(inst: Instance, state: InstanceState) -> None:
             if self._holder is inst and not isinstance(state, InstanceStarting):
                 self._holder = None
                 self._placing.release()
             slot = self.slots.get(hosted.id)
+            whole = hosted.instance.state  # the best replica's: one failed replica of several leaves it loaded
             if (
                 slot is not None
                 and not self._closed
                 and slot.hosted is hosted
                 and slot.state == "loaded"
-                and isinstance(state, InstanceFailed | InstanceStopped)
+                and isinstance(whole, InstanceFailed | InstanceStopped)
             ):
                 slot.hosted = None
                 slot.state = "unloaded"
-                why = state.cause.summary if isinstance(state, InstanceFailed) else "stopped"
+                why = whole.cause.summary if isinstance(whole, InstanceFailed) else "stopped"
                 self._decide("unload", slot.id, f"{slot.id} is gone: {why}", why="failed")
                 assert self._tg is not None
                 self._tg.start_soon(self.fleet.remove, hosted.id)
                 slot.poke()
 
-        inst.add_state_listener(on_state)
+        for replica in hosted.replicas:
+            replica.add_state_listener(functools.partial(on_state, replica))
 
     # --- placement ------------------------------------------------------------------------------------------
 
@@ -489,7 +494,10 @@ class Scheduler:
         await self._placing.acquire()
         self._holder = instance
         try:
-            result = await self._make_room(instance)
+            if self.placement is not None:
+                result = await self.placement(instance)
+            else:
+                result = await self._make_room(instance)
         except BaseException as exc:
             self._holder = None
             self._placing.release()
@@ -519,14 +527,18 @@ class Scheduler:
     async def _start_instance(self, config: InstanceConfig) -> Hosted:
         """Add an instance to the fleet and wait (bounded) until its placement is decided. A refusal is raised here
         and the instance removed: ``DoesNotFit`` (507), ``Unavailable`` (503), ``InvalidField`` (400)."""
-        placed = self._placed[config.default_id()] = anyio.Event()
+        names = replica_names(config)
+        placed = [self._placed.setdefault(name, anyio.Event()) for name in names]
         hosted = await self.fleet.add(config)
         with anyio.move_on_after(self.load_wait):
-            await placed.wait()
-        refusal = self._refused.pop(hosted.id, None)
-        if refusal is not None:
+            for event in placed:  # replicas are placed one after another: all or nothing, as at creation
+                await event.wait()
+                if any(name in self._refused for name in names):
+                    break
+        refusals = [self._refused.pop(name) for name in names if name in self._refused]
+        if refusals:
             await self.fleet.remove(hosted.id)
-            raise refusal
+            raise refusals[0]
         return hosted
 
     async def _make_room(self, instance: Instance) -> FitResult:
