@@ -1,0 +1,547 @@
+"""The coordinator side of a Ray cluster: Ray itself, one node agent per node, tether's heartbeats, node loss and
+placement by true memory.
+
+- **Agents.** One ``NodeAgent`` actor per Ray node that has CPUs (a node without any, such as a head started with
+  ``num_cpus=0``, runs no model), pinned to it (``NodeAffinitySchedulingStrategy``, not soft) and owned by this
+  process: Ray kills owned actors when their owner dies (detached ones it would not). Nodes that join later, and
+  nodes whose agent was lost but that Ray still lists alive, get a fresh agent within ``rescan`` seconds.
+- **Heartbeats** on tether's own connections (``tether.cluster.wire``): an agent silent for ``lost_after`` seconds,
+  or whose connection closes, is lost at once. The cause names the node and what was seen (the connection closed
+  and Ray's words on the actor's death, or the silence and its length); every request in flight on it ends with
+  that cause, its runner lives end, the agent is killed so its runners die by their lifeline (a partitioned agent
+  fences itself after its lease instead), and each instance's restart policy places a replacement elsewhere.
+  A coordinator that was itself paused (SIGSTOP, a long GC) does not blame the agents for its own silence.
+- **Placement** (``place``): every live agent runs the fit check on its own node (the engine's estimate against
+  the node's memory as tether measures it); the instance goes where it fits, by its replicas' ``spread``: SPREAD
+  (prefer nodes without a replica, then the most memory free), STRICT_SPREAD (never two replicas on one node), PACK
+  (prefer nodes that have one, then the least memory that fits). Nowhere: ``DoesNotFit`` with every node's numbers.
+  Ray's placement groups reserve logical resources only; they would happily put a model where its memory is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import msgspec
+from anyio.abc import SocketStream, TaskGroup
+
+from tether.cluster import agent as node
+from tether.cluster import wire
+from tether.cluster.remote import RemoteSupervisor
+from tether.errors import DoesNotFit, TetherError
+from tether.node.fit import FitResult
+from tether.node.hangs import Deadlines
+from tether.node.instance import Instance, InstanceFailed, InstanceStopped
+from tether.node.listeners import Listeners
+from tether.protocol import Cause, CauseKind, EngineSpec
+from tether.units import format_bytes
+
+if TYPE_CHECKING:
+    from tether.node.supervisor import Supervisor
+
+log = logging.getLogger("tether.cluster.coordinator")
+Spread = Literal["SPREAD", "STRICT_SPREAD", "PACK"]
+EventKind = Literal["joined", "lost", "fenced", "ray"]
+RAY_WORDS_WAIT = 0.3  # how long a closed connection waits for Ray's account of the death before failing requests
+ASSESS_TIMEOUT = 10.0
+_GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ValueError)
+
+
+class RayUnavailable(TetherError):
+    """Ray is not installed, or the cluster cannot be reached or started."""
+
+
+class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``tether serve --ray``'s options."""
+
+    address: str | None = None  # an existing cluster ("auto", "host:6379", "ray://..."); None: start a local head
+    interval: float = 0.2  # heartbeat period, each way
+    lost_after: float = 1.0  # silence after which an agent is lost
+    lease: float = 3.0  # silence after which an agent stops its runners itself
+    node_memory_limit: int | None = None  # bytes tether may use on each node (a memory cgroup per agent)
+    object_store_memory: int = 80 << 20  # a local head's object store (tokens are small: batches of deltas)
+    rescan: float = 2.0  # seconds between looks for nodes without an agent
+    stop_timeout: float = 10.0
+
+    def check(self) -> str | None:
+        if not 0 < self.interval < self.lost_after:
+            return (
+                f"the heartbeat interval ({self.interval:g} s) must be > 0 and below lost_after ({self.lost_after:g} s)"
+            )
+        if self.lease <= self.lost_after:
+            return (
+                f"the lease ({self.lease:g} s) must be longer than lost_after ({self.lost_after:g} s): an agent must "
+                "not fence itself before its coordinator would have declared it lost"
+            )
+        return None
+
+
+class NodeEvent(msgspec.Struct, frozen=True):
+    """A node's agent joined or was lost (kept for ``GET /v1/instances`` and logged)."""
+
+    at: float
+    node: str
+    kind: EventKind
+    why: str
+
+
+@dataclass(eq=False)
+class AgentLink:
+    """The coordinator's view of one node agent."""
+
+    node_id: str
+    actor: Any
+    lost_after: float
+    pid: int | None = None
+    host: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    report: wire.NodeReport | None = None
+    fenced: bool = False
+    lost: Cause | None = None
+    lost_at: float | None = None  # time.monotonic() of tether's verdict
+    stream: SocketStream | None = None
+    supervisors: set[RemoteSupervisor] = field(default_factory=set)
+    connected: anyio.Event = field(default_factory=anyio.Event)
+    death: list[str] = field(default_factory=list)  # Ray's words, once its watch call failed
+    died: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def short(self) -> str:
+        return self.node_id[:8]
+
+    @property
+    def live(self) -> bool:
+        return self.lost is None and self.connected.is_set()
+
+    def attach(self, sup: RemoteSupervisor) -> None:
+        if self.lost is not None:
+            sup.lose(self.lost, time.monotonic())
+        else:
+            self.supervisors.add(sup)
+
+    def detach(self, sup: RemoteSupervisor) -> None:
+        self.supervisors.discard(sup)
+
+    def view(self) -> dict[str, Any]:
+        report = self.report
+        return {
+            "node": self.node_id,
+            "host": self.host,
+            "agent_pid": self.pid,
+            "state": "lost" if self.lost is not None else ("fenced" if self.fenced else "live"),
+            "cause": self.lost.summary if self.lost is not None else None,
+            "heard_ago": round(time.monotonic() - self.last_seen, 3),
+            "memory": msgspec.to_builtins(report) if report is not None else None,
+            "runners": sorted(sup.runner_id for sup in self.supervisors),
+        }
+
+
+def _ray_words(lines: list[str]) -> str:
+    """The gist of Ray's account of an actor's death: why it is dead and the worker's exit, without the advice."""
+    text = " ".join(lines)
+    match = re.search(r"Worker exit type: (\S+) Worker exit detail: ([^.]*\.)", text)
+    if match:
+        return f"the agent's worker process died (exit type {match[1]}: {match[2]})"
+    why = next((line for line in lines if "dead because" in line or "died" in line), lines[-1])
+    return why[:300]
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayUnavailable(
+            "tether serve --ray needs Ray: pip install 'tether[ray]' (ray==2.60.0), on this machine and every node"
+        ) from exc
+    return ray
+
+
+class Cluster:
+    """Ray, the agents and their heartbeats. Use as ``async with Cluster(settings) as cluster:`` around the fleet
+    (``Fleet(runners=cluster.runners)``, ``Scheduler(..., placement=cluster.place)``); leaving stops the agents."""
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        problem = settings.check()
+        if problem is not None:
+            raise TetherError(f"invalid cluster settings: {problem}")
+        self.settings = settings
+        self.links: dict[str, AgentLink] = {}  # node id -> its current agent
+        self.events: list[NodeEvent] = []
+        self.listeners: Listeners[NodeEvent] = Listeners("cluster event")
+        self.placed: dict[str, str] = {}  # instance name -> the node its current life is placed on
+        self._groups: dict[str, tuple[list[Instance], Spread]] = {}  # instance name -> its replicas, their spread
+        self._ray: Any = None
+        self._started_head = False
+        self._address: str = ""
+        self._tg: TaskGroup | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Cluster:
+        self._ray = _import_ray()
+        await anyio.to_thread.run_sync(self._init_ray)
+        host = self._ray.util.get_node_ip_address()
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=0)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        self._address = f"{host}:{port}"
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(listener.serve, self._accept)
+        await self._rescan()
+        if not self.links:
+            raise RayUnavailable("the Ray cluster has no node with CPUs for a node agent (num_cpus > 0)")
+        self._tg.start_soon(self._monitor)
+        self._tg.start_soon(self._rescan_periodically)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._shutdown)
+        return None
+
+    def _init_ray(self) -> None:
+        ray = self._ray
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if ray.is_initialized():
+            return
+        if self.settings.address is None:
+            # Ray's own cleanup of what a dead worker started; tether never relies on it (runners keep their lifeline).
+            os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
+            ray.init(
+                include_dashboard=False,
+                object_store_memory=self.settings.object_store_memory,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            self._started_head = True
+        else:
+            try:
+                ray.init(address=self.settings.address, log_to_driver=False, configure_logging=False)
+            except Exception as exc:
+                raise RayUnavailable(
+                    f"cannot connect to the Ray cluster at {self.settings.address}: {exc}; is it running "
+                    "('ray status'), and is this machine's Ray the same version (2.60.0)?"
+                ) from exc
+
+    def _shutdown(self) -> None:
+        for link in list(self.links.values()):
+            with contextlib.suppress(Exception):
+                self._ray.kill(link.actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            self._ray.shutdown()
+
+    # --- agents --------------------------------------------------------------------------------------------
+
+    def _nodes_without_agent(self) -> list[str]:
+        alive = [n for n in self._ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+        return [n["NodeID"] for n in alive if not (n["NodeID"] in self.links and self.links[n["NodeID"]].lost is None)]
+
+    async def _rescan(self) -> None:
+        missing = await anyio.to_thread.run_sync(self._nodes_without_agent)
+        if missing:
+            async with anyio.create_task_group() as tg:
+                for node_id in missing:
+                    tg.start_soon(self._start_agent, node_id)
+
+    async def _rescan_periodically(self) -> None:
+        while True:
+            await anyio.sleep(self.settings.rescan)
+            try:
+                await self._rescan()
+            except Exception:
+                log.exception("looking for nodes without an agent failed")
+
+    async def _start_agent(self, node_id: str) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        s = self.settings
+        settings = node.AgentSettings(
+            coordinator=self._address,
+            node_id=node_id,
+            interval=s.interval,
+            lease=s.lease,
+            memory_limit=s.node_memory_limit,
+            stop_timeout=s.stop_timeout,
+        )
+        actor_class = self._ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)(node.NodeAgent)
+        actor = actor_class.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            name=None,
+        ).remote(msgspec.msgpack.encode(settings))
+        link = AgentLink(node_id, actor, s.lost_after)
+        self.links[node_id] = link
+        try:
+            with anyio.fail_after(60):
+                info = await actor.start.remote()
+                await link.connected.wait()
+        except Exception as exc:
+            log.error("node %s: its agent did not start: %s", node_id[:8], exc)
+            self.links.pop(node_id, None)
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+            return
+        link.pid, link.host = info["pid"], info["host"]
+        link.last_seen = time.monotonic()
+        assert self._tg is not None
+        self._tg.start_soon(self._watch_actor, link)
+        self._event(link.node_id, "joined", f"agent pid {link.pid} on {link.host}")
+
+    async def _watch_actor(self, link: AgentLink) -> None:
+        """Hold one call open on the agent: when its process dies, Ray fails it with its account of the death."""
+        try:
+            await link.actor.hold.remote()
+        except Exception as exc:
+            link.death[:] = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        link.died.set()
+        if link.lost is not None and link.lost_at is not None and link.death:
+            # Ray's account came after tether's verdict (a removed node: ~2 s): the record gets it, with the lag.
+            lag = time.monotonic() - link.lost_at
+            self._event(link.node_id, "ray", f"Ray reported it {lag:.2f} s after tether did: {_ray_words(link.death)}")
+
+    # --- heartbeats ----------------------------------------------------------------------------------------
+
+    async def _accept(self, stream: SocketStream) -> None:
+        reader = wire.Reader(stream)
+        try:
+            with anyio.fail_after(10):
+                hello = await reader.receive()
+        except (TimeoutError, *_GONE):
+            await stream.aclose()
+            return
+        link = self.links.get(hello.node_id) if isinstance(hello, wire.Hello) else None
+        if link is None or link.lost is not None:
+            await stream.aclose()
+            return
+        link.stream = stream
+        link.last_seen = time.monotonic()
+        link.connected.set()
+        ended: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._send_beats, link, stream)
+            try:
+                while True:
+                    self._received(link, await reader.receive())
+            except _GONE as exc:
+                ended = exc
+            tg.cancel_scope.cancel()
+        if link.lost is None:
+            await self._lose(link, f"its heartbeat connection closed ({type(ended).__name__})", ask_ray=True)
+
+    async def _send_beats(self, link: AgentLink, stream: SocketStream) -> None:
+        seq = 0
+        with contextlib.suppress(*_GONE):  # a broken connection is the receiver's to report
+            while link.lost is None:
+                seq += 1
+                with anyio.move_on_after(self.settings.interval):
+                    await stream.send(wire.frame(wire.Beat(seq)))
+                await anyio.sleep(self.settings.interval)
+
+    def _received(self, link: AgentLink, message: wire.Message) -> None:
+        link.last_seen = time.monotonic()
+        if isinstance(message, wire.Beat):
+            link.report = message.node
+            if link.fenced and not message.fenced:
+                self._event(link.node_id, "joined", "its agent serves again after fencing itself")
+            link.fenced = message.fenced
+            by_id = {sup.runner_id: sup for sup in link.supervisors}
+            for runner in message.runners:
+                sup = by_id.get(runner.runner_id)
+                if sup is not None:
+                    sup.reported(runner)
+        elif isinstance(message, wire.Fenced):
+            link.fenced = True
+            self._event(link.node_id, "fenced", f"its agent stopped {len(message.stopped)} runners: {message.reason}")
+            # Read before anything else this process says after its pause: those lives are over, whatever the
+            # agent's answers to their calls (still on their way) will add.
+            cause = Cause(
+                kind=CauseKind.NODE_LOST,
+                summary=f"node {link.short}'s agent stopped its runners itself: {message.reason}",
+            )
+            stopped = set(message.stopped)
+            for sup in list(link.supervisors):
+                if sup.runner_id in stopped:
+                    sup.lose(cause, time.monotonic())
+
+    async def _monitor(self) -> None:
+        """Declare silent agents lost; a gap in this loop itself (this process was paused) blames nobody."""
+        tick = self.settings.interval / 4
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(tick)
+            now = time.monotonic()
+            paused = now - last > self.settings.lost_after / 2
+            last = now
+            for link in list(self.links.values()):
+                if link.lost is not None or not link.connected.is_set():
+                    continue
+                if paused:
+                    link.last_seen = max(link.last_seen, now)  # what arrived meanwhile is read before we judge
+                    continue
+                silent = now - link.last_seen
+                if silent > self.settings.lost_after:
+                    why = f"its heartbeat was silent for {silent:.2f} s (lost after {self.settings.lost_after:g} s)"
+                    await self._lose(link, why, ask_ray=False)
+
+    async def _lose(self, link: AgentLink, what: str, *, ask_ray: bool) -> None:
+        """Lose ``link``'s node: fail everything on it with a cause that names it, and kill its agent."""
+        if link.lost is not None:
+            return
+        detected = time.monotonic()
+        link.lost = Cause(kind=CauseKind.NODE_LOST, summary=f"node {link.short} lost: {what}")  # no new placements
+        if ask_ray:
+            with anyio.move_on_after(RAY_WORDS_WAIT):
+                await link.died.wait()
+        summary = f"node {link.short} (agent pid {link.pid} on {link.host}) lost: {what}"
+        if link.death:
+            summary += f"; Ray: {_ray_words(link.death)}"
+        evidence = list(link.death[:12])
+        if link.report is not None:
+            evidence.append(
+                f"last report {time.monotonic() - link.last_seen:.2f} s before: {format_bytes(link.report.available)} "
+                f"available ({link.report.source})"
+            )
+        cause = Cause(kind=CauseKind.NODE_LOST, summary=summary, evidence=tuple(evidence))
+        link.lost = cause
+        link.lost_at = detected
+        for sup in list(link.supervisors):
+            sup.lose(cause, detected)
+        self._event(link.node_id, "lost", summary)
+        with contextlib.suppress(Exception):  # a live but silent agent dies now; its runners by their lifeline
+            self._ray.kill(link.actor, no_restart=True)
+
+    def _event(self, node_id: str, kind: EventKind, why: str) -> None:
+        event = NodeEvent(time.time(), node_id, kind, why)
+        self.events.append(event)
+        del self.events[:-256]
+        (log.error if kind == "lost" else log.warning)("node %s %s: %s", node_id[:8], kind, why)
+        self.listeners(event)
+
+    # --- placement -----------------------------------------------------------------------------------------
+
+    def join(self, instances: list[Instance], spread: Spread) -> None:
+        """The replicas of one hosted instance, so each is placed knowing where the others are."""
+        for inst in instances:
+            self._groups[inst.name] = (instances, spread)
+
+    def forget(self, instances: list[Instance]) -> None:
+        for inst in instances:
+            self._groups.pop(inst.name, None)
+            self.placed.pop(inst.name, None)
+
+    def runners(self, memory_limit: int | None) -> Callable[..., Supervisor]:
+        """The supervisor factory of an instance: each life on the node its placement chose."""
+        return partial(self._supervisor, memory_limit=memory_limit)
+
+    def _supervisor(
+        self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines, memory_limit: int | None
+    ) -> Supervisor:
+        node_id = self.placed.get(runner_id.rpartition("-")[0])  # runner ids are "<instance>-<life>"
+        link = self.links.get(node_id) if node_id is not None else None
+        if link is None:
+            raise TetherError(f"{runner_id} was not placed on any node")
+        return RemoteSupervisor(
+            spec,
+            runner_id=runner_id,
+            deadlines=deadlines,
+            link=link,
+            memory_limit=memory_limit,
+            stop_timeout=self.settings.stop_timeout,
+        )
+
+    async def place(self, instance: Instance) -> FitResult:
+        """Pick the node for ``instance``'s next life (see the module's docstring); ``DoesNotFit`` with every
+        node's numbers when it fits nowhere."""
+        self.placed.pop(instance.name, None)
+        replicas, spread = self._groups.get(instance.name, ([instance], "SPREAD"))
+        links = [link for link in self.links.values() if link.live and not link.fenced]
+        spec = msgspec.msgpack.encode(instance.spec)
+        verdicts: dict[str, node.Verdict] = {}
+
+        async def assess(link: AgentLink) -> None:
+            with contextlib.suppress(Exception), anyio.move_on_after(ASSESS_TIMEOUT):
+                raw = await link.actor.assess.remote(spec, instance.force)
+                verdicts[link.node_id] = msgspec.msgpack.decode(raw, type=node.Verdict)
+
+        async with anyio.create_task_group() as tg:
+            for link in links:
+                tg.start_soon(assess, link)
+        siblings = {
+            self.placed[other.name]
+            for other in replicas
+            if other is not instance
+            and other.name in self.placed
+            and not isinstance(other.state, InstanceFailed | InstanceStopped)
+        }
+        fitting = [v for v in verdicts.values() if v.fits]
+        if spread == "STRICT_SPREAD":
+            fitting = [v for v in fitting if v.node_id not in siblings]
+        if spread == "PACK":
+            fitting.sort(key=lambda v: (v.node_id not in siblings, v.available))
+        else:
+            fitting.sort(key=lambda v: (v.node_id in siblings, -v.available))
+        if not fitting:
+            raise DoesNotFit(self._refusal(instance, verdicts, links, siblings, spread))
+        chosen = fitting[0]
+        self.placed[instance.name] = chosen.node_id
+        message = f"placed on node {chosen.node_id[:8]}: {chosen.message}"
+        return FitResult(None, chosen.available, f"node {chosen.node_id[:8]}: {chosen.source}", True, False, message)
+
+    def _refusal(
+        self,
+        instance: Instance,
+        verdicts: dict[str, node.Verdict],
+        links: list[AgentLink],
+        siblings: set[str],
+        spread: Spread,
+    ) -> FitResult:
+        parts = []
+        nodes = []
+        for link in links:
+            verdict = verdicts.get(link.node_id)
+            if verdict is None:
+                parts.append(f"node {link.short}: no answer to the fit check within {ASSESS_TIMEOUT:g} s")
+                continue
+            taken = spread == "STRICT_SPREAD" and verdict.node_id in siblings
+            why = "holds a replica already (STRICT_SPREAD)" if taken and verdict.fits else verdict.message
+            parts.append(f"node {link.short}: {why}")
+            nodes.append(
+                {
+                    "node": verdict.node_id,
+                    "fits": verdict.fits and not taken,
+                    "needed": verdict.needed,
+                    "available": verdict.available,
+                    "source": verdict.source,
+                }
+            )
+        lost = [link.short for link in self.links.values() if not link.live or link.fenced]
+        if lost:
+            parts.append(f"not asked (lost or fenced): {', '.join(lost)}")
+        if not links:
+            parts.append("no live node agent")
+        message = f"{instance.name} fits on no node of the cluster: " + "; ".join(parts)
+        best = max((v.available for v in verdicts.values()), default=None)
+        return FitResult(None, best, "cluster", False, False, message, nodes=tuple(nodes))
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "address": self._address,
+            "nodes": [link.view() for link in self.links.values()],
+            "events": [msgspec.to_builtins(e) for e in self.events[-64:]],
+            "lost_after": self.settings.lost_after,
+            "lease": self.settings.lease,
+        }

@@ -1,0 +1,378 @@
+"""A runner life on another node, seen from the coordinator: it stands where a ``Supervisor`` stands.
+
+An ``Instance`` drives every life the same way whether its runner is local or on a node agent: start, ready, serve
+until it exits, then let the restart policy decide (and the placer pick a node, possibly another one). This class
+relays each call to the life's agent and each generation's events back, batched (``NodeAgent.generate``).
+
+A life ends when its agent says the runner is gone (reaped, group and cgroup empty), or when the coordinator loses
+the agent's node: then every request in flight ends at once with the node's cause, and the agent is killed (so its
+runners die by their lifeline) before the life counts as over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from tether.cluster import agent as node
+from tether.cluster.wire import RunnerReport
+from tether.node.hangs import Deadlines
+from tether.node.memory import ProcessMemory
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import CancelReply, RunnerUnavailable, StopReport, TaskEvent, TaskFailed, TaskHandle, new_id
+from tether.protocol import (
+    Cause,
+    CauseKind,
+    Chunk,
+    EngineSpec,
+    ErrorChunk,
+    GenerateParams,
+    Idle,
+    RunnerStatus,
+    TaskAcknowledged,
+    TaskState,
+    TaskStatus,
+)
+
+if TYPE_CHECKING:
+    from tether.cluster.coordinator import AgentLink
+
+log = logging.getLogger("tether.cluster.remote")
+T = TypeVar("T")
+_batch = msgspec.msgpack.Decoder(list[TaskAcknowledged | TaskStatus | Chunk | ErrorChunk])
+CALL_TIMEOUT = 10.0  # a call that is not a load or a generation (cancel, stop) answered within this, or moot
+
+
+@dataclass
+class _Remote:
+    send: MemoryObjectSendStream[TaskEvent]
+    started: bool = False
+
+
+class RemoteSupervisor(Supervisor):
+    """The coordinator's end of one runner life hosted by ``link``'s agent. Use as ``async with``, like a
+    ``Supervisor``; leaving stops the runner and returns once its agent confirms it gone (or its node is lost)."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        *,
+        runner_id: str,
+        deadlines: Deadlines,
+        link: AgentLink,
+        memory_limit: int | None = None,
+        stop_timeout: float = 10.0,
+        reap_timeout: float = 10.0,
+    ) -> None:
+        # No Supervisor.__init__: there is no local process, pipe or cgroup; every public attribute is set here.
+        self.spec = spec
+        self.runner_id = runner_id
+        self.deadlines = deadlines
+        self.link = link
+        self.node: str | None = link.node_id
+        self.memory_limit = memory_limit
+        self.stop_timeout = stop_timeout
+        self.reap_timeout = reap_timeout
+        self.cause: Cause | None = None
+        self.stop_report: StopReport | None = None
+        self.process = None  # the runner is the agent's child: the agent confirms it gone, not this process
+        self.cgroup: Path | None = None
+        self.footprint: ProcessMemory | None = None
+        self.status: RunnerStatus = Idle()
+        self.detection_seconds: float | None = None
+        self.hello = None
+        self.exception = None
+        self.report: RunnerReport | None = None
+        self._pid: int | None = None
+        self._relayed: dict[str, _Remote] = {}
+        self._exited = anyio.Event()
+        self._drained = anyio.Event()  # set whenever the last relay in flight ends
+        self._lost_at: float | None = None
+        self._tg: TaskGroup | None = None
+        self._shields: set[anyio.CancelScope] = set()
+
+    @contextlib.contextmanager
+    def _shielded(self) -> Iterator[None]:
+        with anyio.CancelScope(shield=True) as scope:
+            self._shields.add(scope)
+            try:
+                yield
+            finally:
+                self._shields.discard(scope)
+
+    # --- what the coordinator shows ------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        model = Path(self.spec.model).name if self.spec.model else "default model"
+        return f"runner {self.runner_id} ({self.spec.engine}: {model}) on node {self.link.short}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def alive(self) -> bool:
+        return self._pid is not None and not self._exited.is_set()
+
+    @property
+    def last_heartbeat(self) -> float | None:
+        return self.link.last_seen
+
+    def generations(self) -> tuple[int, int]:
+        running = sum(1 for r in self._relayed.values() if r.started)
+        return running, len(self._relayed) - running
+
+    @property
+    def output_tail(self) -> list[str]:
+        return []  # on its node, in the runner's log file (``output_log``)
+
+    @property
+    def output_log(self) -> Path | None:
+        return Path(self.report.log) if self.report is not None and self.report.log else None
+
+    def reported(self, report: RunnerReport) -> None:
+        """Its agent's latest beat about it: status, footprint, cgroup."""
+        self.report = report
+        self.status = report.status
+        self.footprint = report.footprint
+        self.cgroup = Path(report.cgroup) if report.cgroup else None
+
+    async def sample_memory(self) -> ProcessMemory | None:
+        return self.footprint  # the agent samples it and reports it every beat
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RemoteSupervisor:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await self.start()
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.stop()
+        assert self._tg is not None
+        for scope in list(self._shields):  # confirmed gone (or given up on): the watch and relays may end
+            scope.cancel()
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        return None
+
+    async def start(self) -> None:
+        """Launch the life on its agent (spawn and hello there); ``RunnerUnavailable`` with the cause if not."""
+        self.link.attach(self)
+        spec = msgspec.msgpack.encode(self.spec)
+        deadlines = msgspec.msgpack.encode(self.deadlines)
+        ref = self.link.actor.launch.remote(self.runner_id, spec, deadlines, self.memory_limit)
+        launched = msgspec.msgpack.decode(await self._call(ref, "start"), type=node.Launched)
+        self._pid = launched.pid
+        if launched.error is not None:
+            self._exited.set()
+            self.link.detach(self)
+            cause = launched.cause or Cause(kind=CauseKind.SPAWN_ERROR, summary=f"{self.name}: {launched.error}")
+            self.cause = cause
+            raise RunnerUnavailable(f"{self.name} could not start: {launched.error}", cause)
+        assert self._tg is not None
+        self._tg.start_soon(self._watch)
+
+    async def _watch(self) -> None:
+        """The life ends when the agent confirms the runner gone; a lost node ends it first (``lose``). Shielded,
+        like a supervisor's pumps: a cancelled caller's stop must still hear the agent confirm the runner gone."""
+        with self._shielded():
+            await self._watch_life()
+
+    async def _watch_life(self) -> None:
+        try:
+            exited = msgspec.msgpack.decode(await self.link.actor.wait_gone.remote(self.runner_id), type=node.Exited)
+        except Exception as exc:  # the agent died: the link's verdict, with Ray's words, ends this life
+            await self._await_loss(exc)
+            return
+        if exited.not_gone is not None:
+            log.error("%s: %s", self.name, exited.not_gone)
+        self.detection_seconds = exited.detected_in
+        if self._relayed:  # the relays' last batches may trail the agent's answer: everything written is delivered
+            self._drained = anyio.Event()
+            with anyio.move_on_after(CALL_TIMEOUT):
+                await self._drained.wait()
+        self._end(exited.cause, f"{self.name} ended")
+
+    async def _await_loss(self, exc: BaseException) -> None:
+        """Ray said the agent is gone before tether's heartbeat path did: wait (bounded) for the link's cause, which
+        names the node and what was seen; without one, end with Ray's own words."""
+        with anyio.move_on_after(self.link.lost_after + 1.0):
+            await self._exited.wait()
+        if not self._exited.is_set():
+            summary = f"node {self.link.short}'s agent failed a call: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            self._end(Cause(kind=CauseKind.NODE_LOST, summary=summary, evidence=tuple(str(exc).splitlines()[:12])), "")
+
+    def lose(self, cause: Cause, detected_at: float) -> None:
+        """The coordinator lost this life's node: every request in flight ends now with ``cause``."""
+        self._lost_at = detected_at
+        self._end(cause, "")
+
+    def _end(self, cause: Cause | None, fallback: str) -> None:
+        if self._exited.is_set():
+            return
+        began = time.monotonic()
+        if cause is None and self.stop_report is None:
+            cause = Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=fallback)
+        self.cause = cause
+        error = cause.summary if cause is not None else f"{self.name} stopped"
+        for task_id, record in list(self._relayed.items()):
+            status = TaskStatus(task_id, TaskState.FAILED, error=error, cause=cause)
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                record.send.send_nowait(status)
+            record.send.close()
+        self._relayed.clear()
+        if self._lost_at is not None:
+            self.detection_seconds = time.monotonic() - self._lost_at
+        elif self.detection_seconds is None:
+            self.detection_seconds = time.monotonic() - began
+        self._exited.set()
+        self.link.detach(self)
+
+    async def stop(self, timeout: float | None = None) -> StopReport | None:
+        """Ask the agent to stop the runner (its supervisor's bounded stop) and wait until it is confirmed gone."""
+        if self._pid is None or self._exited.is_set():
+            return self.stop_report
+        began = time.monotonic()
+        bound = (self.stop_timeout if timeout is None else timeout) + self.reap_timeout
+        self.stop_report = StopReport(clean=True, escalated_to=None, seconds=0.0)  # a requested stop is no failure
+        with anyio.move_on_after(CALL_TIMEOUT):
+            await self._call(self.link.actor.stop.remote(self.runner_id), "stop")
+        with anyio.move_on_after(bound):
+            await self._exited.wait()
+        self.stop_report = StopReport(clean=self._exited.is_set(), escalated_to=None, seconds=time.monotonic() - began)
+        if not self._exited.is_set():
+            log.error("%s was not confirmed gone %.1f s after its stop", self.name, bound)
+        return self.stop_report
+
+    async def wait_exit(self, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            await self._exited.wait()
+
+    async def _call(self, ref: Awaitable[T], what: str) -> T:
+        """Await a Ray call, unless the life ends first (its node lost): then ``RunnerUnavailable`` with the cause."""
+        result: list[T] = []
+        failure: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                result.append(await ref)
+            except Exception as exc:
+                failure.append(exc)
+            tg.cancel_scope.cancel()
+
+        async def ended() -> None:
+            await self._exited.wait()
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            tg.start_soon(ended)
+        if result:
+            return result[0]
+        if failure and not self._exited.is_set():
+            await self._await_loss(failure[0])
+        why = self.cause.summary if self.cause is not None else "its node agent is gone"
+        raise RunnerUnavailable(f"{self.name} cannot {what}: {why}", self.cause)
+
+    # --- tasks ---------------------------------------------------------------------------------------------
+
+    async def ready(self) -> None:
+        outcome = msgspec.msgpack.decode(
+            await self._call(self.link.actor.ready.remote(self.runner_id), "load"), type=node.Outcome
+        )
+        if not outcome.ok:
+            status = TaskStatus(new_id("ready"), TaskState.FAILED, error=outcome.error, cause=outcome.cause)
+            raise TaskFailed(status)
+
+    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+        if self._exited.is_set() or self._pid is None:
+            why = self.cause.summary if self.cause else "the runner is stopping or stopped"
+            raise RunnerUnavailable(f"{self.name} cannot take a task: {why}", self.cause)
+        tid = task_id or new_id("gen")
+        if tid in self._relayed:
+            raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
+        send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
+        self._relayed[tid] = _Remote(send)
+        stream = self.link.actor.generate.remote(self.runner_id, tid, msgspec.msgpack.encode(params))
+        assert self._tg is not None
+        self._tg.start_soon(self._relay, tid, stream)
+        return TaskHandle(tid, "generate", receive)
+
+    async def _relay(self, task_id: str, stream: Any) -> None:
+        """Hand a generation's batches to its handle until its terminal status (or its node is lost); shielded,
+        so a stop that cancels its caller still delivers everything the runner wrote and the terminal status."""
+        with self._shielded():
+            await self._relay_events(task_id, stream)
+
+    async def _relay_events(self, task_id: str, stream: Any) -> None:
+        ended_by: BaseException | None = None
+        try:
+            async for ref in stream:
+                batch = _batch.decode(await ref)
+                record = self._relayed.get(task_id)
+                if record is None:
+                    return  # ended by a loss: its terminal status is delivered already
+                for event in batch:
+                    if isinstance(event, TaskStatus):
+                        if event.state is TaskState.RUNNING:
+                            record.started = True
+                        elif event.state.terminal:
+                            self._relayed.pop(task_id, None)
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        record.send.send_nowait(event)
+        except Exception as exc:
+            ended_by = exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                if task_id in self._relayed and not self._exited.is_set():
+                    # Ray ended the stream before a terminal status: the agent died. tether's own verdict (which
+                    # names the node and what was seen) is due within lost_after; it ends the task.
+                    await self._await_loss(ended_by or RuntimeError("its event stream ended before the task did"))
+                record = self._relayed.pop(task_id, None)
+                if record is not None:  # every task ends with exactly one terminal status
+                    cause = self.cause or Cause(kind=CauseKind.NODE_LOST, summary=f"{self.name}: its stream ended")
+                    status = TaskStatus(task_id, TaskState.FAILED, error=cause.summary, cause=cause)
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        record.send.send_nowait(status)
+                    record.send.close()
+                if not self._relayed:
+                    self._drained.set()
+
+    async def cancel(self, task_id: str) -> CancelReply:
+        if task_id not in self._relayed:
+            return CancelReply(task_id, "unknown", f"no task {task_id!r} in flight on {self.name}: nothing to cancel")
+        try:
+            with anyio.fail_after(CALL_TIMEOUT):
+                raw = await self._call(self.link.actor.cancel.remote(self.runner_id, task_id), "cancel")
+        except (RunnerUnavailable, TimeoutError):
+            return CancelReply(
+                task_id, "runner_gone", "the runner's node is gone or silent; the task ends with its cause"
+            )
+        answer = msgspec.msgpack.decode(raw, type=node.CancelAnswer)
+        outcome: Any = answer.outcome
+        return CancelReply(task_id, outcome, answer.detail, answer.state)
+
+    def add_status_listener(self, callback: Callable[[RunnerStatus], None]) -> None:
+        return None  # statuses arrive with beats, not as events (nothing in the coordinator listens to them)
