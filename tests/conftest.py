@@ -168,9 +168,14 @@ class Server(ServeChild):
     """A `tether serve` child for tests: with an API key and an HTTP client, and a bounded stop."""
 
     def __init__(
-        self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None, cgroup: Path | None = None
+        self,
+        *args: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        cgroup: Path | None = None,
+        startup: float = 30.0,
     ) -> None:
-        super().__init__(*args, *(("--api-key", api_key) if api_key else ()), env=env, cgroup=cgroup)
+        super().__init__(*args, *(("--api-key", api_key) if api_key else ()), env=env, cgroup=cgroup, startup=startup)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
 

@@ -152,6 +152,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="after an eviction, check memory every S seconds (the first after S) instead of as soon as the evicted "
         "runner is reaped: Ollama's way, for comparison (bench/swap.py)",
     )
+    ray = srv.add_argument_group(
+        "cluster (Ray)",
+        "serve instances on the nodes of a Ray cluster: this process coordinates, one tether node agent per node "
+        "hosts runners with every single-node guarantee; a node lost is detected by tether's own heartbeats",
+    )
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="an existing cluster ('auto', 'HOST:6379'); no ADDRESS starts a local Ray head (pip install "
+        "'tether[ray]')",
+    )
+    ray.add_argument(
+        "--replicas", type=int, default=1, metavar="N", help="copies of the model loaded at start, spread over nodes"
+    )
+    ray.add_argument(
+        "--node-memory-limit",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="what tether may use on each node (a memory cgroup per node agent; placement counts only this)",
+    )
+    ray.add_argument(
+        "--heartbeat-interval", type=float, default=0.2, metavar="S", help="heartbeat period, each way (default 0.2)"
+    )
+    ray.add_argument(
+        "--lost-after",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds of heartbeat silence before a node is lost and its requests fail (default 1)",
+    )
+    ray.add_argument(
+        "--lease",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds without this coordinator after which a node agent stops its runners itself (default 3)",
+    )
     _add_runner_arguments(srv, engine_help)
 
     st = sub.add_parser(

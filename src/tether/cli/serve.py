@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import anyio
 import uvicorn
@@ -35,7 +36,7 @@ from tether.cli.common import (
     fail,
     reap_at_start,
 )
-from tether.errors import DoesNotFit, InvalidField, Unavailable, UnknownEngine
+from tether.errors import DoesNotFit, InvalidField, TetherError, Unavailable, UnknownEngine
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.serve.app import create_app
 from tether.serve.catalog import (
@@ -50,6 +51,9 @@ from tether.serve.catalog import (
 )
 from tether.serve.fleet import Fleet, InstanceConfig
 from tether.serve.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from tether.cluster.coordinator import Cluster  # only with --ray: single-node tether never imports Ray
 
 log = logging.getLogger("tether.serve")
 KEEP_ALIVE_S = 30  # seconds an idle keep-alive connection is kept
@@ -90,6 +94,7 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
         memory_limit=args.memory_limit,
         max_queue=args.max_queue,
         force=args.force,
+        replicas=args.replicas,
     )
 
 
@@ -119,6 +124,7 @@ def command(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; the exit status says how it ended."""
+
     api_key = args.api_key or os.environ.get(env.API_KEY) or None
     if args.host not in ("127.0.0.1", "::1", "localhost") and not api_key:
         print(
@@ -148,7 +154,47 @@ async def serve(args: argparse.Namespace) -> int:
         return fail(str(exc), EXIT_USAGE)
     began = time.monotonic()
     url = f"http://{args.host}:{sock.getsockname()[1]}"
-    fleet = Fleet(stop_timeout=args.stop_timeout)
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = None
+        if args.ray is not None:
+            try:
+                cluster = await stack.enter_async_context(ray_cluster(args))
+            except TetherError as exc:
+                sock.close()
+                return fail(str(exc), EXIT_FAILED)
+            nodes = ", ".join(f"{link.short} ({link.host})" for link in cluster.links.values())
+            print(f"tether: Ray cluster: node agents on {nodes}", file=sys.stderr, flush=True)
+        return await _serve(args, sock, catalog, config, url, began, api_key, cluster)
+
+
+def ray_cluster(args: argparse.Namespace) -> Cluster:
+    """The Ray cluster ``--ray`` names (``local``: start one here), with its node agents."""
+    from tether.cluster.coordinator import Cluster, ClusterSettings
+
+    settings = ClusterSettings(
+        address=None if args.ray == "local" else args.ray,
+        interval=args.heartbeat_interval,
+        lost_after=args.lost_after,
+        lease=args.lease,
+        node_memory_limit=args.node_memory_limit,
+        stop_timeout=args.stop_timeout,
+    )
+    cluster = Cluster(settings)
+    cluster.listeners.add(lambda e: print(f"tether: node {e.node[:8]} {e.kind}: {e.why}", file=sys.stderr, flush=True))
+    return cluster
+
+
+async def _serve(
+    args: argparse.Namespace,
+    sock: socket.socket,
+    catalog: Catalog,
+    config: InstanceConfig,
+    url: str,
+    began: float,
+    api_key: str | None,
+    cluster: Cluster | None,
+) -> int:
+    fleet = Fleet(stop_timeout=args.stop_timeout, cluster=cluster)
     scheduler = Scheduler(
         fleet,
         catalog,
@@ -157,6 +203,7 @@ async def serve(args: argparse.Namespace) -> int:
         reclaim_timeout=args.reclaim_timeout,
         reclaim_poll=args.reclaim_poll,
         default=config.default_id(),
+        placement=cluster.place if cluster is not None else None,
     )
     scheduler.listeners.add(lambda d: print(f"tether: {d.kind} {d.model}: {d.reason}", file=sys.stderr, flush=True))
     async with fleet, scheduler:
@@ -188,7 +235,7 @@ async def serve(args: argparse.Namespace) -> int:
 
         hosted.instance.add_state_listener(report)
         print(f"tether: listening on {url} (loading {hosted.id})", file=sys.stderr, flush=True)
-        app = create_app(scheduler, api_key=api_key, max_body=args.max_body)
+        app = create_app(scheduler, api_key=api_key, max_body=args.max_body, cluster=cluster)
         server = _Server(
             uvicorn.Config(
                 app,
