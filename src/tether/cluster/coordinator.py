@@ -109,6 +109,7 @@ class AgentLink:
     fenced: bool = False
     lost: Cause | None = None
     lost_at: float | None = None  # time.monotonic() of tether's verdict
+    died_at: float | None = None  # time.monotonic() when Ray failed the held call: Ray's own notification
     stream: SocketStream | None = None
     supervisors: set[RemoteSupervisor] = field(default_factory=set)
     connected: anyio.Event = field(default_factory=anyio.Event)
@@ -141,6 +142,9 @@ class AgentLink:
             "state": "lost" if self.lost is not None else ("fenced" if self.fenced else "live"),
             "cause": self.lost.summary if self.lost is not None else None,
             "heard_ago": round(time.monotonic() - self.last_seen, 3),
+            # CLOCK_MONOTONIC: tether's verdict and Ray's notification of the same death, comparable (bench/cluster.py)
+            "lost_at": self.lost_at,
+            "ray_notified_at": self.died_at,
             "memory": msgspec.to_builtins(report) if report is not None else None,
             "runners": sorted(sup.runner_id for sup in self.supervisors),
         }
@@ -307,6 +311,7 @@ class Cluster:
             await link.actor.hold.remote()
         except Exception as exc:
             link.death[:] = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        link.died_at = time.monotonic()
         link.died.set()
         if link.lost is not None and link.lost_at is not None and link.death:
             # Ray's account came after tether's verdict (a removed node: ~2 s): the record gets it, with the lag.
