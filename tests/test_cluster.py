@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import httpx
 import pytest
 from tests.conftest import Server, wait_until
 
+from tether.cluster import wire
 from tether.kernel.pids import live_processes
 from tether.protocol import RunnerArgs
 
@@ -272,6 +274,20 @@ def test_losing_a_node_fails_its_requests_with_the_cause_and_replaces_its_replic
         assert (
             set(runners_of(agents | now, children=True)) == expected
         )  # what it says runs is what runs, and nothing else
+
+
+def test_only_its_own_agents_may_speak_on_the_heartbeat_path(cluster: Cluster) -> None:
+    """A stranger posing as a live node's agent (its node id, no token) is hung up on; the node stays live."""
+    with coordinator(cluster) as server:
+        host, _, port = view(server)["cluster"]["address"].rpartition(":")
+        node = live_nodes(server)[0]["node"]
+        hello = wire.frame(wire.Hello(node, os.getpid(), "stranger", "not-the-token"))
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(hello)
+            sock.settimeout(10)
+            assert sock.recv(1) == b""  # closed on us, no beat sent
+        assert len(live_nodes(server)) == NODES
+        assert not [e for e in view(server)["cluster"]["events"] if e["kind"] == "lost"]
 
 
 def test_coordinator_sigkill_leaves_no_agent_and_no_runner(cluster: Cluster) -> None:

@@ -49,6 +49,9 @@ def command(args: argparse.Namespace) -> int:
     scheduler = body.get("scheduler")
     if scheduler:
         print_scheduler(scheduler)
+    cluster = body.get("cluster")
+    if cluster:
+        print_cluster(cluster)
     return 0
 
 
@@ -96,6 +99,32 @@ def print_instances(instances: list[dict[str, Any]]) -> None:
         for failure in inst["history"][-3:]:
             when = time.strftime("%H:%M:%S", time.localtime(failure["at"]))
             print(f"    {when} life {failure['life']} (pid {failure['pid']}): {failure['cause']['summary']}")
+
+
+def print_cluster(cluster: dict[str, Any], last: int = 10) -> None:
+    """The Ray cluster's nodes (agent, state, memory as tether measures it, runners) and the last node events."""
+    print(f"\nnodes (lost after {cluster['lost_after']:g} s of silence, agents fence after {cluster['lease']:g} s):")
+    rows = [["NODE", "HOST", "AGENT", "STATE", "AVAILABLE", "RUNNERS"]]
+    for node in cluster["nodes"]:
+        memory = node.get("memory") or {}
+        rows.append(
+            [
+                node["node"][:8],
+                str(node.get("host") or "-"),
+                str(node.get("agent_pid") or "-"),
+                node["state"],
+                format_bytes(memory.get("available")) if memory else "-",
+                ", ".join(node["runners"]) or "-",
+            ]
+        )
+    for line in table(rows):
+        print(f"  {line}")
+    events = cluster["events"][-last:]
+    if events:
+        print(f"last {len(events)} node events:")
+    for e in events:
+        when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+        print(f"  {when} {e['node'][:8]} {e['kind']}: {e['why']}")
 
 
 def print_scheduler(scheduler: dict[str, Any], last: int = 10) -> None:

@@ -52,6 +52,7 @@ class AgentSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     coordinator: str  # host:port of the coordinator's heartbeat listener
     node_id: str
+    token: str  # proves to the coordinator's listener that this connection is its agent's
     interval: float = 0.2  # seconds between beats, each way
     lease: float = 3.0  # seconds without the coordinator before the agent stops its runners itself
     memory_limit: int | None = None  # bytes tether may use on this node (a memory cgroup the agent joins)
@@ -155,7 +156,9 @@ class NodeAgent:
         host, _, port = self.settings.coordinator.rpartition(":")
         with anyio.fail_after(10):
             stream = await anyio.connect_tcp(host, int(port))
-        await stream.send(wire.frame(wire.Hello(self.settings.node_id, os.getpid(), socket.gethostname())))
+        await stream.send(
+            wire.frame(wire.Hello(self.settings.node_id, os.getpid(), socket.gethostname(), self.settings.token))
+        )
         return stream
 
     def _spawn(self, coro: Any) -> None:

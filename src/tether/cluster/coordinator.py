@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,6 +188,7 @@ class Cluster:
         self._ray: Any = None
         self._started_head = False
         self._address: str = ""
+        self._token = secrets.token_hex(16)
         self._tg: TaskGroup | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------------
@@ -277,6 +279,7 @@ class Cluster:
         settings = node.AgentSettings(
             coordinator=self._address,
             node_id=node_id,
+            token=self._token,
             interval=s.interval,
             lease=s.lease,
             memory_limit=s.node_memory_limit,
@@ -328,8 +331,9 @@ class Cluster:
         except (TimeoutError, *_GONE):
             await stream.aclose()
             return
-        link = self.links.get(hello.node_id) if isinstance(hello, wire.Hello) else None
-        if link is None or link.lost is not None:
+        ok = isinstance(hello, wire.Hello) and secrets.compare_digest(hello.token, self._token)
+        link = self.links.get(hello.node_id) if ok and isinstance(hello, wire.Hello) else None
+        if link is None or link.lost is not None or link.connected.is_set():  # a stranger, or a second connection
             await stream.aclose()
             return
         link.stream = stream

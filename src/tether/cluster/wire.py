@@ -31,6 +31,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     node_id: str
     pid: int
     host: str
+    token: str  # the coordinator's secret, handed to its agents through Ray: no one else may pose as an agent
 
 
 class RunnerReport(msgspec.Struct, frozen=True):
