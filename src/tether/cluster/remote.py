@@ -153,17 +153,7 @@ class RemoteSupervisor(Supervisor):
     async def sample_memory(self) -> ProcessMemory | None:
         return self.footprint  # the agent samples it and reports it every beat
 
-    # --- lifecycle -----------------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> RemoteSupervisor:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        try:
-            await self.start()
-        except BaseException as exc:
-            await self.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        return self
+    # --- lifecycle (entered as a Supervisor is: a task group, then ``start``) ----------------------------------
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
