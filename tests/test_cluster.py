@@ -290,6 +290,31 @@ def test_only_its_own_agents_may_speak_on_the_heartbeat_path(cluster: Cluster) -
         assert not [e for e in view(server)["cluster"]["events"] if e["kind"] == "lost"]
 
 
+def test_a_replica_with_nowhere_to_go_waits_for_a_node_instead_of_failing(cluster: Cluster) -> None:
+    """3 STRICT_SPREAD replicas on 3 nodes, one agent SIGKILLed: the replacement finds no node (the others hold a
+    replica) until the lost node's fresh agent joins; it retries with its backoff and lands there. Deleting and
+    re-adding the instance then works at once: a restart's refusal is not the next creation's."""
+    with coordinator(cluster) as server:
+        inst = add(server, {"id": "full", "replicas": 3, "spread": "STRICT_SPREAD"})
+        victim = inst["replicas"][0]
+        os.kill(agent_pid(server, victim["node"]), signal.SIGKILL)
+
+        def replaced() -> bool:
+            replicas = server.instance("full")["replicas"]
+            return replicas[0]["pid"] not in (None, victim["pid"]) and all(r["state"] == "ready" for r in replicas)
+
+        wait_until(replaced, 60, "the replica placed on the lost node's new agent")
+        after = server.instance("full")
+        assert after["replicas"][0]["node"] == victim["node"], after["replicas"]  # the only node without one
+        refusals = [d for d in view(server)["scheduler"]["decisions"] if d["kind"] == "refuse"]
+        assert any(d["model"] == "full.r0" for d in refusals), refusals  # it had nowhere to go for a while
+        assert server.http.delete("/v1/instances/full").status_code == 200
+        again = server.http.post(
+            "/v1/instances", json={"id": "full", "engine": "debug", "replicas": 3, "spread": "STRICT_SPREAD"}
+        )
+        assert again.status_code == 201, again.text
+
+
 def test_coordinator_sigkill_leaves_no_agent_and_no_runner(cluster: Cluster) -> None:
     with coordinator(cluster) as server:
         add(server, {"id": "gone", "replicas": 3, "spread": "STRICT_SPREAD"})

@@ -486,15 +486,22 @@ class Instance:
             try:
                 await self._place()
             except (DoesNotFit, InvalidField) as exc:  # it does not fit, or its model or engine cannot be had
-                self._fail(Cause(kind=CauseKind.DOES_NOT_FIT, summary=str(exc)), "not placed: fix the cause or force")
-                return
-            if life > 1:
-                self.restarts += 1
-            sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
-            cause = await self._live(sup, life)
-            self.history.append(
-                Failure(at=time.time(), cause=cause, life=life, pid=sup.pid, detected_in=sup.detection_seconds)
-            )
+                refused = Cause(kind=CauseKind.DOES_NOT_FIT, summary=str(exc))
+                if life == 1 or isinstance(exc, InvalidField):
+                    self._fail(refused, "not placed: fix the cause or force")
+                    return
+                # A replacement with nowhere to go now (its node lost, a new agent not there yet; memory another
+                # model holds) is a failed attempt like a crash: the backoff and the crash-loop limit apply.
+                sup = None
+                cause = refused
+            else:
+                if life > 1:
+                    self.restarts += 1
+                sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
+                cause = await self._live(sup, life)
+            pid = sup.pid if sup is not None else None
+            detected = sup.detection_seconds if sup is not None else None
+            self.history.append(Failure(at=time.time(), cause=cause, life=life, pid=pid, detected_in=detected))
             del self.history[:-HISTORY_LIMIT]
             self.failures[cause.kind] += 1
             now = self._clock()
@@ -510,7 +517,7 @@ class Instance:
             log.warning(
                 "instance %s: runner pid %s (life %d) failed: %s; restart %d in %.2f s (failure %d in a row)",
                 self.name,
-                sup.pid,
+                pid,
                 life,
                 cause.summary,
                 life,
@@ -518,7 +525,7 @@ class Instance:
                 attempt,
             )
             await anyio.sleep(delay)
-            if sup.process is not None:
+            if sup is not None and sup.process is not None:
                 try:
                     await wait_runner_gone(sup.process, self.reap_timeout)
                 except RunnerNotGone as exc:

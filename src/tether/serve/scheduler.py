@@ -502,7 +502,8 @@ class Scheduler:
             self._holder = None
             self._placing.release()
             if isinstance(exc, DoesNotFit | Unavailable | InvalidField):
-                self._refused[instance.name] = exc
+                if instance.name in self._placed:  # a creation awaits this verdict; a restart's is its own
+                    self._refused[instance.name] = exc
                 self._decide("refuse", instance.name, str(exc))
             if isinstance(exc, Unavailable):  # the instance fails its placement as "does not fit", saying why
                 raise DoesNotFit(FitResult(None, None, "scheduler", False, False, str(exc))) from exc
