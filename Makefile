@@ -54,6 +54,7 @@ bench: install
 	$(BIN)/python bench/fuzz.py
 	$(BIN)/python bench/load.py
 	$(BIN)/python bench/swap.py
+	$(BIN)/python bench/cluster.py
 	$(BIN)/python bench/soak.py
 
 clean:
