@@ -27,6 +27,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -35,7 +36,7 @@ from anyio.abc import SocketStream
 
 from tether.cluster import wire
 from tether.errors import TetherError
-from tether.kernel.cgroups import CGROUP_ROOT, MemoryCgroup, create_child_cgroup
+from tether.kernel.cgroups import MemoryCgroup, create_child_cgroup
 from tether.node import fit
 from tether.node.hangs import Deadlines
 from tether.node.instance import RunnerNotGone, wait_runner_gone
@@ -144,11 +145,13 @@ class NodeAgent:
         return {"pid": os.getpid(), "node_id": self.settings.node_id, "host": socket.gethostname()}
 
     def _join_cgroup(self, limit: int) -> None:
+        self._parent_cgroup = MemoryCgroup.of_pid(os.getpid())
+        if self._parent_cgroup is not None:
+            sweep_agent_cgroups(self._parent_cgroup.path)  # what SIGKILLed agents before this one could not remove
         name = f"tether-agent-n{self.settings.node_id[:8]}.p{os.getpid()}"  # not a runner cgroup's name: no sweep
         cgroup, why = create_child_cgroup(name, limit)
         if cgroup is None:
             raise TetherError(f"cannot cap tether's memory on node {self.settings.node_id[:8]}: {why}")
-        self._parent_cgroup = MemoryCgroup.of_pid(os.getpid())
         (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
         self._cgroup = cgroup
 
@@ -214,16 +217,12 @@ class NodeAgent:
         runners = []
         for life in self._lives.values():
             sup = life.sup
-            running, waiting = sup.generations()
             runners.append(
                 wire.RunnerReport(
                     runner_id=life.runner_id,
                     pid=sup.pid,
                     status=sup.status,
                     footprint=sup.footprint,
-                    running=running,
-                    waiting=waiting,
-                    alive=sup.alive,
                     cgroup=str(sup.cgroup) if sup.cgroup is not None else None,
                     log=str(sup.output_log) if sup.output_log is not None else None,
                 )
@@ -240,25 +239,27 @@ class NodeAgent:
             kind=CauseKind.NODE_LOST,
             summary=f"node {self.settings.node_id[:8]}'s agent stopped its runners itself: {why}",
         )
-        lives = list(self._lives.values())
-        for life in lives:
-            life.imposed = cause
-            life.stop.set()
-        with anyio.move_on_after(self.settings.stop_timeout + self.settings.reap_timeout):
-            for life in lives:
-                await life.gone.wait()
+        lives = await self._stop_all(cause)
         if stream is not None:
             fenced = wire.Fenced(why, tuple(life.runner_id for life in lives))
             with contextlib.suppress(OSError, anyio.BrokenResourceError), anyio.move_on_after(self.settings.interval):
                 await stream.send(wire.frame(fenced))
 
-    async def close(self) -> None:
-        """Stop every runner and leave the node's memory cgroup (removing it)."""
-        for life in self._lives.values():
+    async def _stop_all(self, cause: Cause | None = None) -> list[_Life]:
+        """Stop every runner life (concurrently, each within its stop bound) and wait until each is confirmed gone;
+        ``cause`` is what their lives end with (a fence's), else their own."""
+        lives = list(self._lives.values())
+        for life in lives:
+            life.imposed = cause or life.imposed
             life.stop.set()
         with anyio.move_on_after(self.settings.stop_timeout + self.settings.reap_timeout):
-            for life in list(self._lives.values()):
+            for life in lives:
                 await life.gone.wait()
+        return lives
+
+    async def close(self) -> None:
+        """Stop every runner and leave the node's memory cgroup (removing it)."""
+        await self._stop_all()
         if self._cgroup is not None and self._parent_cgroup is not None:
             with contextlib.suppress(OSError):
                 (self._parent_cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
@@ -269,14 +270,15 @@ class NodeAgent:
     async def assess(self, spec: bytes, force: bool) -> bytes:
         """The fit check of ``spec`` here: its estimate against this node's memory now."""
         decoded = msgspec.msgpack.decode(spec, type=EngineSpec)
+        memory = await anyio.to_thread.run_sync(node_memory)  # once, off the loop: the verdict and its numbers
         try:
-            result = await anyio.to_thread.run_sync(lambda: fit.assess(decoded, override=force))
+            result = await anyio.to_thread.run_sync(lambda: fit.assess(decoded, override=force, node=memory))
         except TetherError as exc:
-            memory = node_memory()
             verdict = Verdict(self.settings.node_id, False, None, memory.available, memory.source, str(exc))
-            return msgspec.msgpack.encode(verdict)
-        available = result.available if result.available is not None else node_memory().available
-        verdict = Verdict(self.settings.node_id, result.ok, result.needed, available, result.source, result.message)
+        else:
+            verdict = Verdict(
+                self.settings.node_id, result.ok, result.needed, memory.available, result.source, result.message
+            )
         return msgspec.msgpack.encode(verdict)
 
     async def launch(self, runner_id: str, spec: bytes, deadlines: bytes, memory_limit: int | None) -> bytes:
@@ -395,11 +397,11 @@ class NodeAgent:
         return [life.sup.pid for life in self._lives.values() if life.sup.pid is not None and life.sup.alive]
 
 
-def sweep_agent_cgroups() -> int:
-    """Remove the empty memory cgroups of agents that are gone (SIGKILLed agents cannot remove their own)."""
+def sweep_agent_cgroups(parent: Path) -> int:
+    """Remove the empty memory cgroups that gone agents left in ``parent`` (a SIGKILLed agent cannot remove its
+    own); agents make theirs below their own cgroup, so their successors on the node find them there."""
     removed = 0
-    root = CGROUP_ROOT / "memory"
-    for path in root.glob("**/tether-agent-n*.p*"):
+    for path in parent.glob("tether-agent-n*.p*"):
         pid = path.name.rpartition(".p")[2]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(OSError):

@@ -173,7 +173,7 @@ def _import_ray() -> Any:
 
 class Cluster:
     """Ray, the agents and their heartbeats. Use as ``async with Cluster(settings) as cluster:`` around the fleet
-    (``Fleet(runners=cluster.runners)``, ``Scheduler(..., placement=cluster.place)``); leaving stops the agents."""
+    (``Fleet(cluster=cluster)``, ``Scheduler(..., placement=cluster.place)``); leaving stops the agents."""
 
     def __init__(self, settings: ClusterSettings) -> None:
         problem = settings.check()
@@ -186,7 +186,6 @@ class Cluster:
         self.placed: dict[str, str] = {}  # instance name -> the node its current life is placed on
         self._groups: dict[str, tuple[list[Instance], Spread]] = {}  # instance name -> its replicas, their spread
         self._ray: Any = None
-        self._started_head = False
         self._address: str = ""
         self._token = secrets.token_hex(16)
         self._tg: TaskGroup | None = None
@@ -203,9 +202,13 @@ class Cluster:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(listener.serve, self._accept)
-        await self._rescan()
-        if not self.links:
-            raise RayUnavailable("the Ray cluster has no node with CPUs for a node agent (num_cpus > 0)")
+        try:
+            await self._rescan()
+            if not self.links:
+                raise RayUnavailable("the Ray cluster has no node with CPUs for a node agent (num_cpus > 0)")
+        except BaseException as exc:  # nothing started here may outlive the failure: agents, listener, Ray
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         self._tg.start_soon(self._monitor)
         self._tg.start_soon(self._rescan_periodically)
         return self
@@ -217,8 +220,16 @@ class Cluster:
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:  # each live agent leaves (and removes) its memory cgroup
+                for link in self.links.values():
+                    if link.live:
+                        tg.start_soon(self._close_agent, link)
             await anyio.to_thread.run_sync(self._shutdown)
         return None
+
+    async def _close_agent(self, link: AgentLink) -> None:
+        with contextlib.suppress(Exception), anyio.move_on_after(self.settings.stop_timeout):
+            await link.actor.close.remote()
 
     def _init_ray(self) -> None:
         ray = self._ray
@@ -234,7 +245,6 @@ class Cluster:
                 log_to_driver=False,
                 configure_logging=False,
             )
-            self._started_head = True
         else:
             try:
                 ray.init(address=self.settings.address, log_to_driver=False, configure_logging=False)

@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,14 +23,23 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream
 
 from tether.cluster import agent as node
 from tether.cluster.wire import RunnerReport
 from tether.node.hangs import Deadlines
 from tether.node.memory import ProcessMemory
 from tether.node.supervisor import Supervisor
-from tether.node.tasks import CancelReply, RunnerUnavailable, StopReport, TaskEvent, TaskFailed, TaskHandle, new_id
+from tether.node.tasks import (
+    CancelReply,
+    InFlight,
+    RunnerUnavailable,
+    StopReport,
+    TaskEvent,
+    TaskFailed,
+    TaskHandle,
+    deliver,
+    new_id,
+)
 from tether.protocol import (
     Cause,
     CauseKind,
@@ -39,6 +47,7 @@ from tether.protocol import (
     EngineSpec,
     ErrorChunk,
     GenerateParams,
+    GenerateTask,
     Idle,
     RunnerStatus,
     TaskAcknowledged,
@@ -53,12 +62,6 @@ log = logging.getLogger("tether.cluster.remote")
 T = TypeVar("T")
 _batch = msgspec.msgpack.Decoder(list[TaskAcknowledged | TaskStatus | Chunk | ErrorChunk])
 CALL_TIMEOUT = 10.0  # a call that is not a load or a generation (cancel, stop) answered within this, or moot
-
-
-@dataclass
-class _Remote:
-    send: MemoryObjectSendStream[TaskEvent]
-    started: bool = False
 
 
 class RemoteSupervisor(Supervisor):
@@ -96,7 +99,7 @@ class RemoteSupervisor(Supervisor):
         self.exception = None
         self.report: RunnerReport | None = None
         self._pid: int | None = None
-        self._relayed: dict[str, _Remote] = {}
+        self._inflight: dict[str, InFlight] = {}  # generations relayed, as a Supervisor keeps its own
         self._exited = anyio.Event()
         self._drained = anyio.Event()  # set whenever the last relay in flight ends
         self._lost_at: float | None = None
@@ -130,10 +133,6 @@ class RemoteSupervisor(Supervisor):
     @property
     def last_heartbeat(self) -> float | None:
         return self.link.last_seen
-
-    def generations(self) -> tuple[int, int]:
-        running = sum(1 for r in self._relayed.values() if r.started)
-        return running, len(self._relayed) - running
 
     @property
     def output_tail(self) -> list[str]:
@@ -199,7 +198,7 @@ class RemoteSupervisor(Supervisor):
         if exited.not_gone is not None:
             log.error("%s: %s", self.name, exited.not_gone)
         self.detection_seconds = exited.detected_in
-        if self._relayed:  # the relays' last batches may trail the agent's answer: everything written is delivered
+        if self._inflight:  # the relays' last batches may trail the agent's answer: everything written is delivered
             self._drained = anyio.Event()
             with anyio.move_on_after(CALL_TIMEOUT):
                 await self._drained.wait()
@@ -227,12 +226,9 @@ class RemoteSupervisor(Supervisor):
             cause = Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=fallback)
         self.cause = cause
         error = cause.summary if cause is not None else f"{self.name} stopped"
-        for task_id, record in list(self._relayed.items()):
-            status = TaskStatus(task_id, TaskState.FAILED, error=error, cause=cause)
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                record.send.send_nowait(status)
-            record.send.close()
-        self._relayed.clear()
+        for task_id, record in list(self._inflight.items()):
+            _fail(record, task_id, error, cause)
+        self._inflight.clear()
         if self._lost_at is not None:
             self.detection_seconds = time.monotonic() - self._lost_at
         elif self.detection_seconds is None:
@@ -301,10 +297,10 @@ class RemoteSupervisor(Supervisor):
             why = self.cause.summary if self.cause else "the runner is stopping or stopped"
             raise RunnerUnavailable(f"{self.name} cannot take a task: {why}", self.cause)
         tid = task_id or new_id("gen")
-        if tid in self._relayed:
+        if tid in self._inflight:
             raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
-        self._relayed[tid] = _Remote(send)
+        self._inflight[tid] = InFlight(task=GenerateTask(task_id=tid, params=params), send=send)
         stream = self.link.actor.generate.remote(self.runner_id, tid, msgspec.msgpack.encode(params))
         assert self._tg is not None
         self._tg.start_soon(self._relay, tid, stream)
@@ -321,37 +317,35 @@ class RemoteSupervisor(Supervisor):
         try:
             async for ref in stream:
                 batch = _batch.decode(await ref)
-                record = self._relayed.get(task_id)
+                record = self._inflight.get(task_id)
                 if record is None:
                     return  # ended by a loss: its terminal status is delivered already
                 for event in batch:
-                    if isinstance(event, TaskStatus):
+                    if isinstance(event, Chunk):
+                        record.tokens += event.tokens  # what a terminal status of ours reports, as a supervisor's
+                    elif isinstance(event, TaskStatus):
                         if event.state is TaskState.RUNNING:
                             record.started = True
                         elif event.state.terminal:
-                            self._relayed.pop(task_id, None)
-                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        record.send.send_nowait(event)
+                            self._inflight.pop(task_id, None)
+                    deliver(record, event)
         except Exception as exc:
             ended_by = exc
         finally:
             with anyio.CancelScope(shield=True):
-                if task_id in self._relayed and not self._exited.is_set():
+                if task_id in self._inflight and not self._exited.is_set():
                     # Ray ended the stream before a terminal status: the agent died. tether's own verdict (which
                     # names the node and what was seen) is due within lost_after; it ends the task.
                     await self._await_loss(ended_by or RuntimeError("its event stream ended before the task did"))
-                record = self._relayed.pop(task_id, None)
+                record = self._inflight.pop(task_id, None)
                 if record is not None:  # every task ends with exactly one terminal status
                     cause = self.cause or Cause(kind=CauseKind.NODE_LOST, summary=f"{self.name}: its stream ended")
-                    status = TaskStatus(task_id, TaskState.FAILED, error=cause.summary, cause=cause)
-                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        record.send.send_nowait(status)
-                    record.send.close()
-                if not self._relayed:
+                    _fail(record, task_id, cause.summary, cause)
+                if not self._inflight:
                     self._drained.set()
 
     async def cancel(self, task_id: str) -> CancelReply:
-        if task_id not in self._relayed:
+        if task_id not in self._inflight:
             return CancelReply(task_id, "unknown", f"no task {task_id!r} in flight on {self.name}: nothing to cancel")
         try:
             with anyio.fail_after(CALL_TIMEOUT):
@@ -366,3 +360,9 @@ class RemoteSupervisor(Supervisor):
 
     def add_status_listener(self, callback: Callable[[RunnerStatus], None]) -> None:
         return None  # statuses arrive with beats, not as events (nothing in the coordinator listens to them)
+
+
+def _fail(record: InFlight, task_id: str, error: str, cause: Cause | None) -> None:
+    """End a relayed task with its one terminal status (the runner's node is gone or its stream broke)."""
+    deliver(record, TaskStatus(task_id, TaskState.FAILED, error=error, cause=cause, tokens=record.tokens))
+    record.send.close()

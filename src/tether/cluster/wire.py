@@ -41,9 +41,6 @@ class RunnerReport(msgspec.Struct, frozen=True):
     pid: int | None
     status: RunnerStatus
     footprint: ProcessMemory | None
-    running: int
-    waiting: int
-    alive: bool
     cgroup: str | None = None
     log: str | None = None
 
