@@ -100,7 +100,7 @@ import httpx
 import psutil
 
 from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
-from serve import PROMPTS, SYSTEM, Request, read_stream
+from serve import PROMPTS, Request, chat_body, read_stream
 from tether.chaos.target import ServeChild
 from tether.kernel.pids import alive, live_processes
 from tether.protocol import RunnerArgs
@@ -365,16 +365,7 @@ WARMUP_PROMPT = "Say hello."  # none of PROMPTS: no timed request finds its whol
 
 
 def chat(model: str, prompt: int | None, max_tokens: int) -> dict[str, Any]:
-    text = WARMUP_PROMPT if prompt is None else PROMPTS[prompt]
-    return {
-        "model": model,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "seed": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    return chat_body(WARMUP_PROMPT if prompt is None else PROMPTS[prompt], max_tokens, model)
 
 
 def decode_rate(req: Request) -> float | None:

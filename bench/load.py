@@ -99,10 +99,10 @@ from starlette.requests import Request as HttpRequest  # module level: FastAPI r
 from benchstats import PERCENTILE, closed_loop, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from serve import (
     PROMPTS,
-    SYSTEM,
     Server,
     ServerFailed,
     Setup,
+    chat_body,
     free_port,
     running,
     stop_server,
@@ -161,18 +161,6 @@ class Attempt:
     @property
     def e2e(self) -> float:
         return self.ended - self.sent
-
-
-def chat_body(prompt: str, max_tokens: int, model: str = INSTANCE) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "seed": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -542,7 +530,7 @@ async def run_phase(url: str, side: str, rnd: int, concurrency: int, per_client:
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
         async def send(i: int, j: int) -> None:
-            body = chat_body(PROMPTS[(i * per_client + j) % len(PROMPTS)], max_tokens)
+            body = chat_body(PROMPTS[(i * per_client + j) % len(PROMPTS)], max_tokens, INSTANCE)
             phase.requests.append(await request_with_retries(client, body))
 
         phase.wall_s = await closed_loop(concurrency, per_client, send)
@@ -564,7 +552,7 @@ async def run_debug_side(side: str, rnd: int, logdir: Path, args: argparse.Names
     with contextlib.ExitStack() as stack:
         url, holder = await anyio.to_thread.run_sync(lambda: stack.enter_context(debug_side(side, logdir)))
         async with httpx.AsyncClient(base_url=url, timeout=REQUEST_BOUND, limits=pool(2)) as client:
-            warm = await attempt(client, chat_body(PROMPTS[0], WARMUP_TOKENS))
+            warm = await attempt(client, chat_body(PROMPTS[0], WARMUP_TOKENS, INSTANCE))
         for c in CONCURRENCY:
             phases[c] = await run_phase(url, side, rnd, c, per_client(args.requests, c), args.max_tokens)
         await anyio.to_thread.run_sync(stack.close)

@@ -385,9 +385,10 @@ VARIANTS: dict[str, dict[str, Any]] = {  # request fields per variant: the cost 
 VARIANT_SIDES = ("tether", "llama_server")  # the batching servers (llama_cpp.server serves one at a time)
 
 
-def request_body(server: Server, prompt: str, max_tokens: int, variant: str = "plain") -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": server.model_id,
+def chat_body(prompt: str, max_tokens: int, model: str) -> dict[str, Any]:
+    """A greedy, seeded, streamed chat completion with usage: the request every bench here times."""
+    return {
+        "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -395,6 +396,10 @@ def request_body(server: Server, prompt: str, max_tokens: int, variant: str = "p
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def request_body(server: Server, prompt: str, max_tokens: int, variant: str = "plain") -> dict[str, Any]:
+    body = chat_body(prompt, max_tokens, server.model_id)
     if server.side in ("baseline", "llama_server"):
         body["repeat_penalty"] = 1.0  # llama_cpp.server defaults to 1.1; tether's engine uses 1.0
     return body | VARIANTS[variant]

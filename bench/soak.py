@@ -70,8 +70,8 @@ import httpx
 from anyio.abc import TaskGroup
 
 from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
-from load import Attempt, DebugServer, ServerFailed, attempt, chat_body, pool, retry_delay, rounded
-from serve import PROMPTS
+from load import Attempt, DebugServer, ServerFailed, attempt, pool, retry_delay, rounded
+from serve import PROMPTS, chat_body
 from tether.chaos.trial import DEADLINES
 
 INSTANCE = "soak"
