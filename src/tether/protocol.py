@@ -59,11 +59,27 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lines: int = 10_000  # for "stderr_flood"
     size: int = 4096  # for "garbage": the frame length its prefix declares
     mimic: bool = False  # for "garbage": begin like a real message, so only its never-completing length betrays it
+    rank: int | None = None  # the rank of a multi-rank instance it fires on; None: every rank
 
 
 # --------------------------------------------------------------------------------------------------------------
 # What a runner hosts
 # --------------------------------------------------------------------------------------------------------------
+
+
+class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A runner's place in a multi-rank instance, handed out by tether: its rank, how many there are, and every
+    rank's ``host:port`` in rank order (it listens on ``peers[rank]``). The ports belong to the instance's slot, so
+    every life of the instance gets the same ones, as engines with fixed ports expect."""
+
+    rank: int
+    world_size: int
+    peers: tuple[str, ...]
+
+    def address(self, rank: int | None = None) -> tuple[str, int]:
+        """(host, port) of ``rank`` (default: this one)."""
+        host, _, port = self.peers[self.rank if rank is None else rank].rpartition(":")
+        return host, int(port)
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -73,6 +89,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str | None = None  # a GGUF path for llama.cpp; None means the built-in default model
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     faults: tuple[Fault, ...] = ()  # load-time faults (debug engine)
+    rank: RankInfo | None = None  # set by tether for each rank of a multi-rank instance (``ranks`` > 1)
 
 
 class RunnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -288,6 +305,7 @@ class CauseKind(enum.StrEnum):
     STOP_ESCALATED = "stop_escalated"  # asked to stop, had to be terminated or killed
     DOES_NOT_FIT = "does_not_fit"  # refused before load: the model's estimate exceeds the memory available
     NODE_LOST = "node_lost"  # the runner's node agent died, its node was removed, went silent, or fenced itself
+    PEER_LOST = "peer_lost"  # a rank's collective broke because another rank of its instance failed: a consequence
 
 
 class Cause(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -299,6 +317,7 @@ class Cause(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exit_code: int | None = None
     signal: str | None = None
     phase: str | None = None
+    rank: int | None = None  # the rank that failed, in a multi-rank instance
 
     def render(self) -> str:
         if not self.evidence:

@@ -11,6 +11,7 @@ from tether.engines.base import (
     EngineLoadError,
     Estimate,
     MemoryEstimate,
+    PeerLost,
     ProgressCallback,
     RequestError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "EngineLoadError",
     "Estimate",
     "MemoryEstimate",
+    "PeerLost",
     "ProgressCallback",
     "RequestError",
     "canonical",

@@ -15,6 +15,15 @@ runner (the engine's state is unknown), and ``EngineLoadError`` from ``load`` sa
 restart would not help). Optional class attributes: ``options`` (the option names and their defaults) and
 ``estimate_memory(spec)`` (a static or class method returning a ``MemoryEstimate``, or None), which the worker's
 fit check asks before a runner of ``spec`` starts.
+
+Multi-rank instances (``ranks: N``). An engine that takes part declares ``distributed = True``. tether then starts N
+runners, one per rank (on N nodes of a cluster), each built with ``spec.rank`` (``RankInfo``: its rank, the world
+size, and every rank's ``host:port``, the same for every life of the instance). Rank 0 is driven as above and is
+the only one that receives requests; it must make every step a step of all ranks (a collective, a ring). Ranks
+above 0 get no requests: after ``warmup`` the runner calls their ``follow()`` on a thread of its own, which takes
+part in rank 0's steps until ``close``. An engine whose peer failed raises ``PeerLost``: tether then reports the
+failed rank's cause, and this rank's error only as evidence. Any rank's failure ends every rank of the instance,
+and a replacement starts only once every one of them is gone.
 """
 
 from __future__ import annotations
@@ -50,6 +59,11 @@ class RequestError(TetherError):
 
     Any other exception from an engine is treated as fatal for the runner, since the engine's state is unknown.
     """
+
+
+class PeerLost(TetherError):
+    """Another rank of this multi-rank instance failed (its connection closed or broke, it sent nonsense): this
+    rank's failure is a consequence of that one, and fatal for this runner."""
 
 
 class EngineLoadError(TetherError):

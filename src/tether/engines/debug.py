@@ -2,7 +2,8 @@
 
 Output is a pseudo-random word sequence seeded by a stable hash of the prompt (and ``params.seed``), so the
 same request always produces the same text, in any process, without a model. Faults come from the engine spec
-(load, warmup, generate and idle phases; generate faults apply to every request) and from each request's params.
+(load, warmup, generate and idle phases; generate faults apply to every request) and from each request's params;
+in a multi-rank instance, ``Fault.rank`` says which rank fires one (see ring mode below).
 
 What a deterministic engine can honestly say about the rest of a request:
 
@@ -40,6 +41,22 @@ Options (``spec.options``):
   close_seconds      delay in close() (default 0): a runner slow to shut down, so an unload can be raced
   hold_bytes         if set, allocate and touch this many bytes of anonymous memory at load and hold them until
                      close(): a model's weights and KV cache, for rehearsing memory-aware loading and eviction
+  ring_timeout       ring mode: how long forming the ring, and one step's round trip, may take (default 30.0 s)
+
+Ring mode, for rehearsing multi-rank instances (as exo's MLX ring): on when ``spec.rank`` says ``world_size`` > 1.
+Every rank listens on its ``host:port`` from load on (a port another live process holds fails the load with an
+ordinary ``RuntimeError``, which a restart policy retries: what an orphan of an earlier life does to its
+replacement), and warm-up forms a TCP ring (``ring``): each rank connects to the next, rank 0 sends a frame round
+it. Rank 0 serves the requests; each of its steps then sends the step's tokens (sequence, index, text piece) round
+the ring and returns them only once they are back, so every token visibly passes every rank, at one round trip per
+step. The other ranks forward frames in ``follow()``; any broken connection is ``PeerLost`` naming both ranks.
+Rank 0's clean close says goodbye round the ring, so the others do not count it as a failure.
+
+Faults target ranks with ``Fault.rank``: a rank fires only the faults whose ``rank`` is None (every rank) or its
+own (a runner without ``spec.rank`` is rank 0). A rank above 0 fires its generate faults, from its spec and from
+the request (rank 0 carries a request's faults for other ranks in each token's frame), as each token passes it,
+at that token's index, with rank 0's semantics: a fault ``after_tokens=3`` lets exactly three tokens through
+(``slow`` applies from it on). ``request_error`` fires on rank 0 only, which alone has requests to fail.
 
 The engine declares a memory estimate (``estimate_memory``): the runner's own interpreter (``RUNTIME_BYTES``) plus
 ``hold_bytes``, so the fit check and the scheduler's eviction see a debug model as they see a real one.
@@ -59,16 +76,21 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal
+
+import msgspec
 
 from tether.engines.base import (
     Delta,
     EngineLoadError,
     Estimate,
+    PeerLost,
     ProgressCallback,
     RequestError,
     StepResult,
     generate_one,
 )
+from tether.engines.ring import Ring
 from tether.engines.text import TextStream
 from tether.protocol import EngineSpec, Fault, GenerateParams, TokenLogprob, TopLogprob
 from tether.runner.faults import faults_for, fire, trigger
@@ -91,6 +113,7 @@ MAX_EMBEDDING_DIM = 65536
 PAGE = 4096
 RUNTIME_BYTES = 40 << 20  # a debug runner without hold_bytes, measured: 23 MiB footprint, 38 MiB resident
 RUNTIME_HEADROOM = 16 << 20
+GOODBYE_SECONDS = 1.0  # how long rank 0's close may spend telling the ring it ends
 
 
 @dataclass
@@ -105,6 +128,26 @@ class _Sequence:
     done: int = 0
     logprobs: int | None = None  # alternatives per token, None for no logprobs
     embedding: tuple[float, ...] | None = None  # an embed request's vector: it ends at its first step
+    carried: tuple[Fault, ...] = ()  # its request's generate faults for other ranks, carried round the ring
+    ringed: bool = True  # its tokens go round the ring (not the warm-up generation's: the warm-up frame did that)
+
+
+class RingToken(msgspec.Struct, frozen=True, array_like=True):
+    """One token of one sequence as it passes the ring: ``index`` is the tokens that sequence produced before it
+    (what ``after_tokens`` compares with), ``faults`` its request's faults for the other ranks."""
+
+    seq_id: str
+    index: int
+    piece: str
+    faults: tuple[Fault, ...] = ()
+
+
+class RingFrame(msgspec.Struct, frozen=True, array_like=True):
+    """What goes round the ring: the warm-up frame, one per step (every token of it), or rank 0's goodbye."""
+
+    kind: Literal["warmup", "step", "goodbye"]
+    step: int = 0
+    tokens: tuple[RingToken, ...] = ()
 
 
 class DebugEngine:
@@ -124,8 +167,10 @@ class DebugEngine:
             "gpu_bytes": 0,
             "hold_bytes": 0,
             "close_seconds": 0.0,
+            "ring_timeout": 30.0,
         }
     )
+    distributed = True  # ranks of a multi-rank instance form a ring (see the module docstring)
 
     @staticmethod
     def estimate_memory(spec: EngineSpec) -> Estimate:
@@ -163,6 +208,9 @@ class DebugEngine:
                     f"helper_kind must be one of {', '.join(HELPER_KINDS)} (or several, comma-separated), got "
                     f"{', '.join(repr(kind) for kind in unknown)}"
                 )
+            self.ring_timeout = float(options.get("ring_timeout", 30.0))
+            if not 0 < self.ring_timeout < math.inf:
+                raise ValueError(f"ring_timeout must be a positive number of seconds, got {self.ring_timeout}")
             idle_exceptions = [f.kind for f in spec.faults if f.phase == "idle" and f.kind in _NEEDS_ENGINE_CODE]
             if idle_exceptions:
                 raise ValueError(
@@ -171,6 +219,18 @@ class DebugEngine:
                 )
         except (TypeError, ValueError) as exc:
             raise EngineLoadError(f"invalid debug engine option in {options!r}: {exc}") from exc
+        self.rank = spec.rank.rank if spec.rank is not None else 0
+        self._ring: Ring | None = None  # ring mode: a rank of a multi-rank instance
+        if spec.rank is not None and spec.rank.world_size > 1:
+            problem = _rank_problem(spec)
+            if problem is not None:
+                raise EngineLoadError(f"invalid rank for the debug engine ({spec.rank!r}): {problem}")
+            self._ring = Ring(spec.rank, self.ring_timeout)
+        self._faults = self._mine(spec.faults)
+        # What a follower fires at each token passing it: its spec's generate faults (``request_error`` is rank 0's
+        # alone, since only rank 0 has requests to fail).
+        self._follow_faults = tuple(f for f in self._faults if f.phase == "generate" and f.kind != "request_error")
+        self._steps = 0  # ring steps rank 0 has sent round
         self._loaded = False
         self._helper_pids: list[int] = []
         self._gpu: object | None = None  # a torch tensor holding gpu_bytes
@@ -185,6 +245,9 @@ class DebugEngine:
             self._helper_pids.append(_start_helper(self._kinds[i % len(self._kinds)]))
         if self.helpers:
             progress(0.0, f"started {self.helpers} helper processes ({self.helper_kind})")
+        if self._ring is not None:  # after the helpers, so a forked one never holds the port
+            self._ring.listen()
+            progress(0.0, f"{self._ring.me} listening on {self._ring.info.peers[self.rank]}")
         if self.gpu_bytes:
             self._gpu = _hold_gpu_memory(self.gpu_bytes)
             progress(0.0, f"holding {self.gpu_bytes} bytes of GPU memory")
@@ -193,20 +256,26 @@ class DebugEngine:
             self._held[::PAGE] = b"\x01" * len(range(0, self.hold_bytes, PAGE))  # calloc's pages are not backed yet
             progress(0.0, f"holding {self.hold_bytes} bytes of memory")
         for step in range(self.load_steps):
-            fire(self.spec.faults, "load", step)
+            fire(self._faults, "load", step)
             if self.load_step_seconds:
                 time.sleep(self.load_step_seconds)
             progress((step + 1) / self.load_steps, f"debug engine load step {step + 1}/{self.load_steps}")
         self._loaded = True
 
     def warmup(self) -> None:
-        """Fire warmup-phase faults, then run a one-token generation like a real engine would."""
+        """Fire warmup-phase faults; in ring mode form the ring (rank 0 then sends a frame round it and waits for
+        it to come back: followers forward it once their ``follow`` runs); then run a one-token generation like a
+        real engine would."""
         self._require_loaded()
-        fire(self.spec.faults, "warmup", 0)
-        self._start("warmup", GenerateParams(prompt="warmup", max_tokens=1), faults=())
+        fire(self._faults, "warmup", 0)
+        if self._ring is not None:
+            self._ring.connect()
+            if self.rank == 0:
+                self._round(RingFrame("warmup"), "with the warm-up frame")
+        self._start("warmup", GenerateParams(prompt="warmup", max_tokens=1), faults=(), ringed=False)
         while self._seqs:
             self.step()
-        for fault in faults_for(self.spec.faults, "idle"):
+        for fault in faults_for(self._faults, "idle"):
             timer = threading.Timer(fault.seconds, trigger, args=(fault,))
             timer.daemon = True
             timer.start()
@@ -218,11 +287,17 @@ class DebugEngine:
 
     def start(self, seq_id: str, params: GenerateParams) -> None:
         """Check the request (``RequestError``) and add it to the batch: its first token comes with the next step."""
-        self._start(seq_id, params, self.spec.faults + params.faults)
+        if self._ring is not None and self.rank != 0:
+            raise RequestError(f"{self._ring.me} takes no requests: send them to rank 0 of the instance")
+        carried = tuple(
+            f for f in params.faults if f.rank != self.rank and f.phase == "generate" and f.kind != "request_error"
+        )
+        self._start(seq_id, params, self._faults + self._mine(params.faults), carried=carried)
 
     def step(self) -> list[StepResult]:
         """One token for every sequence: each one's faults fire first (a ``request_error`` ends that sequence
-        alone; any other fault is the whole runner's), then one ``token_seconds`` for the batch."""
+        alone; any other fault is the whole runner's), then one ``token_seconds`` for the batch. In ring mode the
+        step's tokens then go round the ring (``PeerLost`` if it broke) before any of them is returned."""
         results: list[StepResult] = []
         for seq_id, seq in list(self._seqs.items()):
             try:
@@ -232,9 +307,42 @@ class DebugEngine:
                 results.append((seq_id, exc))
         if self._seqs and self.token_seconds:
             time.sleep(self.token_seconds)
+        tokens: list[RingToken] = []
         for seq_id, seq in list(self._seqs.items()):
-            results.append((seq_id, self._advance(seq_id, seq)))
+            delta, piece = self._advance(seq_id, seq)
+            results.append((seq_id, delta))
+            if delta.tokens and seq.ringed:
+                tokens.append(RingToken(seq_id, seq.done - 1, piece, seq.carried))
+        if tokens and self._ring is not None and self.rank == 0:
+            self._steps += 1
+            self._round(RingFrame("step", self._steps, tuple(tokens)), f"during step {self._steps}")
         return results
+
+    def follow(self) -> None:
+        """A rank above 0, on the runner's follow thread: forward every frame from the predecessor to the
+        successor, firing this rank's generate faults (its spec's, and the request faults the frame carries for
+        it) at each token's index first. Returns only once ``close`` was called; a broken ring is ``PeerLost``."""
+        ring = self._ring
+        if ring is None or self.rank == 0:
+            raise RuntimeError("follow() is for the ranks above 0 of a multi-rank instance")
+        last = 0
+        try:
+            while True:
+                frame = ring.recv(RingFrame, f"while waiting for step {last + 1}", forever=True)
+                if frame.kind == "goodbye":  # rank 0 closed cleanly: pass it on, then wait for our own close
+                    with contextlib.suppress(PeerLost):
+                        ring.send(frame, "passing on rank 0's goodbye", timeout=GOODBYE_SECONDS)
+                    ring.wait_closed()
+                    return
+                for token in frame.tokens:
+                    mine = self._follow_faults + tuple(f for f in self._mine(token.faults) if f.kind != "request_error")
+                    fire(mine, "generate", token.index)
+                ring.send(frame, f"during step {frame.step}" if frame.kind == "step" else "with the warm-up frame")
+                last = frame.step
+        except PeerLost:
+            if ring.closed:  # our own close woke the wait: the ring's end is expected
+                return
+            raise
 
     def drop(self, seq_id: str) -> Delta:
         seq = self._seqs.pop(seq_id, None)
@@ -244,6 +352,13 @@ class DebugEngine:
         return len(self._seqs)
 
     def close(self) -> None:
+        """Close the ring first (a follow thread blocked on it returns at once; rank 0 first tells the others it
+        ends, so their ``follow`` does not count it as a failure), then everything else."""
+        if self._ring is not None:
+            if self.rank == 0 and self._ring.connected:
+                with contextlib.suppress(PeerLost):
+                    self._ring.send(RingFrame("goodbye"), "with the goodbye", timeout=GOODBYE_SECONDS)
+            self._ring.close()
         if self.close_seconds:
             time.sleep(self.close_seconds)
         self._loaded = False
@@ -263,7 +378,31 @@ class DebugEngine:
         if not self._loaded:
             raise RuntimeError("debug engine used before load() (or after close())")
 
-    def _start(self, seq_id: str, params: GenerateParams, faults: tuple[Fault, ...]) -> None:
+    def _mine(self, faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
+        """The faults this rank fires: those for every rank (``rank`` None) and those for this one."""
+        return tuple(f for f in faults if f.rank is None or f.rank == self.rank)
+
+    def _round(self, frame: RingFrame, detail: str) -> None:
+        """Rank 0: send ``frame`` round the ring and wait (bounded by ``ring_timeout``) until it is back."""
+        assert self._ring is not None
+        self._ring.send(frame, detail)
+        back = self._ring.recv(RingFrame, detail)
+        if back != frame:
+            raise PeerLost(
+                f"{self._ring.me}: the ring returned a different step: sent {frame.kind} {frame.step} with "
+                f"{len(frame.tokens)} tokens, got {back.kind} {back.step} with {len(back.tokens)} from "
+                f"{self._ring.peer(self._ring.predecessor)}"
+            )
+
+    def _start(
+        self,
+        seq_id: str,
+        params: GenerateParams,
+        faults: tuple[Fault, ...],
+        *,
+        carried: tuple[Fault, ...] = (),
+        ringed: bool = True,
+    ) -> None:
         self._require_loaded()
         problem = params.check()
         if problem is not None:
@@ -289,12 +428,15 @@ class DebugEngine:
             budget,
             logprobs=params.logprobs,
             embedding=embedding_vector(text, self.embedding_dim) if params.embed else None,
+            carried=carried,
+            ringed=ringed,
         )
 
-    def _advance(self, seq_id: str, seq: _Sequence) -> Delta:
+    def _advance(self, seq_id: str, seq: _Sequence) -> tuple[Delta, str]:
+        """The sequence's next delta, and the token's text piece (before stop handling; "" for an embedding)."""
         if seq.embedding is not None:
             del self._seqs[seq_id]
-            return Delta("", 0, "stop", seq.prompt_tokens, 0, embedding=seq.embedding)
+            return Delta("", 0, "stop", seq.prompt_tokens, 0, embedding=seq.embedding), ""
         word = next(seq.words)
         seq.done += 1
         piece = word if seq.done == 1 else " " + word
@@ -304,8 +446,24 @@ class DebugEngine:
             del self._seqs[seq_id]
             if not stopped:
                 text += seq.text.flush()
-            return Delta(text, 1, "stop" if stopped else "length", seq.prompt_tokens, seq.done, logprobs=logprobs)
-        return Delta(text, 1, logprobs=logprobs)
+            final = Delta(text, 1, "stop" if stopped else "length", seq.prompt_tokens, seq.done, logprobs=logprobs)
+            return final, piece
+        return Delta(text, 1, logprobs=logprobs), piece
+
+
+def _rank_problem(spec: EngineSpec) -> str | None:
+    """What is wrong with a spec's rank information, or None."""
+    info = spec.rank
+    assert info is not None
+    if not 0 <= info.rank < info.world_size:
+        return f"rank must be in [0, {info.world_size}), got {info.rank}"
+    if len(info.peers) != info.world_size:
+        return f"peers must name {info.world_size} addresses (one per rank), got {len(info.peers)}"
+    for i, peer in enumerate(info.peers):
+        host, sep, port = peer.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"peer {i} must be host:port with a port in [1, 65535], got {peer!r}"
+    return None
 
 
 def _hold_gpu_memory(n: int) -> object:

@@ -85,6 +85,8 @@ def diagnose(ev: Evidence) -> Cause:
                 phase=ev.phase,
             )
         kind = CauseKind.OUT_OF_MEMORY if exc.memory_error else CauseKind.EXCEPTION
+        if exc.exc_type == "PeerLost":  # ``engines.base.PeerLost``: another rank's failure broke this one's ring
+            kind = CauseKind.PEER_LOST
         what = "ran out of memory (MemoryError)" if exc.memory_error else f"raised {exc.exc_type}"
         return Cause(
             kind=kind,

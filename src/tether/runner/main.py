@@ -9,6 +9,8 @@ Threads in a runner, and why each exists:
 - reader thread: reads the tasks pipe and acknowledges every message as it arrives. Cancellation is acted on here,
   at once (a flag the step loop checks between steps), never queued behind generation.
 - heartbeat thread: proves the interpreter still runs (a GIL-holding native hang stops it too).
+- follow thread, in ranks above 0 of a multi-rank instance only: the engine's ``follow()``, taking part in rank 0's
+  steps from warm-up to close. Whatever it raises ends the runner, as an exception of the task loop would.
 
 Every event is written straight to the events pipe (see ``channel``), so a runner that dies loses nothing it sent.
 An unexpected exception is reported as a ``RunnerException`` message before the runner exits with code 1; the
@@ -292,7 +294,26 @@ class Runner:
             self.task_status(tid, TaskState.RUNNING)
             self.set_status(WarmingUp())
             self.engine.warmup()
+            self.start_following()
             self.finish_current(tid, Ready())
+
+    def start_following(self) -> None:
+        """A rank above 0 takes part in rank 0's steps from now on (``follow``), on a thread of its own."""
+        rank = self.config.spec.rank
+        follow = getattr(self.engine, "follow", None)
+        if rank is None or rank.rank == 0 or not callable(follow):
+            return
+
+        def run() -> None:
+            try:
+                follow()
+            except BaseException as exc:
+                if self.engine is None or self.shutdown_requested.is_set():
+                    return  # closed under it: the runner is shutting down, the ring's end is expected
+                self.report_fatal(exc)
+                _hard_exit(1)
+
+        threading.Thread(target=run, name="tether-follow", daemon=True).start()
 
     def finish_current(self, task_id: str, status: RunnerStatus) -> None:
         """End the load or warm-up task: its status and completion go out together, unless a shutdown ended it."""
