@@ -22,6 +22,7 @@ import pytest
 from conftest import debug, pid_alive, prompt
 from tether.kernel.pids import group_members
 from tether.node import instance as instance_module
+from tether.node.gone import RunnerNotGone, wait_runner_gone
 from tether.node.hangs import Deadlines
 from tether.node.instance import (
     Backoff,
@@ -32,8 +33,6 @@ from tether.node.instance import (
     InstanceState,
     InstanceStopped,
     RestartPolicy,
-    RunnerNotGone,
-    wait_runner_gone,
 )
 from tether.node.spawn import ExitStatus, RunnerProcess
 from tether.node.supervisor import Supervisor

@@ -38,8 +38,8 @@ from tether.cluster import wire
 from tether.errors import TetherError
 from tether.kernel.cgroups import MemoryCgroup, create_child_cgroup
 from tether.node import fit
+from tether.node.gone import RunnerNotGone, wait_runner_gone
 from tether.node.hangs import Deadlines
-from tether.node.instance import RunnerNotGone, wait_runner_gone
 from tether.node.memory import NodeMemory, node_memory
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle

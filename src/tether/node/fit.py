@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether.engines import registry
-from tether.engines.base import MemoryEstimate
+from tether.engines.base import Estimate, MemoryEstimate
 from tether.errors import DoesNotFit
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
 from tether.protocol import EngineSpec
@@ -69,11 +69,25 @@ def ensure_fits(estimate: MemoryEstimate, available: int, source: str, override:
     return result
 
 
-def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None) -> FitResult:
-    """The fit check for a runner of ``spec``: the registry's estimate against this node's memory (read now unless
-    ``node`` is given). Reads the model file's header, so call it off the event loop. Raises ``InvalidModel`` for a
-    model file the estimator cannot read and ``UnknownEngine`` for an engine that names none."""
+def for_ranks(estimate: MemoryEstimate, ranks: int) -> MemoryEstimate:
+    """What ``ranks`` runners of one estimate need together on one node (a multi-rank instance on one machine)."""
+    if ranks == 1:
+        return estimate
+    return Estimate(
+        f"{ranks} ranks of {estimate.subject}",
+        {f"{ranks} x {format_bytes(estimate.expected)}": ranks * estimate.expected},
+        headroom=ranks * estimate.headroom,
+    )
+
+
+def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None, ranks: int = 1) -> FitResult:
+    """The fit check for a runner of ``spec`` (``ranks`` of them, for a multi-rank instance on this node): the
+    registry's estimate against this node's memory (read now unless ``node`` is given). Reads the model file's
+    header, so call it off the event loop. Raises ``InvalidModel`` for a model file the estimator cannot read and
+    ``UnknownEngine`` for an engine that names none."""
     estimate = registry.estimate(spec)
+    if estimate is not None:
+        estimate = for_ranks(estimate, ranks)
     if estimate is None:
         engine = registry.canonical(spec.engine)
         message = f"no memory estimate for engine {engine!r} (it declares none): admitted without a fit check"
@@ -82,9 +96,9 @@ def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None 
     return check_fit(estimate, node.available, node.source, override=override)
 
 
-def admit(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None) -> FitResult:
+def admit(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None, ranks: int = 1) -> FitResult:
     """:func:`assess`, raising :class:`DoesNotFit` when refused."""
-    result = assess(spec, override=override, node=node)
+    result = assess(spec, override=override, node=node, ranks=ranks)
     if not result.ok:
         raise DoesNotFit(result)
     return result

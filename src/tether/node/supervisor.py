@@ -45,6 +45,7 @@ from tether.kernel.cgroups import (
 )
 from tether.node.containment import group_memory, make_own_cgroup, remove_when_empty
 from tether.node.diagnosis import Evidence, diagnose
+from tether.node.gone import wait_runner_gone
 from tether.node.hangs import (
     STACK_SIGNAL_NAME,
     Deadlines,
@@ -484,6 +485,12 @@ class Supervisor:
     async def wait_exit(self, timeout: float) -> None:
         with anyio.fail_after(timeout):
             await self._exited.wait()
+
+    async def confirm_gone(self, timeout: float) -> None:
+        """Return once the runner is reaped and its process group empty (survivors SIGKILLed); ``RunnerNotGone``
+        after ``timeout`` s. A replacement life starts only after this."""
+        if self.process is not None:
+            await wait_runner_gone(self.process, timeout)
 
     # --- internals ------------------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
 from tether.node.instance import Instance, InstanceReady
+from tether.node.ranks import RankGroup
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
 from tether.serve import embeddings, ollama, openai, responses, schema
@@ -464,6 +465,8 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         "deadlines": msgspec.to_builtins(hosted.config.deadlines),
         "replicas": [_replica(r, hosted.serving.get(r, 0)) for r in hosted.replicas],
         "spread": hosted.config.spread,
+        # A multi-rank instance's ranks now (address, node, pid, status); requests go to rank 0.
+        "ranks": sup.ranks() if isinstance(sup, RankGroup) else None,
     }
 
 

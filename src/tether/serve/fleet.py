@@ -48,6 +48,7 @@ from tether.node.instance import (
     SupervisorFactory,
 )
 from tether.node.listeners import Listeners
+from tether.node.ranks import MAX_RANKS, RankGroup, RankPorts, Site, check_ports
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
 from tether.protocol import EngineSpec, Fault, GenerateParams, documented
@@ -60,6 +61,7 @@ MAX_QUEUE_LIMIT = 1 << 20
 MIN_MEMORY_LIMIT = 16 << 20  # below this a runner cannot even start Python
 MAX_REPLICAS = 64
 Spread = Literal["SPREAD", "STRICT_SPREAD", "PACK"]
+LOCAL_HOST = "127.0.0.1"  # where the ranks of a multi-rank instance on this machine reach each other
 
 
 class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -79,6 +81,11 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # ``spread`` says where: SPREAD prefers distinct nodes, STRICT_SPREAD requires them, PACK prefers shared ones.
     replicas: Annotated[int, documented(minimum=1, maximum=MAX_REPLICAS)] = 1
     spread: Spread = "SPREAD"
+    # Runners per life, one per rank, that fail and restart together (an engine that declares ``distributed``); on a
+    # cluster each on a node of its own. Requests go to rank 0. ``ports``: one per rank, the same for every life
+    # (default: tether picks free ones from 25100 on).
+    ranks: Annotated[int, documented(minimum=1, maximum=MAX_RANKS)] = 1
+    ports: tuple[Annotated[int, documented(minimum=1024, maximum=65535)], ...] | None = None
 
     def check(self) -> InvalidField | None:
         """What is wrong with this config (naming the field), or None. Resolves the engine through the registry
@@ -108,6 +115,9 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if not 1 <= self.replicas <= MAX_REPLICAS:
             return InvalidField("replicas", f"replicas must be in [1, {MAX_REPLICAS}], got {self.replicas}")
+        problem = self._check_ranks(engine)
+        if problem is not None:
+            return problem
         if self.faults and engine != "debug":
             return InvalidField("faults", "faults are for the debug engine only")
         if self.memory_limit is None and any(fault.kind == "oom" for fault in self.faults):
@@ -117,6 +127,22 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "machine's memory (and the OOM killer may pick another process); set memory_limit, e.g. 134217728",
             )
         return None
+
+    def _check_ranks(self, engine: str) -> InvalidField | None:
+        if not 1 <= self.ranks <= MAX_RANKS:
+            return InvalidField("ranks", f"ranks must be in [1, {MAX_RANKS}], got {self.ranks}")
+        if self.ranks == 1:
+            return None if self.ports is None else InvalidField("ports", "ports are for multi-rank instances (ranks>1)")
+        if not getattr(registry.engine_class(engine), "distributed", False):
+            return InvalidField(
+                "ranks",
+                f"engine {engine!r} runs in one process: ranks > 1 needs an engine that declares distributed = True "
+                "and takes part in every step of rank 0 (the debug engine's ring mode does; see the README on "
+                "multi-rank instances)",
+            )
+        if self.replicas > 1:
+            return InvalidField("replicas", "replicas of a multi-rank instance are not supported yet: use ranks alone")
+        return check_ports(self.ports, self.ranks) if self.ports is not None else None
 
     def spec(self) -> EngineSpec:
         """The engine spec, under the engine's one name (an alias resolved, a file path made absolute)."""
@@ -195,9 +221,11 @@ class Hosted:
 
 class Runners(Protocol):
     """Where an instance's runners live when not on this machine (the Ray cluster): it builds each replica's
-    supervisor factory and learns which replicas belong together, so placement can spread them."""
+    supervisor factory, each rank's site, and learns which replicas belong together, so placement can spread them."""
 
     def runners(self, memory_limit: int | None) -> SupervisorFactory: ...
+
+    def sites(self, instance: str, memory_limit: int | None) -> list[Site]: ...
 
     def join(self, instances: list[Instance], spread: Spread) -> None: ...
 
@@ -213,6 +241,7 @@ class Fleet:
         self.stop_timeout = stop_timeout
         self.placer = placer  # decides every life's placement (the scheduler); None: the fit check alone
         self.cluster = cluster  # None: every runner on this machine
+        self.rank_ports = RankPorts()  # each multi-rank instance's ports, kept for all its lives
         self._hosted: dict[str, Hosted] = {}
         self._requests: dict[str, tuple[Hosted, Instance]] = {}  # request id -> its instance and replica, in flight
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
@@ -270,11 +299,15 @@ class Fleet:
         admitted = None  # a placer decides (under its node-wide load lock), else the fit check runs now
         if self.placer is None and self.cluster is None:
             admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads a header
+        admitted = admitted if config.ranks == 1 else None  # the fit of every rank is the placement's
         factory: SupervisorFactory = (
             partial(Supervisor, memory_limit=config.memory_limit)
             if self.cluster is None
             else self.cluster.runners(config.memory_limit)
         )
+        if config.ranks > 1:
+            ports = self.rank_ports.allocate(instance_id, config.ranks, config.ports)
+            factory = partial(self._rank_group, config=config, ports=ports)
         replicas = [
             Instance(
                 spec,
@@ -286,6 +319,7 @@ class Fleet:
                 stop_timeout=self.stop_timeout,
                 admitted=admitted if i == 0 else None,
                 placer=self.placer,
+                ranks=config.ranks,
             )
             for i, name in enumerate(replica_names(config))
         ]
@@ -298,11 +332,23 @@ class Fleet:
         log.info("instance %s added (%s: %s)", instance_id, spec.engine, spec.model or "default model")
         return hosted
 
+    def _rank_group(
+        self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines, config: InstanceConfig, ports: tuple[int, ...]
+    ) -> RankGroup:
+        """One life of a multi-rank instance: its ranks where its placement put them (this machine, without a
+        cluster), on the instance's own ports."""
+        if self.cluster is not None:
+            sites = self.cluster.sites(runner_id.rpartition("-")[0], config.memory_limit)  # runner ids: <name>-<life>
+        else:
+            sites = [Site(LOCAL_HOST, partial(Supervisor, memory_limit=config.memory_limit))] * config.ranks
+        return RankGroup(spec, runner_id=runner_id, deadlines=deadlines, sites=sites, ports=ports)
+
     async def remove(self, instance_id: str) -> Hosted:
         """Stop an instance (its runner within the stop bound) and forget it; its waiting requests fail."""
         hosted = self.get(instance_id)
         await self._stop_one(hosted)
         self._hosted.pop(instance_id, None)
+        self.rank_ports.release(instance_id)
         if self.cluster is not None:
             self.cluster.forget(hosted.replicas)
         return hosted

@@ -50,6 +50,7 @@ from tether.errors import DoesNotFit, InstanceExists, InvalidField, ModelRequire
 from tether.kernel.cgroups import MemoryCgroup
 from tether.node import fit
 from tether.node.fit import FitResult
+from tether.node.gone import NotGone
 from tether.node.instance import (
     Instance,
     InstanceFailed,
@@ -57,8 +58,6 @@ from tether.node.instance import (
     InstanceState,
     InstanceStopped,
     Placer,
-    RunnerNotGone,
-    wait_runner_gone,
 )
 from tether.node.listeners import Listeners
 from tether.node.memory import NodeMemory, node_memory
@@ -450,11 +449,10 @@ class Scheduler:
         """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken)."""
         began = time.monotonic()
         sup = hosted.supervisor
-        process = sup.process if sup is not None else None
         with anyio.CancelScope(shield=True):
             await self.fleet.remove(hosted.id)
-            if process is not None:
-                await wait_runner_gone(process, self.reclaim_timeout)
+            if sup is not None:  # every runner of it (each rank's, on every node) reaped and its group empty
+                await sup.confirm_gone(self.reclaim_timeout)
         return time.monotonic() - began
 
     def _watch(self, hosted: Hosted) -> None:
@@ -551,6 +549,8 @@ class Scheduler:
             estimate = await anyio.to_thread.run_sync(registry.estimate, spec)
             if slot is not None:
                 slot.estimate = estimate
+        if estimate is not None:
+            estimate = fit.for_ranks(estimate, instance.ranks)  # every rank of a multi-rank instance, on this node
         for candidate in self._candidates(instance):  # what each would free, measured now
             sup = candidate.hosted.supervisor if candidate.hosted is not None else None
             if sup is not None:
@@ -675,7 +675,7 @@ class Scheduler:
                         tg.start_soon(self._stop, hosted)
             except BaseExceptionGroup as group:
                 first = group.exceptions[0]
-                if isinstance(first, RunnerNotGone):
+                if isinstance(first, NotGone):
                     raise Unavailable(str(first), retry_after=None) from None
                 raise
         reaped = time.monotonic() - began

@@ -23,6 +23,7 @@ def cause_json(cause: Cause) -> dict[str, Any]:
         "phase": cause.phase,
         "exit_code": cause.exit_code,
         "signal": cause.signal,
+        "rank": cause.rank,
     }
 
 
