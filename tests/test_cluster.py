@@ -362,3 +362,47 @@ def test_a_partitioned_coordinator_is_fenced_by_its_agents_and_agrees_with_them_
         assert not any(e["kind"] == "lost" for e in events), events  # its own pause blamed nobody
         history = server.instance("part")["history"]
         assert any("stopped its runners itself" in h["cause"]["summary"] for h in history), history
+
+
+@pytest.mark.parametrize("how", ["runner", "agent"])
+def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the_ports(
+    cluster: Cluster, how: str
+) -> None:
+    """A 2-rank debug ring on 2 of the 3 nodes: rank 1's runner SIGKILLed, or the agent hosting it. The request
+    fails with rank 1's cause (naming its node), no rank of that life is left anywhere, and the replacement's ranks
+    (on 2 distinct nodes again) listen on the same ports and serve."""
+    with coordinator(cluster) as server:
+        add(server, {"id": "ring", "ranks": 2, "options": {"token_seconds": 0.02}})
+        ranks = server.instance("ring")["ranks"]
+        assert len({r["node"] for r in ranks}) == 2, ranks  # one node per rank
+        old = [r["pid"] for r in ranks]
+        agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+        victim = agent_pid(server, ranks[1]["node"])
+        streams = Streams(server, "ring", 1)
+        streams.wait_streaming(1)
+        os.kill(old[1] if how == "runner" else victim, signal.SIGKILL)
+        ((_, _, last),) = streams.join()
+        error = error_of(last)
+        assert f"rank 1 of 2 on node {ranks[1]['node'][:8]} failed" in error["message"], error
+        assert error["code"] == ("node_lost" if how == "agent" else "signal"), error
+        wait_until(lambda: not any(alive(pid) for pid in old), 10, "every rank of the failed life gone")
+
+        def replaced() -> bool:
+            now = server.instance("ring")
+            return bool(now["ready"]) and not set(old) & {r["pid"] for r in now["ranks"]}
+
+        wait_until(replaced, 60, "a replacement ring ready")
+        now = server.instance("ring")
+        assert [r["address"].rpartition(":")[2] for r in now["ranks"]] == [
+            r["address"].rpartition(":")[2] for r in ranks
+        ], "the same ports"
+        assert len({r["node"] for r in now["ranks"]}) == 2
+        assert now["history"][-1]["cause"]["rank"] == 1
+        answer = server.http.post(
+            "/v1/chat/completions",
+            json={"model": "ring", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        assert answer.status_code == 200, answer.text
+        live = {int(n["agent_pid"]) for n in live_nodes(server)}
+        expected = {r["pid"] for r in now["ranks"]} | {server.instance("debug")["runner"]["pid"]}
+        assert set(runners_of(agents | live, children=True)) == expected, "what it says runs is what runs"

@@ -44,6 +44,7 @@ from tether.node.fit import FitResult
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceStopped
 from tether.node.listeners import Listeners
+from tether.node.ranks import Site
 from tether.protocol import Cause, CauseKind, EngineSpec
 from tether.units import format_bytes
 
@@ -103,6 +104,7 @@ class AgentLink:
     node_id: str
     actor: Any
     lost_after: float
+    settle: float = 0.0  # after its last word, by when a partitioned agent has fenced itself: lease + stop + reap
     pid: int | None = None
     host: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
@@ -184,6 +186,7 @@ class Cluster:
         self.events: list[NodeEvent] = []
         self.listeners: Listeners[NodeEvent] = Listeners("cluster event")
         self.placed: dict[str, str] = {}  # instance name -> the node its current life is placed on
+        self.placed_ranks: dict[str, list[str]] = {}  # a multi-rank instance's name -> each rank's node, in order
         self._groups: dict[str, tuple[list[Instance], Spread]] = {}  # instance name -> its replicas, their spread
         self._ray: Any = None
         self._address: str = ""
@@ -300,7 +303,7 @@ class Cluster:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             name=None,
         ).remote(msgspec.msgpack.encode(settings))
-        link = AgentLink(node_id, actor, s.lost_after)
+        link = AgentLink(node_id, actor, s.lost_after, settle=s.lease + s.stop_timeout + settings.reap_timeout)
         self.links[node_id] = link
         try:
             with anyio.fail_after(60):
@@ -394,7 +397,7 @@ class Cluster:
             stopped = set(message.stopped)
             for sup in list(link.supervisors):
                 if sup.runner_id in stopped:
-                    sup.lose(cause, time.monotonic())
+                    sup.lose(cause, time.monotonic(), settled=True)
 
     async def _monitor(self) -> None:
         """Declare silent agents lost; a gap in this loop itself (this process was paused) blames nobody."""
@@ -461,6 +464,7 @@ class Cluster:
         for inst in instances:
             self._groups.pop(inst.name, None)
             self.placed.pop(inst.name, None)
+            self.placed_ranks.pop(inst.name, None)
 
     def runners(self, memory_limit: int | None) -> Callable[..., Supervisor]:
         """The supervisor factory of an instance: each life on the node its placement chose."""
@@ -507,6 +511,8 @@ class Cluster:
             and not isinstance(other.state, InstanceFailed | InstanceStopped)
         }
         fitting = [v for v in verdicts.values() if v.fits]
+        if instance.ranks > 1:
+            return self._place_ranks(instance, verdicts, links, fitting)
         if spread == "STRICT_SPREAD":
             fitting = [v for v in fitting if v.node_id not in siblings]
         if spread == "PACK":
@@ -519,6 +525,37 @@ class Cluster:
         self.placed[instance.name] = chosen.node_id
         message = f"placed on node {chosen.node_id[:8]}: {chosen.message}"
         return FitResult(None, chosen.available, f"node {chosen.node_id[:8]}: {chosen.source}", True, False, message)
+
+    def _place_ranks(
+        self, instance: Instance, verdicts: dict[str, node.Verdict], links: list[AgentLink], fitting: list[node.Verdict]
+    ) -> FitResult:
+        """Each rank on a node of its own (STRICT_SPREAD), those with the most memory free first."""
+        fitting.sort(key=lambda v: -v.available)
+        if len(fitting) < instance.ranks:
+            raise DoesNotFit(self._refusal(instance, verdicts, links, set(), "STRICT_SPREAD"))
+        chosen = fitting[: instance.ranks]
+        self.placed_ranks[instance.name] = [v.node_id for v in chosen]
+        self.placed[instance.name] = chosen[0].node_id
+        where = ", ".join(f"rank {rank} on node {v.node_id[:8]}" for rank, v in enumerate(chosen))
+        least = min(chosen, key=lambda v: v.available)
+        return FitResult(None, least.available, f"node {least.node_id[:8]}: {least.source}", True, False, where)
+
+    def sites(self, instance: str, memory_limit: int | None) -> list[Site]:
+        """Where each rank of ``instance``'s next life runs, as placed: its node's host and agent."""
+        nodes = self.placed_ranks.get(instance)
+        links = [self.links.get(node_id) for node_id in nodes or ()]
+        if not nodes or any(link is None for link in links):
+            raise TetherError(f"the ranks of {instance} were not placed on live nodes")
+        return [
+            Site(
+                link.host or "127.0.0.1",
+                partial(
+                    RemoteSupervisor, link=link, memory_limit=memory_limit, stop_timeout=self.settings.stop_timeout
+                ),
+            )
+            for link in links
+            if link is not None
+        ]
 
     def _refusal(
         self,
@@ -552,7 +589,12 @@ class Cluster:
             parts.append(f"not asked (lost or fenced): {', '.join(lost)}")
         if not links:
             parts.append("no live node agent")
-        message = f"{instance.name} fits on no node of the cluster: " + "; ".join(parts)
+        fits = sum(1 for v in verdicts.values() if v.fits)
+        message = (
+            f"{instance.name} fits on no node of the cluster: "
+            if instance.ranks == 1
+            else f"{instance.name} needs {instance.ranks} nodes, one per rank, and fits on {fits}: "
+        ) + "; ".join(parts)
         best = max((v.available for v in verdicts.values()), default=None)
         return FitResult(None, best, "cluster", False, False, message, nodes=tuple(nodes))
 

@@ -26,6 +26,7 @@ from anyio.abc import TaskGroup
 
 from tether.cluster import agent as node
 from tether.cluster.wire import RunnerReport
+from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
 from tether.node.memory import ProcessMemory
 from tether.node.supervisor import Supervisor
@@ -103,6 +104,8 @@ class RemoteSupervisor(Supervisor):
         self._exited = anyio.Event()
         self._drained = anyio.Event()  # set whenever the last relay in flight ends
         self._lost_at: float | None = None
+        self._settled = False  # a loss whose runners are known gone (the agent fenced itself and said so)
+        self._not_gone: str | None = None  # the agent's word that the runner outlived its bounds
         self._tg: TaskGroup | None = None
         self._shields: set[anyio.CancelScope] = set()
 
@@ -197,6 +200,7 @@ class RemoteSupervisor(Supervisor):
             return
         if exited.not_gone is not None:
             log.error("%s: %s", self.name, exited.not_gone)
+            self._not_gone = exited.not_gone
         self.detection_seconds = exited.detected_in
         if self._inflight:  # the relays' last batches may trail the agent's answer: everything written is delivered
             self._drained = anyio.Event()
@@ -213,10 +217,25 @@ class RemoteSupervisor(Supervisor):
             summary = f"node {self.link.short}'s agent failed a call: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             self._end(Cause(kind=CauseKind.NODE_LOST, summary=summary, evidence=tuple(str(exc).splitlines()[:12])), "")
 
-    def lose(self, cause: Cause, detected_at: float) -> None:
-        """The coordinator lost this life's node: every request in flight ends now with ``cause``."""
+    def lose(self, cause: Cause, detected_at: float, *, settled: bool = False) -> None:
+        """The coordinator lost this life's node: every request in flight ends now with ``cause``. ``settled``: the
+        runner is known gone (its agent fenced itself and said so)."""
         self._lost_at = detected_at
+        self._settled = settled
         self._end(cause, "")
+
+    async def confirm_gone(self, timeout: float) -> None:
+        """The agent's word that the runner is reaped and its group and cgroup empty (``NotGone`` if it said
+        otherwise). For a lost node there is no such word: the runner counts as gone once Ray confirms the agent's
+        process dead (its runners die by their lifeline) or, for an agent Ray cannot reach, once a partitioned agent
+        must have fenced itself: its lease after its last word, then its bounded stop (``AgentLink.settle``)."""
+        if self._not_gone is not None:
+            raise NotGone(f"{self.name}: {self._not_gone}")
+        if self._lost_at is None or self._settled:
+            return
+        link = self.link
+        with anyio.move_on_after(max(link.last_seen + link.settle - time.monotonic(), 0.0)):
+            await link.died.wait()
 
     def _end(self, cause: Cause | None, fallback: str) -> None:
         if self._exited.is_set():
@@ -243,7 +262,7 @@ class RemoteSupervisor(Supervisor):
         began = time.monotonic()
         bound = (self.stop_timeout if timeout is None else timeout) + self.reap_timeout
         self.stop_report = StopReport(clean=True, escalated_to=None, seconds=0.0)  # a requested stop is no failure
-        with anyio.move_on_after(CALL_TIMEOUT):
+        with anyio.move_on_after(CALL_TIMEOUT), contextlib.suppress(RunnerUnavailable):  # ended meanwhile: stopped
             await self._call(self.link.actor.stop.remote(self.runner_id), "stop")
         with anyio.move_on_after(bound):
             await self._exited.wait()
