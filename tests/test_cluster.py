@@ -364,15 +364,32 @@ def test_a_partitioned_coordinator_is_fenced_by_its_agents_and_agrees_with_them_
         assert any("stopped its runners itself" in h["cause"]["summary"] for h in history), history
 
 
-@pytest.mark.parametrize("how", ["runner", "agent"])
+RANK_FAULTS = {  # rank 1's fault at its 10th token, in every life (the check after the replacement asks for 4)
+    "segv": ({"kind": "segv", "rank": 1, "after_tokens": 10}, "native_crash"),
+    "hang_gil": ({"kind": "hang_gil", "rank": 1, "after_tokens": 10}, "hang"),
+    "oom": ({"kind": "oom", "rank": 1, "after_tokens": 10}, "out_of_memory"),
+}
+
+
+@pytest.mark.parametrize("how", ["runner", "agent", *RANK_FAULTS])
 def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the_ports(
     cluster: Cluster, how: str
 ) -> None:
-    """A 2-rank debug ring on 2 of the 3 nodes: rank 1's runner SIGKILLed, or the agent hosting it. The request
-    fails with rank 1's cause (naming its node), no rank of that life is left anywhere, and the replacement's ranks
-    (on 2 distinct nodes again) listen on the same ports and serve."""
+    """A 2-rank debug ring on 2 of the 3 nodes: rank 1's runner SIGKILLed, the agent hosting it SIGKILLed, or rank 1
+    crashing, hanging with the GIL held or running out of memory while generating. The request fails with rank 1's
+    cause (naming its node), no rank of that life is left anywhere, and the replacement's ranks (on 2 distinct
+    nodes again) listen on the same ports and serve."""
+    body: dict[str, Any] = {
+        "id": "ring",
+        "ranks": 2,
+        "options": {"token_seconds": 0.02},
+        "deadlines": {"heartbeat": 1.5, "stacks": 0.5},
+        "memory_limit": 256 * MiB,
+    }
+    if how in RANK_FAULTS:
+        body["faults"] = [RANK_FAULTS[how][0]]
     with coordinator(cluster) as server:
-        add(server, {"id": "ring", "ranks": 2, "options": {"token_seconds": 0.02}})
+        add(server, body)
         ranks = server.instance("ring")["ranks"]
         assert len({r["node"] for r in ranks}) == 2, ranks  # one node per rank
         old = [r["pid"] for r in ranks]
@@ -380,11 +397,13 @@ def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the
         victim = agent_pid(server, ranks[1]["node"])
         streams = Streams(server, "ring", 1)
         streams.wait_streaming(1)
-        os.kill(old[1] if how == "runner" else victim, signal.SIGKILL)
+        if how in ("runner", "agent"):
+            os.kill(old[1] if how == "runner" else victim, signal.SIGKILL)
         ((_, _, last),) = streams.join()
         error = error_of(last)
         assert f"rank 1 of 2 on node {ranks[1]['node'][:8]} failed" in error["message"], error
-        assert error["code"] == ("node_lost" if how == "agent" else "signal"), error
+        code = {"runner": "signal", "agent": "node_lost"}.get(how) or RANK_FAULTS[how][1]
+        assert error["code"] == code, error
         wait_until(lambda: not any(alive(pid) for pid in old), 10, "every rank of the failed life gone")
 
         def replaced() -> bool:

@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas", type=int, default=1, metavar="N", help="copies of the model loaded at start, spread over nodes"
     )
     ray.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="runners per life of the model loaded at start, one per rank, failing and restarting together (an engine "
+        "that declares distributed, such as the debug engine's ring); on a cluster, each on a node of its own",
+    )
+    ray.add_argument(
         "--node-memory-limit",
         type=parse_size,
         default=None,

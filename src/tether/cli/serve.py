@@ -95,6 +95,7 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
         max_queue=args.max_queue,
         force=args.force,
         replicas=args.replicas,
+        ranks=args.ranks,
     )
 
 

@@ -125,7 +125,8 @@ class AgentLink:
 
     @property
     def live(self) -> bool:
-        return self.lost is None and self.connected.is_set()
+        """Joined (connected, and its start answered: pid and host known) and not lost."""
+        return self.lost is None and self.connected.is_set() and self.pid is not None
 
     def attach(self, sup: RemoteSupervisor) -> None:
         if self.lost is not None:
@@ -136,13 +137,19 @@ class AgentLink:
     def detach(self, sup: RemoteSupervisor) -> None:
         self.supervisors.discard(sup)
 
+    @property
+    def state(self) -> str:
+        if self.lost is not None:
+            return "lost"
+        return "fenced" if self.fenced else ("live" if self.live else "joining")
+
     def view(self) -> dict[str, Any]:
         report = self.report
         return {
             "node": self.node_id,
             "host": self.host,
             "agent_pid": self.pid,
-            "state": "lost" if self.lost is not None else ("fenced" if self.fenced else "live"),
+            "state": self.state,
             "cause": self.lost.summary if self.lost is not None else None,
             "heard_ago": round(time.monotonic() - self.last_seen, 3),
             # CLOCK_MONOTONIC: tether's verdict and Ray's notification of the same death, comparable (bench/cluster.py)
