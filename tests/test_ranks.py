@@ -110,6 +110,7 @@ async def test_a_rank_that_dies_fails_every_rank_with_its_cause_and_the_replacem
         assert final.state is TaskState.FAILED and final.cause is not None
         assert final.cause.kind is cause and final.cause.rank == 1, final.cause.render()
         assert final.cause.summary.startswith("rank 1 of 2 failed: runner ring-1.rank1"), final.cause.summary
+        assert "following rank 0's steps (rank 1 of 2)" in final.cause.summary, "what rank 1 was doing, not idle"
         assert any(line.startswith("rank 0: ") and "(a consequence)" in line for line in final.cause.evidence)
         assert not any(pid_alive(pid) for pid in old), "every rank of the failed life is gone"
         new = await ready_group(inst, set(old))

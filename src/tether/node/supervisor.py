@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -576,6 +577,7 @@ class Supervisor:
             self._detect_from = time.monotonic()
             self._protocol_error(self._receiver.stalled())  # the silence is garbage swallowing its messages
             return
+        hang = dataclasses.replace(hang, phase=self._phase_words(hang.phase) or hang.phase)
         self.hang = hang
         self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
@@ -584,6 +586,14 @@ class Supervisor:
         stacks, note = await self._stacks.collect(self.process, self.deadlines.stacks, self._exited)
         cause = self._hang_cause(hang, ((note,) if note else ()) + tuple(stacks))
         self._force_kill(cause.kind, cause.summary, cause.evidence, cause.phase)
+
+    def _phase_words(self, phase: str | None) -> str | None:
+        """A rank above 0 of a multi-rank instance reads as ready (it takes no requests) while it takes part in every
+        step of rank 0's: its causes say that, not "idle"."""
+        rank = self.spec.rank
+        if phase == "idle" and rank is not None and rank.rank > 0:
+            return f"following rank 0's steps (rank {rank.rank} of {rank.world_size})"
+        return phase
 
     def _hang_cause(self, hang: Hang, evidence: tuple[str, ...] = ()) -> Cause:
         return Cause(
@@ -739,7 +749,7 @@ class Supervisor:
             self._protocol_error(exc)
         self._read_output(proc.output_fd, OUTPUT_DRAIN_READS)  # what a pipe holds (64 KiB by default) and more
         self._output.flush()  # a forked helper may still hold the pipe open: do not wait for its EOF
-        phase = phase_of(self.status)
+        phase = self._phase_words(phase_of(self.status))
         clean_stop = self._stop_requested and exit_status.code == 0 and isinstance(self.status, Shutdown)
         escalated_stop = self._stop_requested and self._escalated_to is not None
         if clean_stop or escalated_stop:
