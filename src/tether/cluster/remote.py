@@ -155,6 +155,9 @@ class RemoteSupervisor(Supervisor):
     async def sample_memory(self) -> ProcessMemory | None:
         return self.footprint  # the agent samples it and reports it every beat
 
+    async def measure(self) -> ProcessMemory | None:
+        return self.footprint  # its pid is on another machine: the agent's latest report, not a local /proc read
+
     # --- lifecycle (entered as a Supervisor is: a task group, then ``start``) ----------------------------------
 
     async def __aexit__(

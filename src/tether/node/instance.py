@@ -43,7 +43,6 @@ from tether.node.fit import FitResult, MeasuredFit
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
 from tether.node.listeners import Listeners
-from tether.node.memory import process_memory
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, documented, phase_of
@@ -514,7 +513,7 @@ class Instance:
         """After load: the runner's real memory beside the estimate it was admitted on (logged, and kept)."""
         if self.fit is None or self.fit.estimate is None or sup.pid is None:
             return
-        memory = await anyio.to_thread.run_sync(process_memory, sup.pid)
+        memory = await sup.measure()
         if memory is not None:
             self.measured = fit.record_measured(self.fit.estimate, memory)
             log.info("instance %s: %s", self.name, self.measured.describe())

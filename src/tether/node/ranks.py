@@ -266,6 +266,10 @@ class RankGroup(Supervisor):
             await m.sample_memory()
         return self.footprint
 
+    async def measure(self) -> ProcessMemory | None:
+        """Every rank's own memory together: what the estimate of all ranks is compared with."""
+        return _sum([await m.measure() for m in self.members])
+
     def add_status_listener(self, callback: Callable[[RunnerStatus], None]) -> None:
         self.members[0].add_status_listener(callback)
 

@@ -54,7 +54,7 @@ from tether.node.hangs import (
     ProgressWatch,
 )
 from tether.node.listeners import Listeners
-from tether.node.memory import ProcessMemory
+from tether.node.memory import ProcessMemory, process_memory
 from tether.node.oom import OomWatch
 from tether.node.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
 from tether.node.registry import Registry, record_for
@@ -486,6 +486,12 @@ class Supervisor:
     async def wait_exit(self, timeout: float) -> None:
         with anyio.fail_after(timeout):
             await self._exited.wait()
+
+    async def measure(self) -> ProcessMemory | None:
+        """The runner process's own memory now (smaps_rollup, off the loop): what the fit check's estimate is
+        compared with after load. None when it is gone."""
+        pid = self.pid
+        return None if pid is None else await anyio.to_thread.run_sync(process_memory, pid)
 
     async def confirm_gone(self, timeout: float) -> None:
         """Return once the runner is reaped and its process group empty (survivors SIGKILLed); ``RunnerNotGone``
