@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -305,6 +307,11 @@ def test_the_api_shows_each_rank_and_a_rank_killed_mid_stream_fails_the_stream_w
         server.add_instance({"id": "ring", "engine": "debug", "ranks": 2, "options": {"token_seconds": 0.02}})
         ranks = ranks_of(server)
         assert [r["rank"] for r in ranks] == [0, 1] and all(r["alive"] for r in ranks)
+        shown = subprocess.run(
+            [sys.executable, "-m", "tether", "status", "--url", server.url], capture_output=True, text=True, timeout=30
+        )
+        for r in ranks:
+            assert f"rank {r['rank']} at {r['address']}: pid {r['pid']}, ready" in shown.stdout, shown.stdout
         old = [r["pid"] for r in ranks]
         body = {"model": "ring", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "stream": True}
         last: Any = None

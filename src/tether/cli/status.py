@@ -96,6 +96,10 @@ def print_instances(instances: list[dict[str, Any]]) -> None:
         print(line)
         if not inst["ready"]:
             print(f"    {inst['reason']}")
+        for rank in inst.get("ranks") or ():
+            where = f" on node {rank['node'][:8]}" if rank.get("node") else ""
+            state = rank["status"] if rank["alive"] else "gone"
+            print(f"    rank {rank['rank']} at {rank['address']}{where}: pid {rank['pid'] or '-'}, {state}")
         for failure in inst["history"][-3:]:
             when = time.strftime("%H:%M:%S", time.localtime(failure["at"]))
             print(f"    {when} life {failure['life']} (pid {failure['pid']}): {failure['cause']['summary']}")
