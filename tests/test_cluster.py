@@ -389,6 +389,11 @@ def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the
     if how in RANK_FAULTS:
         body["faults"] = [RANK_FAULTS[how][0]]
     with coordinator(cluster) as server:
+        if how == "runner":  # more ranks than nodes: refused whole, every node named
+            refused = server.http.post("/v1/instances", json={**body, "id": "wide", "engine": "debug", "ranks": 4})
+            assert refused.status_code == 507, refused.text
+            assert "needs 4 nodes, one per rank, and fits on 3" in refused.json()["error"]["message"], refused.text
+            assert len(refused.json()["error"]["nodes"]) == NODES
         add(server, body)
         ranks = server.instance("ring")["ranks"]
         assert len({r["node"] for r in ranks}) == 2, ranks  # one node per rank
