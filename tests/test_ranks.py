@@ -7,6 +7,8 @@ every "gone" is checked on /proc."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -22,10 +24,11 @@ import pytest
 
 from conftest import Server, debug_server, pid_alive, prompt, wait_until
 from tether import env
+from tether.kernel.pids import live_processes
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup, RankPorts
-from tether.protocol import CauseKind, Fault, TaskState
+from tether.protocol import CauseKind, Fault, RunnerArgs, TaskState
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig
 
 pytestmark = pytest.mark.timeout(90)
@@ -68,7 +71,9 @@ async def ready_group(inst: Instance, old: set[int], timeout: float = 30) -> Ran
 
 
 @pytest.fixture
-async def ring() -> AsyncIterator[tuple[Fleet, Hosted]]:
+async def ring(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[Fleet, Hosted]]:
+    """A 2-rank debug ring in an in-process fleet; leaving the fleet must end the instance without an error."""
+    caplog.set_level(logging.ERROR, logger="tether.serve.fleet")
     async with Fleet(stop_timeout=10) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
@@ -83,6 +88,8 @@ async def ring() -> AsyncIterator[tuple[Fleet, Hosted]]:
         )
         await hosted.instance.wait_ready(30)
         yield fleet, hosted
+    ended = [r.getMessage() for r in caplog.records if r.name == "tether.serve.fleet"]
+    assert not ended, f"the fleet's instance ended with an error: {ended}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -222,6 +229,18 @@ def ranks_of(server: Server) -> list[dict[str, Any]]:
     return list(ranks)
 
 
+def runners_of(worker: int) -> list[int]:
+    """Live runner processes (and their guards, which share their command line) of ``worker``, from /proc."""
+    found = []
+    for stat in live_processes():
+        with contextlib.suppress(OSError):
+            raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
+            args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0"))
+            if args is not None and args.worker_pid == worker:
+                found.append(stat.pid)
+    return found
+
+
 def holds_port(pid: int, port: int) -> bool:
     """Whether ``pid`` has a listening socket on ``port`` (its inode in /proc/net/tcp)."""
     inodes = set()
@@ -246,8 +265,9 @@ def holds_port(pid: int, port: int) -> bool:
 @pytest.mark.timeout(120)
 def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leaves_one() -> None:
     ports = free_ports(2)
-    naive = {env.DISABLE_ORPHAN_WATCHDOG: "1"}
+    naive = {**os.environ, env.DISABLE_ORPHAN_WATCHDOG: "1"}  # the whole environment of the worker
     orphans: list[int] = []
+    left: list[int] = []  # everything of the naive workers' that outlives them: killed at the end, whatever happens
     try:
         # The seed's case: orphan protection off, the worker SIGKILLed, a new worker starts the same instance.
         first = Server("--engine", "debug", "--no-reap", env=naive)
@@ -256,6 +276,7 @@ def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leav
         orphans = [r["pid"] for r in ranks_of(first)]
         first.proc.kill()
         first.proc.wait(10)
+        left = runners_of(first.proc.pid)  # the ranks, its first instance's runner, and their guards
         assert all(pid_alive(pid) for pid in orphans), "with the escape hatch the ranks outlive their worker"
         assert holds_port(orphans[1], ports[1]), "and the orphaned rank 1 keeps its port"
         second = Server("--engine", "debug", "--no-reap", env=naive)
@@ -296,7 +317,7 @@ def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leav
         finally:
             fourth.stop()
     finally:
-        for pid in orphans:
+        for pid in orphans + left:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 

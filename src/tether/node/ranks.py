@@ -296,11 +296,13 @@ class RankGroup(Supervisor):
     ) -> bool | None:
         with anyio.CancelScope(shield=True):
             await self.stop()
-        if self._entered is not None:  # each member leaves (shielded itself) in the scope it was entered in
-            await self._entered.aclose()
         assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
+        try:
+            if self._entered is not None:  # each member leaves (shielded itself) in the scope it was entered in
+                await self._entered.aclose()  # a cancelled caller's members re-raise the cancellation: fine
+        finally:
+            self._tg.cancel_scope.cancel()  # and this group's own scope leaves the task's stack whatever they raised
+            await self._tg.__aexit__(None, None, None)
         return None
 
     async def _watch_rank(self, rank: int, member: Supervisor) -> None:
