@@ -172,3 +172,24 @@ def test_gpu_check_runs_or_says_why_not() -> None:
         assert "NVML" in result["skipped"] or "torch" in result["skipped"] or "CUDA" in result["skipped"], result
     else:
         assert out.returncode == 0 and result["ok"] is True, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_ranks_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("ranks", timeout=110)
+    assert result["quick"] is True and result["ok"] is True and result["errors"] == [], result
+    assert result["rounds"] == 3 and result["same_ports"] is True, result
+    assert result["orphans"] == 0 and result["leftover_processes"] == 0, result
+    assert result["baseline_crash_loop"] is True and result["baseline_lives"] == 3, result  # its quick policy's limit
+    assert result["baseline_orphans"] > 0, result
+    for key in (
+        "rank_fail_all_p50_ms",
+        "rank_fail_all_p99_ms",
+        "request_failed_p50_ms",
+        "ranks_gone_p50_ms",
+        "replacement_ready_p50_ms",
+        "replacement_ready_max_ms",
+        "baseline_failed_after_ms",
+        "tether_new_worker_ready_ms",
+    ):
+        assert result[key] > 0, (key, result)
