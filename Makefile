@@ -55,6 +55,7 @@ bench: install
 	$(BIN)/python bench/load.py
 	$(BIN)/python bench/swap.py
 	$(BIN)/python bench/cluster.py
+	$(BIN)/python bench/ranks.py
 	$(BIN)/python bench/soak.py
 
 clean:
