@@ -91,3 +91,14 @@ async def closed_loop(concurrency: int, per_client: int, send: Callable[[int, in
         for i in range(concurrency):
             tg.start_soon(client_loop, i)
     return time.perf_counter() - began
+
+
+class BenchFailed(RuntimeError):
+    """Something a bench needs did not happen (within its bound): a server that did not start, a refused request."""
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception, the first of a task group's included."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

@@ -99,7 +99,17 @@ import anyio
 import httpx
 import psutil
 
-from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
+from benchstats import (
+    PERCENTILE,
+    BenchFailed,
+    describe,
+    fmt,
+    llama_unavailable,
+    ms,
+    percentile,
+    print_rows,
+    private_tether_dirs,
+)
 from serve import PROMPTS, Request, chat_body, read_stream
 from tether.chaos.target import ServeChild
 from tether.kernel.pids import alive, live_processes
@@ -135,19 +145,8 @@ RAY_POLL = 0.1
 POLL = 0.05
 
 
-class BenchFailed(RuntimeError):
-    """Something the bench needs did not happen (within its bound)."""
-
-
 def say(message: str) -> None:
     print(f"cluster bench: {message}", file=sys.stderr, flush=True)
-
-
-def describe(exc: BaseException) -> str:
-    """One line for an exception, the first of a task group's included."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
 def since_ms(start: float, end: float | None) -> float | None:

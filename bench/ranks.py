@@ -81,19 +81,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, BenchFailed, describe, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether import env
-from tether.chaos.target import ServeChild
-from tether.kernel.pids import alive, group_members, iter_exits, live_processes, open_pidfd, proc_stat
+from tether.chaos.target import ServeChild, runner_processes
+from tether.kernel.pids import alive, group_members, holds_listener, iter_exits, open_pidfd, proc_stat
 from tether.node.instance import Instance, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup, RankPorts
-from tether.protocol import Chunk, GenerateParams, RunnerArgs, TaskState
+from tether.protocol import Chunk, GenerateParams, TaskState
 from tether.serve.fleet import Fleet, InstanceConfig
 
 ROUNDS = 20
@@ -121,19 +120,8 @@ QUICK_BASELINE_RESTART: dict[str, Any] = {
 IN_USE = "Address already in use"
 
 
-class BenchFailed(RuntimeError):
-    """Something the bench needs did not happen (within its bound)."""
-
-
 def say(message: str) -> None:
     print(f"ranks bench: {message}", file=sys.stderr, flush=True)
-
-
-def describe(exc: BaseException) -> str:
-    """One line for an exception, the first of a task group's included."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
 class UnexpectedLogs(logging.Handler):
@@ -256,40 +244,6 @@ def kill_and_await(pids: Iterable[int], bound: float = GONE_BOUND) -> list[int]:
         return watch.left()
     finally:
         watch.close()
-
-
-def holds_port(pid: int, port: int) -> bool:
-    """Whether ``pid`` has a listening TCP socket on ``port`` (its socket inode in /proc/net/tcp{,6})."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
-                    inodes.add(fields[9])
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                return True
-    return False
-
-
-def runners_of(workers: set[int]) -> list[int]:
-    """Live processes whose command line is a tether runner's (runners and their guards) naming one of ``workers``
-    as its worker."""
-    found = []
-    for stat in live_processes():
-        with contextlib.suppress(OSError):
-            raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
-            args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0")) if raw else None
-            if args is not None and args.worker_pid in workers:
-                found.append(stat.pid)
-    return found
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -601,10 +555,10 @@ def baseline(ports: list[int], restart: dict[str, Any] | None, seen: Seen) -> Ba
         ranks = first.rank_pids()
         first.drop_boot()
         first.kill()
-        orphans = runners_of({first.pid})
+        orphans = runner_processes({first.pid})
         out.orphans = len(orphans)
         out.orphan_ranks = sum(1 for pid in ranks if alive(pid))
-        out.holds_port = len(ranks) == 2 and holds_port(ranks[1], ports[1])
+        out.holds_port = len(ranks) == 2 and holds_listener(ranks[1], ports[1])
         say(
             f"baseline: worker {first.pid} SIGKILLed; {out.orphans} of its processes live on ({out.orphan_ranks} "
             f"ranks); rank 1 holds port {ports[1]}: {out.holds_port}"
@@ -637,7 +591,7 @@ def baseline(ports: list[int], restart: dict[str, Any] | None, seen: Seen) -> Ba
     finally:
         if first.proc.poll() is None:  # a step before its kill failed: the naive worker's runners outlive it
             first.kill()
-        out.orphans_left_after_kill = kill_and_await(orphans or runners_of({first.pid}))
+        out.orphans_left_after_kill = kill_and_await(orphans or runner_processes({first.pid}))
     return out
 
 
@@ -756,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(f"tether side: {describe(exc)}")
             say(errors[-1])
         deadline = time.monotonic() + 5.0
-        while (leftover := runners_of(seen.pids)) and time.monotonic() < deadline:
+        while (leftover := runner_processes(seen.pids)) and time.monotonic() < deadline:
             time.sleep(POLL)
         if leftover:
             say(f"leftover runner processes: {leftover}")

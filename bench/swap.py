@@ -101,7 +101,7 @@ from typing import Any
 import anyio
 import httpx
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, BenchFailed, fmt, ms, percentile, print_rows, private_tether_dirs
 from serve import PROMPTS, SYSTEM, Request, read_stream
 from tether.chaos.target import ServeChild
 from tether.kernel.cgroups import MemoryCgroup
@@ -132,10 +132,6 @@ GONE_BOUND = 5.0  # seconds for a stopped server's runners (and its cgroup's mem
 POLL = 0.02
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 FAILURE_KINDS = ("load_failed", "refuse", "wait_memory")
-
-
-class BenchFailed(RuntimeError):
-    """A server did not start, or did not do what the bench needs of it (a refused request, a missing field)."""
 
 
 # --------------------------------------------------------------------------------------------------------------

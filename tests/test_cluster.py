@@ -19,9 +19,9 @@ import httpx
 import pytest
 from tests.conftest import Server, wait_until
 
+from tether.chaos.target import runner_processes
 from tether.cluster import wire
 from tether.kernel.pids import live_processes
-from tether.protocol import RunnerArgs
 
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'tether[ray]'")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -95,16 +95,11 @@ def agent_pid(server: Server, node: str) -> int:
 def runners_of(agents: set[int], *, children: bool = False) -> list[int]:
     """Live runner processes (from /proc) whose worker is one of ``agents``: with ``children``, only the agents' own
     children (the runners themselves), else their guards (forks with the runner's command line) too."""
-    found = []
-    for stat in live_processes():
-        if children and stat.ppid not in agents:
-            continue
-        with contextlib.suppress(OSError):
-            raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
-            args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0"))
-            if args is not None and args.worker_pid in agents:
-                found.append(stat.pid)
-    return found
+    found = runner_processes(agents)
+    if not children:
+        return found
+    parents = {stat.pid: stat.ppid for stat in live_processes()}
+    return [pid for pid in found if parents.get(pid) in agents]
 
 
 def alive(pid: int) -> bool:

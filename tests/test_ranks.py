@@ -7,7 +7,6 @@ every "gone" is checked on /proc."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -15,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,11 +22,11 @@ import pytest
 
 from conftest import Server, debug_server, pid_alive, prompt, wait_until
 from tether import env
-from tether.kernel.pids import live_processes
+from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup, RankPorts
-from tether.protocol import CauseKind, Fault, RunnerArgs, TaskState
+from tether.protocol import CauseKind, Fault, TaskState
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig
 
 pytestmark = pytest.mark.timeout(90)
@@ -229,39 +227,6 @@ def ranks_of(server: Server) -> list[dict[str, Any]]:
     return list(ranks)
 
 
-def runners_of(worker: int) -> list[int]:
-    """Live runner processes (and their guards, which share their command line) of ``worker``, from /proc."""
-    found = []
-    for stat in live_processes():
-        with contextlib.suppress(OSError):
-            raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
-            args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0"))
-            if args is not None and args.worker_pid == worker:
-                found.append(stat.pid)
-    return found
-
-
-def holds_port(pid: int, port: int) -> bool:
-    """Whether ``pid`` has a listening socket on ``port`` (its inode in /proc/net/tcp)."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
-            inodes.add(fields[9])
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            return True
-    return False
-
-
 @pytest.mark.timeout(120)
 def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leaves_one() -> None:
     ports = free_ports(2)
@@ -276,9 +241,9 @@ def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leav
         orphans = [r["pid"] for r in ranks_of(first)]
         first.proc.kill()
         first.proc.wait(10)
-        left = runners_of(first.proc.pid)  # the ranks, its first instance's runner, and their guards
+        left = first.runners()  # the ranks, its first instance's runner, and their guards
         assert all(pid_alive(pid) for pid in orphans), "with the escape hatch the ranks outlive their worker"
-        assert holds_port(orphans[1], ports[1]), "and the orphaned rank 1 keeps its port"
+        assert holds_listener(orphans[1], ports[1]), "and the orphaned rank 1 keeps its port"
         second = Server("--engine", "debug", "--no-reap", env=naive)
         try:
             second.wait_ready()

@@ -165,6 +165,7 @@ async def test_a_held_port_fails_the_load_as_an_exception_a_restart_retries() ->
         assert cause.kind is CauseKind.EXCEPTION, cause.render()  # not LOAD_ERROR: tether would never retry that
         assert "Address already in use" in cause.summary and f":{port}" in cause.summary, cause.render()
         assert f"ss -ltnp 'sport = :{port}'" in cause.summary, cause.render()
+        assert f"pid {os.getpid()} (" in cause.summary, "the error names who holds the port"
         async with Supervisor(specs[1], stop_timeout=3) as retry:  # the holder is gone: the next life loads
             await retry.load()
 

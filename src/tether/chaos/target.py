@@ -12,9 +12,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
-from tether.kernel.pids import live_processes
+from tether.kernel.pids import cmdline, live_processes
 from tether.protocol import RunnerArgs
 
 
@@ -101,16 +102,7 @@ class ServeChild:
 
     def runners(self) -> list[int]:
         """Live processes whose command line is a runner's naming this server as its worker, from /proc."""
-        found = []
-        for stat in live_processes():
-            with contextlib.suppress(OSError):
-                raw = Path(f"/proc/{stat.pid}/cmdline").read_bytes().decode(errors="replace")
-                # Every argument ends with a NUL, the last one too: without dropping it, split() yields a trailing
-                # "" that no runner's arguments parse with (and no runner is ever found).
-                args = RunnerArgs.from_cmdline(raw.removesuffix("\0").split("\0"))
-                if args is not None and args.worker_pid == self.pid:
-                    found.append(stat.pid)
-        return found
+        return runner_processes({self.pid})
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -169,3 +161,15 @@ class Target(ServeChild):
             self.proc.kill()
             self.proc.wait()
             return None
+
+
+def runner_processes(workers: Collection[int]) -> list[int]:
+    """Live processes whose command line is a tether runner's (runners, and their guards, which share it) naming one
+    of ``workers`` as its worker, from /proc."""
+    found = []
+    for stat in live_processes():
+        args = cmdline(stat.pid)
+        runner = RunnerArgs.from_cmdline(args) if args else None
+        if runner is not None and runner.worker_pid in workers:
+            found.append(stat.pid)
+    return found

@@ -24,6 +24,7 @@ from typing import Any, TypeVar, overload
 import msgspec
 
 from tether.engines.base import PeerLost
+from tether.kernel.pids import cmdline, port_holders
 from tether.protocol import RankInfo
 
 T = TypeVar("T")
@@ -311,12 +312,21 @@ def _broken(exc: OSError) -> str:
 
 def _bind_advice(exc: OSError, port: int) -> str:
     if exc.errno == errno.EADDRINUSE:
+        holders = port_holders(port)
+        who = ", ".join(f"pid {pid} ({_command(pid)})" for pid in holders[:3]) or "another process"
         return (
-            "another process holds the port (an earlier life of this rank that is still alive?); "
-            f"`ss -ltnp 'sport = :{port}'` shows which"
+            f"{who} holds the port (an earlier life of this rank that is still alive?); "
+            f"`ss -ltnp 'sport = :{port}'` shows it too"
         )
     if exc.errno == errno.EADDRNOTAVAIL:
         return "the address is not one of this machine's: check the instance's peers"
     if exc.errno == errno.EACCES:
         return f"port {port} needs privileges to bind: choose a port above 1023"
     return "check the instance's peers and this machine's network"
+
+
+def _command(pid: int) -> str:
+    """A process's command line, shortened, for an error message."""
+    args = cmdline(pid)
+    text = " ".join(args) if args is not None else "gone"
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def open_pidfd(pid: int) -> int | None:
@@ -149,3 +150,51 @@ def group_members(pgid: int) -> list[int]:
     except PermissionError:
         pass
     return sorted(p.pid for p in live_processes() if p.pgid == pgid)
+
+
+def listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` (IPv4 and IPv6), from /proc/net/tcp{,6}."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(fields[9])
+    return inodes
+
+
+def holds_listener(pid: int, port: int, inodes: set[str] | None = None) -> bool:
+    """Whether ``pid`` has a socket listening on TCP ``port`` among its open descriptors."""
+    inodes = listening_inodes(port) if inodes is None else inodes
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
+
+
+def port_holders(port: int) -> list[int]:
+    """The processes (that this process may inspect) listening on TCP ``port``: who holds a port a bind was refused."""
+    inodes = listening_inodes(port)
+    return [p.pid for p in live_processes() if holds_listener(p.pid, port, inodes)] if inodes else []
+
+
+def cmdline(pid: int) -> list[str] | None:
+    """A process's arguments (from /proc/PID/cmdline), or None when it is gone or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    # Every argument ends with a NUL, the last one too: without dropping it, split() yields a trailing "".
+    return raw.decode(errors="replace").removesuffix("\0").split("\0") if raw else []
