@@ -578,3 +578,49 @@ def test_a_clean_stop_leaves_no_runner_cgroup_behind() -> None:
         assert code == 0, "\n".join(server.seen)
         left += [path for path in paths if os.path.exists(path)]
     assert left == []
+
+
+def test_the_status_json_has_the_node_live_tokens_the_requests_in_flight_and_each_lifes_log() -> None:
+    """What the dashboard and `tether status` read: this machine's memory with its source, tokens served counting the
+    streams in flight, the requests being served (cancellable by id), and the runner log of the current and a failed
+    life."""
+    with debug_server() as server:
+        _admin_debug_instance(server, "slow", options={"token_seconds": 0.02}, restart={"initial_backoff": 0.05})
+        body = server.http.get("/v1/instances").json()
+        node = body["node"]
+        assert node["pid"] == server.proc.pid and node["memory"]["available"] > 0 and node["memory"]["source"]
+        before = next(inst for inst in body["data"] if inst["id"] == "slow")
+        assert before["tokens"] == 0 and before["life"] == 1 and before["in_flight_requests"] == []
+        chat = {"model": "slow", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "stream": True}
+        with (
+            httpx.Client(base_url=server.url, timeout=30) as client,
+            client.stream("POST", "/v1/chat/completions", json=chat) as response,
+        ):
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            request_id = json.loads(first[6:])["id"]
+
+            def streaming() -> bool:
+                inst = server.instance("slow")
+                return inst["tokens"] >= 5 and [r["id"] for r in inst["in_flight_requests"]] == [request_id]
+
+            wait_until(streaming, 10, "tokens counted while the stream is in flight, and the request listed")
+            current = server.http.get("/v1/instances/slow/log").json()
+            assert current["life"] == 1 and current["path"].endswith(".log") and isinstance(current["lines"], list)
+            pid = server.instance("slow")["runner"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            for _ in lines:
+                pass
+        wait_until(lambda: server.instance("slow")["history"], 10, "the failed life recorded")
+        failed = server.instance("slow")["history"][-1]
+        assert failed["life"] == 1 and failed["log"] == current["path"]
+        log = server.http.get("/v1/instances/slow/log", params={"life": 1, "lines": 5}).json()
+        assert log["life"] == 1 and len(log["lines"]) <= 5
+        missing = server.http.get("/v1/instances/slow/log", params={"life": 99})
+        assert missing.status_code == 404 and "lives with a log are" in missing.json()["error"]["message"]
+        bad = server.http.get("/v1/instances/slow/log", params={"lines": "many"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lines"
+        shown = subprocess.run(
+            [*TETHER, "status", "--url", server.url], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert f"(pid {server.proc.pid}, up " in shown and "available (" in shown, shown

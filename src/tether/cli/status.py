@@ -42,6 +42,9 @@ def command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
+    node = body.get("node")
+    if node:
+        print_node(node, url)
     if instances:
         print_instances(instances)
     else:
@@ -53,6 +56,18 @@ def command(args: argparse.Namespace) -> int:
     if cluster:
         print_cluster(cluster)
     return 0
+
+
+def print_node(node: dict[str, Any], url: str) -> None:
+    """The worker and this machine's memory as tether measures it (and where the number comes from)."""
+    memory = node["memory"]
+    gpus = ", ".join(
+        f"GPU {g['index']} {format_bytes(g['used'])} of {format_bytes(g['total'])}" for g in node["gpus"] or ()
+    )
+    print(
+        f"tether {node['version']} at {url} (pid {node['pid']}, up {node['uptime']:.0f} s): "
+        f"{format_bytes(memory['available'])} available ({memory['source']}){'; ' + gpus if gpus else ''}\n"
+    )
 
 
 def print_instances(instances: list[dict[str, Any]]) -> None:

@@ -179,6 +179,7 @@ class Failure(msgspec.Struct, frozen=True):
     life: int
     pid: int | None
     detected_in: float | None = None
+    log: str | None = None  # the life's runner log file (on its node, for a remote runner)
 
 
 class InstanceStarting(msgspec.Struct, tag="starting", frozen=True):
@@ -422,7 +423,8 @@ class Instance:
                 cause = await self._live(sup, life)
             pid = sup.pid if sup is not None else None
             detected = sup.detection_seconds if sup is not None else None
-            self.history.append(Failure(at=time.time(), cause=cause, life=life, pid=pid, detected_in=detected))
+            logged = str(sup.output_log) if sup is not None and sup.output_log is not None else None
+            self.history.append(Failure(time.time(), cause, life, pid, detected, logged))
             del self.history[:-HISTORY_LIMIT]
             self.failures[cause.kind] += 1
             now = self._clock()

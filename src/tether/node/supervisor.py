@@ -224,6 +224,10 @@ class Supervisor:
         """When the runner last proved its interpreter runs (a heartbeat, or its hello), ``time.monotonic()``."""
         return self._progress.last_beat
 
+    def in_flight(self) -> list[InFlight]:
+        """The tasks this runner (life) is serving now, with the tokens each has produced."""
+        return list(self._inflight.values())
+
     def generations(self) -> tuple[int, int]:
         """(running, waiting): generations in the runner's batch, and those accepted that wait for a slot."""
         running = waiting = 0

@@ -13,9 +13,11 @@ import contextlib
 import hmac
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
@@ -27,8 +29,10 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import tether
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
 from tether.node.instance import Instance, InstanceReady
+from tether.node.memory import NodeMemory
 from tether.node.ranks import RankGroup
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
@@ -47,7 +51,10 @@ class ClusterView(Protocol):
     def view(self) -> dict[str, Any]: ...
 
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answer without the API key (probes)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})  # answer without the API key (probes, the dashboard's shell)
+OPEN_PREFIXES = ("/ui/",)  # the dashboard's static assets: no data in them, every call they make needs the key
+LOG_LINES = 2000  # the most lines one read of a runner's log returns
+LOG_TAIL_BYTES = 1 << 20  # and the most bytes it reads, from the end
 DEFAULT_MAX_BODY = 4 << 20
 _encode = msgspec.json.Encoder().encode
 _instance_decoder = msgspec.json.Decoder(InstanceConfig)
@@ -87,7 +94,8 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if self.expected is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 reply = _error(
@@ -456,9 +464,12 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
                 "pid": f.pid,
                 "detected_in": f.detected_in,
                 "cause": cause_json(f.cause),
+                "log": f.log,
             }
             for f in inst.history
         ],
+        "life": _life(state),
+        "tokens": hosted.tokens(),  # completion tokens so far: two reads give tokens/s
         "fit": inst.fit.message if inst.fit is not None else None,
         "measured": inst.measured.describe() if inst.measured is not None else None,
         "restart": msgspec.to_builtins(hosted.config.restart),
@@ -468,6 +479,42 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
         # A multi-rank instance's ranks now (address, node, pid, status); requests go to rank 0.
         "ranks": sup.ranks() if isinstance(sup, RankGroup) else None,
     }
+
+
+def _life(state: Any) -> int | None:
+    return getattr(state, "life", None)
+
+
+def node_json(memory: NodeMemory, started_at: float) -> dict[str, Any]:
+    """This machine as the dashboard and ``tether status`` show it: the worker, and memory as tether measures it."""
+    return {
+        "pid": os.getpid(),
+        "version": tether.__version__,
+        "uptime": round(time.time() - started_at, 1),
+        "memory": {
+            "available": memory.available,
+            "total": memory.cgroup_limit if memory.cgroup_limit is not None else memory.host_total,
+            "source": memory.source,
+            "host_total": memory.host_total,
+            "host_available": memory.host_available,
+        },
+        "gpus": [{"index": g.index, "name": g.name, "used": g.total - g.free, "total": g.total} for g in memory.gpus]
+        or None,
+        "gpu_reason": memory.gpu_reason,
+    }
+
+
+def read_log(path: Path, lines: int) -> tuple[list[str], bool]:
+    """The last ``lines`` lines of a log file (reading at most ``LOG_TAIL_BYTES`` from its end), and whether there
+    was more before them."""
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - LOG_TAIL_BYTES, 0))
+        text = f.read().decode(errors="replace")
+    found = text.splitlines()
+    if size > LOG_TAIL_BYTES:
+        found = found[1:]  # the first line read is likely cut
+    return found[-lines:], size > LOG_TAIL_BYTES or len(found) > lines
 
 
 def _replica(inst: Instance, serving: int) -> dict[str, Any]:
@@ -629,22 +676,67 @@ def create_app(
         return _json(instance_json(hosted), status=201)
 
     async def fresh(hosted: Hosted) -> dict[str, Any]:
-        """The instance with its runner's memory sampled now (tens of µs), not up to a sampling interval old."""
+        """The instance with its runner's memory sampled now (tens of µs), not up to a sampling interval old, and the
+        requests it serves now."""
         sup = hosted.supervisor
         if sup is not None and sup.alive:
             await sup.sample_memory()
-        return instance_json(hosted)
+        return {**instance_json(hosted), "in_flight_requests": fleet.in_flight(hosted)}
 
     @app.get("/v1/instances")
     async def list_instances() -> Response:
+        memory = await anyio.to_thread.run_sync(scheduler.memory)
         return _json(
             {
                 "object": "list",
                 "data": [await fresh(h) for h in fleet.list()],
+                "node": node_json(memory, scheduler.started_at),
                 "scheduler": scheduler_json(scheduler),
                 **({"cluster": cluster.view()} if cluster is not None else {}),
             }
         )
+
+    @app.get("/v1/instances/{instance_id}/log")
+    async def instance_log(instance_id: str, request: Request) -> Response:
+        """The runner log of one life of an instance (its current one by default): the last ``lines`` lines."""
+        query = request.query_params
+        numbers: dict[str, int | None] = {"life": None, "lines": 200}
+        for name in numbers:
+            raw = query.get(name)
+            if raw is None:
+                continue
+            try:
+                numbers[name] = int(raw)
+            except ValueError:
+                message = f"{name} must be an integer, got {raw!r}"
+                return _error(400, message, "invalid_request_error", code="invalid_request", param=name)
+        life, lines = numbers["life"], numbers["lines"] or 0
+        hosted = fleet.get(instance_id)
+        inst = hosted.instance
+        current = _life(inst.state)
+        wanted = current if life is None else life
+        path: str | None = None
+        if wanted is not None and wanted == current and hosted.supervisor is not None:
+            log_path = hosted.supervisor.output_log
+            path = str(log_path) if log_path is not None else None
+        else:
+            path = next((f.log for f in inst.history if f.life == wanted), None)
+        lives = sorted({f.life for f in inst.history} | ({current} if current is not None else set()))
+        if path is None:
+            message = f"no log for life {wanted} of {instance_id}: lives with a log are {lives or 'none'}"
+            return _error(404, message, "invalid_request_error", code="not_found", param="life")
+        if not 1 <= lines <= LOG_LINES:
+            return _error(
+                400, f"lines must be in [1, {LOG_LINES}], got {lines}", "invalid_request_error", param="lines"
+            )
+        try:
+            found, truncated = await anyio.to_thread.run_sync(read_log, Path(path), lines)
+        except OSError as exc:
+            node = hosted.supervisor.node if hosted.supervisor is not None else None
+            where = f" (the runner ran on node {node[:8]}: its log is on that node)" if node else ""
+            message = f"cannot read the log of life {wanted} of {instance_id} at {path}{where}: {exc.strerror or exc}"
+            return _error(404, message, "invalid_request_error", code="not_found")
+        return _json({"id": instance_id, "life": wanted, "path": path, "lines": found, "truncated": truncated})
 
     @app.get("/v1/instances/{instance_id}")
     async def get_instance(instance_id: str) -> Response:

@@ -10,6 +10,7 @@ in N s" instead of letting latency grow without bound.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import logging
@@ -178,6 +179,7 @@ class Hosted:
     created_at: float = field(default_factory=time.time)
     in_flight: int = 0  # generations admitted and not ended (running + waiting in the runner's queue)
     serving: dict[Instance, int] = field(default_factory=dict)  # replica -> generations handed to it, not ended
+    tokens_done: int = 0  # completion tokens of the generations that ended (``tokens`` adds those in flight)
     _stop: anyio.Event = field(default_factory=anyio.Event)
     _done: anyio.Event = field(default_factory=anyio.Event)
 
@@ -208,6 +210,15 @@ class Hosted:
             sup = replica.supervisor
             running += sup.generations()[0] if sup is not None else 0
         return running, max(self.in_flight - running, 0)
+
+    def tokens(self) -> int:
+        """Completion tokens served so far, streams in flight included: two reads a second apart give tokens/s now."""
+        live = 0
+        for replica in self.replicas:
+            sup = replica.supervisor
+            if sup is not None:
+                live += sum(record.tokens for record in sup.in_flight())
+        return self.tokens_done + live
 
     def retry_after(self) -> float | None:
         """How long until this instance can take a request again, as best known; None when retrying cannot help."""
@@ -404,6 +415,7 @@ class Fleet:
                 handle.close()
                 if handle.final is not None:
                     outcome = handle.final.state.value
+                    hosted.tokens_done += handle.final.tokens
         finally:
             hosted.in_flight -= 1
             hosted.serving[replica] -= 1
@@ -411,6 +423,16 @@ class Fleet:
             self._recent[request_id] = outcome
             if len(self._recent) > RECENT_REQUESTS:
                 self._recent.popitem(last=False)
+
+    def in_flight(self, hosted: Hosted) -> builtins.list[dict[str, Any]]:
+        """The requests ``hosted`` serves now: id, replica and tokens so far (the dashboard cancels one by id)."""
+        found = []
+        for request_id, (owner, replica) in self._requests.items():
+            if owner is hosted:
+                sup = replica.supervisor
+                records = {r.task.task_id: r.tokens for r in sup.in_flight()} if sup is not None else {}
+                found.append({"id": request_id, "replica": replica.name, "tokens": records.get(request_id, 0)})
+        return found
 
     async def cancel(self, request_id: str) -> CancelReply:
         """Cancel a request by id; a finished or unknown one is a no-op that says so."""

@@ -31,7 +31,8 @@ class CauseOut(msgspec.Struct):
     evidence: list[str]
     phase: str | None
     exit_code: int | None
-    signal: int | None
+    signal: str | None  # its name: "SIGKILL"
+    rank: int | None = None  # the rank that failed, in a multi-rank instance
 
 
 class ErrorDetail(msgspec.Struct):
@@ -431,6 +432,7 @@ class Failure(msgspec.Struct):
     pid: int | None
     detected_in: float | None
     cause: CauseOut
+    log: str | None = None  # that life's runner log file (``GET /v1/instances/{id}/log?life=N`` reads it)
 
 
 class Instance(msgspec.Struct):
@@ -457,11 +459,39 @@ class Instance(msgspec.Struct):
     measured: str | None
     restart: dict[str, Any]
     deadlines: dict[str, Any]
+    life: int | None = None  # the current life (None once stopped or failed)
+    tokens: int = 0  # completion tokens served so far, streams in flight included
+    ranks: list[dict[str, Any]] | None = None  # a multi-rank instance's ranks: rank, address, node, pid, status
+    in_flight_requests: list[dict[str, Any]] | None = None  # id, replica, tokens (not in POST's answer)
+
+
+class NodeOut(msgspec.Struct):
+    """This machine as tether measures it: the worker, available memory and where the number comes from, GPUs."""
+
+    pid: int
+    version: str
+    uptime: float
+    memory: dict[str, Any]
+    gpus: list[dict[str, Any]] | None
+    gpu_reason: str | None
 
 
 class InstanceList(msgspec.Struct):
     object: Literal["list"]
     data: list[Instance]
+    node: NodeOut | None = None
+    scheduler: dict[str, Any] | None = None
+    cluster: dict[str, Any] | None = None
+
+
+class RunnerLog(msgspec.Struct):
+    """The last lines of one life's runner log."""
+
+    id: str
+    life: int
+    path: str
+    lines: list[str]
+    truncated: bool
 
 
 class Deleted(msgspec.Struct):
@@ -665,6 +695,8 @@ _ANSWERS = (
     EmbeddingList,
     Instance,
     InstanceList,
+    NodeOut,
+    RunnerLog,
     Deleted,
     CancelOut,
     Health,
@@ -930,6 +962,22 @@ def openapi(*, auth: bool) -> dict[str, Any]:
                 "parameters": _id("instance_id"),
                 "responses": {"200": _json(Deleted, "stopped and removed"), **_errors(404)},
             },
+        },
+        "/v1/instances/{instance_id}/log": {
+            "get": {
+                "summary": "the last lines of a life's runner log (the current life unless ``life`` names another)",
+                "parameters": [
+                    *_id("instance_id"),
+                    {"name": "life", "in": "query", "required": False, "schema": {"type": "integer"}},
+                    {
+                        "name": "lines",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 2000, "default": 200},
+                    },
+                ],
+                "responses": {"200": _json(RunnerLog, "its lines"), **_errors(400, 404)},
+            }
         },
         "/v1/requests/{request_id}/cancel": {
             "post": {
