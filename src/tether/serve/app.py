@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tether
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
-from tether.node.instance import Instance, InstanceReady
+from tether.node.instance import Instance, InstanceReady, InstanceRestarting
 from tether.node.memory import NodeMemory
 from tether.node.ranks import RankGroup
 from tether.node.tasks import TaskHandle
@@ -469,6 +469,9 @@ def instance_json(hosted: Hosted) -> dict[str, Any]:
             for f in inst.history
         ],
         "life": _life(state),
+        "backoff_remaining": (  # seconds until a restarting instance's next life starts
+            round(max(state.resume_at - time.monotonic(), 0.0), 2) if isinstance(state, InstanceRestarting) else None
+        ),
         "tokens": hosted.tokens(),  # completion tokens so far: two reads give tokens/s
         "fit": inst.fit.message if inst.fit is not None else None,
         "measured": inst.measured.describe() if inst.measured is not None else None,

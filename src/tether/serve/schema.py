@@ -460,6 +460,7 @@ class Instance(msgspec.Struct):
     restart: dict[str, Any]
     deadlines: dict[str, Any]
     life: int | None = None  # the current life (None once stopped or failed)
+    backoff_remaining: float | None = None  # seconds until a restarting instance's next life starts
     tokens: int = 0  # completion tokens served so far, streams in flight included
     ranks: list[dict[str, Any]] | None = None  # a multi-rank instance's ranks: rank, address, node, pid, status
     in_flight_requests: list[dict[str, Any]] | None = None  # id, replica, tokens (not in POST's answer)
