@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tether-installed
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run ask test lint format bench clean
+.PHONY: install browser run ask test lint format bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import llama_cpp, tether.models as m; print('default model:', m.default_model_path())"
 	touch $(STAMP)
 
+# The dashboard's browser tests drive Debian's chromium with Playwright for Python (installed with the dev extra;
+# Playwright's own browser download is not used). Only `make test` needs it: serving models needs no browser.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the dashboard's browser tests"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
 # The main job: serve the default model over HTTP (OpenAI-compatible) on 127.0.0.1:$(PORT) until Ctrl-C.
 PORT ?= 8000
 run: install
@@ -29,7 +36,7 @@ run: install
 ask: install
 	$(BIN)/tether run "$(PROMPT)"
 
-test: install
+test: install browser
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

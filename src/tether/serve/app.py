@@ -36,7 +36,7 @@ from tether.node.memory import NodeMemory
 from tether.node.ranks import RankGroup
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
-from tether.serve import embeddings, ollama, openai, responses, schema
+from tether.serve import dashboard, embeddings, ollama, openai, responses, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
 from tether.serve.metrics import CONTENT_TYPE, Metrics
 from tether.serve.scheduler import Scheduler, scheduler_json
@@ -628,6 +628,7 @@ def create_app(
     # Other dialects: each module adds its routes, answering through ``api`` (one line each, here).
     responses.routes(app, api)
     ollama.routes(app, api)
+    dashboard.routes(app)  # `/`: the page for a browser, Ollama's probe answer for anything else
 
     async def model_json(model_id: str) -> dict[str, Any]:
         """A model as OpenAI lists it, with what tether knows beside: its state, footprint or estimate, keep-alive."""

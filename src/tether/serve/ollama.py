@@ -1114,8 +1114,3 @@ def routes(app: FastAPI, api: Api) -> None:
         import tether
 
         return _json({"version": tether.__version__})
-
-    @app.api_route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        """What tools probe to find an Ollama server."""
-        return Response("Ollama is running (tether's Ollama-compatible API)", media_type="text/plain")

@@ -870,7 +870,7 @@ def _ollama_paths() -> dict[str, Any]:
         "/api/version": {"get": {"summary": "tether's version", "responses": {"200": _json(OllamaVersion, "it")}}},
         "/": {
             "get": {
-                "summary": "what tools probe to find an Ollama server",
+                "summary": "Ollama's probe; a browser (Accept: text/html) gets the dashboard",
                 "responses": {
                     "200": {"description": "it runs", "content": {"text/plain": {"schema": {"type": "string"}}}}
                 },
