@@ -265,8 +265,9 @@ def test_parallel_streams_run_together_and_the_api_metrics_and_status_show_runni
             status = subprocess.run(
                 [*TETHER, "status", "--url", server.url], capture_output=True, text=True, timeout=30, check=True
             )
-            header, *rows = status.stdout.splitlines()
-            row = next(r for r in rows if r.startswith("b "))
+            lines = status.stdout.splitlines()
+            header = next(line for line in lines if line.startswith("INSTANCE"))  # below the node's line
+            row = next(r for r in lines if r.startswith("b "))
             assert "RUNNING" in header and "WAITING" in header and " 2/2 " in row and " 1/1 " in row, status.stdout
             full = server.http.post("/v1/completions", json=body)
             assert full.status_code == 503 and "2 requests generating (parallel 2)" in full.json()["error"]["message"]
