@@ -92,7 +92,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -111,9 +110,8 @@ from benchstats import (
     private_tether_dirs,
 )
 from serve import PROMPTS, Request, chat_body, read_stream
-from tether.chaos.target import ServeChild
-from tether.kernel.pids import alive, live_processes
-from tether.protocol import RunnerArgs
+from tether.chaos.target import ServeChild, runner_processes
+from tether.kernel.pids import alive, cmdline, live_processes
 
 NODES = 3
 MiB = 1 << 20
@@ -160,26 +158,6 @@ def median(values: list[float]) -> float:
 # --------------------------------------------------------------------------------------------------------------
 # Processes, from /proc
 # --------------------------------------------------------------------------------------------------------------
-
-
-def cmdline(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return None
-    return raw.removesuffix("\0").split("\0") if raw else None
-
-
-def runner_pids(workers: set[int]) -> list[int]:
-    """Live processes whose command line is a tether runner's (runners and their guards) naming one of ``workers``
-    as its worker."""
-    found = []
-    for stat in live_processes():
-        argv = cmdline(stat.pid)
-        args = RunnerArgs.from_cmdline(argv) if argv else None
-        if args is not None and args.worker_pid in workers:
-            found.append(stat.pid)
-    return found
 
 
 def is_agent(pid: int) -> bool:
@@ -334,7 +312,7 @@ class Server(ServeChild):
 
         def remaining() -> list[int]:
             ours = descendants(raylets) | agents  # an agent is a NodeAgent on /proc: a reused pid never is
-            return sorted({p for p in ours if is_agent(p)} | set(runner_pids(agents)))
+            return sorted({p for p in ours if is_agent(p)} | set(runner_processes(agents)))
 
         _, stragglers = wait_gone(remaining, GONE_BOUND)
         kill_all(stragglers)
@@ -537,7 +515,7 @@ async def pick_victim(client: httpx.AsyncClient, index: int, tracker: Tracker) -
     agent = next((int(n["agent_pid"]) for n in nodes if n["node"] == node and n["state"] == "live"), 0)
     if not agent or not is_agent(agent):
         raise BenchFailed(f"node {node[:8]}: no live NodeAgent process (agent pid {agent})")
-    mine = runner_pids({agent})
+    mine = runner_processes({agent})
     if not replicas or any(pid not in mine for pid in replicas.values()):
         raise BenchFailed(f"node {node[:8]}: replicas {replicas} are not all runners of agent {agent} ({mine})")
     return Victim(node, agent, replicas)
@@ -672,7 +650,8 @@ async def loss_round(url: str, index: int, tracker: Tracker) -> LossRound:
 
         async def watch_runners() -> None:
             deadline = time.monotonic() + GONE_BOUND
-            while (left := await anyio.to_thread.run_sync(runner_pids, {victim.agent})) and time.monotonic() < deadline:
+            agents = {victim.agent}
+            while (left := await anyio.to_thread.run_sync(runner_processes, agents)) and time.monotonic() < deadline:
                 await anyio.sleep(POLL)
             out.runners_left = left
             if not left:
@@ -721,7 +700,7 @@ class SilentRound:
 def node_processes(ray_node: Any, agent: int) -> set[int]:
     """Every process of one Ray node: what Ray started for it, their descendants, the agent and its runners."""
     roots = {info.process.pid for infos in ray_node.all_processes.values() for info in infos}
-    roots = {pid for pid in roots if alive(pid)} | {agent} | set(runner_pids({agent}))
+    roots = {pid for pid in roots if alive(pid)} | {agent} | set(runner_processes({agent}))
     return roots | descendants(roots)
 
 
@@ -921,7 +900,7 @@ def say_tail(server: Server, lines: int = 25) -> None:
 
 
 def final_orphans(tracker: Tracker) -> list[int]:
-    return sorted(set(runner_pids(tracker.workers)) | set(agent_processes(tracker.since, tracker.workers)))
+    return sorted(set(runner_processes(tracker.workers)) | set(agent_processes(tracker.since, tracker.workers)))
 
 
 def main(argv: list[str] | None = None) -> int:
