@@ -269,7 +269,7 @@ async def _answer(stream: anyio.abc.SocketStream, timeout: float = 10.0) -> byte
     return data
 
 
-HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
 
 
 async def abuse(url: str, kind: str, idle: int) -> dict[str, Any]:

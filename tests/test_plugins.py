@@ -120,14 +120,15 @@ def _ask(server: object, model: str, prompt: str) -> dict[str, object]:
 
 
 def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_module: Path) -> None:
-    with serving("--engine", "echo_engine:EchoEngine", env=_env_with_path(echo_module)) as server:
+    args = ("--engine", "echo_engine:EchoEngine", "--allow-engine-import")
+    with serving(*args, env=_env_with_path(echo_module)) as server:
         body = _ask(server, "echo", "hello out there")  # the id is the engine's name: it has no model file
         assert body["choices"][0]["text"] == "echo: hello out there"  # type: ignore[index]
         assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
         instance = server.instance("echo")
         assert instance["engine"] == "echo_engine:EchoEngine"
         assert instance["fit"].startswith("echo buffers fits: needs ~1.00 MiB (buffers 1.00 MiB)"), instance["fit"]
-        # The same module named by its file, through the admin API: the runner finds the same file.
+        # The same module named by its file, through the admin API (allowed by the flag): the runner finds it.
         engine = f"{echo_module / 'echo_engine.py'}:EchoEngine"
         by_file = server.add_instance({"id": "by-file", "engine": engine, "options": {"prefix": ">"}})
         assert by_file["engine"] == engine
@@ -148,7 +149,8 @@ def test_an_entry_point_of_an_installed_distribution_is_an_engine_by_its_name(ec
 
 
 def test_a_plugin_estimate_is_checked_and_its_options_refused_before_a_runner_starts(echo_module: Path) -> None:
-    with serving("--engine", "echo_engine:EchoEngine", "--name", "echo", env=_env_with_path(echo_module)) as server:
+    args = ("--engine", "echo_engine:EchoEngine", "--name", "echo", "--allow-engine-import")
+    with serving(*args, env=_env_with_path(echo_module)) as server:
         huge = server.http.post(
             "/v1/instances", json={"id": "huge", "engine": "echo_engine:EchoEngine", "options": {"huge": True}}
         )

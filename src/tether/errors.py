@@ -45,6 +45,22 @@ class UnknownEngine(InvalidField):
         self.installed = tuple(installed)
 
 
+class EngineImportRefused(TetherError):
+    """An engine named by module or file path where code may not be imported on the asker's say-so (a request, a
+    catalog file) because the worker was not started with ``--allow-engine-import``."""
+
+    field = "engine"
+
+    def __init__(self, name: str, where: str) -> None:
+        super().__init__(
+            f"engine {name!r} names code to import ({where}), and this worker imports engine code only from its own "
+            "command line (--engine) or installed engines (built-ins, 'tether.engines' entry points): start "
+            "`tether serve` with --allow-engine-import to let instances name engines by module or file path, or "
+            "install the engine as an entry point"
+        )
+        self.name = name
+
+
 class InvalidModel(InvalidField):
     """A model that cannot be used: a file that is missing, unreadable or not a model the engine can load."""
 

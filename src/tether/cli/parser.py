@@ -104,6 +104,39 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
+    access = srv.add_argument_group(
+        "who may reach it",
+        "a server on 127.0.0.1 is reachable from every web page its user opens: by default it answers only to "
+        "loopback names (DNS rebinding), serves no other site's pages (cross-origin requests) and imports no engine "
+        "code a request names",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="NAMES",
+        help="more Host names to answer to, comma-separated ('tether.lan', 'tether.lan:8000', '*.lan', '*' for any; "
+        "also TETHER_ALLOWED_HOSTS); on loopback only loopback names are served without it",
+    )
+    access.add_argument(
+        "--cors-origins",
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="web origins whose pages may call the API, comma-separated ('http://localhost:3000', "
+        "'http://localhost:*', '*' for every site; also TETHER_CORS_ORIGINS): they get CORS headers and preflights",
+    )
+    access.add_argument(
+        "--allow-engine-import",
+        action="store_true",
+        help="let POST /v1/instances and --catalog files name engines by module or file path ('pkg.mod:Class', "
+        "'file.py:Class'), which imports that code into the worker (default: only --engine and installed engines)",
+    )
+    access.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without an API key, on purpose (refused otherwise)",
+    )
     srv.add_argument("--name", default=None, help="the instance's id and model name (default: the GGUF's stem)")
     srv.add_argument("--restart", choices=("on-failure", "never"), default="on-failure", help="restart policy")
     srv.add_argument(

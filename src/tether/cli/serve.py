@@ -36,7 +36,7 @@ from tether.cli.common import (
     fail,
     reap_at_start,
 )
-from tether.errors import DoesNotFit, InvalidField, TetherError, Unavailable, UnknownEngine
+from tether.errors import DoesNotFit, EngineImportRefused, InvalidField, TetherError, Unavailable, UnknownEngine
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.serve.app import create_app
 from tether.serve.catalog import (
@@ -50,6 +50,7 @@ from tether.serve.catalog import (
     scan_models_dir,
 )
 from tether.serve.fleet import Fleet, InstanceConfig
+from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns
 from tether.serve.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def build_catalog(args: argparse.Namespace, first: InstanceConfig) -> Catalog:
     default_keep = keep if keep is not None else DEFAULT_KEEP_ALIVE if many else FOREVER
     catalog = Catalog([Model(first.default_id(), first, (), default_keep, False, "the command line")])
     if args.catalog is not None:
-        for model in read_catalog_file(args.catalog, default_keep):
+        for model in read_catalog_file(args.catalog, default_keep, allow_engine_import=args.allow_engine_import):
             catalog.add(model)
     if args.models is not None:
         for model in scan_models_dir(args.models, default_keep, first):
@@ -127,14 +128,14 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; the exit status says how it ended."""
 
     api_key = args.api_key or os.environ.get(env.API_KEY) or None
-    if args.host not in ("127.0.0.1", "::1", "localhost") and not api_key:
-        print(
-            f"tether: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
-            f"(set --api-key or {env.API_KEY})",
-            file=sys.stderr,
+    if api_key and args.no_auth:
+        return fail(
+            "--no-auth and an API key (--api-key or TETHER_API_KEY) contradict each other: pick one", EXIT_USAGE
         )
     try:
         config = instance_config(args)
+        hosts = [check_host_pattern(h) for h in patterns(args.allowed_hosts, os.environ.get(env.ALLOWED_HOSTS))]
+        origins = [check_origin_pattern(o) for o in patterns(args.cors_origins, os.environ.get(env.CORS_ORIGINS))]
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
     problem = config.check()
@@ -148,9 +149,24 @@ async def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_CANNOT_BIND
+    listen = sock.getsockname()[0]
+    policy = Policy(listen, tuple(hosts), tuple(origins), api_key, args.max_body)
+    if not policy.loopback and not api_key:
+        if not args.no_auth:
+            sock.close()
+            return fail(
+                f"refusing to serve {args.host} (not loopback) without an API key: anyone who can reach this address "
+                "could start instances, import engines, read runner logs and use the models. Set --api-key KEY (or "
+                f"{env.API_KEY}), or pass --no-auth to serve it open on purpose",
+                EXIT_USAGE,
+            )
+        print(
+            f"tether: warning: serving {args.host} without an API key (--no-auth): anyone who can reach it can use it",
+            file=sys.stderr,
+        )
     try:
         catalog = build_catalog(args, config)
-    except InvalidField as exc:
+    except (InvalidField, EngineImportRefused) as exc:
         sock.close()
         return fail(str(exc), EXIT_USAGE)
     began = time.monotonic()
@@ -165,7 +181,31 @@ async def serve(args: argparse.Namespace) -> int:
                 return fail(str(exc), EXIT_FAILED)
             nodes = ", ".join(f"{link.short} ({link.host})" for link in cluster.links.values())
             print(f"tether: Ray cluster: node agents on {nodes}", file=sys.stderr, flush=True)
-        return await _serve(args, sock, catalog, config, url, began, api_key, cluster)
+        return await _serve(args, sock, catalog, config, url, began, policy, cluster)
+
+
+class _RefusalReport:
+    """The first refusal of each Host or Origin, said on stderr (the page that sent it never shows the answer, so
+    an operator whose browser client stopped working learns why here); at most ``LIMIT`` lines in all."""
+
+    LIMIT = 32
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def __call__(self, refusal: Refusal) -> None:
+        key = (refusal.reason, refusal.value)
+        if refusal.reason not in ("host", "origin") or key in self.seen or len(self.seen) >= self.LIMIT:
+            return
+        self.seen.add(key)
+        what = "Host" if refusal.reason == "host" else "Origin"
+        flag = "--allowed-hosts" if refusal.reason == "host" else "--cors-origins"
+        print(
+            f"tether: refused a request with {what} {refusal.value[:200]!r} (first of its kind; counted in "
+            f"tether_guard_refusals): allow it with {flag} if it is yours",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def ray_cluster(args: argparse.Namespace) -> Cluster:
@@ -192,7 +232,7 @@ async def _serve(
     config: InstanceConfig,
     url: str,
     began: float,
-    api_key: str | None,
+    policy: Policy,
     cluster: Cluster | None,
 ) -> int:
     fleet = Fleet(stop_timeout=args.stop_timeout, cluster=cluster)
@@ -205,6 +245,7 @@ async def _serve(
         reclaim_poll=args.reclaim_poll,
         default=config.default_id(),
         placement=cluster.place if cluster is not None else None,
+        allow_engine_import=args.allow_engine_import,
     )
     scheduler.listeners.add(lambda d: print(f"tether: {d.kind} {d.model}: {d.reason}", file=sys.stderr, flush=True))
     async with fleet, scheduler:
@@ -236,7 +277,8 @@ async def _serve(
 
         hosted.instance.add_state_listener(report)
         print(f"tether: listening on {url} (loading {hosted.id})", file=sys.stderr, flush=True)
-        app = create_app(scheduler, api_key=api_key, max_body=args.max_body, cluster=cluster)
+        app = create_app(scheduler, policy, cluster=cluster)
+        app.listeners.add(_RefusalReport())
         server = _Server(
             uvicorn.Config(
                 app,

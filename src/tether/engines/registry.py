@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tether.engines.base import NO_OPTIONS, Engine, EngineLoadError, MemoryEstimate, batched
-from tether.errors import InvalidField, UnknownEngine
+from tether.errors import EngineImportRefused, InvalidField, UnknownEngine
 from tether.protocol import EngineSpec
 
 ENTRY_POINT_GROUP = "tether.engines"
@@ -96,6 +96,22 @@ def resolve(name: str) -> EngineEntry:
         if name == entry.name:
             return entry
     raise UnknownEngine(name, [*(e.name for e in BUILT_IN), *(e.name for e in plugins)])
+
+
+def imports_code(name: str) -> bool:
+    """Whether ``name`` names an engine by module or file path (importing it runs that code), rather than a
+    built-in or an installed entry point."""
+    try:
+        return resolve(name).origin in ("module", "file")
+    except UnknownEngine:  # refused anyway, with the list of engines
+        return False
+
+
+def check_import(name: str, allowed: bool, where: str) -> None:
+    """``EngineImportRefused`` when ``name`` would import code that ``where`` (a request, a catalog file) may not
+    ask for unless the worker was started with ``--allow-engine-import``. Nothing is imported to decide."""
+    if not allowed and imports_code(name):
+        raise EngineImportRefused(name, where)
 
 
 def canonical(name: str) -> str:

@@ -10,10 +10,11 @@ response watches the connection for ``http.disconnect`` while it waits for token
 from __future__ import annotations
 
 import contextlib
-import hmac
+import errno
 import logging
 import math
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,17 +28,27 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 import tether
-from tether.errors import DoesNotFit, InstanceExists, InvalidField, NotFound, TetherError, Unavailable
+from tether.errors import (
+    DoesNotFit,
+    EngineImportRefused,
+    InstanceExists,
+    InvalidField,
+    NotFound,
+    TetherError,
+    Unavailable,
+)
 from tether.node.instance import Instance, InstanceReady, InstanceRestarting
 from tether.node.memory import NodeMemory
+from tether.node.output import default_log_dir
 from tether.node.ranks import RankGroup
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
 from tether.serve import dashboard, embeddings, ollama, openai, responses, schema
 from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
+from tether.serve.guard import BodyTooLarge, Guard, Policy, too_large
 from tether.serve.metrics import CONTENT_TYPE, Metrics
 from tether.serve.scheduler import Scheduler, scheduler_json
 from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
@@ -51,11 +62,8 @@ class ClusterView(Protocol):
     def view(self) -> dict[str, Any]: ...
 
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})  # answer without the API key (probes, the dashboard's shell)
-OPEN_PREFIXES = ("/ui/",)  # the dashboard's static assets: no data in them, every call they make needs the key
 LOG_LINES = 2000  # the most lines one read of a runner's log returns
 LOG_TAIL_BYTES = 1 << 20  # and the most bytes it reads, from the end
-DEFAULT_MAX_BODY = 4 << 20
 _encode = msgspec.json.Encoder().encode
 _instance_decoder = msgspec.json.Decoder(InstanceConfig)
 _CODES = {404: "not_found", 405: "method_not_allowed"}
@@ -73,67 +81,6 @@ def _error(status: int, message: str, type_: str, *, code: str | None = None, **
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
     body = openai.error_body(message, type_, code=code, **extra)
     return Response(body, status_code=status, media_type="application/json", headers=headers)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Middleware: API key and body size, before anything else runs
-# --------------------------------------------------------------------------------------------------------------
-
-
-class Guard:
-    """Pure ASGI middleware: the bearer API key (constant-time compare) on every route but the probes, and a body
-    size limit (413), enforced on the declared length and on what actually arrives."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body = max_body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        path = scope["path"]
-        if self.expected is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                reply = _error(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server was started "
-                    "with (--api-key or TETHER_API_KEY)",
-                    "invalid_request_error",
-                    code="invalid_api_key",
-                )
-                await reply(scope, receive, send)
-                return
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            await _too_large(BodyTooLarge(int(declared), self.max_body))(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise BodyTooLarge(seen, self.max_body)
-            return message
-
-        await self.app(scope, limited, send)
-
-
-class BodyTooLarge(TetherError):
-    """A body over the limit: declared so up front, or found so while it arrives (then ``size`` is a lower bound)."""
-
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of at least {size} bytes exceeds the limit of {limit} bytes (--max-body)")
-
-
-def _too_large(exc: BodyTooLarge) -> Response:
-    return _error(413, str(exc), "invalid_request_error", code="request_too_large")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -507,10 +454,21 @@ def node_json(memory: NodeMemory, started_at: float) -> dict[str, Any]:
     }
 
 
-def read_log(path: Path, lines: int) -> tuple[list[str], bool]:
-    """The last ``lines`` lines of a log file (reading at most ``LOG_TAIL_BYTES`` from its end), and whether there
-    was more before them."""
-    with path.open("rb") as f:
+class LogOutside(TetherError):
+    """A log path that is not a regular file inside the worker's log directory (a symlink out of it, say)."""
+
+
+def read_log(path: Path, lines: int, root: Path) -> tuple[list[str], bool]:
+    """The last ``lines`` lines of a log file inside ``root`` (reading at most ``LOG_TAIL_BYTES`` from its end), and
+    whether there was more before them. ``LogOutside`` when the path, its symlinks followed, leaves ``root`` or is
+    no regular file: a request reads runner logs, nothing else on the disk."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        raise LogOutside(f"{path} is not inside the log directory {root}")
+    fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # swapped for a symlink since: refused
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LogOutside(f"{path} is not a regular file")
         size = f.seek(0, os.SEEK_END)
         f.seek(max(size - LOG_TAIL_BYTES, 0))
         text = f.read().decode(errors="replace")
@@ -540,13 +498,17 @@ def _replica(inst: Instance, serving: int) -> dict[str, Any]:
 
 def create_app(
     scheduler: Scheduler,
+    policy: Policy | None = None,
     *,
-    api_key: str | None = None,
-    max_body: int = DEFAULT_MAX_BODY,
     cluster: ClusterView | None = None,
-) -> ASGIApp:
+    log_dir: Path | None = None,
+) -> Guard:
     """The ASGI app for ``scheduler`` and its fleet (which the caller owns: the app starts and stops instances only
-    when asked, or when the scheduler loads, unloads and evicts models)."""
+    when asked, or when the scheduler loads, unloads and evicts models), behind the guard of ``policy`` (default:
+    a loopback listener's, no key). Runner logs are read from ``log_dir`` (default: this worker's) and nowhere else.
+    """
+    policy = policy if policy is not None else Policy()
+    logs = (log_dir if log_dir is not None else default_log_dir()).resolve()
     app = FastAPI(title="tether", docs_url=None, redoc_url=None, openapi_url=None)
     fleet = scheduler.fleet
     metrics = Metrics(fleet, scheduler)
@@ -593,8 +555,12 @@ def create_app(
         return Response(status_code=499)
 
     @app.exception_handler(BodyTooLarge)
-    async def too_large(_: Request, exc: BodyTooLarge) -> Response:
-        return _too_large(exc)
+    async def body_too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return too_large(request.url.path, exc)
+
+    @app.exception_handler(EngineImportRefused)
+    async def import_refused(_: Request, exc: EngineImportRefused) -> Response:
+        return _error(403, str(exc), "permission_error", code="engine_import_disabled", param=exc.field)
 
     api = Api(scheduler, metrics)
     respond, planned = api.respond, api.planned
@@ -733,12 +699,24 @@ def create_app(
             return _error(
                 400, f"lines must be in [1, {LOG_LINES}], got {lines}", "invalid_request_error", param="lines"
             )
+        node = hosted.supervisor.node if hosted.supervisor is not None else None
+        where = f" (the runner ran on node {node[:8]}: its log is on that node)" if node else ""
         try:
-            found, truncated = await anyio.to_thread.run_sync(read_log, Path(path), lines)
+            found, truncated = await anyio.to_thread.run_sync(read_log, Path(path), lines, logs)
+        except LogOutside as exc:
+            if node:  # another node's log directory: not readable from here
+                message = f"cannot read the log of life {wanted} of {instance_id} at {path}{where}"
+                return _error(404, message, "invalid_request_error", code="not_found")
+            log.warning("refused to read %s for the log of %s: %s", path, instance_id, exc)
+            message = (
+                f"refused to read the log of life {wanted} of {instance_id}: {exc}; a request reads runner logs in "
+                "this worker's log directory only (was the file replaced by a link?)"
+            )
+            return _error(403, message, "permission_error", code="log_outside")
         except OSError as exc:
-            node = hosted.supervisor.node if hosted.supervisor is not None else None
-            where = f" (the runner ran on node {node[:8]}: its log is on that node)" if node else ""
             message = f"cannot read the log of life {wanted} of {instance_id} at {path}{where}: {exc.strerror or exc}"
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the log became a symlink after it was checked
+                return _error(403, message, "permission_error", code="log_outside")
             return _error(404, message, "invalid_request_error", code="not_found")
         return _json({"id": instance_id, "life": wanted, "path": path, "lines": found, "truncated": truncated})
 
@@ -771,7 +749,7 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    document = _encode(schema.openapi(auth=api_key is not None))
+    document = _encode(schema.openapi(auth=policy.api_key is not None))
 
     @app.get("/openapi.json")
     async def openapi_json() -> Response:
@@ -801,4 +779,6 @@ def create_app(
         log.exception("unexpected error in the API")
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
 
-    return Guard(app, api_key, max_body)
+    guard = Guard(app, policy)
+    guard.listeners.add(lambda refusal: metrics.guard_refusals.labels(refusal.reason).inc())
+    return guard

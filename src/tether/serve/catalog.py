@@ -31,6 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tether.engines import registry
 from tether.errors import InvalidField
 from tether.models import DefaultModelMissing, default_model_path
 from tether.protocol import documented
@@ -183,8 +184,10 @@ def entry_model(entry: ModelEntry, default_keep_alive: float, source: str, base:
     )
 
 
-def read_catalog_file(path: Path, default_keep_alive: float) -> list[Model]:
-    """The models of a TOML catalog file; anything wrong is an ``InvalidField`` naming the file and the field."""
+def read_catalog_file(path: Path, default_keep_alive: float, *, allow_engine_import: bool = False) -> list[Model]:
+    """The models of a TOML catalog file; anything wrong is an ``InvalidField`` naming the file and the field. An
+    engine named by module or file path is ``EngineImportRefused`` (before anything is imported) unless
+    ``allow_engine_import``: a file is not the operator's command line."""
     try:
         data: Any = tomllib.loads(path.read_text())
     except OSError as exc:
@@ -200,6 +203,9 @@ def read_catalog_file(path: Path, default_keep_alive: float) -> list[Model]:
     except InvalidField as exc:
         raise InvalidField("keep_alive", f"the catalog {path}: {exc}") from None
     default = default_keep_alive if fallback is None else fallback
+    for entry in parsed.models:
+        named = f"model {entry.id!r}" if entry.id is not None else "a model"  # default_id() would import it
+        registry.check_import(entry.engine, allow_engine_import, f"{named} of the catalog {path}")
     return [entry_model(entry, default, str(path), base=path.parent) for entry in parsed.models]
 
 

@@ -187,6 +187,13 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        self.guard_refusals = Counter(
+            "tether_guard_refusals",
+            "Requests refused before any route, by why: host (not a name this server answers to: DNS rebinding), "
+            "origin (another site's web page), api_key, body (over --max-body)",
+            ["reason"],
+            registry=self.registry,
+        )
         fleet.listeners.add(self.watch)
         if scheduler is not None:
             self.registry.register(_SchedulerCollector(scheduler))

@@ -177,8 +177,11 @@ class Scheduler:
         memory: Callable[[], NodeMemory] = node_memory,
         default: str | None = None,
         placement: Placer | None = None,
+        allow_engine_import: bool = False,
     ) -> None:
         self.fleet = fleet
+        # Whether POST /v1/instances may name an engine by module or file path (tether serve --allow-engine-import)
+        self.allow_engine_import = allow_engine_import
         # Where a life goes on a cluster (``Cluster.place``: the node where it fits); None: this node, making room
         self.placement = placement
         self.default = default  # the model a placeholder name reaches when none is loaded (tether serve's first)
@@ -513,7 +516,10 @@ class Scheduler:
         return result
 
     async def add_instance(self, config: InstanceConfig) -> Hosted:
-        """``POST /v1/instances``: start it (evicting idle models if it needs their memory)."""
+        """``POST /v1/instances``: start it (evicting idle models if it needs their memory). An engine named by
+        module or file path is refused (``EngineImportRefused``) unless ``allow_engine_import``: a request is not
+        the operator, and importing is running code."""
+        registry.check_import(config.engine, self.allow_engine_import, "in POST /v1/instances")
         model_id = config.default_id()
         if model_id in self.slots:
             raise InstanceExists(

@@ -42,6 +42,8 @@ class ErrorDetail(msgspec.Struct):
     code: str | None
     cause: CauseOut | None = None  # a runner failure: why
     completion_tokens: int | None = None  # a generation that ended early: tokens it produced first
+    host: str | None = None  # a 403 host_not_allowed: the Host refused
+    origin: str | None = None  # a 403 origin_not_allowed: the Origin refused
 
 
 class ErrorBody(msgspec.Struct):
@@ -530,6 +532,8 @@ class OllamaErrorBody(msgspec.Struct):
     param: str | None = None
     cause: CauseOut | None = None
     completion_tokens: int | None = None
+    host: str | None = None
+    origin: str | None = None
 
 
 class OllamaFunctionOut(msgspec.Struct):
@@ -740,6 +744,10 @@ def _errors(*statuses: int) -> dict[str, Any]:
     what = {
         400: "a field is invalid (``param`` names it) or the engine refused the request",
         401: "missing or wrong API key",
+        403: "refused before any route: a Host this server does not answer to (``host_not_allowed``: DNS "
+        "rebinding), a web page of another origin (``origin_not_allowed``), an engine named by module or file path "
+        "without --allow-engine-import (``engine_import_disabled``), a log outside the log directory "
+        "(``log_outside``)",
         404: "no such instance, model or route",
         409: "the request was cancelled (by the cancel route), or the instance id is taken",
         413: "the body is over --max-body",
@@ -796,11 +804,10 @@ def _id(name: str) -> list[dict[str, Any]]:
 
 
 def _ollama_errors(*statuses: int) -> dict[str, Any]:
-    """Ollama's routes answer errors in Ollama's shape, but for the 401 and 413 the server gives before any route."""
+    """Ollama's routes answer every error in Ollama's shape, the guard's (401, 403, 413) included."""
     answers = _errors(*statuses)
     for status in statuses:
-        if status not in (401, 413):
-            answers[str(status)]["content"]["application/json"]["schema"] = _ref(OllamaErrorBody)
+        answers[str(status)]["content"]["application/json"]["schema"] = _ref(OllamaErrorBody)
     return answers
 
 
@@ -1018,13 +1025,13 @@ def openapi(*, auth: bool) -> dict[str, Any]:
             }
         },
     }
-    if auth:
-        for path, item in paths.items():
-            if path in ("/healthz", "/readyz"):
-                continue
-            for operation in item.values():
+    for path, item in paths.items():  # the guard's answers, before any route: in the route's own shape
+        errors = _ollama_errors if path.startswith("/api/") else _errors
+        for operation in item.values():
+            operation["responses"].update(errors(403))
+            if auth and path not in ("/healthz", "/readyz"):
                 operation["security"] = [{"bearer": []}]
-                operation["responses"].update(_errors(401))
+                operation["responses"].update(errors(401))
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "tether", "version": _version(), "description": "A supervised inference worker's API."},
