@@ -127,7 +127,8 @@ class Serial:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.name = engine.name
+        # An engine of your own may leave ``name`` out (only the methods are checked): then its class names it.
+        self.name = str(getattr(engine, "name", type(engine).__name__))
         self._seq: tuple[str, Iterator[Delta]] | None = None
         self._dropped = False
         self._tokens = 0
