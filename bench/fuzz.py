@@ -13,14 +13,21 @@
    Every 5xx is classified: a documented one is a runner-failure 500 carrying a ``cause``, a 503 with code
    ``unavailable`` (with Retry-After when retrying helps) or a 507 ``does_not_fit``; any other is
    ``unexpected_5xx`` (a bug). ``nonconforming`` counts responses that break the schema.
-2. **Transport abuse**, each while a healthy streaming request (``/v1/completions``, 8 tokens) is sent and timed to
+2. **Hosts and Origins.** Every operation again, ``--examples`` positive cases each, sent with a drawn ``Host`` and
+   ``Origin``: loopback names at any port, with no Origin or the server's own (must be served); foreign names,
+   rebinding's look (Host and Origin both foreign), ``127.0.0.1.nip.io``, addresses (must be 403
+   ``host_not_allowed``); a loopback Host with another site's origin, ``null`` or another local port (403
+   ``origin_not_allowed``); malformed Hosts (a 403 or the parser's 400). Each class's verdict is known by
+   construction; ``header_served_foreign`` counts a foreign request served, ``header_refused_loopback`` a loopback
+   one refused, and every refusal must conform to the schema.
+3. **Transport abuse**, each while a healthy streaming request (``/v1/completions``, 8 tokens) is sent and timed to
    its first token, which must come within ``FIRST_TOKEN_BOUND_S``: ``slowloris`` (``--idle`` connections that send
    a partial request head, one header line a second), ``half_bodies`` (50 requests declaring 1,000 body bytes and
    sending 10), ``invalid_http`` (50 connections sending bytes that are no HTTP, each must be answered 400 or
    closed), ``oversized_headers`` (10 requests with a 1 MiB header, each answered 4xx or closed) and
    ``never_reading`` (8 streams of 4,000 tokens whose clients read nothing, with a 4 KiB receive buffer).
    Afterwards every abusive connection is closed and the worker's fd count must come back to where it was.
-3. **Still serving**: a completion succeeds, ``/readyz`` is 200, the worker is the same process, its stderr holds
+4. **Still serving**: a completion succeeds, ``/readyz`` is 200, the worker is the same process, its stderr holds
    no traceback, and the stop is clean.
 
 The baseline a user would otherwise have is none: no peer server publishes a fuzzing figure. Run:
@@ -48,6 +55,7 @@ import httpx
 import hypothesis
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -202,6 +210,153 @@ class Fuzzer:
             else:
                 assert restored.status_code == 201, restored.text
             wait_ready(self.http, keep["id"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hosts and Origins: what a web page (DNS rebinding, another site) sends, against what curl and the SDKs send
+# --------------------------------------------------------------------------------------------------------------
+
+# Each drawn case is built in a class whose verdict is known by construction, not computed by the code under test:
+# "served" (loopback names, the server's own origin, no Origin), "host" (403 host_not_allowed), "origin" (403
+# origin_not_allowed) and "refused" (malformed: a 403 or the HTTP parser's 400).
+FOREIGN_NAMES = (
+    "evil.example",
+    "localhost.evil.example",  # a name that starts like loopback
+    "evil-localhost",
+    "127.0.0.1.nip.io",  # resolves to 127.0.0.1 through public DNS: the rebinding trick
+    "0.0.0.0",
+    "10.0.0.1",
+    "192.168.1.10",
+    "[::]",
+    "[fe80::1]",
+    "2130706433",  # 127.0.0.1 as one number: browsers normalize it away, so only a non-browser sends it
+    "0x7f.0.0.1",
+    "xn--lcalhost-9za",
+)
+MALFORMED_HOSTS = ("localhost.", "localhost:99999", "localhost:abc", "::1", "[::1", "[::1]x", "local host", "", ":80")
+
+
+@dataclass
+class HeaderReport:
+    cases: int = 0
+    by_class: Counter[str] = field(default_factory=Counter)
+    served_foreign: int = 0  # a foreign Host or Origin served: the hole this phase exists to find
+    refused_loopback: int = 0  # a loopback request refused: what curl and the SDKs would hit
+    nonconforming: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def note(self, problem: str) -> None:
+        if len(self.failures) < SAMPLE_LIMIT:
+            self.failures.append(problem[:600])
+
+
+def header_cases(port: int) -> st.SearchStrategy[tuple[str, dict[str, str]]]:
+    """(class, headers) pairs: the four classes above, with names, ports and schemes drawn at random."""
+    any_port = st.integers(1, 65535)
+    octet = st.integers(0, 255)
+    loopback_ip = st.builds(lambda a, b, c: f"127.{a}.{b}.{c}", octet, octet, octet)
+    loopback_name = st.one_of(
+        st.sampled_from(["localhost", "LOCALHOST", "LocalHost", "127.0.0.1", "[::1]", "[::ffff:127.0.0.1]"]),
+        loopback_ip,
+    )
+    with_port = st.one_of(st.just(port), any_port)
+    loopback_host = st.one_of(
+        st.builds(lambda name, p: f"{name}:{p}", loopback_name, with_port),
+        loopback_name,
+    )
+    label = st.from_regex(r"\A[a-z][a-z0-9-]{0,12}\Z")
+    generated = st.builds(lambda parts: ".".join(parts), st.lists(label, min_size=2, max_size=4)).filter(
+        lambda name: "localhost" not in name.split(".")
+    )
+    foreign_name = st.one_of(st.sampled_from(FOREIGN_NAMES), generated)
+    foreign_host = st.one_of(foreign_name, st.builds(lambda name, p: f"{name}:{p}", foreign_name, any_port))
+    scheme = st.sampled_from(["http", "https"])
+
+    def own(host: str, chosen: str) -> dict[str, str]:
+        return {"Host": host, "Origin": f"{chosen}://{host.lower()}"}
+
+    def foreign_origin(host: str, origin: str) -> dict[str, str]:
+        return {"Host": host, "Origin": origin}
+
+    other_origin = st.one_of(
+        st.just("null"),
+        st.builds(lambda sc, name: f"{sc}://{name}", scheme, foreign_name),
+        st.builds(lambda sc, name, p: f"{sc}://{name}:{p}", scheme, foreign_name, any_port),
+        st.builds(lambda p: f"http://localhost:{p}", any_port.filter(lambda p: p != port)),  # another local app
+        st.builds(lambda p: f"http://127.0.0.1:{p}", any_port.filter(lambda p: p != port)),
+    )
+    return st.one_of(
+        st.builds(lambda h: ("served", {"Host": h}), loopback_host),
+        st.builds(lambda h, sc: ("served", own(h, sc)), st.builds(lambda n: f"{n}:{port}", loopback_name), scheme),
+        st.builds(lambda h: ("host", {"Host": h}), foreign_host),
+        st.builds(lambda h: ("host", {"Host": h, "Origin": f"http://{h}"}), foreign_host),  # rebinding's own look
+        st.builds(
+            lambda h, o: ("origin", foreign_origin(h, o)),
+            st.builds(lambda n: f"{n}:{port}", loopback_name),
+            other_origin,
+        ),
+        st.builds(lambda h: ("refused", {"Host": h}), st.sampled_from(MALFORMED_HOSTS)),
+    )
+
+
+def fuzz_headers(
+    schema: Any, base_url: str, examples: int, seed: int, *, keep_instance: dict[str, Any] | None = None
+) -> HeaderReport:
+    """Every operation of ``schema`` with ``examples`` positive cases, each sent with a drawn Host and Origin; the
+    answer must be the class's, and conform to the schema (the guard's 403s are documented on every route)."""
+    report = HeaderReport()
+    port = _address(base_url)[1]
+    tidy = Fuzzer(base_url, {}, keep_instance)
+
+    def check(case: Any, drawn: tuple[str, dict[str, str]]) -> None:
+        kind, headers = drawn
+        label = f"{case.method.upper()} {case.path}"
+        report.cases += 1
+        report.by_class[kind] += 1
+        try:
+            response = case.call(base_url=base_url, headers=headers, timeout=CALL_TIMEOUT)
+        except Exception as exc:
+            report.note(f"{label} {headers}: {type(exc).__name__}: {exc}")
+            return
+        status, body = response.status_code, response.content
+        error = error_of(body) if status == 403 else None
+        code = error.get("code") if error is not None else None
+        guarded = code in ("host_not_allowed", "origin_not_allowed")
+        if kind == "served" and guarded:
+            report.refused_loopback += 1
+            report.note(f"{label} {headers}: refused although loopback: {body[:300]!r}")
+        elif kind in ("host", "origin") and code != f"{kind}_not_allowed":
+            report.served_foreign += 1
+            report.note(f"{label} {headers}: expected 403 {kind}_not_allowed, got {status}: {body[:300]!r}")
+        elif kind == "refused" and not (guarded or status == 400):
+            report.served_foreign += 1
+            report.note(f"{label} {headers}: a malformed Host answered {status}: {body[:300]!r}")
+        if guarded:
+            try:
+                case.validate_response(response)
+            except (Failure, FailureGroup) as exc:
+                report.nonconforming += 1
+                report.note(f"{label} {headers}: the refusal breaks the schema: {exc}")
+        tidy.tidy(label, status, body)
+
+    try:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            test = settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )(
+                given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE), drawn=header_cases(port))(
+                    check
+                )
+            )
+            hypothesis.seed(seed)(test)()
+    finally:
+        tidy.http.close()
+    return report
 
 
 def beyond_schema(status: int, body: bytes) -> bool:
@@ -416,6 +571,13 @@ def run(examples: int, seed: int, idle: int) -> dict[str, Any]:
         )
         for failure in report.failures:
             print(f"  ! {failure}")
+        headers = fuzz_headers(schema, server.url, examples, seed, keep_instance=keep)
+        print(
+            f"Host/Origin fuzzing: {headers.cases} cases {dict(headers.by_class)}: {headers.served_foreign} foreign "
+            f"served, {headers.refused_loopback} loopback refused, {headers.nonconforming} nonconforming refusals"
+        )
+        for failure in headers.failures:
+            print(f"  ! {failure}")
         print("transport abuse (healthy request's first token, answers, fds):")
         abuses = anyio.run(transport, server, idle)
         problems = still_serving(server, pid)
@@ -433,6 +595,12 @@ def run(examples: int, seed: int, idle: int) -> dict[str, Any]:
         "transport_errors": report.transport_errors,
         "statuses": {str(k): v for k, v in sorted(report.statuses.items())},
         "failures": report.failures,
+        "header_cases": headers.cases,
+        "header_cases_by_class": dict(headers.by_class),
+        "header_served_foreign": headers.served_foreign,
+        "header_refused_loopback": headers.refused_loopback,
+        "header_nonconforming": headers.nonconforming,
+        "header_failures": headers.failures,
         "seed": seed,
         "fuzz_s": round(fuzz_s, 1),
         "transport": abuses,
@@ -462,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         result["unexpected_5xx"] == 0
         and result["nonconforming"] == 0
         and result["transport_errors"] == 0
+        and result["header_served_foreign"] == 0
+        and result["header_refused_loopback"] == 0
+        and result["header_nonconforming"] == 0
         and result["abuse_within_bound"]
         and result["abuse_bad_answers"] == 0
         and result["leaked_fds"] == 0

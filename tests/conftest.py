@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
@@ -23,6 +24,9 @@ from tether.kernel.pids import alive, live_processes
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node.orphans import sweep_stale_cgroups
 from tether.protocol import EngineSpec, Fault, GenerateParams
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 
 @pytest.fixture
@@ -243,3 +247,40 @@ def model_server() -> Iterator[Server]:
 
 def debug_server(*args: str, **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
     return serving("--engine", "debug", *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A real browser: Debian's chromium, driven by Playwright for Python
+# --------------------------------------------------------------------------------------------------------------
+
+CHROMIUM = os.environ.get("TETHER_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+WAIT_MS = 15_000  # the longest any one thing on a page may take to show (a runner's start included)
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here (None when they can)."""
+    if importlib.util.find_spec("playwright") is None:
+        return "Playwright for Python is not installed (`make test` installs it: pip install -e '.[dev]')"
+    if not os.access(CHROMIUM, os.X_OK):
+        return (
+            f"no chromium at {CHROMIUM} (`make test` installs Debian's: apt-get install chromium; or set "
+            "TETHER_CHROMIUM to a Chromium binary)"
+        )
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Headless chromium for a module's tests (Playwright's own browser download is never used)."""
+    missing = browser_missing()
+    if missing:
+        pytest.skip(missing)
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=WAIT_MS)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, timeout=60_000)
+        try:
+            yield chromium
+        finally:
+            chromium.close()

@@ -8,7 +8,6 @@ and with ``TETHER_UPDATE_DOCS=1`` also to ``docs/`` for the README.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -24,46 +23,16 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from conftest import Server, debug_server, pid_alive, wait_until
+from conftest import WAIT_MS, Server, debug_server, pid_alive, wait_until
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Locator, Page, ViewportSize
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_runners")]
 
-CHROMIUM = os.environ.get("TETHER_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 VIEWPORT: ViewportSize = {"width": 1366, "height": 768}  # a laptop screen: the page must work there
 NO_RATE = re.compile("^(0|\N{EN DASH}|n/a)$")  # what the tokens/s figure says before a stream shows in it
-WAIT_MS = 15_000  # the longest any one thing on the page may take to show (a runner's start included)
-
-
-def browser_missing() -> str | None:
-    """Why the browser tests cannot run here (None when they can)."""
-    if importlib.util.find_spec("playwright") is None:
-        return "Playwright for Python is not installed (`make test` installs it: pip install -e '.[dev]')"
-    if not os.access(CHROMIUM, os.X_OK):
-        return (
-            f"no chromium at {CHROMIUM} (`make test` installs Debian's: apt-get install chromium; or set "
-            "TETHER_CHROMIUM to a Chromium binary)"
-        )
-    return None
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    missing = browser_missing()
-    if missing:
-        pytest.skip(missing)
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=WAIT_MS)
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, timeout=60_000)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 @pytest.fixture

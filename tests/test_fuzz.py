@@ -94,6 +94,20 @@ def test_the_fuzzer_finds_no_unexpected_5xx_and_no_schema_lie(server: ServeChild
     assert fuzzer.still_serving(server, server.pid) == []
 
 
+def test_foreign_hosts_and_origins_are_refused_on_every_route_and_loopback_is_served(server: ServeChild) -> None:
+    """Every operation with drawn Hosts and Origins (DNS rebinding's, other sites', malformed ones): each refused
+    with the guard's documented 403, and every loopback request served."""
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    keep = {"id": fuzzer.INSTANCE, "engine": "debug", "options": {"n_ctx": 4096}}
+    report = fuzzer.fuzz_headers(schema, server.url, EXAMPLES, seed=11, keep_instance=keep)
+    assert report.cases >= 28 * EXAMPLES // 2, report
+    assert set(report.by_class) == {"served", "host", "origin", "refused"}, report.by_class
+    assert report.served_foreign == 0, report.failures
+    assert report.refused_loopback == 0, report.failures
+    assert report.nonconforming == 0, report.failures
+    assert fuzzer.still_serving(server, server.pid) == []
+
+
 def test_transport_abuse_does_not_delay_a_healthy_request(server: ServeChild) -> None:
     abuses = anyio.run(fuzzer.transport, server, 200)
     assert [a["kind"] for a in abuses] == [
@@ -182,6 +196,15 @@ def test_the_fuzzer_counts_a_real_5xx(buggy_server: str) -> None:
     report = fuzzer.fuzz(schema, buggy_server, 50, seed=0)
     assert report.unexpected_5xx > 0, report
     assert any("ZeroDivisionError" in f or "unexpected 500" in f for f in report.failures), report.failures
+
+
+def test_the_header_fuzzer_finds_a_server_that_answers_any_host(buggy_server: str) -> None:
+    """A server without the guard (tether's main before issue 30 was one) serves rebinding's Host and other
+    sites' Origins: the header phase counts them."""
+    schema = schemathesis.openapi.from_url(f"{buggy_server}/openapi.json")
+    report = fuzzer.fuzz_headers(schema, buggy_server, 40, seed=0)
+    assert report.served_foreign > 0, report
+    assert any("expected 403 host_not_allowed" in f for f in report.failures), report.failures
 
 
 def test_the_fuzzer_catches_a_schema_that_lies(server: ServeChild, document: dict[str, Any]) -> None:

@@ -327,20 +327,24 @@ class Guard:
             split = split_host(value)
             if split is not None and policy.host_allowed(*split):
                 continue
-            name = split[0] if split is not None else value
-            if policy.loopback:
-                why = (
-                    f"this server listens on the loopback address {policy.listen} and answers to loopback names only: "
-                    "a request naming another host is what a web page sends through DNS rebinding"
+            if split is None:
+                message = (
+                    f"refused: Host {_shown(value)} is malformed: a browser sends a name (no trailing dot) or an "
+                    "address, and a port; send this machine's name or address"
                 )
             else:
-                why = f"it is not among the hosts this server answers to ({', '.join(policy.allowed_hosts)})"
-            fix = (
-                f"start tether with --allowed-hosts {name} (or {env.ALLOWED_HOSTS}={name})"
-                if split
-                else "send a valid Host"
-            )
-            message = f"refused: Host {_shown(value)} is not allowed: {why}. To serve this name, {fix}"
+                name = split[0]
+                if policy.loopback:
+                    why = (
+                        f"this server listens on the loopback address {policy.listen} and answers to loopback names "
+                        "only: a request naming another host is what a web page sends through DNS rebinding"
+                    )
+                else:
+                    why = f"it is not among the hosts this server answers to ({', '.join(policy.allowed_hosts)})"
+                message = (
+                    f"refused: Host {_shown(value)} is not allowed: {why}. To serve this name, start tether with "
+                    f"--allowed-hosts {name} (or {env.ALLOWED_HOSTS}={name})"
+                )
             return error_response(path, 403, message, "permission_error", "host_not_allowed", host=value)
         return None
 
