@@ -69,6 +69,9 @@ from tether.serve.shaping import ENGINE_REFUSED
 INSTANCE = "fuzz"
 SERVE_ARGS = ("--engine", "debug", "--name", INSTANCE, "--n-ctx", "4096", "--stop-timeout", "5")
 CALL_TIMEOUT = 30.0
+# POST /v1/instances answers once every replica's placement is decided, each loaded in turn (48 replicas of the
+# default model: ~50 s), within tether serve's --load-wait (300 s): the fuzzer waits as long.
+INSTANCE_TIMEOUT = 330.0
 FIRST_TOKEN_BOUND_S = 2.0  # a healthy request's first token, whatever the abuse (idle here: a few ms)
 SAMPLE_LIMIT = 8  # failures kept verbatim in the report
 
@@ -174,7 +177,7 @@ class Fuzzer:
         report.examples += 1
         report.by_mode[mode] += 1
         try:
-            response = case.call(base_url=self.base_url, headers=self.headers, timeout=CALL_TIMEOUT)
+            response = case.call(base_url=self.base_url, headers=self.headers, timeout=call_timeout(label))
         except Exception as exc:  # a connection the server dropped, or a timeout: never expected
             report.transport_errors += 1
             report.note(f"{label} ({mode}): {type(exc).__name__}: {exc}")
@@ -314,7 +317,7 @@ def fuzz_headers(
         report.cases += 1
         report.by_class[kind] += 1
         try:
-            response = case.call(base_url=base_url, headers=headers, timeout=CALL_TIMEOUT)
+            response = case.call(base_url=base_url, headers=headers, timeout=call_timeout(label))
         except Exception as exc:
             report.note(f"{label} {headers}: {type(exc).__name__}: {exc}")
             return
@@ -357,6 +360,10 @@ def fuzz_headers(
     finally:
         tidy.http.close()
     return report
+
+
+def call_timeout(label: str) -> float:
+    return INSTANCE_TIMEOUT if label == "POST /v1/instances" else CALL_TIMEOUT
 
 
 def beyond_schema(status: int, body: bytes) -> bool:

@@ -106,7 +106,8 @@ async def test_a_loopback_listener_answers_to_loopback_names_only() -> None:
 
 @pytest.mark.anyio
 async def test_origins_the_server_own_or_allowed_get_in_and_only_allowed_ones_get_cors() -> None:
-    async with guarded(Policy("127.0.0.1", cors_origins=("http://app.example:3000", "http://localhost:*"))) as client:
+    allowed = ("http://app.example:3000", "http://localhost:*", "http://[::1]:3000")
+    async with guarded(Policy("127.0.0.1", cors_origins=allowed)) as client:
         own = await client.post("/v1/instances", headers={"Origin": "http://127.0.0.1:8000"})
         assert own.status_code == 200 and "access-control-allow-origin" not in own.headers
         plain = await client.post("/v1/instances")  # curl, the SDKs: no Origin
@@ -116,6 +117,8 @@ async def test_origins_the_server_own_or_allowed_get_in_and_only_allowed_ones_ge
         assert allowed.headers["access-control-allow-origin"] == "http://app.example:3000"
         assert "X-Request-Id" in allowed.headers["access-control-expose-headers"]
         assert (await client.get("/", headers={"Origin": "http://localhost:5173"})).status_code == 200
+        assert (await client.get("/", headers={"Origin": "http://[::1]:3000"})).status_code == 200
+        assert (await client.get("/", headers={"Origin": "http://:3000"})).status_code == 403  # no glob class
         preflight = await client.options(
             "/v1/chat/completions",
             headers={
@@ -133,6 +136,7 @@ async def test_origins_the_server_own_or_allowed_get_in_and_only_allowed_ones_ge
             refused = await client.post("/v1/instances", headers={"Origin": origin})
             assert refused.status_code == 403, origin
             assert refused.json()["error"]["code"] == "origin_not_allowed"
+            assert refused.headers["x-content-type-options"] == "nosniff"
             assert "access-control-allow-origin" not in refused.headers
             assert f"--cors-origins {origin}" in refused.json()["error"]["message"]
         foreign_preflight = await client.options(

@@ -22,7 +22,7 @@ Refusals answer in the route's own error shape: Ollama's under ``/api/``, OpenAI
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import hmac
 import ipaddress
 import re
@@ -51,6 +51,7 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # scheme://authority: an origin's shape, whatever its scheme
 _TOKENS = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*,\s*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")  # a header-name list
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -203,7 +204,14 @@ class Policy:
             return "null" in self.cors_origins
         if not _ORIGIN.fullmatch(value):
             return False
-        return any(entry == "*" or fnmatch.fnmatchcase(value, entry) for entry in self.cors_origins)
+        return any(entry == "*" or _glob(entry).fullmatch(value) for entry in self.cors_origins)
+
+
+@functools.lru_cache(maxsize=256)
+def _glob(entry: str) -> re.Pattern[str]:
+    """An origin pattern as a regex: ``*`` matches any run of characters, everything else itself (``[::1]`` is an
+    address, not a character class as fnmatch would read it)."""
+    return re.compile(".*".join(re.escape(part) for part in entry.split("*")))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -234,7 +242,8 @@ def error_response(path: str, status: int, message: str, type_: str, code: str, 
         body = ollama.error_body(message, code, **extra)
     else:
         body = openai.error_body(message, type_, code=code, **extra)
-    return Response(body, status_code=status, media_type="application/json")
+    # The body echoes a Host or an Origin a page chose: never let a browser sniff it as anything but JSON.
+    return Response(body, status_code=status, media_type="application/json", headers=NOSNIFF)
 
 
 def too_large(path: str, exc: BodyTooLarge) -> Response:

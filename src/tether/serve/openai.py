@@ -194,21 +194,57 @@ ASSISTANT_CALLS_RULE = {  # only an assistant turn carries tool_calls (OpenAI's 
     "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
     "then": {"properties": {"role": {"const": "assistant"}}},
 }
+TOOL_CHOICE_RULE = {  # a tool_choice that demands a call needs tools to call (chat, and the Responses API)
+    "if": {
+        "required": ["tool_choice"],
+        "properties": {"tool_choice": {"anyOf": [{"type": "object"}, {"const": "required"}]}},
+    },
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+}
+STRUCTURED_FORMAT = {  # a structured-output format: JSON, or a JSON schema
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+}
+
+
+def structured_beside_tools(field: str, structured: dict[str, Any]) -> dict[str, Any]:
+    """A request with tools in play and ``field`` set to a ``structured`` format: refused (tools answer in the
+    grammar's JSON shape, so there is no second shape beside it): the schema says so under ``not``."""
+    return {
+        "type": "object",
+        "required": ["tools", field],
+        "properties": {
+            "tools": {"type": "array", "minItems": 1},
+            "tool_choice": {"not": {"const": "none"}},
+            field: structured,
+        },
+    }
+
+
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
     "ChatRequest": {
         "allOf": [
             LOGPROBS_RULE,
-            {  # a tool_choice that demands a call needs tools to call
-                "if": {
-                    "required": ["tool_choice"],
-                    "properties": {"tool_choice": {"anyOf": [{"type": "object"}, {"const": "required"}]}},
-                },
-                "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-            },
+            TOOL_CHOICE_RULE,
+            {"not": structured_beside_tools("response_format", STRUCTURED_FORMAT)},
         ]
     },
     "MessageIn": ASSISTANT_CALLS_RULE,
+    "ResponseFormat": {  # json_schema names its schema (response_schema refuses it otherwise)
+        "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
+        "then": {
+            "required": ["json_schema"],
+            "properties": {
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {"schema": {"minProperties": 1}},
+                }
+            },
+        },
+    },
 }
 _SAMPLING_POLICY = {
     "model": Policy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),

@@ -151,32 +151,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     moderation: Unsupported = None
 
 
-_TOOL_CHOICE_DEMANDS_A_CALL = {
-    "if": {
-        "required": ["tool_choice"],
-        "properties": {"tool_choice": {"anyOf": [{"type": "object"}, {"const": "required"}]}},
-    },
-    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-}
-_STRUCTURED_TEXT_WITH_TOOLS = {  # tools answer in the grammar's JSON shape: no second shape beside it
-    "type": "object",
-    "required": ["tools", "text"],
-    "properties": {
-        "tools": {"type": "array", "minItems": 1},
-        "tool_choice": {"not": {"const": "none"}},
-        "text": {
-            "type": "object",
-            "required": ["format"],
-            "properties": {
-                "format": {
-                    "type": "object",
-                    "required": ["type"],
-                    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-                }
-            },
-        },
-    },
-}
+_STRUCTURED_TEXT = {"type": "object", "required": ["format"], "properties": {"format": openai.STRUCTURED_FORMAT}}
 
 
 def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +167,9 @@ def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
 _TEXT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array"}]}
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
-    "ResponsesRequest": {"allOf": [_TOOL_CHOICE_DEMANDS_A_CALL, {"not": _STRUCTURED_TEXT_WITH_TOOLS}]},
+    "ResponsesRequest": {
+        "allOf": [openai.TOOL_CHOICE_RULE, {"not": openai.structured_beside_tools("text", _STRUCTURED_TEXT)}]
+    },
     "ResponsesInputItem": {
         "allOf": [
             _item_rule("message", {"role": {"type": "string"}, "content": _TEXT_SCHEMA}),
