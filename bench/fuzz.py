@@ -11,8 +11,8 @@
    deletes ``fuzz`` puts it back, so every case meets a serving instance.
 
    Every 5xx is classified: a documented one is a runner-failure 500 carrying a ``cause``, a 503 with code
-   ``unavailable`` (with Retry-After when retrying helps) or a 507 ``does_not_fit``; any other is
-   ``unexpected_5xx`` (a bug). ``nonconforming`` counts responses that break the schema.
+   ``unavailable`` (with Retry-After when retrying helps), ``/readyz``'s 503 while no model is loaded or a 507
+   ``does_not_fit``; any other is ``unexpected_5xx`` (a bug). ``nonconforming`` counts responses that break the schema.
 2. **Hosts and Origins.** Every operation again, ``--examples`` positive cases each, sent with a drawn ``Host`` and
    ``Origin``: loopback names at any port, with no Origin or the server's own (must be served); foreign names,
    rebinding's look (Host and Origin both foreign), ``127.0.0.1.nip.io``, addresses (must be 403
@@ -113,7 +113,11 @@ def ndjson(_ctx: Any, response: Any) -> list[Any]:
 
 
 def classify_5xx(status: int, body: bytes) -> str | None:
-    """What a 5xx documents (``runner_failure``, ``unavailable``, ``does_not_fit``), or None: it is a bug."""
+    """What a 5xx documents (``runner_failure``, ``unavailable``, ``does_not_fit``, ``not_ready``), or None: it is a
+    bug. ``not_ready`` is ``/readyz`` between an unload and the next load (a case's ``keep_alive: 0`` unloads the
+    model when idle; the next request loads it again)."""
+    if status == 503 and _not_ready(body):
+        return "not_ready"
     error = error_of(body)
     if error is None:
         return None
@@ -124,6 +128,14 @@ def classify_5xx(status: int, body: bytes) -> str | None:
     if status == 507 and error.get("code") == "does_not_fit":
         return "does_not_fit"
     return None
+
+
+def _not_ready(body: bytes) -> bool:
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and answer.get("ready") is False and isinstance(answer.get("instances"), dict)
 
 
 def fuzz(
