@@ -108,6 +108,19 @@ def test_foreign_hosts_and_origins_are_refused_on_every_route_and_loopback_is_se
     assert fuzzer.still_serving(server, server.pid) == []
 
 
+def test_readyz_while_no_model_is_loaded_is_a_documented_503(server: ServeChild, document: dict[str, Any]) -> None:
+    """A case's ``keep_alive: 0`` unloads the fuzz model when idle (found by make test: /readyz answered its
+    documented 503 in between, counted as a bug); the next request loads it again."""
+    unloaded = httpx.post(f"{server.url}/api/generate", json={"model": fuzzer.INSTANCE, "keep_alive": 0}, timeout=30)
+    assert unloaded.status_code == 200 and unloaded.json()["done_reason"] == "unload", unloaded.text
+    only = copy.deepcopy(document)
+    only["paths"] = {"/readyz": document["paths"]["/readyz"]}
+    report = fuzzer.fuzz(schemathesis.openapi.from_dict(only), server.url, 3, seed=0)
+    assert report.documented_5xx["not_ready"] > 0, report
+    assert report.unexpected_5xx == 0 and report.nonconforming == 0, report.failures
+    assert fuzzer.still_serving(server, server.pid) == []  # a completion loads it again
+
+
 def test_transport_abuse_does_not_delay_a_healthy_request(server: ServeChild) -> None:
     abuses = anyio.run(fuzzer.transport, server, 200)
     assert [a["kind"] for a in abuses] == [
