@@ -64,7 +64,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchstats import ms, percentile, private_tether_dirs
 from tether.chaos.target import ServeChild
-from tether.serve import ollama, openai
+from tether.serve.dialects import ollama, openai
 from tether.serve.shaping import ENGINE_REFUSED
 
 INSTANCE = "fuzz"

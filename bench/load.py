@@ -17,10 +17,10 @@ above that; each started as a subprocess on 127.0.0.1, one at a time (the machin
   drives it from one engine thread (engines are not thread-safe), fed by a FIFO job queue; each delta goes to the
   request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (the engine never waits for the event loop), and
   the request streams it as SSE. Requests are decoded and chunks encoded with tether's own wire-format functions
-  (``tether.serve.openai``), so both sides spend the same on JSON and what differs is tether's process boundary and
-  supervision. Admission: the same ``max_queue`` counted the same way (admitted until the engine thread ends it),
-  ``503`` + ``Retry-After: 1`` when full; a client that leaves cancels its generation (the engine checks the flag
-  before every token). Ready when ``/readyz`` is 200; stopped with SIGTERM, SIGKILL after 15 s
+  (``tether.serve.dialects.openai``), so both sides spend the same on JSON and what differs is tether's process
+  boundary and supervision. Admission: the same ``max_queue`` counted the same way (admitted until the engine thread
+  ends it), ``503`` + ``Retry-After: 1`` when full; a client that leaves cancels its generation (the engine checks the
+  flag before every token). Ready when ``/readyz`` is 200; stopped with SIGTERM, SIGKILL after 15 s
   (``serve.stop_server``).
 
 Requests: ``POST /v1/chat/completions``, ``stream: true``, ``stream_options: {"include_usage": true}``, ``model``
@@ -339,7 +339,7 @@ def baseline_server(port: int, options: dict[str, Any], max_queue: int) -> None:
     from tether.engines.registry import create_engine
     from tether.errors import InvalidField
     from tether.protocol import EngineSpec, GenerateParams
-    from tether.serve import openai as wire
+    from tether.serve.dialects import openai as wire
 
     engine = create_engine(EngineSpec(engine="debug", options=options))
     engine.load(lambda fraction, detail: None)

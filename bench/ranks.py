@@ -89,11 +89,11 @@ import httpx
 from benchstats import PERCENTILE, BenchFailed, describe, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether import env
 from tether.chaos.target import ServeChild, runner_processes
+from tether.fleet.fleet import Fleet, InstanceConfig
 from tether.kernel.pids import alive, group_members, holds_listener, iter_exits, open_pidfd, proc_stat
 from tether.node.instance import Instance, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup, RankPorts
 from tether.protocol import Chunk, GenerateParams, TaskState
-from tether.serve.fleet import Fleet, InstanceConfig
 
 ROUNDS = 20
 QUICK_ROUNDS = 3

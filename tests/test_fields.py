@@ -1,8 +1,8 @@
 """Honour or refuse, never ignore: every field of every request body, walked.
 
-For each body registered in ``tether.serve.fields`` and each of its fields, this test sends the field (decoded as
-the server decodes it, planned as the server plans it) and checks its policy is what happens: an honoured field
-changes the plan (what is generated or how it is answered), a refused one is an ``InvalidField`` naming it, a
+For each body registered in ``tether.serve.dialects.fields`` and each of its fields, this test sends the field
+(decoded as the server decodes it, planned as the server plans it) and checks its policy is what happens: an honoured
+field changes the plan (what is generated or how it is answered), a refused one is an ``InvalidField`` naming it, a
 limited one is accepted for one value and refused for another, a metadata one changes nothing. A field without a
 policy, or without a case here, fails the test: a new field cannot land unexamined. The README's table is the
 registry's, verbatim.
@@ -21,8 +21,8 @@ import pytest
 
 import tether.serve.app  # noqa: F401  (every route module registers its bodies on import)
 from tether.errors import InvalidField
-from tether.serve import embeddings, fields, ollama, openai, responses
-from tether.serve.catalog import keep_alive_seconds as keep_alive
+from tether.fleet.catalog import keep_alive_seconds as keep_alive
+from tether.serve.dialects import embeddings, fields, ollama, openai, responses
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -401,4 +401,6 @@ def test_an_unknown_field_is_refused_naming_it_at_any_depth() -> None:
 
 def test_the_readme_table_is_the_registry() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert fields.markdown() in readme, "README.md's parameter table is stale: paste tether.serve.fields.markdown()"
+    assert fields.markdown() in readme, (
+        "README.md's parameter table is stale: paste tether.serve.dialects.fields.markdown()"
+    )

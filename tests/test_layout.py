@@ -20,6 +20,7 @@ SIDES: dict[str, tuple[str, ...]] = {
     "shared": (*SHARED, "tether.kernel"),
     "runner": ("tether.runner", "tether.engines"),
     "node": ("tether.node",),
+    "fleet": ("tether.fleet",),  # the node's serving logic (instances, models, scheduling), without HTTP
     "serve": ("tether.serve",),
     "cluster": ("tether.cluster",),  # beside the fleet: the fleet knows it only through a protocol
     "cli": ("tether.cli",),
@@ -29,9 +30,10 @@ MAY_IMPORT = {
     "shared": {"shared"},
     "runner": {"shared", "runner"},
     "node": {"shared", "runner", "node"},
-    "serve": {"shared", "runner", "node", "serve"},
+    "fleet": {"shared", "runner", "node", "fleet"},
+    "serve": {"shared", "runner", "node", "fleet", "serve"},
     "cluster": {"shared", "runner", "node", "cluster"},
-    "cli": {"shared", "runner", "node", "serve", "cluster", "cli", "chaos"},
+    "cli": {"shared", "runner", "node", "fleet", "serve", "cluster", "cli", "chaos"},
     "chaos": {"shared", "chaos"},
 }
 
@@ -122,7 +124,7 @@ def test_single_node_tether_never_imports_ray() -> None:
     """Ray is an optional extra: serving (the app, the fleet, the scheduler, the CLI) loads none of it, nor the
     cluster package, until ``tether serve --ray`` asks."""
     code = (
-        "import sys, tether.cli.main, tether.cli.serve, tether.serve.app, tether.serve.scheduler\n"
+        "import sys, tether.cli.main, tether.cli.serve, tether.serve.app, tether.fleet.scheduler\n"
         "print(' '.join(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'tether.cluster')))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True)

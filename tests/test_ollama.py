@@ -18,8 +18,8 @@ import pytest
 import tether
 from conftest import Server, debug_server, model_missing, wait_until
 from tether.protocol import Chunk, GenerateParams
-from tether.serve import ollama as dialect
-from tether.serve.openai import Plan
+from tether.serve.dialects import ollama as dialect
+from tether.serve.dialects.openai import Plan
 from tether.serve.shaping import Failure
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]

@@ -22,12 +22,12 @@ import pytest
 
 from conftest import Server, debug_server, pid_alive, prompt, wait_until
 from tether import env
+from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup, RankPorts
 from tether.protocol import CauseKind, Fault, TaskState
-from tether.serve.fleet import Fleet, Hosted, InstanceConfig
 
 pytestmark = pytest.mark.timeout(90)
 FAST = RestartPolicy(initial_backoff=0.05, max_backoff=0.2, jitter=0.0)
@@ -71,7 +71,7 @@ async def ready_group(inst: Instance, old: set[int], timeout: float = 30) -> Ran
 @pytest.fixture
 async def ring(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[Fleet, Hosted]]:
     """A 2-rank debug ring in an in-process fleet; leaving the fleet must end the instance without an error."""
-    caplog.set_level(logging.ERROR, logger="tether.serve.fleet")
+    caplog.set_level(logging.ERROR, logger="tether.fleet.fleet")
     async with Fleet(stop_timeout=10) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
@@ -86,7 +86,7 @@ async def ring(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[Fleet, H
         )
         await hosted.instance.wait_ready(30)
         yield fleet, hosted
-    ended = [r.getMessage() for r in caplog.records if r.name == "tether.serve.fleet"]
+    ended = [r.getMessage() for r in caplog.records if r.name == "tether.fleet.fleet"]
     assert not ended, f"the fleet's instance ended with an error: {ended}"
 
 

@@ -23,7 +23,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from conftest import Server, debug_server, wait_until
 from tether.protocol import Chunk, TokenLogprob, TopLogprob
-from tether.serve import responses
+from tether.serve.dialects import responses
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]
 

@@ -23,8 +23,8 @@ import pytest
 
 from conftest import TETHER, MakeCgroup, Server, model_missing, pid_alive, serving, wait_until
 from tether.errors import InvalidField
+from tether.fleet.catalog import keep_alive_seconds
 from tether.models import default_model_path
-from tether.serve.catalog import keep_alive_seconds
 
 MiB = 1 << 20
 

@@ -40,7 +40,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "TaskState",
         "TaskStatus",
     ),
-    "tether.serve.fleet": ("Fleet", "InstanceConfig"),
+    "tether.fleet.fleet": ("Fleet", "InstanceConfig"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -62,6 +62,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
     from tether.errors import TetherError as TetherError
     from tether.errors import Unavailable as Unavailable
     from tether.errors import UnknownEngine as UnknownEngine
+    from tether.fleet.fleet import Fleet as Fleet
+    from tether.fleet.fleet import InstanceConfig as InstanceConfig
     from tether.node.fit import FitResult as FitResult
     from tether.node.hangs import Deadlines as Deadlines
     from tether.node.instance import Instance as Instance
@@ -84,8 +86,6 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
     from tether.protocol import RunnerStatus as RunnerStatus
     from tether.protocol import TaskState as TaskState
     from tether.protocol import TaskStatus as TaskStatus
-    from tether.serve.fleet import Fleet as Fleet
-    from tether.serve.fleet import InstanceConfig as InstanceConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -37,9 +37,7 @@ from tether.cli.common import (
     reap_at_start,
 )
 from tether.errors import DoesNotFit, EngineImportRefused, InvalidField, TetherError, Unavailable, UnknownEngine
-from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
-from tether.serve.app import create_app
-from tether.serve.catalog import (
+from tether.fleet.catalog import (
     DEFAULT_KEEP_ALIVE,
     FOREVER,
     Catalog,
@@ -49,9 +47,11 @@ from tether.serve.catalog import (
     read_catalog_file,
     scan_models_dir,
 )
-from tether.serve.fleet import Fleet, InstanceConfig
+from tether.fleet.fleet import Fleet, InstanceConfig
+from tether.fleet.scheduler import Scheduler
+from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
+from tether.serve.app import create_app
 from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns
-from tether.serve.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from tether.cluster.coordinator import Cluster  # only with --ray: single-node tether never imports Ray

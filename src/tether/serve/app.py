@@ -40,17 +40,18 @@ from tether.errors import (
     TetherError,
     Unavailable,
 )
+from tether.fleet.fleet import Fleet, Hosted, InstanceConfig, new_request_id
+from tether.fleet.scheduler import Scheduler, scheduler_json
 from tether.node.instance import Instance, InstanceReady, InstanceRestarting
 from tether.node.memory import NodeMemory
 from tether.node.output import default_log_dir
 from tether.node.ranks import RankGroup
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus, tag_of
-from tether.serve import dashboard, embeddings, ollama, openai, responses, schema
-from tether.serve.fleet import Fleet, Hosted, InstanceConfig, new_request_id
+from tether.serve import dashboard, schema
+from tether.serve.dialects import embeddings, ollama, openai, responses
 from tether.serve.guard import BodyTooLarge, Guard, Policy, too_large
 from tether.serve.metrics import CONTENT_TYPE, Metrics
-from tether.serve.scheduler import Scheduler, scheduler_json
 from tether.serve.shaping import Failure, Shaper, cause_json, failure_of
 
 log = logging.getLogger("tether.api")

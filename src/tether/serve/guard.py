@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tether import env
 from tether.errors import TetherError
 from tether.node.listeners import Listeners
-from tether.serve import ollama, openai
+from tether.serve.dialects import ollama, openai
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})  # answer without the API key (probes, the dashboard's shell)
 OPEN_PREFIXES = ("/ui/",)  # the dashboard's static assets: no data in them, every call they make needs the key

@@ -14,10 +14,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from tether.fleet.fleet import Fleet, Hosted
+from tether.fleet.scheduler import Decision, Scheduler
 from tether.node.instance import InstanceFailed, InstanceRestarting, InstanceState
 from tether.protocol import tag_of
-from tether.serve.fleet import Fleet, Hosted
-from tether.serve.scheduler import Decision, Scheduler
 
 STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
 MODEL_STATES = ("unloaded", "loading", "loaded", "unloading")

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.serve import embeddings, ollama, openai, responses
-from tether.serve.fleet import InstanceConfig
+from tether.fleet.fleet import InstanceConfig
+from tether.serve.dialects import embeddings, ollama, openai, responses
 
 REF = "#/components/schemas/{name}"
 

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tether.errors import InvalidField
+from tether.fleet.fleet import new_request_id
 from tether.protocol import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
@@ -29,14 +30,13 @@ from tether.protocol import (
     GenerateParams,
     documented,
 )
-from tether.serve import openai
-from tether.serve import tools as toolkit
-from tether.serve.fields import HONOURED as H
-from tether.serve.fields import LIMITED as L
-from tether.serve.fields import METADATA as M
-from tether.serve.fields import REFUSED as R
-from tether.serve.fields import Policy, register
-from tether.serve.fleet import new_request_id
+from tether.serve.dialects import openai
+from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.fields import HONOURED as H
+from tether.serve.dialects.fields import LIMITED as L
+from tether.serve.dialects.fields import METADATA as M
+from tether.serve.dialects.fields import REFUSED as R
+from tether.serve.dialects.fields import Policy, register
 from tether.serve.shaping import Failure
 
 if TYPE_CHECKING:

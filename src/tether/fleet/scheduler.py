@@ -1,6 +1,6 @@
 """Many models on one node: load on demand, keep-alive, and eviction that waits for memory to really come back.
 
-The scheduler serves the catalog (``tether.serve.catalog``) through the fleet. A request for a catalogued model
+The scheduler serves the catalog (``tether.fleet.catalog``) through the fleet. A request for a catalogued model
 holds a *lease* on it for its whole life: the first lease of an unloaded model starts its load (one load for any
 number of concurrent requests) and waits for it, bounded; a leased model is busy, and only idle models are unloaded
 (their keep-alive expired) or evicted. Its rules:
@@ -47,6 +47,8 @@ from anyio.abc import TaskGroup
 from tether.engines import registry
 from tether.engines.base import MemoryEstimate
 from tether.errors import DoesNotFit, InstanceExists, InvalidField, ModelRequired, NotFound, TetherError, Unavailable
+from tether.fleet.catalog import Catalog, Model, describe_keep_alive
+from tether.fleet.fleet import Fleet, Hosted, InstanceConfig, replica_names
 from tether.kernel.cgroups import MemoryCgroup
 from tether.node import fit
 from tether.node.fit import FitResult
@@ -62,11 +64,9 @@ from tether.node.instance import (
 from tether.node.listeners import Listeners
 from tether.node.memory import NodeMemory, node_memory
 from tether.node.tasks import RunnerUnavailable
-from tether.serve.catalog import Catalog, Model, describe_keep_alive
-from tether.serve.fleet import Fleet, Hosted, InstanceConfig, replica_names
 from tether.units import format_bytes
 
-log = logging.getLogger("tether.serve.scheduler")
+log = logging.getLogger("tether.fleet.scheduler")
 
 DECISIONS = 256  # decisions kept for GET /v1/instances and tether status
 # A load is bounded by its runner's own deadlines (load progress, warmup: ``tether.node.hangs``), however long the

@@ -13,7 +13,7 @@ Every field is honoured or refused, as on the OpenAI side (``fields``). The choi
   (1.0: Ollama's 1.1 derails small models). ``seed: -1`` is Ollama's "random".
 * Load-time options (``num_ctx``, ``num_gpu``, ``num_thread``, ...) are refused, naming the instance option to set
   instead: Ollama loads a model per request's options, tether serves instances started ahead (``POST
-  /v1/instances``). ``keep_alive`` is the scheduler's (``tether.serve.scheduler``): how long the model stays
+  /v1/instances``). ``keep_alive`` is the scheduler's (``tether.fleet.scheduler``): how long the model stays
   loaded once idle, 0 to unload it after this request, negative for ever; an empty prompt with ``keep_alive: 0`` is
   ``ollama stop``.
 * A request without a prompt (or messages) is Ollama's "load the model": the model is loaded (waiting for it) and
@@ -51,6 +51,9 @@ from fastapi.responses import Response
 from tether.engines import registry
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
 from tether.errors import DoesNotFit, InvalidField, NotFound, Unavailable, UnknownEngine
+from tether.fleet.catalog import KeepAlive, keep_alive_seconds
+from tether.fleet.fleet import Hosted, new_request_id
+from tether.fleet.scheduler import Scheduler
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node.instance import InstanceReady
 from tether.protocol import (
@@ -66,16 +69,13 @@ from tether.protocol import (
     TokenLogprob,
     documented,
 )
-from tether.serve import embeddings, openai
-from tether.serve import tools as toolkit
-from tether.serve.catalog import KeepAlive, keep_alive_seconds
-from tether.serve.fields import HONOURED as H
-from tether.serve.fields import LIMITED as L
-from tether.serve.fields import METADATA as M
-from tether.serve.fields import REFUSED as R
-from tether.serve.fields import Policy, register
-from tether.serve.fleet import Hosted, new_request_id
-from tether.serve.scheduler import Scheduler
+from tether.serve.dialects import embeddings, openai
+from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.fields import HONOURED as H
+from tether.serve.dialects.fields import LIMITED as L
+from tether.serve.dialects.fields import METADATA as M
+from tether.serve.dialects.fields import REFUSED as R
+from tether.serve.dialects.fields import Policy, register
 from tether.serve.shaping import Failure, cause_json
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ from typing import Any
 import msgspec
 
 from tether.errors import InvalidField
+from tether.fleet.fleet import new_request_id
 from tether.protocol import ChatMessage
-from tether.serve.fleet import new_request_id
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Built once at start from ``tether serve``'s own model, ``--models DIR`` (every ``*.gguf`` in it, named by its file's
 stem) and ``--catalog FILE`` (TOML, below), with the built-in default model always in it (when installed). A
-request naming a catalogued model that is not loaded makes the scheduler (``tether.serve.scheduler``) load it.
+request naming a catalogued model that is not loaded makes the scheduler (``tether.fleet.scheduler``) load it.
 
 A catalog file::
 
@@ -33,9 +33,9 @@ import msgspec
 
 from tether.engines import registry
 from tether.errors import InvalidField
+from tether.fleet.fleet import ID_PATTERN, InstanceConfig
 from tether.models import DefaultModelMissing, default_model_path
 from tether.protocol import documented
-from tether.serve.fleet import ID_PATTERN, InstanceConfig
 
 FOREVER = math.inf
 DEFAULT_KEEP_ALIVE = 300.0  # Ollama's default: five minutes idle, then unloaded

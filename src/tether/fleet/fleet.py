@@ -54,7 +54,7 @@ from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
 from tether.protocol import EngineSpec, Fault, GenerateParams, documented
 
-log = logging.getLogger("tether.serve.fleet")
+log = logging.getLogger("tether.fleet.fleet")
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RECENT_REQUESTS = 10_000

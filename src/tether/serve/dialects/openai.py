@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from tether.errors import InvalidField
+from tether.fleet.catalog import KeepAlive, keep_alive_seconds
 from tether.protocol import (
     LOGIT_BIAS_RANGE,
     MAX_TOKENS_LIMIT,
@@ -31,14 +32,13 @@ from tether.protocol import (
     TokenLogprob,
     documented,
 )
-from tether.serve import tools as toolkit
-from tether.serve.catalog import KeepAlive, keep_alive_seconds
-from tether.serve.fields import EXTENSION as E
-from tether.serve.fields import HONOURED as H
-from tether.serve.fields import LIMITED as L
-from tether.serve.fields import METADATA as M
-from tether.serve.fields import REFUSED as R
-from tether.serve.fields import Policy, register
+from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.fields import EXTENSION as E
+from tether.serve.dialects.fields import HONOURED as H
+from tether.serve.dialects.fields import LIMITED as L
+from tether.serve.dialects.fields import METADATA as M
+from tether.serve.dialects.fields import REFUSED as R
+from tether.serve.dialects.fields import Policy, register
 from tether.serve.shaping import Failure
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded

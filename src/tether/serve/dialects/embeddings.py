@@ -15,8 +15,8 @@ import msgspec
 
 from tether.errors import InvalidField
 from tether.protocol import Chunk, GenerateParams, documented
-from tether.serve.fields import HONOURED, LIMITED, METADATA, Policy, register
-from tether.serve.openai import decode_body
+from tether.serve.dialects.fields import HONOURED, LIMITED, METADATA, Policy, register
+from tether.serve.dialects.openai import decode_body
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
