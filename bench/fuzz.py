@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchstats import ms, percentile, private_tether_dirs
 from tether.chaos.target import ServeChild
 from tether.serve.dialects import ollama, openai
-from tether.serve.shaping import ENGINE_REFUSED
+from tether.serve.statuses import ENGINE_REFUSED
 
 INSTANCE = "fuzz"
 SERVE_ARGS = ("--engine", "debug", "--name", INSTANCE, "--n-ctx", "4096", "--stop-timeout", "5")

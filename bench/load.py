@@ -340,6 +340,7 @@ def baseline_server(port: int, options: dict[str, Any], max_queue: int) -> None:
     from tether.errors import InvalidField
     from tether.protocol import EngineSpec, GenerateParams
     from tether.serve.dialects import openai as wire
+    from tether.serve.statuses import Answer
 
     engine = create_engine(EngineSpec(engine="debug", options=options))
     engine.load(lambda fraction, detail: None)
@@ -373,12 +374,13 @@ def baseline_server(port: int, options: dict[str, Any], max_queue: int) -> None:
 
     threading.Thread(target=engine_loop, name="engine", daemon=True).start()
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    request_path = "/v1/chat/completions"  # the only route it errs on: OpenAI's shape
 
     def error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
-        body = wire.error_body(message, "server_error" if status >= 500 else "invalid_request_error", code=code)
-        return Response(body, status, headers=headers, media_type="application/json")
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        return Answer(status, kind, code, message).response(request_path, headers)
 
-    async def stream(job: Job, shaper: wire.Shaper, include_usage: bool) -> Any:
+    async def stream(job: Job, shaper: wire.OpenAIShaper, include_usage: bool) -> Any:
         first, finish, prompt_tokens, completion_tokens = True, None, 0, 0
         try:
             while True:
@@ -386,7 +388,8 @@ def baseline_server(port: int, options: dict[str, Any], max_queue: int) -> None:
                 if item is end:
                     break
                 if isinstance(item, BaseException):
-                    yield shaper.error_event(f"{type(item).__name__}: {item}", "server_error", "engine_error")
+                    failed = Answer(500, "server_error", "engine_error", f"{type(item).__name__}: {item}")
+                    yield shaper.stream_error(failed)
                     return
                 delta: Delta = item
                 if delta.finish_reason is not None:
@@ -421,7 +424,7 @@ def baseline_server(port: int, options: dict[str, Any], max_queue: int) -> None:
         job = Job(params, asyncio.get_running_loop())
         jobs.put(job)
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        shaper = wire.Shaper("chat", request_id, INSTANCE)
+        shaper = wire.OpenAIShaper("chat", request_id, INSTANCE)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
         return StreamingResponse(stream(job, shaper, include_usage), media_type="text/event-stream", headers=headers)

@@ -23,6 +23,7 @@ import tether.serve.app  # noqa: F401  (every route module registers its bodies 
 from tether.errors import InvalidField
 from tether.fleet.catalog import keep_alive_seconds as keep_alive
 from tether.serve.dialects import embeddings, fields, ollama, openai, responses
+from tether.serve.dialects.plan import decode_body
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +79,7 @@ CHAT_BASE = {"messages": [{"role": "user", "content": "hi"}]}
 CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]] = {
     "POST /v1/chat/completions": (
         CHAT_BASE,
-        lambda body: openai.chat_plan(openai.decode_body(openai._chat_decoder, body)),
+        lambda body: openai.chat_plan(decode_body(openai._chat_decoder, body)),
         {
             **SAMPLING,
             "messages": Case([{"role": "user", "content": "hello"}]),
@@ -106,7 +107,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
     ),
     "POST /v1/completions": (
         {"prompt": "hi"},
-        lambda body: openai.completion_plan(openai.decode_body(openai._completion_decoder, body)),
+        lambda body: openai.completion_plan(decode_body(openai._completion_decoder, body)),
         {
             **SAMPLING,
             "prompt": Case("hello", refused=["a", "b"]),
@@ -119,7 +120,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
     "chat message": (
         {"role": "assistant", "content": "hi"},
         lambda body: openai.chat_plan(
-            openai.decode_body(
+            decode_body(
                 openai._chat_decoder,
                 json.dumps({"messages": [{"role": "user", "content": "q"}, json.loads(body)]}).encode(),
             )
@@ -135,7 +136,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
     ),
     "POST /v1/embeddings": (
         {"input": "hi"},
-        lambda body: (embeddings.inputs(request := embeddings.decode(body)), request.model, request.encoding_format),
+        lambda body: (embeddings.inputs_of(request := embeddings.decode(body)), request.model, request.encoding_format),
         {
             "input": Case(["a", "b"], refused=[]),
             "model": Case("other"),
@@ -395,7 +396,7 @@ def test_an_unknown_field_is_refused_naming_it_at_any_depth() -> None:
         ({**CHAT_BASE, "response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
     ):
         with pytest.raises(InvalidField) as caught:
-            openai.decode_body(openai._chat_decoder, msgspec.json.encode(body))
+            decode_body(openai._chat_decoder, msgspec.json.encode(body))
         assert caught.value.field == param and f"unknown field {param!r}" in str(caught.value), caught.value
 
 

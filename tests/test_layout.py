@@ -1,11 +1,14 @@
 """The layout keeps the process model: runner-side code never imports worker-side code, and the wire imports only
-the wire. Checked on the source (every import, inside functions too) and on a real runner's ``sys.modules``."""
+the wire. Checked on the source (every import, inside functions too) and on a real runner's ``sys.modules``. And
+it stays readable: no import cycle (type-only imports count), no class name used for two things, no module
+imported under another package's name."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -173,3 +176,141 @@ def test_every_error_tether_raises_on_purpose_has_one_root() -> None:
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         cls = getattr(__import__(module, fromlist=[name]), name)
         assert issubclass(cls, TetherError), f"{module}.{name} does not derive from TetherError"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Readable: no cycles, one meaning per class name, no misleading aliases
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Which tether modules each module imports: every import (inside functions and under TYPE_CHECKING too), and
+    the packages above each imported module (importing ``a.b.c`` runs ``a/b/__init__.py``). The root package
+    ``tether`` is left out: it is the public facade, importing lazily (its TYPE_CHECKING block names everything)."""
+    modules = _modules(root)
+    top = root.name
+    graph: dict[str, set[str]] = {name: set() for name in modules if name != top}
+    for name in graph:
+        for node in ast.walk(ast.parse(modules[name].read_text())):
+            explicit: list[str] = []  # imported by name: an edge even to the module's own package
+            implied: list[str] = []  # a module imported: its packages run first, unless they are the module's own
+            if isinstance(node, ast.Import):
+                implied = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    (implied if f"{node.module}.{a.name}" in modules else explicit).append(f"{node.module}.{a.name}")
+                explicit = [node.module] if explicit else []
+                implied.append(node.module)
+            for target in explicit:
+                if target in modules and target != name:
+                    graph[name].add(target)
+            for target in implied:
+                parts = target.split(".")
+                for i in range(2, len(parts) + 1):  # the module and each package above it, below the root
+                    prefix = ".".join(parts[:i])
+                    if prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                        graph[name].add(prefix)
+    return graph
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """The import cycles of the package at ``root``: each strongly connected component of more than one module
+    (Tarjan's algorithm), sorted."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def reused_class_names(root: Path) -> dict[str, list[str]]:
+    """Class names defined in more than one module: name -> those modules."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for name, path in _modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(name)
+    return {cls: sorted(mods) for cls, mods in sorted(where.items()) if len(set(mods)) > 1}
+
+
+def misleading_aliases(root: Path) -> list[str]:
+    """Imports that bind a module or name under the name of another tether package or module (``from
+    tether.cluster import agent as node`` hides ``tether.node``)."""
+    modules = _modules(root)
+    names = {module.rsplit(".", 1)[-1] for module in modules}
+    found = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for alias in node.names:
+                    if alias.asname and alias.asname in names and alias.asname != alias.name.rsplit(".", 1)[-1]:
+                        found.append(f"{module}:{node.lineno}: {alias.name} as {alias.asname}")
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_no_import_cycles() -> None:
+    assert import_cycles(SRC) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_cycle_check_catches_a_cycle_even_through_type_only_imports(tmp_path: Path) -> None:
+    package = tmp_path / "tether"
+    (package / "serve").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "serve" / "__init__.py").write_text("")
+    (package / "serve" / "app.py").write_text("from tether.serve import dialect\n")
+    (package / "serve" / "dialect.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tether.serve.app import Api\n"
+    )
+    (package / "serve" / "alone.py").write_text("import tether.serve.dialect\nfrom tether.serve import app\n")
+    assert import_cycles(package) == [["tether.serve.app", "tether.serve.dialect"]]
+    # A package whose __init__ imports a module that takes a name from that __init__: a cycle too.
+    (package / "serve" / "__init__.py").write_text("from tether.serve.alone import x\nhelper = 1\n")
+    (package / "serve" / "alone.py").write_text("from tether.serve import helper\nx = helper\n")
+    assert ["tether.serve", "tether.serve.alone"] in import_cycles(package)
+
+
+@pytest.mark.timeout(30)
+def test_no_class_name_means_two_things() -> None:
+    assert reused_class_names(SRC) == {}
+
+
+@pytest.mark.timeout(30)
+def test_no_module_is_imported_under_another_ones_name() -> None:
+    assert misleading_aliases(SRC) == []

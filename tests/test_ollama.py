@@ -19,8 +19,8 @@ import tether
 from conftest import Server, debug_server, model_missing, wait_until
 from tether.protocol import Chunk, GenerateParams
 from tether.serve.dialects import ollama as dialect
-from tether.serve.dialects.openai import Plan
-from tether.serve.shaping import Failure
+from tether.serve.dialects.plan import Plan
+from tether.serve.statuses import Answer
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]
 
@@ -190,7 +190,7 @@ def test_tool_calls_are_answered_in_ollamas_shape() -> None:
         )
     )
     assert isinstance(plan, Plan) and plan.tools is not None and plan.params.json_schema is not None
-    shaper = dialect.Shaper("chat", "m", plan, time.monotonic())
+    shaper = dialect.OllamaShaper("chat", "m", plan, time.monotonic())
     answer = '{"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}'
     shaper.feed(Chunk("t", answer, tokens=9, finish_reason="stop", prompt_tokens=3, completion_tokens=9))
     whole = ollama.ChatResponse(**json.loads(shaper.whole("stop", 3, 9)))
@@ -198,9 +198,9 @@ def test_tool_calls_are_answered_in_ollamas_shape() -> None:
     [call] = whole.message.tool_calls
     assert call.function.name == "weather" and call.function.arguments == {"city": "Paris"}
     assert whole.done_reason == "stop" and whole.eval_count == 9
-    failure = Failure(500, "server_error", "signal", "the model runner failed: killed by SIGKILL")
+    failure = Answer(500, "server_error", "signal", "the model runner failed: killed by SIGKILL")
     assert json.loads(shaper.stream_error(failure)) == {"error": failure.message, "code": "signal"}
-    plain = dialect.Shaper("generate", "m", Plan(GenerateParams(prompt="x"), None, True), time.monotonic())
+    plain = dialect.OllamaShaper("generate", "m", Plan(GenerateParams(prompt="x"), None, True), time.monotonic())
     assert json.loads(plain.feed(Chunk("t", "hi"))) | {"created_at": ""} == {
         "model": "m",
         "created_at": "",

@@ -87,6 +87,13 @@ class InstanceExists(TetherError):
         self.instance_id = instance_id
 
 
+class BodyTooLarge(TetherError):
+    """A body over the limit: declared so up front, or found so while it arrives (then ``size`` is a lower bound)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of at least {size} bytes exceeds the limit of {limit} bytes (--max-body)")
+
+
 class DoesNotFit(TetherError):
     """The model does not fit the memory available; ``result`` has the numbers."""
 

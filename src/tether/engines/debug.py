@@ -117,7 +117,7 @@ GOODBYE_SECONDS = 1.0  # how long rank 0's close may spend telling the ring it e
 
 
 @dataclass
-class _Sequence:
+class _DebugSequence:
     """One running generation of a batch."""
 
     words: Iterator[str]
@@ -235,7 +235,7 @@ class DebugEngine:
         self._helper_pids: list[int] = []
         self._gpu: object | None = None  # a torch tensor holding gpu_bytes
         self._held: bytearray | None = None  # hold_bytes, every page written
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[str, _DebugSequence] = {}
         self._calls = 0  # generate() calls, for their sequence ids
 
     def load(self, progress: ProgressCallback) -> None:
@@ -420,7 +420,7 @@ class DebugEngine:
         if self.n_ctx is not None and prompt_tokens > self.n_ctx:
             raise RequestError(f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx")
         budget = params.max_tokens if self.n_ctx is None else max(1, min(params.max_tokens, self.n_ctx - prompt_tokens))
-        self._seqs[seq_id] = _Sequence(
+        self._seqs[seq_id] = _DebugSequence(
             token_stream(text, params.seed),
             TextStream(params.stop),
             faults,
@@ -432,7 +432,7 @@ class DebugEngine:
             ringed=ringed,
         )
 
-    def _advance(self, seq_id: str, seq: _Sequence) -> tuple[Delta, str]:
+    def _advance(self, seq_id: str, seq: _DebugSequence) -> tuple[Delta, str]:
         """The sequence's next delta, and the token's text piece (before stop handling; "" for an embedding)."""
         if seq.embedding is not None:
             del self._seqs[seq_id]

@@ -109,7 +109,7 @@ class _Slot:
 
 
 @dataclass
-class _Sequence:
+class _BatchSequence:
     seq_id: str
     slot: _Slot
     prompt: list[int]
@@ -201,7 +201,7 @@ class Batch:
         self.memory = lib.llama_get_memory(self.ctx)
         self._batch = lib.llama_batch_init(self.n_batch + parallel, 0, 1)
         self._slots = [_Slot(i) for i in range(parallel)]
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[str, _BatchSequence] = {}
         self._piece = ctypes.create_string_buffer(PIECE_BUFFER)
         self._candidates: Any = None  # llama_token_data[n_vocab] for grammar sampling, made on first use
         self._candidate_view: Any = None  # a numpy view of it
@@ -227,7 +227,7 @@ class Batch:
             self.lib.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
             keep = 0
         del slot.cached[keep:]
-        self._seqs[seq_id] = _Sequence(
+        self._seqs[seq_id] = _BatchSequence(
             seq_id,
             slot,
             list(prompt),
@@ -248,7 +248,7 @@ class Batch:
         if not 0 < len(prompt) <= self.n_ctx:
             raise RuntimeError(f"an embedding's prompt must have 1 to {self.n_ctx} tokens, got {len(prompt)}")
         slot = self._free_slot(seq_id, ())
-        self._seqs[seq_id] = _Sequence(seq_id, slot, list(prompt), 0, 0, TextStream(), None)
+        self._seqs[seq_id] = _BatchSequence(seq_id, slot, list(prompt), 0, 0, TextStream(), None)
 
     def drop(self, seq_id: str) -> tuple[int, int] | None:
         """End a sequence now; returns its (prompt, completion) token counts, None when it is not running."""
@@ -372,7 +372,7 @@ class Batch:
         final = Delta("", 0, "stop", len(seq.prompt), 0, embedding=tuple(vector.tolist()))
         return [(seq.seq_id, final)]
 
-    def _sample(self, seq: _Sequence) -> Delta | RequestError:
+    def _sample(self, seq: _BatchSequence) -> Delta | RequestError:
         lib = self.lib
         if seq.grammar is not None and seq.output is not None:
             token = self._sample_constrained(seq)
@@ -414,7 +414,7 @@ class Batch:
         self.drop(seq.seq_id)
         return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs)
 
-    def _sample_constrained(self, seq: _Sequence) -> int | None:
+    def _sample_constrained(self, seq: _BatchSequence) -> int | None:
         """Sample under the grammar (see the module docstring): the chain's pick if the grammar allows it, else the
         chain's pick among what the grammar allows; None when it allows nothing (accepting a token it refuses would
         abort the process in llama.cpp)."""

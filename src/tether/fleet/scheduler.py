@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import msgspec
@@ -153,7 +153,7 @@ def _reserved(hosted: Hosted) -> int:
     return max(0, inst.fit.estimate.expected - max(usage or 0, resident))
 
 
-def _footprint(hosted: Hosted) -> int:
+def footprint_of(hosted: Hosted) -> int:
     """What stopping ``hosted``'s runner frees: its group's last measured footprint; 0 without a live runner."""
     sup = hosted.supervisor
     if sup is None or not sup.alive or sup.footprint is None:
@@ -390,7 +390,7 @@ class Scheduler:
             slot.last_used = time.monotonic()
             if hosted.supervisor is not None:
                 await hosted.supervisor.sample_memory()
-            memory = _footprint(hosted)
+            memory = footprint_of(hosted)
             self._decide(
                 "loaded",
                 slot.id,
@@ -443,7 +443,7 @@ class Scheduler:
         return True
 
     async def _unload(self, slot: Slot, hosted: Hosted, why: str, reason: str) -> None:
-        memory = _footprint(hosted)
+        memory = footprint_of(hosted)
         with _unloading(slot):
             seconds = await self._stop(hosted)
             self._decide("unload", slot.id, f"unloaded {slot.id}: {why}", seconds=seconds, bytes=memory, why=reason)
@@ -617,7 +617,7 @@ class Scheduler:
             return victims
 
         def frees(slot: Slot) -> int:
-            return (_footprint(slot.hosted) if slot.hosted is not None else 0) + reserved.get(slot.id, 0)
+            return (footprint_of(slot.hosted) if slot.hosted is not None else 0) + reserved.get(slot.id, 0)
 
         shortfall = estimate.total - (node.available - sum(reserved.values())) - sum(frees(s) for s, _ in victims)
         for slot in candidates[len(victims) :]:
@@ -637,9 +637,9 @@ class Scheduler:
         candidates: list[Slot],
         reserved: dict[str, int],
     ) -> FitResult:
-        evictable = sum(_footprint(s.hosted) + reserved.get(s.id, 0) for s in candidates if s.hosted is not None)
+        evictable = sum(footprint_of(s.hosted) + reserved.get(s.id, 0) for s in candidates if s.hosted is not None)
         busy = [h for h in self.fleet.list() if h.instance is not instance and h.id not in {s.id for s in candidates}]
-        busy_text = ", ".join(f"{h.id} {format_bytes(_footprint(h))}" for h in busy) or "none"
+        busy_text = ", ".join(f"{h.id} {format_bytes(footprint_of(h))}" for h in busy) or "none"
         held_back = sum(reserved.values())
         source = node.source
         if held_back:
@@ -663,7 +663,7 @@ class Scheduler:
             stopping: list[Hosted] = []
             for slot, why in victims:
                 assert slot.hosted is not None
-                memory = _footprint(slot.hosted)
+                memory = footprint_of(slot.hosted)
                 expected += memory
                 stopping.append(slot.hosted)
                 unloading.enter_context(_unloading(slot))
@@ -742,27 +742,6 @@ class Scheduler:
         log.info("%s %s: %s", kind, model, reason)
         self.listeners(decision)
 
-    def view(self, slot: Slot) -> dict[str, Any]:
-        """A catalogued model as ``GET /v1/models`` shows it."""
-        hosted = slot.hosted
-        expires = slot.expires_in(time.monotonic())
-        estimate = slot.estimate
-        return {
-            "state": slot.state,
-            "aliases": list(slot.model.aliases),
-            "engine": slot.model.config.spec().engine,
-            "model": slot.model.config.model,
-            "pinned": slot.model.pinned,
-            "keep_alive": None if math.isinf(slot.keep_alive) else slot.keep_alive,
-            "expires_in": expires,
-            "busy": not slot.idle,
-            "footprint": _footprint(hosted) if hosted is not None else None,
-            "estimate": estimate.total if estimate is not None else None,
-            "loads": slot.loads,
-            "load_seconds": slot.load_seconds,
-            "source": slot.model.source,
-        }
-
     async def estimate(self, slot: Slot) -> MemoryEstimate | None:
         """The model's memory estimate (read once, off the event loop); None when the engine declares none or the
         model file cannot be read."""
@@ -777,14 +756,3 @@ def describe(decision: Decision) -> str:
     return (
         f"{time.strftime('%H:%M:%S', time.localtime(decision.at))} {decision.kind} {decision.model}: {decision.reason}"
     )
-
-
-def scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
-    """The scheduler for ``GET /v1/instances`` and ``tether status``: its settings, its models, its decisions."""
-    return {
-        "max_loaded": scheduler.max_loaded,
-        "load_wait": scheduler.load_wait,
-        "reclaim_timeout": scheduler.reclaim_timeout,
-        "models": {slot.id: scheduler.view(slot) for slot in scheduler.slots.values()},  # as GET /v1/models says
-        "decisions": [msgspec.to_builtins(d) for d in scheduler.decisions],
-    }

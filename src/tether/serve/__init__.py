@@ -7,7 +7,3 @@ document, ``schema``); ``guard`` checks every request before any route (Host, Or
 wire formats; ``metrics`` and ``dashboard`` the operations side. May import ``tether.fleet``, ``tether.node`` and
 everything below them; never ``tether.cluster`` (known through a protocol) or ``tether.cli``.
 """
-
-from tether.serve.app import create_app
-
-__all__ = ["create_app"]

@@ -16,8 +16,10 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
+
+from tether.serve.routes import Route, text_answer
 
 log = logging.getLogger("tether.dashboard")
 
@@ -91,14 +93,13 @@ def wants_page(request: Request) -> bool:
     return "text/html" in request.headers.get("accept", "")
 
 
-def routes(app: FastAPI) -> None:
-    """Add ``GET /`` (the page for a browser, Ollama's probe answer for anything else) and ``GET /ui/{name}`` (the
-    page's assets) to ``app``."""
+def routes() -> list[Route]:
+    """``GET /`` (the page for a browser, Ollama's probe answer for anything else) and ``GET /ui/{name}`` (the
+    page's assets, served, not documented)."""
     assets = load_assets()
     if PAGE not in assets:
         log.warning("the dashboard's files are missing from this install: GET / answers 404")
 
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page(request: Request) -> Response:
         if not wants_page(request):
             return Response(OLLAMA_PROBE, media_type="text/plain", headers={"Vary": "Accept"})
@@ -107,7 +108,12 @@ def routes(app: FastAPI) -> None:
         reply.headers["Vary"] = "Accept"
         return reply
 
-    @app.get("/ui/{name}", include_in_schema=False)
     async def asset(name: str, request: Request) -> Response:
         found = assets.get(name)
         return _answer(found, request) if found is not None else _missing(f"ui/{name}")
+
+    probe = "Ollama's probe; a browser (Accept: text/html) gets the dashboard"
+    return [
+        Route("/", "GET", page, probe, {"200": text_answer("it runs (or the dashboard's page)")}, head=True),
+        Route("/ui/{name}", "GET", asset, "the dashboard's assets", {}, documented=False),
+    ]

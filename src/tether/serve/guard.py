@@ -28,15 +28,14 @@ import ipaddress
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether import env
-from tether.errors import TetherError
+from tether.errors import BodyTooLarge
 from tether.node.listeners import Listeners
-from tether.serve.dialects import ollama, openai
+from tether.serve.statuses import refused, too_large
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})  # answer without the API key (probes, the dashboard's shell)
 OPEN_PREFIXES = ("/ui/",)  # the dashboard's static assets: no data in them, every call they make needs the key
@@ -51,7 +50,6 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # scheme://authority: an origin's shape, whatever its scheme
 _TOKENS = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*,\s*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")  # a header-name list
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,27 +227,6 @@ class Refusal:
     message: str
 
 
-class BodyTooLarge(TetherError):
-    """A body over the limit: declared so up front, or found so while it arrives (then ``size`` is a lower bound)."""
-
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of at least {size} bytes exceeds the limit of {limit} bytes (--max-body)")
-
-
-def error_response(path: str, status: int, message: str, type_: str, code: str, **extra: Any) -> Response:
-    """An error in the shape of the route at ``path``: Ollama's under ``/api/``, OpenAI's elsewhere."""
-    if path.startswith("/api/"):
-        body = ollama.error_body(message, code, **extra)
-    else:
-        body = openai.error_body(message, type_, code=code, **extra)
-    # The body echoes a Host or an Origin a page chose: never let a browser sniff it as anything but JSON.
-    return Response(body, status_code=status, media_type="application/json", headers=NOSNIFF)
-
-
-def too_large(path: str, exc: BodyTooLarge) -> Response:
-    return error_response(path, 413, str(exc), "invalid_request_error", "request_too_large")
-
-
 def _shown(value: str) -> str:
     return repr(value if len(value) <= 200 else value[:200] + "...")
 
@@ -297,7 +274,7 @@ class Guard:
         if self.expected is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = _one(headers, b"authorization") or b""
             if not hmac.compare_digest(given, self.expected):
-                reply = error_response(
+                reply = refused(
                     path,
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server was started "
@@ -354,7 +331,7 @@ class Guard:
                     f"refused: Host {_shown(value)} is not allowed: {why}. To serve this name, start tether with "
                     f"--allowed-hosts {name} (or {env.ALLOWED_HOSTS}={name})"
                 )
-            return error_response(path, 403, message, "permission_error", "host_not_allowed", host=value)
+            return refused(path, 403, message, "permission_error", "host_not_allowed", host=value)
         return None
 
     def _origin(self, scope: Scope, path: str, headers: dict[bytes, list[bytes]]) -> tuple[str | None, Response | None]:
@@ -369,7 +346,7 @@ class Guard:
                     f"tether serves no other site's pages unless they are allowed with --cors-origins (or "
                     f"{env.CORS_ORIGINS})"
                 )
-                return None, error_response(path, 403, message, "permission_error", "origin_not_allowed")
+                return None, refused(path, 403, message, "permission_error", "origin_not_allowed")
             return None, None
         origin = values[0].decode("latin-1")
         if len(values) == 1:
@@ -383,7 +360,7 @@ class Guard:
             f"a web page may call tether only from tether's own pages or from an origin allowed with --cors-origins "
             f"{origin} (or {env.CORS_ORIGINS}={origin})"
         )
-        return None, error_response(path, 403, message, "permission_error", "origin_not_allowed", origin=origin)
+        return None, refused(path, 403, message, "permission_error", "origin_not_allowed", origin=origin)
 
     @staticmethod
     def _own(origin: str, headers: dict[bytes, list[bytes]]) -> bool:

@@ -12,11 +12,17 @@ import struct
 from typing import Annotated, Any
 
 import msgspec
+from fastapi import Request
+from fastapi.responses import Response
 
 from tether.errors import InvalidField
+from tether.fleet.fleet import new_request_id
 from tether.protocol import Chunk, GenerateParams, documented
-from tether.serve.dialects.fields import HONOURED, LIMITED, METADATA, Policy, register
-from tether.serve.dialects.openai import decode_body
+from tether.serve import views
+from tether.serve.dialects.fields import HONOURED, LIMITED, METADATA, FieldPolicy, register
+from tether.serve.dialects.plan import decode_body
+from tether.serve.generation import Api
+from tether.serve.routes import GENERATION_ERRORS, Route, json_answer, json_response
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -33,23 +39,22 @@ register(
     "POST /v1/embeddings",
     EmbeddingRequest,
     {
-        "input": Policy(LIMITED, "a string or a list of strings (token-id arrays are refused)"),
-        "model": Policy(HONOURED, "an instance started with the llama.cpp option `embedding: true`"),
-        "encoding_format": Policy(HONOURED, "`float` or `base64` (little-endian float32)"),
-        "dimensions": Policy(LIMITED, "absent only: the vector has the model's size"),
-        "user": Policy(METADATA),
+        "input": FieldPolicy(LIMITED, "a string or a list of strings (token-id arrays are refused)"),
+        "model": FieldPolicy(HONOURED, "an instance started with the llama.cpp option `embedding: true`"),
+        "encoding_format": FieldPolicy(HONOURED, "`float` or `base64` (little-endian float32)"),
+        "dimensions": FieldPolicy(LIMITED, "absent only: the vector has the model's size"),
+        "user": FieldPolicy(METADATA),
     },
 )
 
 _decoder = msgspec.json.Decoder(EmbeddingRequest)
-_encode = msgspec.json.Encoder().encode
 
 
 def decode(body: bytes) -> EmbeddingRequest:
     return decode_body(_decoder, body)
 
 
-def inputs(request: EmbeddingRequest) -> list[GenerateParams]:
+def inputs_of(request: EmbeddingRequest) -> list[GenerateParams]:
     """One embedding task per input."""
     if request.dimensions is not None:
         raise InvalidField(
@@ -78,18 +83,35 @@ def vector(values: tuple[float, ...], encoding: str) -> list[float] | str:
     return list(values)
 
 
-def body(chunks: list[Chunk], model: str, encoding: str) -> bytes:
+def body(chunks: list[Chunk], model: str, encoding: str) -> views.EmbeddingList:
     """The list object: one embedding per input, in order, with the prompt tokens they took."""
     tokens = sum(chunk.prompt_tokens for chunk in chunks)
-    data: list[dict[str, Any]] = [
-        {"object": "embedding", "index": i, "embedding": vector(chunk.embedding or (), encoding)}
+    data = [
+        views.EmbeddingOut(object="embedding", index=i, embedding=vector(chunk.embedding or (), encoding))
         for i, chunk in enumerate(chunks)
     ]
-    return _encode(
-        {
-            "object": "list",
-            "data": data,
-            "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-    )
+    usage = views.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    return views.EmbeddingList(object="list", data=data, model=model, usage=usage)
+
+
+def routes(api: Api) -> list[Route]:
+    """``POST /v1/embeddings``."""
+
+    async def create_embeddings(request: Request) -> Response:
+        request_body = decode(await request.body())
+        model_id = api.scheduler.resolve(request_body.model)
+        inputs = api.planned(model_id, "embeddings", lambda: inputs_of(request_body))
+        chunks = await api.embed(model_id, inputs, new_request_id("embd"), "embeddings")
+        return json_response(body(chunks, model_id, request_body.encoding_format))
+
+    return [
+        Route(
+            "/v1/embeddings",
+            "POST",
+            create_embeddings,
+            "OpenAI embeddings, from an instance started with the llama.cpp option embedding: true",
+            {"200": json_answer(views.EmbeddingList, "the vectors")},
+            GENERATION_ERRORS,
+            EmbeddingRequest,
+        )
+    ]

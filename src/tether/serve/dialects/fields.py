@@ -32,20 +32,20 @@ METADATA: Final[Kind] = "metadata"
 
 
 @dataclass(frozen=True)
-class Policy:
+class FieldPolicy:
     kind: Kind
     note: str = ""
 
 
-_REGISTRY: dict[str, tuple[type[msgspec.Struct], dict[str, Policy]]] = {}
+_REGISTRY: dict[str, tuple[type[msgspec.Struct], dict[str, FieldPolicy]]] = {}
 
 
-def register(title: str, struct: type[msgspec.Struct], policies: dict[str, Policy]) -> None:
+def register(title: str, struct: type[msgspec.Struct], policies: dict[str, FieldPolicy]) -> None:
     """Declare what ``title`` (e.g. "POST /v1/chat/completions") does with each of ``struct``'s fields."""
     _REGISTRY[title] = (struct, policies)
 
 
-def registered() -> dict[str, tuple[type[msgspec.Struct], dict[str, Policy]]]:
+def registered() -> dict[str, tuple[type[msgspec.Struct], dict[str, FieldPolicy]]]:
     return dict(_REGISTRY)
 
 

@@ -33,28 +33,22 @@ Not served: Ollama's model management (pull, push, create, copy, delete, blobs):
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
+from msgspec import UNSET
 
-from tether.engines import registry
-from tether.engines.gguf import GgufArray, GgufError, read_gguf
-from tether.errors import DoesNotFit, InvalidField, NotFound, Unavailable, UnknownEngine
+import tether
+from tether.errors import InvalidField, Unavailable
 from tether.fleet.catalog import KeepAlive, keep_alive_seconds
+from tether.fleet.facts import ListedModel, ModelFacts, capabilities, facts, listed, options_of
 from tether.fleet.fleet import Hosted, new_request_id
-from tether.fleet.scheduler import Scheduler
-from tether.models import DefaultModelMissing, default_model_path
 from tether.node.instance import InstanceReady
 from tether.protocol import (
     MAX_TOKENS_LIMIT,
@@ -64,24 +58,23 @@ from tether.protocol import (
     TEMPERATURE_RANGE,
     ChatMessage,
     Chunk,
-    EngineSpec,
     GenerateParams,
     TokenLogprob,
     documented,
 )
+from tether.serve import views
 from tether.serve.dialects import embeddings, openai
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
-from tether.serve.dialects.fields import Policy, register
-from tether.serve.shaping import Failure, cause_json
+from tether.serve.dialects.fields import FieldPolicy, register
+from tether.serve.dialects.plan import Plan, decode_body
+from tether.serve.generation import Api
+from tether.serve.routes import GENERATION_ERRORS, NDJSON, Route, json_answer, json_response, ref
+from tether.serve.statuses import Answer
 
-if TYPE_CHECKING:
-    from tether.serve.app import Api
-
-NDJSON = "application/x-ndjson"
 MAX_STOPS = 16  # Ollama sets no limit; model files carry a few stop strings, a bound keeps a request bounded
 DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "num_predict": -1}
 PENALTY_WINDOW = 64  # the tokens repeat_penalty looks back over (llama.cpp engine), Ollama's repeat_last_n default
@@ -261,22 +254,26 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
 }
 
 _GENERATION_POLICY = {
-    "model": Policy(H, "picks the model, loaded on demand (a `:latest` tag is dropped); one loaded: any name works"),
-    "format": Policy(H, '`"json"` or a JSON Schema: grammar-constrained, always parses'),
-    "options": Policy(H, "see Ollama options"),
-    "stream": Policy(H, "default true: NDJSON, one object a line; a failure ends it with an `error` line"),
-    "keep_alive": Policy(H, "how long the model stays loaded once idle; 0: unload after this request; -1: forever"),
-    "think": Policy(L, "false only: no thinking mode"),
-    "logprobs": Policy(H, "the model's log-probabilities (before sampling), with bytes"),
-    "top_logprobs": Policy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
+    "model": FieldPolicy(
+        H, "picks the model, loaded on demand (a `:latest` tag is dropped); one loaded: any name works"
+    ),
+    "format": FieldPolicy(H, '`"json"` or a JSON Schema: grammar-constrained, always parses'),
+    "options": FieldPolicy(H, "see Ollama options"),
+    "stream": FieldPolicy(H, "default true: NDJSON, one object a line; a failure ends it with an `error` line"),
+    "keep_alive": FieldPolicy(
+        H, "how long the model stays loaded once idle; 0: unload after this request; -1: forever"
+    ),
+    "think": FieldPolicy(L, "false only: no thinking mode"),
+    "logprobs": FieldPolicy(H, "the model's log-probabilities (before sampling), with bytes"),
+    "top_logprobs": FieldPolicy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
 }
 register(
     "POST /api/chat",
     OllamaChatRequest,
     {
         **_GENERATION_POLICY,
-        "messages": Policy(H, "roles system, user, assistant (with `tool_calls`), tool; none: load"),
-        "tools": Policy(H, "function tools, through a grammar-constrained JSON answer"),
+        "messages": FieldPolicy(H, "roles system, user, assistant (with `tool_calls`), tool; none: load"),
+        "tools": FieldPolicy(H, "function tools, through a grammar-constrained JSON answer"),
     },
 )
 register(
@@ -284,41 +281,41 @@ register(
     OllamaGenerateRequest,
     {
         **_GENERATION_POLICY,
-        "prompt": Policy(H, "rendered with the model's chat template as a user turn; none: load"),
-        "system": Policy(H, "a system turn before the prompt"),
-        "raw": Policy(H, "true: the prompt as written, no template"),
-        "suffix": Policy(L, "empty only"),
-        "template": Policy(L, "empty only: the model's own chat template"),
-        "context": Policy(L, "empty only (Ollama's deprecated token state; send the conversation)"),
-        "images": Policy(L, "empty only: text models"),
-        "width": Policy(R, "image generation"),
-        "height": Policy(R, "image generation"),
-        "steps": Policy(R, "image generation"),
+        "prompt": FieldPolicy(H, "rendered with the model's chat template as a user turn; none: load"),
+        "system": FieldPolicy(H, "a system turn before the prompt"),
+        "raw": FieldPolicy(H, "true: the prompt as written, no template"),
+        "suffix": FieldPolicy(L, "empty only"),
+        "template": FieldPolicy(L, "empty only: the model's own chat template"),
+        "context": FieldPolicy(L, "empty only (Ollama's deprecated token state; send the conversation)"),
+        "images": FieldPolicy(L, "empty only: text models"),
+        "width": FieldPolicy(R, "image generation"),
+        "height": FieldPolicy(R, "image generation"),
+        "steps": FieldPolicy(R, "image generation"),
     },
 )
-_LOAD_TIME_POLICY = Policy(R, "a load-time option: the instance's (POST /v1/instances)")
+_LOAD_TIME_POLICY = FieldPolicy(R, "a load-time option: the instance's (POST /v1/instances)")
 register(
     "Ollama options",
     OllamaOptions,
     {
-        "num_predict": Policy(H, "-1 (default): until the model stops or its context is full; -2 is refused"),
-        "temperature": Policy(H, "default 0.8; 0 is greedy"),
-        "top_p": Policy(H, "default 0.9"),
-        "top_k": Policy(H, "default 40; 0 keeps every token"),
-        "min_p": Policy(H, "default 0"),
-        "seed": Policy(H, "-1: random"),
-        "stop": Policy(H, "up to 16 strings, never emitted"),
-        "repeat_penalty": Policy(H, "default: the instance's option (1.0)"),
-        "presence_penalty": Policy(H, "over the tokens generated so far"),
-        "frequency_penalty": Policy(H, "over the tokens generated so far"),
-        "repeat_last_n": Policy(L, "64 only: the window the penalty looks back over"),
-        "typical_p": Policy(L, "1.0 (off) only"),
-        "tfs_z": Policy(L, "1.0 (off) only"),
-        "mirostat": Policy(L, "0 (off) only"),
-        "mirostat_tau": Policy(M, "mirostat's: with mirostat 0 it changes nothing, as in Ollama"),
-        "mirostat_eta": Policy(M, "mirostat's: with mirostat 0 it changes nothing, as in Ollama"),
-        "penalize_newline": Policy(L, "false only"),
-        "num_keep": Policy(R, "no context shifting: a generation ends when its context is full"),
+        "num_predict": FieldPolicy(H, "-1 (default): until the model stops or its context is full; -2 is refused"),
+        "temperature": FieldPolicy(H, "default 0.8; 0 is greedy"),
+        "top_p": FieldPolicy(H, "default 0.9"),
+        "top_k": FieldPolicy(H, "default 40; 0 keeps every token"),
+        "min_p": FieldPolicy(H, "default 0"),
+        "seed": FieldPolicy(H, "-1: random"),
+        "stop": FieldPolicy(H, "up to 16 strings, never emitted"),
+        "repeat_penalty": FieldPolicy(H, "default: the instance's option (1.0)"),
+        "presence_penalty": FieldPolicy(H, "over the tokens generated so far"),
+        "frequency_penalty": FieldPolicy(H, "over the tokens generated so far"),
+        "repeat_last_n": FieldPolicy(L, "64 only: the window the penalty looks back over"),
+        "typical_p": FieldPolicy(L, "1.0 (off) only"),
+        "tfs_z": FieldPolicy(L, "1.0 (off) only"),
+        "mirostat": FieldPolicy(L, "0 (off) only"),
+        "mirostat_tau": FieldPolicy(M, "mirostat's: with mirostat 0 it changes nothing, as in Ollama"),
+        "mirostat_eta": FieldPolicy(M, "mirostat's: with mirostat 0 it changes nothing, as in Ollama"),
+        "penalize_newline": FieldPolicy(L, "false only"),
+        "num_keep": FieldPolicy(R, "no context shifting: a generation ends when its context is full"),
         **{name: _LOAD_TIME_POLICY for name in LOAD_TIME},
     },
 )
@@ -326,18 +323,18 @@ register(
     "Ollama chat message",
     OllamaMessage,
     {
-        "role": Policy(H),
-        "content": Policy(H),
-        "images": Policy(L, "empty only: text models"),
-        "tool_calls": Policy(H, "an earlier assistant turn's calls, shown to the model"),
-        "tool_name": Policy(H, "the tool a result comes from, shown to the model"),
-        "tool_call_id": Policy(H, "the call a result answers, shown to the model"),
-        "thinking": Policy(M, "an earlier turn's reasoning is not shown to the model (chat templates drop it)"),
+        "role": FieldPolicy(H),
+        "content": FieldPolicy(H),
+        "images": FieldPolicy(L, "empty only: text models"),
+        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model"),
+        "tool_name": FieldPolicy(H, "the tool a result comes from, shown to the model"),
+        "tool_call_id": FieldPolicy(H, "the call a result answers, shown to the model"),
+        "thinking": FieldPolicy(M, "an earlier turn's reasoning is not shown to the model (chat templates drop it)"),
     },
 )
 _EMBED_POLICY = {
-    "model": Policy(H, "an instance started for embeddings (llama.cpp option `embedding: true`)"),
-    "options": Policy(L, "empty only: sampling options do not apply, load-time ones are the instance's"),
+    "model": FieldPolicy(H, "an instance started for embeddings (llama.cpp option `embedding: true`)"),
+    "options": FieldPolicy(L, "empty only: sampling options do not apply, load-time ones are the instance's"),
     "keep_alive": _GENERATION_POLICY["keep_alive"],
 }
 register(
@@ -345,23 +342,23 @@ register(
     OllamaEmbedRequest,
     {
         **_EMBED_POLICY,
-        "input": Policy(H, "a string or a list of strings; unit-length vectors"),
-        "truncate": Policy(L, "false only: an input longer than the context is a 400, never cut"),
-        "dimensions": Policy(R, "the vector has the model's size"),
+        "input": FieldPolicy(H, "a string or a list of strings; unit-length vectors"),
+        "truncate": FieldPolicy(L, "false only: an input longer than the context is a 400, never cut"),
+        "dimensions": FieldPolicy(R, "the vector has the model's size"),
     },
 )
 register(
     "POST /api/embeddings",
     OllamaEmbeddingsRequest,
-    {**_EMBED_POLICY, "prompt": Policy(H, "one string; a unit-length vector (Ollama's is not normalised)")},
+    {**_EMBED_POLICY, "prompt": FieldPolicy(H, "one string; a unit-length vector (Ollama's is not normalised)")},
 )
 register(
     "POST /api/show",
     OllamaShowRequest,
     {
-        "model": Policy(H, "the instance"),
-        "name": Policy(H, "Ollama's older name for `model`"),
-        "verbose": Policy(L, "false only: the tokenizer's arrays are not read"),
+        "model": FieldPolicy(H, "the instance"),
+        "name": FieldPolicy(H, "Ollama's older name for `model`"),
+        "verbose": FieldPolicy(L, "false only: the tokenizer's arrays are not read"),
     },
 )
 
@@ -372,7 +369,7 @@ def decode(struct: type[Any], body: bytes) -> Any:
     decoder = _decoders.get(struct)
     if decoder is None:
         decoder = _decoders[struct] = msgspec.json.Decoder(struct)
-    return openai.decode_body(decoder, body)
+    return decode_body(decoder, body)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -512,7 +509,7 @@ def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
     return openai.chat_messages(converted)
 
 
-def chat_plan(body: OllamaChatRequest) -> openai.Plan | None:
+def chat_plan(body: OllamaChatRequest) -> Plan | None:
     """The chat's plan; None for a request without messages (Ollama's "load the model")."""
     common = _common(body)
     json_schema = format_schema(body.format)
@@ -527,10 +524,10 @@ def chat_plan(body: OllamaChatRequest) -> openai.Plan | None:
         json_schema = tools.apply(messages, json_schema, "format")
     params = GenerateParams(messages=tuple(messages), json_schema=json_schema, **common)
     keep = keep_alive_seconds(body.keep_alive)
-    return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
+    return Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
 
 
-def generate_plan(body: OllamaGenerateRequest) -> openai.Plan | None:
+def generate_plan(body: OllamaGenerateRequest) -> Plan | None:
     """The generation's plan; None for a request without a prompt (Ollama's "load the model")."""
     common = _common(body)
     json_schema = format_schema(body.format)
@@ -555,7 +552,7 @@ def generate_plan(body: OllamaGenerateRequest) -> openai.Plan | None:
         turns.append(ChatMessage(role="user", content=body.prompt))
         params = GenerateParams(messages=tuple(turns), json_schema=json_schema, **common)
     keep = keep_alive_seconds(body.keep_alive)
-    return openai.Plan(checked(params), body.model, body.stream, False, body.logprobs, keep_alive=keep)
+    return Plan(checked(params), body.model, body.stream, False, body.logprobs, keep_alive=keep)
 
 
 def embed_texts(body: OllamaEmbedRequest) -> list[str]:
@@ -606,18 +603,13 @@ def ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
-def error_body(message: str, code: str | None = None, **extra: Any) -> bytes:
-    """Ollama's error shape, ``{"error": "<message>"}``, with tether's ``code`` (and ``param``, ``cause``) beside."""
-    return _encode({"error": message, "code": code, **extra})
-
-
-class Shaper:
-    """One request's NDJSON lines or whole object, in Ollama's chat or generate shape (see ``shaping.Shaper``)."""
+class OllamaShaper:
+    """One request's NDJSON lines or whole object, in Ollama's chat or generate shape (see ``generation.Shaper``)."""
 
     media_type = NDJSON
     load_seconds = 0.0  # set by the API: how long the request waited for its model to load
 
-    def __init__(self, kind: Literal["chat", "generate"], model: str, plan: openai.Plan, started: float) -> None:
+    def __init__(self, kind: Literal["chat", "generate"], model: str, plan: Plan, started: float) -> None:
         self.kind = kind
         self.model = model
         self.plan = plan
@@ -656,12 +648,12 @@ class Shaper:
         stats = self._stats(finish, prompt_tokens, completion_tokens)
         return _encode(self._object(content or "", stats, calls=calls, logprobs=self.logprobs))
 
-    def stream_error(self, failure: Failure) -> bytes:
+    def stream_error(self, failure: Answer) -> bytes:
         """The line that ends a failed stream: the ``ollama`` clients raise ``ResponseError`` with its message."""
         return self.error_body(failure) + b"\n"
 
-    def error_body(self, failure: Failure) -> bytes:
-        return error_body(failure.message, failure.code, **failure.extra)
+    def error_body(self, failure: Answer) -> bytes:
+        return failure.body("ollama")
 
     def _stats(self, finish: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         end = time.monotonic()
@@ -728,176 +720,8 @@ def loaded(kind: Literal["chat", "generate"], model: str) -> dict[str, Any]:
 # Models: the instances, described from their GGUF headers
 # --------------------------------------------------------------------------------------------------------------
 
-FILE_TYPES = {  # llama.cpp's llama_ftype: general.file_type -> the quantization's name
-    0: "F32",
-    1: "F16",
-    2: "Q4_0",
-    3: "Q4_1",
-    7: "Q8_0",
-    8: "Q5_0",
-    9: "Q5_1",
-    10: "Q2_K",
-    11: "Q3_K_S",
-    12: "Q3_K_M",
-    13: "Q3_K_L",
-    14: "Q4_K_S",
-    15: "Q4_K_M",
-    16: "Q5_K_S",
-    17: "Q5_K_M",
-    18: "Q6_K",
-    19: "IQ2_XXS",
-    20: "IQ2_XS",
-    21: "Q2_K_S",
-    22: "IQ3_XS",
-    23: "IQ3_XXS",
-    24: "IQ1_S",
-    25: "IQ4_NL",
-    26: "IQ3_S",
-    27: "IQ3_M",
-    28: "IQ2_S",
-    29: "IQ2_M",
-    30: "IQ4_XS",
-    31: "IQ1_M",
-    32: "BF16",
-    36: "TQ1_0",
-    37: "TQ2_0",
-    38: "MXFP4_MOE",
-}
 
-
-NO_DETAILS: dict[str, Any] = {
-    "parent_model": "",
-    "format": "",
-    "family": "",
-    "families": None,
-    "parameter_size": "",
-    "quantization_level": "",
-}
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What Ollama's model listings say of a model, as far as the instance's model file tells it."""
-
-    path: str | None
-    size: int
-    modified_at: float
-    digest: str
-    details: dict[str, Any]
-    model_info: dict[str, Any]
-    template: str
-    license: str
-
-
-def human_number(n: int) -> str:
-    """A parameter count as Ollama writes one: 8.0B, 134.52M, 7B."""
-    for scale, unit, places in ((1e9, "B", 1), (1e6, "M", 2), (1e3, "K", 0)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f}{unit}" if value == math.floor(value) else f"{value:.{places}f}{unit}"
-    return str(n)
-
-
-@dataclass(frozen=True)
-class Listed:
-    """A model as Ollama's listings describe it, loaded or not: its id, its engine spec, when it was created."""
-
-    id: str
-    spec: EngineSpec
-    created_at: float
-
-    @classmethod
-    def of(cls, hosted: Hosted) -> Listed:
-        return cls(hosted.id, hosted.instance.spec, hosted.created_at)
-
-
-def model_path(item: Listed) -> Path | None:
-    spec = item.spec
-    if spec.model is not None:
-        return Path(spec.model)
-    if spec.engine == "llama.cpp":
-        try:
-            return default_model_path()
-        except DefaultModelMissing:
-            return None
-    return None
-
-
-@functools.lru_cache(maxsize=64)
-def _gguf_facts(path: str, size: int, mtime_ns: int) -> ModelFacts:
-    """The facts of one model file (cached by path, size and mtime: a changed file is read again)."""
-    digest = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()
-    details = {**NO_DETAILS, "format": "gguf"}
-    try:
-        gguf = read_gguf(path)
-    except GgufError:  # not a GGUF (a plugin engine's own format): its size and digest are all there is to say
-        return ModelFacts(path, size, mtime_ns / 1e9, digest, NO_DETAILS, {}, "", "")
-    meta = gguf.metadata
-    arch = gguf.architecture or ""
-    parameters = sum(math.prod(t.shape) for t in gguf.tensors)
-    file_type = meta.get("general.file_type")
-    quantization = FILE_TYPES.get(file_type, "") if isinstance(file_type, int) else ""
-    if not quantization:  # the commonest quantized tensor type speaks for the file
-        types = [t.type_name for t in gguf.tensors if t.type_name not in ("F32", "F16")]
-        quantization = max(set(types), key=types.count) if types else ""
-    details.update(
-        family=arch,
-        families=[arch] if arch else None,
-        parameter_size=human_number(parameters),
-        quantization_level=quantization,
-    )
-    info: dict[str, Any] = {"general.parameter_count": parameters}
-    for key, value in meta.items():
-        if key == "tokenizer.chat_template" or isinstance(value, GgufArray):
-            continue  # the template has a field of its own; large arrays (the vocabulary) are not read
-        info[key] = list(value) if isinstance(value, tuple) else value
-    template = meta.get("tokenizer.chat_template")
-    license_ = meta.get("general.license")
-    return ModelFacts(
-        path,
-        size,
-        mtime_ns / 1e9,
-        digest,
-        details,
-        info,
-        template if isinstance(template, str) else "",
-        license_ if isinstance(license_, str) else "",
-    )
-
-
-def facts(item: Listed) -> ModelFacts:
-    """The facts of ``item``'s model (reads its GGUF header, ~0.1 s, once per file version: call off the loop)."""
-    path = model_path(item)
-    try:
-        stat = path.stat() if path is not None else None
-    except OSError:
-        stat = None
-    if path is None or stat is None:  # an engine without a model file (the debug engine), or a file gone
-        digest = hashlib.sha256(f"{item.spec.engine}\0{item.id}\0{item.created_at}".encode())
-        details = {**NO_DETAILS, "family": item.spec.engine}
-        return ModelFacts(None, 0, item.created_at, digest.hexdigest(), details, {}, "", "")
-    return _gguf_facts(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-def options_of(item: Listed) -> dict[str, Any]:
-    """The model's engine options in effect: its own over the engine's declared defaults."""
-    spec = item.spec
-    try:
-        defaults = dict(registry.resolve(spec.engine).options)
-    except UnknownEngine:  # a plugin that no longer imports: its own options are all there is to say
-        defaults = {}
-    return {**defaults, **spec.options}
-
-
-def capabilities(item: Listed) -> list[str]:
-    if item.spec.engine == "debug":
-        return ["completion", "tools", "embedding"]  # it does both: embeddings are hashes of the text
-    if options_of(item).get("embedding"):
-        return ["embedding"]
-    return ["completion", "tools"]  # tools in the generic format, for any model
-
-
-def parameters_text(item: Listed) -> str:
+def parameters_text(item: ListedModel) -> str:
     """Ollama's ``parameters``: the defaults a request without options gets here."""
     options = options_of(item)
     values: dict[str, Any] = {**DEFAULTS}
@@ -908,18 +732,22 @@ def parameters_text(item: Listed) -> str:
     return "\n".join(f"{name:<30} {value}" for name, value in values.items())
 
 
-def tag_json(item: Listed, f: ModelFacts) -> dict[str, Any]:
-    return {
-        "name": item.id,
-        "model": item.id,
-        "modified_at": rfc3339(f.modified_at),
-        "size": f.size,
-        "digest": f.digest,
-        "details": f.details,
-    }
+def details_of(f: ModelFacts) -> views.OllamaDetails:
+    return msgspec.convert(f.details, views.OllamaDetails)
 
 
-async def ps_json(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> dict[str, Any]:
+def tag_out(item: ListedModel, f: ModelFacts) -> views.OllamaTag:
+    return views.OllamaTag(
+        name=item.id,
+        model=item.id,
+        modified_at=rfc3339(f.modified_at),
+        size=f.size,
+        digest=f.digest,
+        details=details_of(f),
+    )
+
+
+async def loaded_out(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> views.OllamaLoaded:
     """A loaded model: its memory sampled now (the footprint, plus the mapped weights that are resident), and when
     keep-alive unloads it (``expires_in`` seconds from now; None: not counting down)."""
     size, vram = f.size, 0
@@ -928,77 +756,41 @@ async def ps_json(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> di
         memory = await sup.sample_memory()
         if memory is not None:
             size, vram = memory.footprint + memory.file, memory.gpu or 0
-    expires = FOREVER if expires_in is None else rfc3339(time.time() + expires_in)
-    item = Listed.of(hosted)
-    entry = {**tag_json(item, f), "size": size, "size_vram": vram, "expires_at": expires}
+    item = ListedModel.of(hosted)
     n_ctx = options_of(item).get("n_ctx")
-    if isinstance(n_ctx, int):
-        entry["context_length"] = n_ctx
-    return entry
-
-
-def listed(scheduler: Scheduler) -> list[Listed]:
-    """Every model a request can name, loaded or not: the catalog's, then instances added beside it."""
-    items = []
-    for model_id in scheduler.names():
-        slot = scheduler.slots.get(model_id)
-        if slot is not None:
-            created = slot.hosted.created_at if slot.hosted is not None else scheduler.started_at
-            items.append(Listed(model_id, slot.model.config.spec(), created))
-        else:
-            items.append(Listed.of(scheduler.fleet.get(model_id)))
-    return items
+    return views.OllamaLoaded(
+        name=item.id,
+        model=item.id,
+        modified_at=rfc3339(f.modified_at),
+        size=size,
+        digest=f.digest,
+        details=details_of(f),
+        size_vram=vram,
+        expires_at=FOREVER if expires_in is None else rfc3339(time.time() + expires_in),
+        context_length=n_ctx if isinstance(n_ctx, int) else UNSET,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Routes
 # --------------------------------------------------------------------------------------------------------------
 
-Handler = Callable[[Request], Awaitable[Response]]
+
+def _generation_answer(chunk: type, done: type) -> dict[str, Any]:
+    lines = {"type": "array", "items": {"anyOf": [ref(chunk), ref(done), ref(views.OllamaErrorBody)]}}
+    return {
+        "200": {
+            "description": f"the {done.__name__} (``stream: false``) or NDJSON lines (the default): pieces, then a "
+            "``done: true`` line with the counts and durations, or an ``error`` line carrying the cause when the "
+            "runner fails",
+            "content": {"application/json": {"schema": ref(done)}, NDJSON: {"schema": lines}},
+        }
+    }
 
 
-def _json(
-    obj: Any, status: int = 200, headers: dict[str, str] | None = None, media_type: str | None = None
-) -> Response:
-    return Response(_encode(obj), status_code=status, media_type=media_type or "application/json", headers=headers)
-
-
-def _error(
-    status: int, message: str, code: str | None, headers: dict[str, str] | None = None, **extra: Any
-) -> Response:
-    return Response(error_body(message, code, **extra), status, headers=headers, media_type="application/json")
-
-
-def routes(app: FastAPI, api: Api) -> None:
-    """Add Ollama's routes to ``app``, answering through ``api``."""
-    from tether.serve.app import GenerationFailed  # app calls this once it is whole: no import cycle
-
+def routes(api: Api) -> list[Route]:
+    """Ollama's routes, answering through ``api``; their errors take Ollama's shape by their path (``statuses``)."""
     fleet, scheduler = api.fleet, api.scheduler
-
-    def ollama_errors(handler: Handler) -> Handler:
-        """Errors in Ollama's shape (the app's handlers answer in OpenAI's)."""
-
-        @functools.wraps(handler)
-        async def answer(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except InvalidField as exc:
-                return _error(400, str(exc), "invalid_request", param=exc.field)
-            except NotFound as exc:
-                return _error(404, str(exc), "not_found")
-            except DoesNotFit as exc:
-                return _error(507, str(exc), "does_not_fit")
-            except Unavailable as exc:
-                headers = None
-                if exc.retry_after is not None:
-                    headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
-                extra = {"cause": cause_json(exc.cause)} if exc.cause is not None else {}
-                return _error(503, str(exc), "unavailable", headers, **extra)
-            except GenerationFailed as exc:
-                f = exc.failure
-                return _error(f.status, f.message, f.code, **f.extra)
-
-        return answer
 
     async def generation(request: Request, kind: Literal["chat", "generate"]) -> Response:
         started = time.monotonic()
@@ -1021,23 +813,17 @@ def routes(app: FastAPI, api: Api) -> None:
                 answer = loaded(kind, model_id)
             if body.stream:
                 return Response(_encode(answer) + b"\n", media_type=NDJSON)
-            return _json(answer)
+            return json_response(answer)
         request_id = new_request_id(f"ollama-{kind}")
-        shaper = Shaper(kind, model_id, plan, started)
+        shaper = OllamaShaper(kind, model_id, plan, started)
         return await api.respond(model_id, plan, shaper, request_id, endpoint, started)
 
-    @app.post("/api/chat")
-    @ollama_errors
     async def chat(request: Request) -> Response:
         return await generation(request, "chat")
 
-    @app.post("/api/generate")
-    @ollama_errors
     async def generate(request: Request) -> Response:
         return await generation(request, "generate")
 
-    @app.post("/api/embed")
-    @ollama_errors
     async def embed(request: Request) -> Response:
         started = time.monotonic()
         body = decode(OllamaEmbedRequest, await request.body())
@@ -1046,71 +832,117 @@ def routes(app: FastAPI, api: Api) -> None:
         keep = keep_alive_seconds(body.keep_alive)
         embed_id = new_request_id("ollama-embed")
         chunks = await api.embed(model_id, inputs, embed_id, "ollama_embed", keep) if inputs else []
-        return _json(
-            {
-                "model": model_id,
-                "embeddings": [list(c.embedding or ()) for c in chunks],
-                "total_duration": ns(time.monotonic() - started),
-                "load_duration": 0,
-                "prompt_eval_count": sum(c.prompt_tokens for c in chunks),
-            }
+        return json_response(
+            views.OllamaEmbedOut(
+                model=model_id,
+                embeddings=[list(c.embedding or ()) for c in chunks],
+                total_duration=ns(time.monotonic() - started),
+                load_duration=0,
+                prompt_eval_count=sum(c.prompt_tokens for c in chunks),
+            )
         )
 
-    @app.post("/api/embeddings")
-    @ollama_errors
     async def embeddings_(request: Request) -> Response:
         body = decode(OllamaEmbeddingsRequest, await request.body())
         model_id = scheduler.resolve(body.model)
         inputs = api.planned(model_id, "ollama_embeddings", lambda: embed_inputs([body.prompt or ""], body))
         if not body.prompt:  # Ollama answers an empty prompt with an empty vector (it loads the model)
-            return _json({"embedding": []})
+            return json_response(views.OllamaEmbeddingOut(embedding=[]))
         keep = keep_alive_seconds(body.keep_alive)
         chunks = await api.embed(model_id, inputs, new_request_id("ollama-embd"), "ollama_embeddings", keep)
-        return _json({"embedding": list(chunks[0].embedding or ())})
+        return json_response(views.OllamaEmbeddingOut(embedding=list(chunks[0].embedding or ())))
 
-    @app.get("/api/tags")
-    @ollama_errors
-    async def tags(request: Request) -> Response:
+    async def tags() -> Response:
         models = []
         for item in listed(scheduler):
-            models.append(tag_json(item, await anyio.to_thread.run_sync(facts, item)))
-        return _json({"models": models})
+            models.append(tag_out(item, await anyio.to_thread.run_sync(facts, item)))
+        return json_response(views.OllamaTags(models=models))
 
-    @app.get("/api/ps")
-    @ollama_errors
-    async def ps(request: Request) -> Response:
+    async def ps() -> Response:
         models = []
         now = time.monotonic()
         for hosted in fleet.list():
             if isinstance(hosted.instance.state, InstanceReady):
                 slot = scheduler.slots.get(hosted.id)
                 expires = slot.expires_in(now) if slot is not None else None
-                f = await anyio.to_thread.run_sync(facts, Listed.of(hosted))
-                models.append(await ps_json(hosted, f, expires))
-        return _json({"models": models})
+                f = await anyio.to_thread.run_sync(facts, ListedModel.of(hosted))
+                models.append(await loaded_out(hosted, f, expires))
+        return json_response(views.OllamaPs(models=models))
 
-    @app.post("/api/show")
-    @ollama_errors
     async def show(request: Request) -> Response:
         model_id = scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body())))
         item = next(i for i in listed(scheduler) if i.id == model_id)
         f = await anyio.to_thread.run_sync(facts, item)
-        return _json(
-            {
-                "modelfile": "",
-                "parameters": parameters_text(item),
-                "template": f.template,
-                "license": f.license,
-                "details": f.details,
-                "model_info": f.model_info,
-                "capabilities": capabilities(item),
-                "modified_at": rfc3339(f.modified_at),
-            }
+        return json_response(
+            views.OllamaShow(
+                modelfile="",
+                parameters=parameters_text(item),
+                template=f.template,
+                license=f.license,
+                details=details_of(f),
+                model_info=f.model_info,
+                capabilities=capabilities(item),
+                modified_at=rfc3339(f.modified_at),
+            )
         )
 
-    @app.get("/api/version")
-    @ollama_errors
-    async def version(request: Request) -> Response:
-        import tether
+    async def version() -> Response:
+        return json_response(views.OllamaVersion(version=tether.__version__))
 
-        return _json({"version": tether.__version__})
+    errors = GENERATION_ERRORS
+    return [
+        Route(
+            "/api/chat",
+            "POST",
+            chat,
+            "Ollama chat",
+            _generation_answer(views.OllamaChatChunk, views.OllamaChatDone),
+            errors,
+            OllamaChatRequest,
+        ),
+        Route(
+            "/api/generate",
+            "POST",
+            generate,
+            "Ollama completion",
+            _generation_answer(views.OllamaGenerateChunk, views.OllamaGenerateDone),
+            errors,
+            OllamaGenerateRequest,
+        ),
+        Route(
+            "/api/embed",
+            "POST",
+            embed,
+            "Ollama embeddings, one unit-length vector per input",
+            {"200": json_answer(views.OllamaEmbedOut, "the vectors")},
+            errors,
+            OllamaEmbedRequest,
+        ),
+        Route(
+            "/api/embeddings",
+            "POST",
+            embeddings_,
+            "Ollama's older embeddings route: one prompt, one vector",
+            {"200": json_answer(views.OllamaEmbeddingOut, "the vector")},
+            errors,
+            OllamaEmbeddingsRequest,
+        ),
+        Route(
+            "/api/tags",
+            "GET",
+            tags,
+            "every model, as Ollama lists them",
+            {"200": json_answer(views.OllamaTags, "them")},
+        ),
+        Route("/api/ps", "GET", ps, "the loaded models", {"200": json_answer(views.OllamaPs, "them")}),
+        Route(
+            "/api/show",
+            "POST",
+            show,
+            "one model: its GGUF metadata, chat template and capabilities",
+            {"200": json_answer(views.OllamaShow, "the model")},
+            (400, 404, 413),
+            OllamaShowRequest,
+        ),
+        Route("/api/version", "GET", version, "tether's version", {"200": json_answer(views.OllamaVersion, "it")}),
+    ]

@@ -9,16 +9,19 @@ from that. A request becomes a ``Plan``: the ``GenerateParams`` the runner gets,
 
 from __future__ import annotations
 
-import re
-import sys
+import contextlib
 import time
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import msgspec
+from fastapi import Request
+from fastapi.responses import Response
 
-from tether.errors import InvalidField
+from tether.errors import InvalidField, NotFound
 from tether.fleet.catalog import KeepAlive, keep_alive_seconds
+from tether.fleet.fleet import new_request_id
+from tether.fleet.scheduler import Scheduler
+from tether.node.instance import InstanceReady
 from tether.protocol import (
     LOGIT_BIAS_RANGE,
     MAX_TOKENS_LIMIT,
@@ -31,15 +34,20 @@ from tether.protocol import (
     GenerateParams,
     TokenLogprob,
     documented,
+    tag_of,
 )
+from tether.serve import views
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.fields import EXTENSION as E
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
-from tether.serve.dialects.fields import Policy, register
-from tether.serve.shaping import Failure
+from tether.serve.dialects.fields import FieldPolicy, register
+from tether.serve.dialects.plan import Plan, decode_body
+from tether.serve.generation import Api
+from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, json_response, path_parameter, ref, sse_of
+from tether.serve.statuses import Answer
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -247,50 +255,52 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
     },
 }
 _SAMPLING_POLICY = {
-    "model": Policy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),
-    "max_tokens": Policy(H, "default 512 for chat, 16 for completions"),
-    "temperature": Policy(H, "0 is greedy"),
-    "top_p": Policy(H),
-    "stop": Policy(H, "up to 4 strings, never emitted, matched across tokens"),
-    "seed": Policy(H, "same seed, same request, same instance: same text"),
-    "presence_penalty": Policy(H, "over the tokens generated so far"),
-    "frequency_penalty": Policy(H, "over the tokens generated so far"),
-    "logit_bias": Policy(H, "token ids of the model's vocabulary; -100 bans, 100 forces"),
-    "stream": Policy(H, "server-sent events"),
-    "stream_options": Policy(H, "`include_usage`; `include_obfuscation` is metadata"),
-    "n": Policy(L, "1 only"),
-    "user": Policy(M),
-    "top_k": Policy(E, "0 keeps every token; default 40 when temperature > 0"),
-    "min_p": Policy(E, "default 0.05 when temperature > 0"),
-    "repeat_penalty": Policy(E, "over the last 64 tokens; default: the instance's option (1.0)"),
-    "keep_alive": Policy(E, "seconds or a duration ('5m') the model stays loaded when idle; 0 unloads, -1 never"),
+    "model": FieldPolicy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),
+    "max_tokens": FieldPolicy(H, "default 512 for chat, 16 for completions"),
+    "temperature": FieldPolicy(H, "0 is greedy"),
+    "top_p": FieldPolicy(H),
+    "stop": FieldPolicy(H, "up to 4 strings, never emitted, matched across tokens"),
+    "seed": FieldPolicy(H, "same seed, same request, same instance: same text"),
+    "presence_penalty": FieldPolicy(H, "over the tokens generated so far"),
+    "frequency_penalty": FieldPolicy(H, "over the tokens generated so far"),
+    "logit_bias": FieldPolicy(H, "token ids of the model's vocabulary; -100 bans, 100 forces"),
+    "stream": FieldPolicy(H, "server-sent events"),
+    "stream_options": FieldPolicy(H, "`include_usage`; `include_obfuscation` is metadata"),
+    "n": FieldPolicy(L, "1 only"),
+    "user": FieldPolicy(M),
+    "top_k": FieldPolicy(E, "0 keeps every token; default 40 when temperature > 0"),
+    "min_p": FieldPolicy(E, "default 0.05 when temperature > 0"),
+    "repeat_penalty": FieldPolicy(E, "over the last 64 tokens; default: the instance's option (1.0)"),
+    "keep_alive": FieldPolicy(E, "seconds or a duration ('5m') the model stays loaded when idle; 0 unloads, -1 never"),
 }
 register(
     "POST /v1/chat/completions",
     ChatRequest,
     {
         **_SAMPLING_POLICY,
-        "messages": Policy(H, "roles system/developer, user, assistant (with `tool_calls`), tool; text parts only"),
-        "max_completion_tokens": Policy(H, "wins over `max_tokens`"),
-        "logprobs": Policy(H, "the model's log-probabilities (before sampling), with bytes"),
-        "top_logprobs": Policy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
-        "response_format": Policy(H, "`text`, `json_object`, `json_schema`: grammar-constrained, always parses"),
-        "tools": Policy(H, "function tools, through a grammar-constrained JSON answer"),
-        "tool_choice": Policy(H, "`none`, `auto`, `required`, a named function"),
-        "parallel_tool_calls": Policy(H, "false: at most one call"),
-        "metadata": Policy(M),
-        "store": Policy(L, "false or absent only: tether stores nothing"),
-        "service_tier": Policy(M, "one tier here"),
-        "prompt_cache_key": Policy(M, "prefix reuse is automatic (the `prompt_cache` option)"),
-        "safety_identifier": Policy(M),
-        "modalities": Policy(L, '`["text"]` only'),
-        "audio": Policy(R),
-        "prediction": Policy(R),
-        "reasoning_effort": Policy(R),
-        "verbosity": Policy(R),
-        "web_search_options": Policy(R),
-        "functions": Policy(R, "deprecated by OpenAI: send `tools`"),
-        "function_call": Policy(R, "deprecated by OpenAI: send `tool_choice`"),
+        "messages": FieldPolicy(
+            H, "roles system/developer, user, assistant (with `tool_calls`), tool; text parts only"
+        ),
+        "max_completion_tokens": FieldPolicy(H, "wins over `max_tokens`"),
+        "logprobs": FieldPolicy(H, "the model's log-probabilities (before sampling), with bytes"),
+        "top_logprobs": FieldPolicy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
+        "response_format": FieldPolicy(H, "`text`, `json_object`, `json_schema`: grammar-constrained, always parses"),
+        "tools": FieldPolicy(H, "function tools, through a grammar-constrained JSON answer"),
+        "tool_choice": FieldPolicy(H, "`none`, `auto`, `required`, a named function"),
+        "parallel_tool_calls": FieldPolicy(H, "false: at most one call"),
+        "metadata": FieldPolicy(M),
+        "store": FieldPolicy(L, "false or absent only: tether stores nothing"),
+        "service_tier": FieldPolicy(M, "one tier here"),
+        "prompt_cache_key": FieldPolicy(M, "prefix reuse is automatic (the `prompt_cache` option)"),
+        "safety_identifier": FieldPolicy(M),
+        "modalities": FieldPolicy(L, '`["text"]` only'),
+        "audio": FieldPolicy(R),
+        "prediction": FieldPolicy(R),
+        "reasoning_effort": FieldPolicy(R),
+        "verbosity": FieldPolicy(R),
+        "web_search_options": FieldPolicy(R),
+        "functions": FieldPolicy(R, "deprecated by OpenAI: send `tools`"),
+        "function_call": FieldPolicy(R, "deprecated by OpenAI: send `tool_choice`"),
     },
 )
 register(
@@ -298,83 +308,29 @@ register(
     CompletionRequest,
     {
         **_SAMPLING_POLICY,
-        "prompt": Policy(L, "one string (or a list of one)"),
-        "logprobs": Policy(H, "0 to 5 alternatives per token, OpenAI's legacy shape"),
-        "echo": Policy(L, "false only"),
-        "suffix": Policy(L, "empty only"),
-        "best_of": Policy(L, "1 only"),
+        "prompt": FieldPolicy(L, "one string (or a list of one)"),
+        "logprobs": FieldPolicy(H, "0 to 5 alternatives per token, OpenAI's legacy shape"),
+        "echo": FieldPolicy(L, "false only"),
+        "suffix": FieldPolicy(L, "empty only"),
+        "best_of": FieldPolicy(L, "1 only"),
     },
 )
 register(
     "chat message",
     MessageIn,
     {
-        "role": Policy(H, "`developer` is `system`"),
-        "content": Policy(H, "a string or text parts"),
-        "name": Policy(M),
-        "tool_calls": Policy(H, "an earlier assistant turn's calls, shown to the model"),
-        "tool_call_id": Policy(H, "a tool result's call, shown to the model"),
-        "refusal": Policy(M),
+        "role": FieldPolicy(H, "`developer` is `system`"),
+        "content": FieldPolicy(H, "a string or text parts"),
+        "name": FieldPolicy(M),
+        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model"),
+        "tool_call_id": FieldPolicy(H, "a tool result's call, shown to the model"),
+        "refusal": FieldPolicy(M),
     },
 )
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
-
-T = TypeVar("T")
-
-
-def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str = "request") -> T:
-    """Decode a request body with ``decoder``; every way a body can be bad is an ``InvalidField`` (a 400, never a 500).
-
-    msgspec refuses invalid UTF-8, lone surrogates, NaN and Infinity (not JSON), and numbers out of a field's
-    range; nesting deeper than the interpreter's recursion limit surfaces as ``RecursionError``, caught here too.
-    """
-    try:
-        try:
-            return decoder.decode(body)
-        except msgspec.ValidationError as exc:
-            if not re.search(r"Expected `int[^`]*`, got `float`", str(exc)):
-                raise
-            # JSON has one number type: 1.0 is the integer 1 (JSON Schema agrees), and clients that compute a
-            # count send it so. Only integral floats become ints; 1.5 for an integer field still fails below.
-            converted: T = msgspec.convert(_integral(msgspec.json.decode(body)), decoder.type)
-            return converted
-    except msgspec.ValidationError as exc:  # "Expected `float`, got `str` - at `$.temperature`"
-        text = str(exc)
-        at = text.rsplit("`$", 1)[-1].rstrip("`").lstrip(".") if "`$" in text else ""
-        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-        if unknown:  # "Object contains unknown field `foo` - at `$.messages[0]`"
-            param = f"{at}.{unknown[1]}" if at else unknown[1]
-            raise InvalidField(
-                param,
-                f"invalid {what}: unknown field {param!r}. This server refuses fields it does not know rather than "
-                "ignore them: correct or remove it (GET /openapi.json lists every field)",
-            ) from None
-        raise InvalidField(at or None, f"invalid {what}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidField(None, f"the body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidField(
-            None,
-            f"the body nests arrays or objects too deeply to decode (the limit is about {sys.getrecursionlimit()} "
-            "levels): flatten it",
-        ) from None
-
-
-def _integral(value: Any) -> Any:
-    """``value`` (decoded JSON) with every float that holds an integer made an int (iteratively: no depth limit)."""
-    root = [value]
-    stack: list[list[Any] | dict[str, Any]] = [root]
-    while stack:
-        node = stack.pop()
-        for key, item in node.items() if isinstance(node, dict) else enumerate(node):
-            if isinstance(item, float) and item.is_integer():
-                node[key] = int(item)  # type: ignore[index]
-            elif isinstance(item, list | dict):
-                stack.append(item)
-    return root[0]
 
 
 def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | CompletionRequest:
@@ -386,19 +342,6 @@ def decode(kind: Literal["chat", "completion"], body: bytes) -> ChatRequest | Co
 # --------------------------------------------------------------------------------------------------------------
 # Requests to plans
 # --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one request asks for: the generation, and how its answer is shaped (every honoured field lands here)."""
-
-    params: GenerateParams
-    model: str | None
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: bool = False  # render the tokens' logprobs in the answer
-    tools: toolkit.ToolPlan | None = None
-    keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: forever); None: its default
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -582,11 +525,6 @@ def plan(body: ChatRequest | CompletionRequest) -> Plan:
 _encode = msgspec.json.Encoder().encode
 
 
-def error_body(message: str, type_: str, *, code: str | None = None, param: str | None = None, **extra: Any) -> bytes:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` (extra keys for tether's causes)."""
-    return _encode({"error": {"message": message, "type": type_, "param": param, "code": code, **extra}})
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -619,8 +557,8 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[st
     }
 
 
-class Shaper:
-    """One request's OpenAI chat or completion objects and SSE chunks (see ``shaping.Shaper``)."""
+class OpenAIShaper:
+    """One request's OpenAI chat or completion objects and SSE chunks (see ``generation.Shaper``)."""
 
     media_type = "text/event-stream"
     load_seconds = 0.0  # set by the API: how long the request waited for its model to load
@@ -637,7 +575,7 @@ class Shaper:
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # streamed text so far (completion logprobs' text_offset)
 
-    # --- shaping.Shaper ---------------------------------------------------------------------------------------
+    # --- generation.Shaper ---------------------------------------------------------------------------------------
 
     def opening(self) -> bytes:
         return self.chunk("", None, first=True)
@@ -691,11 +629,12 @@ class Shaper:
             }
         )
 
-    def stream_error(self, failure: Failure) -> bytes:
-        return self.error_event(failure.message, failure.type, failure.code, **failure.extra)
+    def stream_error(self, failure: Answer) -> bytes:
+        """An SSE event the openai client raises as an ``APIError``: the stream ends with it, never with [DONE]."""
+        return b"data: " + failure.body("openai") + b"\n\n"
 
-    def error_body(self, failure: Failure) -> bytes:
-        return error_body(failure.message, failure.type, code=failure.code, **failure.extra)
+    def error_body(self, failure: Answer) -> bytes:
+        return failure.body("openai")
 
     # --- pieces ------------------------------------------------------------------------------------------------
 
@@ -765,13 +704,124 @@ class Shaper:
         )
 
     @staticmethod
-    def error_event(message: str, type_: str, code: str | None = None, **extra: Any) -> bytes:
-        """An SSE event the openai client raises as an ``APIError``: the stream ends with it, never with [DONE]."""
-        return b"data: " + error_body(message, type_, code=code, **extra) + b"\n\n"
-
-    @staticmethod
     def _sse(obj: dict[str, Any]) -> bytes:
         return b"data: " + _encode(obj) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _generation_answer(whole: type, chunk: type) -> dict[str, Any]:
+    events = sse_of({"anyOf": [ref(chunk), ref(views.ErrorBody)]})
+    return {
+        "200": {
+            "description": f"the {whole.__name__} (``stream: false``) or its chunks as server-sent events, which end "
+            "with ``data: [DONE]``, or with an error event carrying the cause when the runner fails",
+            "content": {"application/json": {"schema": ref(whole)}, SSE: {"schema": events}},
+        }
+    }
+
+
+async def model_out(scheduler: Scheduler, model_id: str) -> views.ModelOut:
+    """A model as OpenAI lists it, with what tether knows beside: its state, footprint or estimate, keep-alive."""
+    fleet = scheduler.fleet
+    slot = scheduler.slots.get(model_id)
+    hosted = fleet.get(model_id) if slot is None else slot.hosted
+    created = int(hosted.created_at if hosted is not None else scheduler.started_at)
+    out = views.ModelOut(id=model_id, object="model", created=created, owned_by="tether")
+    sup = hosted.supervisor if hosted is not None else None
+    if sup is not None and sup.alive:
+        await sup.sample_memory()
+    if slot is not None:
+        await scheduler.estimate(slot)
+        seen = views.catalog_model_out(slot, time.monotonic())
+        for name in seen.__struct_fields__:
+            setattr(out, name, getattr(seen, name))
+    elif hosted is not None:
+        memory = sup.footprint if sup is not None and sup.alive else None
+        state = hosted.instance.state
+        out.state = "loaded" if isinstance(state, InstanceReady) else tag_of(state)
+        out.engine = hosted.instance.spec.engine
+        out.model = hosted.config.model
+        out.pinned = True  # added through POST /v1/instances: it stays until it is deleted
+        out.footprint = memory.footprint if memory is not None else None
+    return out
+
+
+def routes(api: Api) -> list[Route]:
+    """Chat and text completions, and the models a request can name."""
+    scheduler = api.scheduler
+
+    async def generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
+        started = time.monotonic()
+        endpoint = "chat" if kind == "chat" else "completions"
+        body = decode(kind, await request.body())
+        model_id = scheduler.resolve(body.model)
+        planned = api.planned(model_id, endpoint, lambda: plan(body))
+        request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
+        shaper = OpenAIShaper(kind, request_id, model_id, planned)
+        return await api.respond(model_id, planned, shaper, request_id, endpoint, started)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def models() -> Response:
+        data = []
+        for name in scheduler.names():
+            with contextlib.suppress(NotFound):  # an instance deleted while the list was read
+                data.append(await model_out(scheduler, name))
+        return json_response(views.ModelList(object="list", data=data))
+
+    async def model(model_id: str) -> Response:
+        try:
+            return json_response(await model_out(scheduler, scheduler.resolve_exact(model_id)))
+        except NotFound:
+            served = ", ".join(scheduler.names()) or "none"
+            message = f"model {model_id!r} is not served here; models: {served}"
+            answer = Answer(404, "invalid_request_error", "model_not_found", message, "model")
+            return answer.response("/v1/models")
+
+    return [
+        Route(
+            "/v1/chat/completions",
+            "POST",
+            chat_completions,
+            "OpenAI chat completion",
+            _generation_answer(views.ChatCompletion, views.ChatCompletionChunk),
+            GENERATION_ERRORS,
+            ChatRequest,
+        ),
+        Route(
+            "/v1/completions",
+            "POST",
+            completions,
+            "OpenAI (legacy) text completion",
+            _generation_answer(views.Completion, views.CompletionChunk),
+            GENERATION_ERRORS,
+            CompletionRequest,
+        ),
+        Route(
+            "/v1/models",
+            "GET",
+            models,
+            "every model a request can name, loaded or not",
+            {"200": json_answer(views.ModelList, "the models")},
+        ),
+        Route(
+            "/v1/models/{model_id}",
+            "GET",
+            model,
+            "one model a request can name",
+            {"200": json_answer(views.ModelOut, "the model")},
+            (404,),
+            parameters=(path_parameter("model_id"),),
+        ),
+    ]

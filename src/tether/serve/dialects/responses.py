@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from tether.errors import InvalidField
@@ -30,17 +30,18 @@ from tether.protocol import (
     GenerateParams,
     documented,
 )
+from tether.serve import views
 from tether.serve.dialects import openai
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
-from tether.serve.dialects.fields import Policy, register
-from tether.serve.shaping import Failure
-
-if TYPE_CHECKING:
-    from tether.serve.app import Api
+from tether.serve.dialects.fields import FieldPolicy, register
+from tether.serve.dialects.plan import Plan, decode_body
+from tether.serve.generation import Api
+from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, path_parameter, ref
+from tether.serve.statuses import Answer
 
 ENDPOINT = "responses"  # the metrics' endpoint label
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value with a meaning here
@@ -191,54 +192,58 @@ register(
     "POST /v1/responses",
     ResponsesRequest,
     {
-        "input": Policy(H, "a string, or `message`, `function_call` and `function_call_output` items; text only"),
-        "model": Policy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),
-        "instructions": Policy(H, "a system message before the input"),
-        "max_output_tokens": Policy(H, "default 512; the limit ends it `incomplete`"),
-        "temperature": Policy(H, "0 is greedy"),
-        "top_p": Policy(H),
-        "stream": Policy(H, "typed server-sent events, `response.created` to `response.completed` (or `incomplete`)"),
-        "stream_options": Policy(M, "`include_obfuscation`: nothing to pad"),
-        "text": Policy(H, "`format`: `text`, `json_object`, `json_schema` (grammar-constrained); `verbosity` refused"),
-        "tools": Policy(H, "function tools, through a grammar-constrained JSON answer: `function_call` items"),
-        "tool_choice": Policy(H, "`none`, `auto`, `required`, a named function"),
-        "parallel_tool_calls": Policy(H, "false: at most one call"),
-        "include": Policy(L, f"`{LOGPROBS}` only"),
-        "top_logprobs": Policy(H, "0 to 20 alternatives per token; logprobs without `include` too"),
-        "metadata": Policy(H, "echoed in the response (stored nowhere)"),
-        "store": Policy(L, "false or absent only: tether stores nothing"),
-        "background": Policy(L, "false or absent only"),
-        "truncation": Policy(L, "`disabled` only: an input over the context is a 400"),
-        "max_tool_calls": Policy(M, "it bounds built-in tools; there are none here"),
-        "user": Policy(M),
-        "safety_identifier": Policy(M),
-        "prompt_cache_key": Policy(M, "prefix reuse is automatic (the `prompt_cache` option)"),
-        "prompt_cache_retention": Policy(M),
-        "prompt_cache_options": Policy(M),
-        "service_tier": Policy(M, "one tier here"),
-        "previous_response_id": Policy(R, "stateless: send the whole conversation"),
-        "conversation": Policy(R, "stateless: send the whole conversation"),
-        "prompt": Policy(R, "no stored prompt templates"),
-        "reasoning": Policy(R),
-        "context_management": Policy(R),
-        "moderation": Policy(R),
+        "input": FieldPolicy(H, "a string, or `message`, `function_call` and `function_call_output` items; text only"),
+        "model": FieldPolicy(H, "picks the model (loaded on demand); with one model loaded, any name reaches it"),
+        "instructions": FieldPolicy(H, "a system message before the input"),
+        "max_output_tokens": FieldPolicy(H, "default 512; the limit ends it `incomplete`"),
+        "temperature": FieldPolicy(H, "0 is greedy"),
+        "top_p": FieldPolicy(H),
+        "stream": FieldPolicy(
+            H, "typed server-sent events, `response.created` to `response.completed` (or `incomplete`)"
+        ),
+        "stream_options": FieldPolicy(M, "`include_obfuscation`: nothing to pad"),
+        "text": FieldPolicy(
+            H, "`format`: `text`, `json_object`, `json_schema` (grammar-constrained); `verbosity` refused"
+        ),
+        "tools": FieldPolicy(H, "function tools, through a grammar-constrained JSON answer: `function_call` items"),
+        "tool_choice": FieldPolicy(H, "`none`, `auto`, `required`, a named function"),
+        "parallel_tool_calls": FieldPolicy(H, "false: at most one call"),
+        "include": FieldPolicy(L, f"`{LOGPROBS}` only"),
+        "top_logprobs": FieldPolicy(H, "0 to 20 alternatives per token; logprobs without `include` too"),
+        "metadata": FieldPolicy(H, "echoed in the response (stored nowhere)"),
+        "store": FieldPolicy(L, "false or absent only: tether stores nothing"),
+        "background": FieldPolicy(L, "false or absent only"),
+        "truncation": FieldPolicy(L, "`disabled` only: an input over the context is a 400"),
+        "max_tool_calls": FieldPolicy(M, "it bounds built-in tools; there are none here"),
+        "user": FieldPolicy(M),
+        "safety_identifier": FieldPolicy(M),
+        "prompt_cache_key": FieldPolicy(M, "prefix reuse is automatic (the `prompt_cache` option)"),
+        "prompt_cache_retention": FieldPolicy(M),
+        "prompt_cache_options": FieldPolicy(M),
+        "service_tier": FieldPolicy(M, "one tier here"),
+        "previous_response_id": FieldPolicy(R, "stateless: send the whole conversation"),
+        "conversation": FieldPolicy(R, "stateless: send the whole conversation"),
+        "prompt": FieldPolicy(R, "no stored prompt templates"),
+        "reasoning": FieldPolicy(R),
+        "context_management": FieldPolicy(R),
+        "moderation": FieldPolicy(R),
     },
 )
 register(
     "responses input item",
     ResponsesInputItem,
     {
-        "type": Policy(L, "`message` (the default), `function_call`, `function_call_output` only"),
-        "role": Policy(H, "`user`, `system`, `developer` (as system), `assistant`"),
-        "content": Policy(
+        "type": FieldPolicy(L, "`message` (the default), `function_call`, `function_call_output` only"),
+        "role": FieldPolicy(H, "`user`, `system`, `developer` (as system), `assistant`"),
+        "content": FieldPolicy(
             H, "a string or `input_text`/`output_text` parts (their `annotations`, `logprobs`: metadata)"
         ),
-        "call_id": Policy(H, "pairs an output with its call, shown to the model"),
-        "name": Policy(H, "an earlier call's function"),
-        "arguments": Policy(H, "an earlier call's arguments"),
-        "output": Policy(H, "a call's result, shown to the model"),
-        "id": Policy(M),
-        "status": Policy(M),
+        "call_id": FieldPolicy(H, "pairs an output with its call, shown to the model"),
+        "name": FieldPolicy(H, "an earlier call's function"),
+        "arguments": FieldPolicy(H, "an earlier call's arguments"),
+        "output": FieldPolicy(H, "a call's result, shown to the model"),
+        "id": FieldPolicy(M),
+        "status": FieldPolicy(M),
     },
 )
 
@@ -246,7 +251,7 @@ _decoder = msgspec.json.Decoder(ResponsesRequest)
 
 
 def decode(body: bytes) -> ResponsesRequest:
-    return openai.decode_body(_decoder, body)
+    return decode_body(_decoder, body)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,7 +260,7 @@ def decode(body: bytes) -> ResponsesRequest:
 
 
 @dataclass(frozen=True)
-class ResponsesPlan(openai.Plan):
+class ResponsesPlan(Plan):
     """A chat plan plus what the ``response`` object echoes of the request (the openai client's model needs it)."""
 
     echo: dict[str, Any] = field(default_factory=dict)
@@ -449,7 +454,7 @@ def response_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]
 
 
 class ResponsesShaper:
-    """One request's ``response`` object, or its typed SSE events (see ``shaping.Shaper``).
+    """One request's ``response`` object, or its typed SSE events (see ``generation.Shaper``).
 
     Text streams as ``response.output_text.delta`` events as it comes; a tool answer is parsed whole, so its
     ``function_call`` items (and a direct answer's message) arrive together at the end. A failure mid-stream sends
@@ -471,7 +476,7 @@ class ResponsesShaper:
         self._sequence = 0
         self._opened = False
 
-    # --- shaping.Shaper ---------------------------------------------------------------------------------------
+    # --- generation.Shaper ---------------------------------------------------------------------------------------
 
     def opening(self) -> bytes:
         return self._begin()
@@ -503,7 +508,7 @@ class ResponsesShaper:
         items = self._items(finish)
         return _encode(self._response(self._status(finish), items, prompt_tokens, completion_tokens))
 
-    def stream_error(self, failure: Failure) -> bytes:
+    def stream_error(self, failure: Answer) -> bytes:
         out = self._begin()
         status = "cancelled" if failure.outcome == "cancelled" else "failed"
         partial = [self._message("incomplete", "".join(self.text))] if self.plan.tools is None else []
@@ -515,8 +520,8 @@ class ResponsesShaper:
             "error", code=failure.code, message=failure.message, param=None, error={**error, **failure.extra}
         )
 
-    def error_body(self, failure: Failure) -> bytes:
-        return openai.error_body(failure.message, failure.type, code=failure.code, **failure.extra)
+    def error_body(self, failure: Answer) -> bytes:
+        return failure.body("openai")
 
     # --- pieces ------------------------------------------------------------------------------------------------
 
@@ -641,16 +646,21 @@ NOT_STORED = (
 
 
 def _not_stored(response_id: str, what: str) -> Response:
-    body = openai.error_body(
-        NOT_STORED.format(id=response_id, what=what), "invalid_request_error", code="not_found", param="response_id"
-    )
-    return Response(body, status_code=404, media_type="application/json")
+    message = NOT_STORED.format(id=response_id, what=what)
+    return Answer(404, "invalid_request_error", "not_found", message, "response_id").response("/v1/responses")
 
 
-def routes(app: FastAPI, api: Api) -> None:
+def _events() -> dict[str, Any]:
+    """One server-sent event of a Responses stream: its ``event`` name and the typed JSON it carries."""
+    names = [struct.__struct_config__.tag for struct in views.RESPONSE_EVENTS]
+    payload = {"anyOf": [ref(struct) for struct in views.RESPONSE_EVENTS]}
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {"type": "object", "required": ["event", "data"], "properties": {"event": {"enum": names}, "data": data}}
+
+
+def routes(api: Api) -> list[Route]:
     """``POST /v1/responses``, and the stored-response routes, which find nothing stored."""
 
-    @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         started = time.monotonic()
         body = decode(await request.body())
@@ -660,18 +670,42 @@ def routes(app: FastAPI, api: Api) -> None:
         shaper = ResponsesShaper(response_id, model_id, planned)
         return await api.respond(model_id, planned, shaper, response_id, ENDPOINT, started)
 
-    @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
         return _not_stored(response_id, "retrieve")
 
-    @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         return _not_stored(response_id, "delete")
 
-    @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
         return _not_stored(response_id, "cancel")
 
-    @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str) -> Response:
         return _not_stored(response_id, "list the input items of")
+
+    answer = {
+        "200": {
+            "description": "the response object (``stream: false``) or its typed server-sent events, from "
+            "``response.created`` to ``response.completed`` (``response.incomplete`` when the length limit ended "
+            "it), or ``response.failed`` and an ``error`` event carrying the cause when the runner fails",
+            "content": {"application/json": {"schema": ref(views.ResponseObject)}, SSE: {"schema": _events()}},
+        }
+    }
+    stored = "/v1/responses/{response_id}"
+    nothing = {"404": json_answer(views.ErrorBody, "no such response: tether stores no responses")}
+    what = "a stored response: tether stores none (store is false), so always 404"
+    at = (path_parameter("response_id"),)
+    return [
+        Route(
+            "/v1/responses",
+            "POST",
+            create_response,
+            "OpenAI Responses API, stateless (store false; previous_response_id refused)",
+            answer,
+            GENERATION_ERRORS,
+            ResponsesRequest,
+        ),
+        Route(stored, "GET", get_response, f"retrieve {what}", nothing, parameters=at),
+        Route(stored, "DELETE", delete_response, f"delete {what}", nothing, parameters=at),
+        Route(f"{stored}/cancel", "POST", cancel_response, f"cancel {what}", nothing, parameters=at),
+        Route(f"{stored}/input_items", "GET", input_items, f"list the input items of {what}", nothing, parameters=at),
+    ]

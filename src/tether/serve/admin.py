@@ -1,0 +1,251 @@
+"""The operator's routes: instances (start, list, read, stop, their runner logs), cancelling a request by id,
+probes and metrics. Every answer is a ``views`` struct; every error an ``Answer`` from ``statuses``."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from tether.errors import InvalidField, TetherError
+from tether.fleet.fleet import Hosted, InstanceConfig
+from tether.protocol import tag_of
+from tether.serve import views
+from tether.serve.dialects.plan import decode_body
+from tether.serve.generation import Api
+from tether.serve.metrics import CONTENT_TYPE
+from tether.serve.routes import Route, json_answer, json_response, path_parameter, text_answer
+from tether.serve.statuses import Answer
+
+log = logging.getLogger("tether.api")
+
+LOG_LINES = 2000  # the most lines one read of a runner's log returns
+LOG_TAIL_BYTES = 1 << 20  # and the most bytes it reads, from the end
+_instance_decoder = msgspec.json.Decoder(InstanceConfig)
+
+
+class LogOutside(TetherError):
+    """A log path that is not a regular file inside the worker's log directory (a symlink out of it, say)."""
+
+
+def read_log(path: Path, lines: int, root: Path) -> tuple[list[str], bool]:
+    """The last ``lines`` lines of a log file inside ``root`` (reading at most ``LOG_TAIL_BYTES`` from its end), and
+    whether there was more before them. ``LogOutside`` when the path, its symlinks followed, leaves ``root`` or is
+    no regular file: a request reads runner logs, nothing else on the disk."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        raise LogOutside(f"{path} is not inside the log directory {root}")
+    fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # swapped for a symlink since: refused
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LogOutside(f"{path} is not a regular file")
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - LOG_TAIL_BYTES, 0))
+        text = f.read().decode(errors="replace")
+    found = text.splitlines()
+    if size > LOG_TAIL_BYTES:
+        found = found[1:]  # the first line read is likely cut
+    return found[-lines:], size > LOG_TAIL_BYTES or len(found) > lines
+
+
+def _bad(param: str, message: str) -> Response:
+    return Answer(400, "invalid_request_error", "invalid_request", message, param).response("/v1/instances")
+
+
+def _not_found(message: str, param: str | None = None) -> Response:
+    return Answer(404, "invalid_request_error", "not_found", message, param).response("/v1/instances")
+
+
+def _log_outside(message: str) -> Response:
+    return Answer(403, "permission_error", "log_outside", message).response("/v1/instances")
+
+
+def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Route]:
+    """The operator's routes over ``api``'s fleet; runner logs are read from ``logs`` and nowhere else."""
+    scheduler, fleet, metrics = api.scheduler, api.fleet, api.metrics
+
+    async def fresh(hosted: Hosted) -> views.InstanceOut:
+        """The instance with its runner's memory sampled now (tens of µs), not up to a sampling interval old, and
+        the requests it serves now."""
+        sup = hosted.supervisor
+        if sup is not None and sup.alive:
+            await sup.sample_memory()
+        return views.instance_out(hosted, msgspec.convert(fleet.in_flight(hosted), list[views.RequestOut]))
+
+    async def add_instance(request: Request) -> Response:
+        config = decode_body(_instance_decoder, await request.body(), "instance")
+        try:
+            hosted = await scheduler.add_instance(config)
+        except InvalidField as exc:  # of the instance, not of a generation request: its own code
+            refused = Answer(400, "invalid_request_error", "invalid_instance", str(exc), exc.field)
+            return refused.response("/v1/instances")
+        return json_response(views.instance_out(hosted), status=201)
+
+    async def list_instances() -> Response:
+        memory = await anyio.to_thread.run_sync(scheduler.memory)
+        return json_response(
+            views.InstanceList(
+                object="list",
+                data=[await fresh(h) for h in fleet.list()],
+                node=views.node_out(memory, scheduler.started_at),
+                scheduler=views.scheduler_out(scheduler),
+                cluster=views.cluster_out(cluster) if cluster is not None else msgspec.UNSET,
+            )
+        )
+
+    async def instance_log(instance_id: str, request: Request) -> Response:
+        """The runner log of one life of an instance (its current one by default): the last ``lines`` lines."""
+        query = request.query_params
+        numbers: dict[str, int | None] = {"life": None, "lines": 200}
+        for name in numbers:
+            raw = query.get(name)
+            if raw is None:
+                continue
+            try:
+                numbers[name] = int(raw)
+            except ValueError:
+                return _bad(name, f"{name} must be an integer, got {raw!r}")
+        life, lines = numbers["life"], numbers["lines"] or 0
+        hosted = fleet.get(instance_id)
+        inst = hosted.instance
+        current = views.life_of(inst.state)
+        wanted = current if life is None else life
+        path: str | None = None
+        if wanted is not None and wanted == current and hosted.supervisor is not None:
+            log_path = hosted.supervisor.output_log
+            path = str(log_path) if log_path is not None else None
+        else:
+            path = next((f.log for f in inst.history if f.life == wanted), None)
+        lives = sorted({f.life for f in inst.history} | ({current} if current is not None else set()))
+        if path is None or wanted is None:
+            message = f"no log for life {wanted} of {instance_id}: lives with a log are {lives or 'none'}"
+            return _not_found(message, "life")
+        if not 1 <= lines <= LOG_LINES:
+            return _bad("lines", f"lines must be in [1, {LOG_LINES}], got {lines}")
+        node = hosted.supervisor.node if hosted.supervisor is not None else None
+        where = f" (the runner ran on node {node[:8]}: its log is on that node)" if node else ""
+        try:
+            found, truncated = await anyio.to_thread.run_sync(read_log, Path(path), lines, logs)
+        except LogOutside as exc:
+            if node:  # another node's log directory: not readable from here
+                return _not_found(f"cannot read the log of life {wanted} of {instance_id} at {path}{where}")
+            log.warning("refused to read %s for the log of %s: %s", path, instance_id, exc)
+            return _log_outside(
+                f"refused to read the log of life {wanted} of {instance_id}: {exc}; a request reads runner logs in "
+                "this worker's log directory only (was the file replaced by a link?)"
+            )
+        except OSError as exc:
+            message = f"cannot read the log of life {wanted} of {instance_id} at {path}{where}: {exc.strerror or exc}"
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the log became a symlink after it was checked
+                return _log_outside(message)
+            return _not_found(message)
+        return json_response(views.RunnerLog(id=instance_id, life=wanted, path=path, lines=found, truncated=truncated))
+
+    async def get_instance(instance_id: str) -> Response:
+        return json_response(await fresh(fleet.get(instance_id)))
+
+    async def delete_instance(instance_id: str) -> Response:
+        hosted = await scheduler.remove(instance_id)
+        state = tag_of(hosted.instance.state)
+        return json_response(views.Deleted(id=hosted.id, object="instance", deleted=True, state=state))
+
+    async def cancel_request(request_id: str) -> Response:
+        reply = await fleet.cancel(request_id)
+        state = reply.state.value if reply.state is not None else None
+        return json_response(views.CancelOut(id=request_id, outcome=reply.outcome, detail=reply.detail, state=state))
+
+    async def healthz() -> Response:
+        return json_response(views.Health(status="ok"))
+
+    async def readyz() -> Response:
+        states = {h.id: tag_of(h.instance.state) for h in fleet.list()}
+        ready = any(state == "ready" for state in states.values())
+        return json_response(views.Readiness(ready=ready, instances=states), status=200 if ready else 503)
+
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    instance = (path_parameter("instance_id"),)
+    log_query: tuple[dict[str, Any], ...] = (
+        *instance,
+        {"name": "life", "in": "query", "required": False, "schema": {"type": "integer"}},
+        {
+            "name": "lines",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1, "maximum": LOG_LINES, "default": 200},
+        },
+    )
+    return [
+        Route(
+            "/v1/instances",
+            "POST",
+            add_instance,
+            "start an instance (it loads in the background)",
+            {"201": json_answer(views.InstanceOut, "created; loading")},
+            (400, 409, 413, 507),
+            InstanceConfig,
+        ),
+        Route(
+            "/v1/instances",
+            "GET",
+            list_instances,
+            "every instance, the node, the scheduler (and the cluster, on Ray)",
+            {"200": json_answer(views.InstanceList, "the instances")},
+        ),
+        Route(
+            "/v1/instances/{instance_id}/log",
+            "GET",
+            instance_log,
+            "the last lines of a life's runner log (the current life unless ``life`` names another)",
+            {"200": json_answer(views.RunnerLog, "its lines")},
+            (400, 404),
+            parameters=log_query,
+        ),
+        Route(
+            "/v1/instances/{instance_id}",
+            "GET",
+            get_instance,
+            "one instance, its runner's memory sampled now",
+            {"200": json_answer(views.InstanceOut, "the instance")},
+            (404,),
+            parameters=instance,
+        ),
+        Route(
+            "/v1/instances/{instance_id}",
+            "DELETE",
+            delete_instance,
+            "stop an instance (its requests end cancelled) and remove it",
+            {"200": json_answer(views.Deleted, "stopped and removed")},
+            (404,),
+            parameters=instance,
+        ),
+        Route(
+            "/v1/requests/{request_id}/cancel",
+            "POST",
+            cancel_request,
+            "cancel a generation by its id (the response's ``id`` and ``x-request-id``)",
+            {"200": json_answer(views.CancelOut, "what the cancel did")},
+            parameters=(path_parameter("request_id"),),
+        ),
+        Route("/healthz", "GET", healthz, "liveness", {"200": json_answer(views.Health, "the worker answers")}),
+        Route(
+            "/readyz",
+            "GET",
+            readyz,
+            "readiness: 200 when an instance is ready",
+            {
+                "200": json_answer(views.Readiness, "an instance is ready"),
+                "503": json_answer(views.Readiness, "no instance is ready"),
+            },
+        ),
+        Route("/metrics", "GET", prometheus, "Prometheus metrics", {"200": text_answer("text exposition")}),
+    ]

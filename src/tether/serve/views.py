@@ -1,0 +1,1010 @@
+"""What the API answers: every response body as a msgspec struct, encoded as it is and described by the OpenAPI
+document (``schema``) from the same struct, so a field a response carries is a field the schema states.
+
+The builders at the end turn the fleet's objects (instances, their runners, replicas and ranks, the scheduler, the
+node, a cluster's view) into these structs; nothing builds a response dict beside them. A field that only some
+answers carry is ``UNSET`` (omitted) in the others; ``None`` is sent as ``null``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Literal, Protocol
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+import tether
+from tether.fleet.fleet import Hosted
+from tether.fleet.scheduler import Decision, Scheduler, Slot, footprint_of
+from tether.node.hangs import Deadlines
+from tether.node.instance import Instance, InstanceReady, InstanceRestarting, RestartPolicy
+from tether.node.memory import NodeMemory, ProcessMemory
+from tether.node.ranks import RankGroup
+from tether.protocol import Cause, tag_of
+
+encode = msgspec.json.Encoder().encode
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors, and what every dialect shares
+# --------------------------------------------------------------------------------------------------------------
+
+
+class CauseOut(msgspec.Struct):
+    """Why a runner failed, with its evidence (the same object in errors, instances and their history)."""
+
+    kind: str
+    summary: str
+    evidence: list[str]
+    phase: str | None
+    exit_code: int | None
+    signal: str | None  # its name: "SIGKILL"
+    rank: int | None = None  # the rank that failed, in a multi-rank instance
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    cause: CauseOut | UnsetType = UNSET  # a runner failure: why
+    completion_tokens: int | UnsetType = UNSET  # a generation that ended early: tokens it produced first
+    nodes: list[dict[str, Any]] | UnsetType = UNSET  # a 507 on a cluster: each node's verdict
+    host: str | UnsetType = UNSET  # a 403 host_not_allowed: the Host refused
+    origin: str | UnsetType = UNSET  # a 403 origin_not_allowed: the Origin refused
+
+
+class ErrorBody(msgspec.Struct):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float | None  # null only where the log-probability is -inf
+    bytes: list[int]
+
+
+class LogprobOut(msgspec.Struct):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """``logprobs: true``: each generated token's log-probability under the model, and the ``top_logprobs`` most
+    likely tokens at its position."""
+
+    content: list[LogprobOut]
+    refusal: None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions API's logprobs (``logprobs: n``)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class ToolCallDelta(msgspec.Struct):
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str | None  # null when the answer is tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: CompletionLogprobs | None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct):
+    role: Literal["assistant"] | None = None  # in the first chunk
+    content: str | None = None  # absent in the chunk that carries the finish reason
+    tool_calls: list[ToolCallDelta] | None = None  # a tool answer: every call, whole, in one chunk
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]  # empty in the usage chunk (``stream_options.include_usage``)
+    usage: Usage | None = None
+
+
+class TextChunkChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChunkChoice]
+    usage: Usage | None = None
+
+
+class EmbeddingOut(msgspec.Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # ``encoding_format: base64``: little-endian float32, base64
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    """One unit-length vector per input, in order."""
+
+    object: Literal["list"]
+    data: list[EmbeddingOut]
+    model: str
+    usage: EmbeddingUsage
+
+
+# The Responses API (``responses``): the ``response`` object and its stream's typed events
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # ``cached_tokens``, ``cache_write_tokens``: not counted here, 0
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # ``reasoning_tokens``: 0
+    total_tokens: int
+
+
+class OutputText(msgspec.Struct):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]  # always empty
+    logprobs: list[LogprobOut]  # with ``include: ["message.output_text.logprobs"]`` or ``top_logprobs``
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str  # what the ``function_call_output`` item that answers it names
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class ResponseFailure(msgspec.Struct):
+    """Why a response failed: tether's error code (a runner failure's cause kind), its message and ``cause``."""
+
+    code: str
+    message: str
+    cause: CauseOut | None = None
+    completion_tokens: int | None = None
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(msgspec.Struct):
+    """A ``response`` (``object: "response"``), never stored; it echoes the request's settings."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    error: ResponseFailure | None
+    incomplete_details: IncompleteDetails | None  # the length limit ended it
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None  # null until it ends
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_logprobs: int | None
+    truncation: Literal["disabled"]
+    store: bool
+    background: bool
+    previous_response_id: None
+    reasoning: None
+
+
+class ResponseCreated(msgspec.Struct, tag_field="type", tag="response.created"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseInProgress(msgspec.Struct, tag_field="type", tag="response.in_progress"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseCompleted(msgspec.Struct, tag_field="type", tag="response.completed"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseIncomplete(msgspec.Struct, tag_field="type", tag="response.incomplete"):
+    """The length limit ended it (``max_output_tokens``)."""
+
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseFailed(msgspec.Struct, tag_field="type", tag="response.failed"):
+    """The runner failed (or the request was cancelled) mid-stream: ``response.error`` says why; an ``error``
+    event follows and ends the stream."""
+
+    sequence_number: int
+    response: ResponseObject
+
+
+class OutputItemAdded(msgspec.Struct, tag_field="type", tag="response.output_item.added"):
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(msgspec.Struct, tag_field="type", tag="response.output_item.done"):
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(msgspec.Struct, tag_field="type", tag="response.content_part.added"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(msgspec.Struct, tag_field="type", tag="response.content_part.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(msgspec.Struct, tag_field="type", tag="response.output_text.delta"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[LogprobOut]
+
+
+class OutputTextDone(msgspec.Struct, tag_field="type", tag="response.output_text.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[LogprobOut]
+
+
+class FunctionCallArgumentsDelta(msgspec.Struct, tag_field="type", tag="response.function_call_arguments.delta"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(msgspec.Struct, tag_field="type", tag="response.function_call_arguments.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponseErrorEvent(msgspec.Struct, tag_field="type", tag="error"):
+    """The last event of a failed stream; ``error`` is OpenAI's error object (with the cause), which the openai
+    client raises as an ``APIError``."""
+
+    sequence_number: int
+    code: str
+    message: str
+    param: None
+    error: ErrorDetail
+
+
+RESPONSE_EVENTS = (
+    ResponseCreated,
+    ResponseInProgress,
+    OutputItemAdded,
+    ContentPartAdded,
+    OutputTextDelta,
+    OutputTextDone,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemDone,
+    ResponseCompleted,
+    ResponseIncomplete,
+    ResponseFailed,
+    ResponseErrorEvent,
+)
+
+
+# Ollama's API (``ollama``): JSON objects and NDJSON lines; errors are ``{"error": "<message>"}``
+
+
+class OllamaErrorBody(msgspec.Struct):
+    """Ollama's error shape (the ``ollama`` clients raise ``ResponseError`` with ``error``), with tether's ``code``,
+    the invalid field (``param``) and a runner failure's ``cause`` beside the message."""
+
+    error: str
+    code: str | None
+    param: str | UnsetType = UNSET
+    cause: CauseOut | UnsetType = UNSET
+    completion_tokens: int | UnsetType = UNSET
+    nodes: list[dict[str, Any]] | UnsetType = UNSET
+    host: str | UnsetType = UNSET
+    origin: str | UnsetType = UNSET
+
+
+class OllamaFunctionOut(msgspec.Struct):
+    index: int
+    name: str
+    arguments: Any  # an object, matching the tool's parameters (grammar-constrained)
+
+
+class OllamaToolCallOut(msgspec.Struct):
+    id: str
+    function: OllamaFunctionOut
+
+
+class OllamaMessageOut(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[OllamaToolCallOut] | None = None
+
+
+# "load" / "unload": a request without a prompt, answered once its model is loaded (or, with keep_alive 0, unloaded)
+OllamaDoneReason = Literal["stop", "length", "load", "unload"]
+
+
+class OllamaChatChunk(msgspec.Struct):
+    model: str
+    created_at: str  # RFC 3339
+    message: OllamaMessageOut
+    done: Literal[False]
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaChatDone(msgspec.Struct):
+    """The last line of a chat stream, or the whole answer; durations in nanoseconds (absent for "load")."""
+
+    model: str
+    created_at: str
+    message: OllamaMessageOut
+    done: Literal[True]
+    done_reason: OllamaDoneReason
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaGenerateChunk(msgspec.Struct):
+    model: str
+    created_at: str
+    response: str
+    done: Literal[False]
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaGenerateDone(msgspec.Struct):
+    model: str
+    created_at: str
+    response: str
+    done: Literal[True]
+    done_reason: OllamaDoneReason
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[LogprobOut] | None = None
+
+
+class OllamaEmbedOut(msgspec.Struct):
+    model: str
+    embeddings: list[list[float]]  # unit length, one per input
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingOut(msgspec.Struct):
+    embedding: list[float]  # empty for an empty prompt
+
+
+class OllamaDetails(msgspec.Struct):
+    """From the model's GGUF header; empty strings where there is no model file (the debug engine)."""
+
+    parent_model: str
+    format: str
+    family: str
+    families: list[str] | None
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaTag(msgspec.Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int  # the model file's
+    digest: str  # sha256 of the file's path, size and mtime
+    details: OllamaDetails
+
+
+class OllamaTags(msgspec.Struct):
+    models: list[OllamaTag]
+
+
+class OllamaLoaded(msgspec.Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int  # the runner's footprint plus its resident mapped weights
+    digest: str
+    details: OllamaDetails
+    size_vram: int
+    expires_at: str  # far future: an instance stays loaded until it is removed
+    context_length: int | UnsetType = UNSET  # the model's n_ctx, when it sets one
+
+
+class OllamaPs(msgspec.Struct):
+    models: list[OllamaLoaded]
+
+
+class OllamaShow(msgspec.Struct):
+    modelfile: str
+    parameters: str
+    template: str  # the GGUF's chat template (Jinja, not a Go template)
+    license: str
+    details: OllamaDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class OllamaVersion(msgspec.Struct):
+    version: str  # tether's
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Models, instances, the node
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ModelOut(msgspec.Struct):
+    """A model as OpenAI lists it, with what tether knows beside: a catalogued model's scheduling (``aliases`` to
+    ``source``), or an instance added through ``POST /v1/instances`` (``pinned``: it stays until it is deleted)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    state: str | UnsetType = UNSET  # unloaded, loading, loaded, unloading; an added instance's own state
+    engine: str | UnsetType = UNSET
+    model: str | UnsetType | None = UNSET
+    pinned: bool | UnsetType = UNSET
+    footprint: int | UnsetType | None = UNSET  # bytes its runner holds (None: not loaded)
+    aliases: list[str] | UnsetType = UNSET
+    keep_alive: float | UnsetType | None = UNSET  # seconds idle before it is unloaded (None: for ever)
+    expires_in: float | UnsetType | None = UNSET  # seconds until keep-alive unloads it (None: not counting down)
+    busy: bool | UnsetType = UNSET
+    estimate: int | UnsetType | None = UNSET  # bytes the fit check expects it to need
+    loads: int | UnsetType = UNSET
+    load_seconds: float | UnsetType | None = UNSET  # the last load's, request to ready
+    source: str | UnsetType = UNSET  # where it is catalogued: the catalog file, the models directory, built in
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelOut]
+
+
+class CatalogModelOut(msgspec.Struct):
+    """A catalogued model's scheduling state (``GET /v1/models`` shows the same beside OpenAI's fields)."""
+
+    state: str
+    aliases: list[str]
+    engine: str
+    model: str | None
+    pinned: bool
+    keep_alive: float | None
+    expires_in: float | None
+    busy: bool
+    footprint: int | None
+    estimate: int | None
+    loads: int
+    load_seconds: float | None
+    source: str
+
+
+class SchedulerOut(msgspec.Struct):
+    """The scheduler: its settings, its models, its last decisions (``tether status`` prints them)."""
+
+    max_loaded: int | None
+    load_wait: float
+    reclaim_timeout: float
+    models: dict[str, CatalogModelOut]
+    decisions: list[Decision]
+
+
+class QueueOut(msgspec.Struct):
+    """Generations admitted: ``running`` in the runner's batch (at most ``parallel``) plus ``waiting`` for a slot
+    (at most ``max_queue``); ``in_flight`` is their sum, ``limit`` its bound (beyond it: 503 with Retry-After)."""
+
+    running: int
+    waiting: int
+    in_flight: int
+    parallel: int
+    max_queue: int
+    limit: int
+
+
+class RunnerMemoryOut(msgspec.Struct):
+    """A runner's memory in bytes: ``footprint`` is what killing its group frees (anonymous + shmem + swap + GPU),
+    beside the raw figures (``tether.node.memory.ProcessMemory``)."""
+
+    footprint: int
+    rss: int
+    pss: int | None
+    uss: int | None
+    anon: int
+    file: int
+    swap: int
+    gpu: int | None
+    pss_anon: int | None
+    shmem: int
+
+
+class RunnerOut(msgspec.Struct):
+    pid: int
+    status: str  # the runner's own status: loading, warming_up, ready, ...
+    memory: RunnerMemoryOut | None
+    log: str | None  # its log file
+    cgroup: str | None  # its own memory cgroup
+    node: str | None  # on a cluster: the node it runs on
+
+
+class PastLife(msgspec.Struct):
+    """A life of an instance that ended in a failure."""
+
+    at: float
+    life: int
+    pid: int | None
+    detected_in: float | None  # seconds from the death to tether's verdict
+    cause: CauseOut
+    log: str | None = None  # that life's runner log file (``GET /v1/instances/{id}/log?life=N`` reads it)
+
+
+class ReplicaOut(msgspec.Struct):
+    """One copy of a replicated instance (each a runner of its own); ``serving``: its requests now."""
+
+    name: str
+    state: str
+    node: str | None
+    pid: int | None
+    serving: int
+    restarts: int
+    cause: CauseOut | None
+
+
+class RankOut(msgspec.Struct, forbid_unknown_fields=True):
+    """One rank of a multi-rank instance (requests go to rank 0)."""
+
+    rank: int
+    address: str
+    node: str | None
+    pid: int | None
+    status: str | None
+    alive: bool
+    log: str | None
+
+
+class RequestOut(msgspec.Struct):
+    """A request an instance serves now (the dashboard cancels one by ``id``)."""
+
+    id: str
+    replica: str
+    tokens: int
+
+
+class InstanceOut(msgspec.Struct):
+    """One instance: its state, its runner (pid, memory, log, cgroup) and every failure of its past lives."""
+
+    id: str
+    object: Literal["instance"]
+    created: int
+    engine: str
+    model: str | None
+    options: dict[str, Any]
+    state: str
+    detail: dict[str, Any]  # the state's own fields (life, since, cause, resume_at, ...)
+    reason: str | None  # why it cannot take requests now (None: it can)
+    ready: bool
+    runner: RunnerOut | None
+    pids: list[int]
+    restarts: int
+    failures: dict[str, int]  # every failed life by cause kind (``history`` keeps the latest 64)
+    queue: QueueOut
+    cause: CauseOut | None
+    history: list[PastLife]
+    life: int | None  # the current life (None once stopped or failed)
+    backoff_remaining: float | None  # seconds until a restarting instance's next life starts
+    tokens: int  # completion tokens served so far, streams in flight included: two reads give tokens/s
+    fit: str | None  # the fit check's verdict, with the numbers
+    measured: str | None  # what the runner was measured to hold once ready, against the estimate
+    restart: RestartPolicy
+    deadlines: Deadlines
+    replicas: list[ReplicaOut]  # each copy (one for an instance without replicas)
+    spread: str  # how replicas are placed over nodes (Ray placement strategy: SPREAD, STRICT_SPREAD, PACK)
+    ranks: list[RankOut] | None  # a multi-rank instance's ranks now
+    in_flight_requests: list[RequestOut] | UnsetType = UNSET  # GET's answers only, not POST's
+
+
+class NodeMemoryOut(msgspec.Struct):
+    available: int
+    total: int  # the cgroup's limit where there is one, else the host's memory
+    source: str  # where ``available`` comes from
+    host_total: int
+    host_available: int
+
+
+class GpuOut(msgspec.Struct):
+    index: int
+    name: str
+    used: int
+    total: int
+
+
+class NodeOut(msgspec.Struct):
+    """This machine as tether measures it: the worker, available memory and where the number comes from, GPUs."""
+
+    pid: int
+    version: str
+    uptime: float
+    memory: NodeMemoryOut
+    gpus: list[GpuOut] | None
+    gpu_reason: str | None  # why there are no GPU figures
+
+
+class ClusterNodeOut(msgspec.Struct, forbid_unknown_fields=True):
+    """A Ray node's agent as the coordinator sees it."""
+
+    node: str
+    host: str
+    agent_pid: int | None
+    state: str
+    cause: str | None  # why it was lost
+    heard_ago: float  # seconds since its last heartbeat
+    lost_at: float | None  # CLOCK_MONOTONIC of tether's verdict
+    ray_notified_at: float | None  # and of Ray's notification of the same death
+    memory: dict[str, Any] | None  # its memory as its agent measures it
+    runners: list[str]
+
+
+class ClusterOut(msgspec.Struct, forbid_unknown_fields=True):
+    address: str | None
+    nodes: list[ClusterNodeOut]
+    events: list[dict[str, Any]]  # nodes joined and lost: at, node, kind, why
+    lost_after: float
+    lease: float
+
+
+class InstanceList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[InstanceOut]
+    node: NodeOut
+    scheduler: SchedulerOut
+    cluster: ClusterOut | UnsetType = UNSET  # served on a Ray cluster only
+
+
+class RunnerLog(msgspec.Struct):
+    """The last lines of one life's runner log."""
+
+    id: str
+    life: int
+    path: str
+    lines: list[str]
+    truncated: bool
+
+
+class Deleted(msgspec.Struct):
+    id: str
+    object: Literal["instance"]
+    deleted: bool
+    state: str
+
+
+class CancelOut(msgspec.Struct):
+    id: str
+    outcome: Literal["requested", "finished", "unknown", "runner_gone"]
+    detail: str
+    state: str | None
+
+
+class Health(msgspec.Struct):
+    status: Literal["ok"]
+
+
+class Readiness(msgspec.Struct):
+    ready: bool
+    instances: dict[str, str]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Builders: the fleet's objects as the structs above
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ClusterView(Protocol):
+    """The Ray cluster's nodes, agents and events (``tether.cluster.coordinator.Cluster``), for GET /v1/instances."""
+
+    def view(self) -> dict[str, Any]: ...
+
+
+def cause_out(cause: Cause) -> CauseOut:
+    return CauseOut(
+        kind=cause.kind.value,
+        summary=cause.summary,
+        evidence=list(cause.evidence),
+        phase=cause.phase,
+        exit_code=cause.exit_code,
+        signal=cause.signal,
+        rank=cause.rank,
+    )
+
+
+def _cause(cause: Cause | None) -> CauseOut | None:
+    return cause_out(cause) if cause is not None else None
+
+
+def runner_memory(memory: ProcessMemory) -> RunnerMemoryOut:
+    return RunnerMemoryOut(
+        footprint=memory.footprint,
+        rss=memory.rss,
+        pss=memory.pss,
+        uss=memory.uss,
+        anon=memory.anon,
+        file=memory.file,
+        swap=memory.swap,
+        gpu=memory.gpu,
+        pss_anon=memory.pss_anon,
+        shmem=memory.shmem,
+    )
+
+
+def life_of(state: Any) -> int | None:
+    """The life an instance state belongs to (None for states outside a life: stopped, failed)."""
+    life: int | None = getattr(state, "life", None)
+    return life
+
+
+def _replica(inst: Instance, serving: int) -> ReplicaOut:
+    sup = inst.supervisor
+    return ReplicaOut(
+        name=inst.name,
+        state=tag_of(inst.state),
+        node=sup.node if sup is not None else None,
+        pid=sup.pid if sup is not None else None,
+        serving=serving,
+        restarts=inst.restarts,
+        cause=_cause(inst.cause),
+    )
+
+
+def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET) -> InstanceOut:
+    """``hosted`` now (its runner's memory as last sampled); ``requests``: those it serves, for GET's answers."""
+    inst = hosted.instance
+    state = inst.state
+    sup = hosted.supervisor
+    runner: RunnerOut | None = None
+    if sup is not None and sup.pid is not None:
+        memory = sup.footprint
+        runner = RunnerOut(
+            pid=sup.pid,
+            status=tag_of(sup.status),
+            memory=runner_memory(memory) if memory is not None else None,
+            log=str(sup.output_log) if sup.output_log else None,
+            cgroup=str(sup.cgroup) if sup.cgroup is not None else None,
+            node=sup.node,
+        )
+    running, waiting = hosted.generations()
+    ranks = sup.ranks() if isinstance(sup, RankGroup) else None
+    return InstanceOut(
+        id=hosted.id,
+        object="instance",
+        created=int(hosted.created_at),
+        engine=inst.spec.engine,
+        model=hosted.config.model,
+        options=hosted.config.options,
+        state=tag_of(state),
+        detail=msgspec.to_builtins(state),
+        reason=inst.unavailable_reason(),
+        ready=isinstance(state, InstanceReady),
+        runner=runner,
+        pids=list(inst.pids),
+        restarts=inst.restarts,
+        failures={kind.value: count for kind, count in inst.failures.items()},
+        queue=QueueOut(
+            running=running,
+            waiting=waiting,
+            in_flight=hosted.in_flight,
+            parallel=hosted.parallel,
+            max_queue=hosted.config.max_queue,
+            limit=hosted.limit,
+        ),
+        cause=_cause(inst.cause),
+        history=[
+            PastLife(at=f.at, life=f.life, pid=f.pid, detected_in=f.detected_in, cause=cause_out(f.cause), log=f.log)
+            for f in inst.history
+        ],
+        life=life_of(state),
+        backoff_remaining=(
+            round(max(state.resume_at - time.monotonic(), 0.0), 2) if isinstance(state, InstanceRestarting) else None
+        ),
+        tokens=hosted.tokens(),
+        fit=inst.fit.message if inst.fit is not None else None,
+        measured=inst.measured.describe() if inst.measured is not None else None,
+        restart=hosted.config.restart,
+        deadlines=hosted.config.deadlines,
+        replicas=[_replica(r, hosted.serving.get(r, 0)) for r in hosted.replicas],
+        spread=hosted.config.spread,
+        ranks=msgspec.convert(ranks, list[RankOut]) if ranks is not None else None,
+        in_flight_requests=requests,
+    )
+
+
+def node_out(memory: NodeMemory, started_at: float) -> NodeOut:
+    """This machine as the dashboard and ``tether status`` show it: the worker, and memory as tether measures it."""
+    return NodeOut(
+        pid=os.getpid(),
+        version=tether.__version__,
+        uptime=round(time.time() - started_at, 1),
+        memory=NodeMemoryOut(
+            available=memory.available,
+            total=memory.cgroup_limit if memory.cgroup_limit is not None else memory.host_total,
+            source=memory.source,
+            host_total=memory.host_total,
+            host_available=memory.host_available,
+        ),
+        gpus=[GpuOut(index=g.index, name=g.name, used=g.total - g.free, total=g.total) for g in memory.gpus] or None,
+        gpu_reason=memory.gpu_reason,
+    )
+
+
+def catalog_model_out(slot: Slot, now: float) -> CatalogModelOut:
+    """A catalogued model as ``GET /v1/models`` and the scheduler's view show it."""
+    hosted = slot.hosted
+    estimate = slot.estimate
+    return CatalogModelOut(
+        state=slot.state,
+        aliases=list(slot.model.aliases),
+        engine=slot.model.config.spec().engine,
+        model=slot.model.config.model,
+        pinned=slot.model.pinned,
+        keep_alive=None if math.isinf(slot.keep_alive) else slot.keep_alive,
+        expires_in=slot.expires_in(now),
+        busy=not slot.idle,
+        footprint=footprint_of(hosted) if hosted is not None else None,
+        estimate=estimate.total if estimate is not None else None,
+        loads=slot.loads,
+        load_seconds=slot.load_seconds,
+        source=slot.model.source,
+    )
+
+
+def scheduler_out(scheduler: Scheduler) -> SchedulerOut:
+    """The scheduler for ``GET /v1/instances`` and ``tether status``: its settings, its models, its decisions."""
+    now = time.monotonic()
+    return SchedulerOut(
+        max_loaded=scheduler.max_loaded,
+        load_wait=scheduler.load_wait,
+        reclaim_timeout=scheduler.reclaim_timeout,
+        models={slot.id: catalog_model_out(slot, now) for slot in scheduler.slots.values()},
+        decisions=list(scheduler.decisions),
+    )
+
+
+def cluster_out(cluster: ClusterView) -> ClusterOut:
+    """The coordinator's view, checked against ``ClusterOut`` (a key it does not describe is an error here)."""
+    return msgspec.convert(cluster.view(), ClusterOut)
