@@ -70,7 +70,7 @@ from typing import Any
 
 from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.kernel.pids import alive
-from tether.node.drill import TrialResult, become_subreaper, run_trial
+from tether.node.drill import DrillResult, become_subreaper, run_trial
 from tether.runner import lifeline
 
 STATES = ("loading",)  # see the docstring: an idle runner would also exit on its task pipe's EOF
@@ -108,7 +108,7 @@ class Outcome:
     survivors: int = 0  # processes alive at a trial's deadline
     seconds: float = 0.0
 
-    def add(self, result: TrialResult) -> None:
+    def add(self, result: DrillResult) -> None:
         self.trials += 1
         if result.survivors:
             self.failed += 1
@@ -123,7 +123,7 @@ class Outcome:
             self.runner_after_ms.extend(ms - worker for ms in result.runner_exit_ms.values())
 
 
-def _trial(config: Config, kill_delay: float) -> TrialResult:
+def _trial(config: Config, kill_delay: float) -> DrillResult:
     return run_trial(
         STATES,
         helpers=HELPERS,

@@ -12,9 +12,8 @@ import pytest
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
 from tether.engines.llamacpp import PARALLEL_DEFAULT, LlamaCppEngine
 from tether.engines.llamacpp_estimate import DEFAULT_HEADROOM, estimate_gguf
-from tether.errors import DoesNotFit
 from tether.models import DefaultModelMissing, default_model_path
-from tether.node.fit import check_fit, ensure_fits, record_measured
+from tether.node.fit import DoesNotFit, check_fit, ensure_fits, record_measured
 from tether.node.memory import process_memory
 from tether.node.supervisor import Supervisor
 from tether.protocol import EngineSpec, GenerateParams

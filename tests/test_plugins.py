@@ -17,8 +17,9 @@ import pytest
 
 from conftest import TETHER, model_missing, serving
 from tether.engines import registry
-from tether.errors import DoesNotFit, UnknownEngine
+from tether.errors import UnknownEngine
 from tether.node import fit
+from tether.node.fit import DoesNotFit
 from tether.protocol import EngineSpec
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]

@@ -109,7 +109,12 @@ def test_models_probes_and_generations_are_described(server: Server, document: D
     document.check(server.http.post("/v1/responses", json=response), "/v1/responses", "post")
     embed = {"model": "scarred", "input": ["a", "b"]}
     document.check(server.http.post("/v1/embeddings", json=embed), "/v1/embeddings", "post")
-    ollama = {"model": "scarred", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    ollama = {
+        "model": "scarred",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "options": {"num_predict": 3},
+    }
     document.check(server.http.post("/api/chat", json=ollama), "/api/chat", "post")
     document.check(server.http.get("/api/tags"), "/api/tags")
     document.check(server.http.get("/api/ps"), "/api/ps")

@@ -13,16 +13,14 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tether.channel": ("EndOfStream", "ProtocolError"),
     "tether.engines.base": ("Delta", "Engine", "EngineLoadError", "Estimate", "MemoryEstimate", "RequestError"),
     "tether.errors": (
-        "DoesNotFit",
         "InstanceExists",
         "InvalidField",
         "InvalidModel",
         "NotFound",
         "TetherError",
-        "Unavailable",
         "UnknownEngine",
     ),
-    "tether.node.fit": ("FitResult",),
+    "tether.node.fit": ("DoesNotFit", "FitResult"),
     "tether.node.hangs": ("Deadlines",),
     "tether.node.instance": ("Instance", "InstanceState", "RestartPolicy"),
     "tether.node.supervisor": ("Supervisor",),
@@ -40,7 +38,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "TaskState",
         "TaskStatus",
     ),
-    "tether.fleet.fleet": ("Fleet", "InstanceConfig"),
+    "tether.fleet.fleet": ("Fleet", "InstanceConfig", "Unavailable"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -54,16 +52,16 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
     from tether.engines.base import Estimate as Estimate
     from tether.engines.base import MemoryEstimate as MemoryEstimate
     from tether.engines.base import RequestError as RequestError
-    from tether.errors import DoesNotFit as DoesNotFit
     from tether.errors import InstanceExists as InstanceExists
     from tether.errors import InvalidField as InvalidField
     from tether.errors import InvalidModel as InvalidModel
     from tether.errors import NotFound as NotFound
     from tether.errors import TetherError as TetherError
-    from tether.errors import Unavailable as Unavailable
     from tether.errors import UnknownEngine as UnknownEngine
     from tether.fleet.fleet import Fleet as Fleet
     from tether.fleet.fleet import InstanceConfig as InstanceConfig
+    from tether.fleet.fleet import Unavailable as Unavailable
+    from tether.node.fit import DoesNotFit as DoesNotFit
     from tether.node.fit import FitResult as FitResult
     from tether.node.hangs import Deadlines as Deadlines
     from tether.node.instance import Instance as Instance

@@ -8,11 +8,6 @@ and what to do; its attributes carry what a caller maps (the API maps types to s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # for annotations only: the wire imports this module, and the fit check is worker-side
-    from tether.node.fit import FitResult
-    from tether.protocol import Cause
 
 
 class TetherError(Exception):
@@ -92,23 +87,3 @@ class BodyTooLarge(TetherError):
 
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(f"request body of at least {size} bytes exceeds the limit of {limit} bytes (--max-body)")
-
-
-class DoesNotFit(TetherError):
-    """The model does not fit the memory available; ``result`` has the numbers."""
-
-    def __init__(self, result: FitResult) -> None:
-        super().__init__(result.message)
-        self.result = result
-
-
-class Unavailable(TetherError):
-    """A request cannot be served now: why, and when to retry (``retry_after`` seconds; None: not by retrying).
-
-    ``cause`` is the runner failure behind it, when there is one.
-    """
-
-    def __init__(self, message: str, *, retry_after: float | None, cause: Cause | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-        self.cause = cause

@@ -36,7 +36,7 @@ from tether.cli.common import (
     fail,
     reap_at_start,
 )
-from tether.errors import DoesNotFit, EngineImportRefused, InvalidField, TetherError, Unavailable, UnknownEngine
+from tether.errors import EngineImportRefused, InvalidField, TetherError, UnknownEngine
 from tether.fleet.catalog import (
     DEFAULT_KEEP_ALIVE,
     FOREVER,
@@ -47,8 +47,9 @@ from tether.fleet.catalog import (
     read_catalog_file,
     scan_models_dir,
 )
-from tether.fleet.fleet import Fleet, InstanceConfig
+from tether.fleet.fleet import Fleet, InstanceConfig, Unavailable
 from tether.fleet.scheduler import Scheduler
+from tether.node.fit import DoesNotFit
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.serve.app import create_app
 from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns

@@ -88,7 +88,7 @@ class Exited(msgspec.Struct, frozen=True):
     not_gone: str | None = None
 
 
-class Outcome(msgspec.Struct, frozen=True):
+class LoadOutcome(msgspec.Struct, frozen=True):
     """A load-and-warm-up (or other call) that did not complete: why, and the runner's cause when it has one."""
 
     ok: bool
@@ -342,8 +342,8 @@ class NodeAgent:
             await sup.ready()
         except (TaskFailed, RunnerUnavailable) as exc:
             cause = exc.status.cause if isinstance(exc, TaskFailed) else exc.cause
-            return msgspec.msgpack.encode(Outcome(False, str(exc), cause or sup.cause))
-        return msgspec.msgpack.encode(Outcome(True))
+            return msgspec.msgpack.encode(LoadOutcome(False, str(exc), cause or sup.cause))
+        return msgspec.msgpack.encode(LoadOutcome(True))
 
     async def generate(self, runner_id: str, task_id: str, params: bytes) -> Any:
         """Stream a generation's events as batches (msgpack lists): whatever arrived since the last batch, so a

@@ -27,7 +27,6 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,11 +35,11 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream, TaskGroup
 
-from tether.cluster import agent as node
-from tether.cluster import wire
+from tether.cluster import agent, wire
+from tether.cluster.link import AgentLink
 from tether.cluster.remote import RemoteSupervisor
-from tether.errors import DoesNotFit, TetherError
-from tether.node.fit import FitResult
+from tether.errors import TetherError
+from tether.node.fit import DoesNotFit, FitResult
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceStopped
 from tether.node.listeners import Listeners
@@ -95,69 +94,6 @@ class NodeEvent(msgspec.Struct, frozen=True):
     node: str
     kind: EventKind
     why: str
-
-
-@dataclass(eq=False)
-class AgentLink:
-    """The coordinator's view of one node agent."""
-
-    node_id: str
-    actor: Any
-    lost_after: float
-    settle: float = 0.0  # after its last word, by when a partitioned agent has fenced itself: lease + stop + reap
-    pid: int | None = None
-    host: str | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    report: wire.NodeReport | None = None
-    fenced: bool = False
-    lost: Cause | None = None
-    lost_at: float | None = None  # time.monotonic() of tether's verdict
-    died_at: float | None = None  # time.monotonic() when Ray failed the held call: Ray's own notification
-    stream: SocketStream | None = None
-    supervisors: set[RemoteSupervisor] = field(default_factory=set)
-    connected: anyio.Event = field(default_factory=anyio.Event)
-    death: list[str] = field(default_factory=list)  # Ray's words, once its watch call failed
-    died: anyio.Event = field(default_factory=anyio.Event)
-
-    @property
-    def short(self) -> str:
-        return self.node_id[:8]
-
-    @property
-    def live(self) -> bool:
-        """Joined (connected, and its start answered: pid and host known) and not lost."""
-        return self.lost is None and self.connected.is_set() and self.pid is not None
-
-    def attach(self, sup: RemoteSupervisor) -> None:
-        if self.lost is not None:
-            sup.lose(self.lost, time.monotonic())
-        else:
-            self.supervisors.add(sup)
-
-    def detach(self, sup: RemoteSupervisor) -> None:
-        self.supervisors.discard(sup)
-
-    @property
-    def state(self) -> str:
-        if self.lost is not None:
-            return "lost"
-        return "fenced" if self.fenced else ("live" if self.live else "joining")
-
-    def view(self) -> dict[str, Any]:
-        report = self.report
-        return {
-            "node": self.node_id,
-            "host": self.host,
-            "agent_pid": self.pid,
-            "state": self.state,
-            "cause": self.lost.summary if self.lost is not None else None,
-            "heard_ago": round(time.monotonic() - self.last_seen, 3),
-            # CLOCK_MONOTONIC: tether's verdict and Ray's notification of the same death, comparable (bench/cluster.py)
-            "lost_at": self.lost_at,
-            "ray_notified_at": self.died_at,
-            "memory": msgspec.to_builtins(report) if report is not None else None,
-            "runners": sorted(sup.runner_id for sup in self.supervisors),
-        }
 
 
 def _ray_words(lines: list[str]) -> str:
@@ -296,7 +232,7 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         s = self.settings
-        settings = node.AgentSettings(
+        settings = agent.AgentSettings(
             coordinator=self._address,
             node_id=node_id,
             token=self._token,
@@ -305,7 +241,7 @@ class Cluster:
             memory_limit=s.node_memory_limit,
             stop_timeout=s.stop_timeout,
         )
-        actor_class = self._ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)(node.NodeAgent)
+        actor_class = self._ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)(agent.NodeAgent)
         actor = actor_class.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             name=None,
@@ -500,12 +436,12 @@ class Cluster:
         replicas, spread = self._groups.get(instance.name, ([instance], "SPREAD"))
         links = [link for link in self.links.values() if link.live and not link.fenced]
         spec = msgspec.msgpack.encode(instance.spec)
-        verdicts: dict[str, node.Verdict] = {}
+        verdicts: dict[str, agent.Verdict] = {}
 
         async def assess(link: AgentLink) -> None:
             with contextlib.suppress(Exception), anyio.move_on_after(ASSESS_TIMEOUT):
                 raw = await link.actor.assess.remote(spec, instance.force)
-                verdicts[link.node_id] = msgspec.msgpack.decode(raw, type=node.Verdict)
+                verdicts[link.node_id] = msgspec.msgpack.decode(raw, type=agent.Verdict)
 
         async with anyio.create_task_group() as tg:
             for link in links:
@@ -534,7 +470,11 @@ class Cluster:
         return FitResult(None, chosen.available, f"node {chosen.node_id[:8]}: {chosen.source}", True, False, message)
 
     def _place_ranks(
-        self, instance: Instance, verdicts: dict[str, node.Verdict], links: list[AgentLink], fitting: list[node.Verdict]
+        self,
+        instance: Instance,
+        verdicts: dict[str, agent.Verdict],
+        links: list[AgentLink],
+        fitting: list[agent.Verdict],
     ) -> FitResult:
         """Each rank on a node of its own (STRICT_SPREAD), those with the most memory free first."""
         fitting.sort(key=lambda v: -v.available)
@@ -567,7 +507,7 @@ class Cluster:
     def _refusal(
         self,
         instance: Instance,
-        verdicts: dict[str, node.Verdict],
+        verdicts: dict[str, agent.Verdict],
         links: list[AgentLink],
         siblings: set[str],
         spread: Spread,

@@ -18,13 +18,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from tether.cluster import agent as node
+from tether.cluster import agent
+from tether.cluster.link import AgentLink
 from tether.cluster.wire import RunnerReport
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
@@ -55,9 +56,6 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
 )
-
-if TYPE_CHECKING:
-    from tether.cluster.coordinator import AgentLink
 
 log = logging.getLogger("tether.cluster.remote")
 T = TypeVar("T")
@@ -178,7 +176,7 @@ class RemoteSupervisor(Supervisor):
         spec = msgspec.msgpack.encode(self.spec)
         deadlines = msgspec.msgpack.encode(self.deadlines)
         ref = self.link.actor.launch.remote(self.runner_id, spec, deadlines, self.memory_limit)
-        launched = msgspec.msgpack.decode(await self._call(ref, "start"), type=node.Launched)
+        launched = msgspec.msgpack.decode(await self._call(ref, "start"), type=agent.Launched)
         self._pid = launched.pid
         if launched.error is not None:
             self._exited.set()
@@ -197,7 +195,7 @@ class RemoteSupervisor(Supervisor):
 
     async def _watch_life(self) -> None:
         try:
-            exited = msgspec.msgpack.decode(await self.link.actor.wait_gone.remote(self.runner_id), type=node.Exited)
+            exited = msgspec.msgpack.decode(await self.link.actor.wait_gone.remote(self.runner_id), type=agent.Exited)
         except Exception as exc:  # the agent died: the link's verdict, with Ray's words, ends this life
             await self._await_loss(exc)
             return
@@ -308,7 +306,7 @@ class RemoteSupervisor(Supervisor):
 
     async def ready(self) -> None:
         outcome = msgspec.msgpack.decode(
-            await self._call(self.link.actor.ready.remote(self.runner_id), "load"), type=node.Outcome
+            await self._call(self.link.actor.ready.remote(self.runner_id), "load"), type=agent.LoadOutcome
         )
         if not outcome.ok:
             status = TaskStatus(new_id("ready"), TaskState.FAILED, error=outcome.error, cause=outcome.cause)
@@ -376,7 +374,7 @@ class RemoteSupervisor(Supervisor):
             return CancelReply(
                 task_id, "runner_gone", "the runner's node is gone or silent; the task ends with its cause"
             )
-        answer = msgspec.msgpack.decode(raw, type=node.CancelAnswer)
+        answer = msgspec.msgpack.decode(raw, type=agent.CancelAnswer)
         outcome: Any = answer.outcome
         return CancelReply(task_id, outcome, answer.detail, answer.state)
 

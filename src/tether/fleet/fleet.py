@@ -33,7 +33,7 @@ from tether.errors import (
     InstanceExists,
     InvalidField,
     NotFound,
-    Unavailable,
+    TetherError,
     UnknownEngine,
 )
 from tether.models import DefaultModelMissing, default_model_path
@@ -52,7 +52,7 @@ from tether.node.listeners import Listeners
 from tether.node.ranks import MAX_RANKS, RankGroup, RankPorts, Site, check_ports
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
-from tether.protocol import EngineSpec, Fault, GenerateParams, documented
+from tether.protocol import Cause, EngineSpec, Fault, GenerateParams, documented
 
 log = logging.getLogger("tether.fleet.fleet")
 
@@ -63,6 +63,18 @@ MIN_MEMORY_LIMIT = 16 << 20  # below this a runner cannot even start Python
 MAX_REPLICAS = 64
 Spread = Literal["SPREAD", "STRICT_SPREAD", "PACK"]
 LOCAL_HOST = "127.0.0.1"  # where the ranks of a multi-rank instance on this machine reach each other
+
+
+class Unavailable(TetherError):
+    """A request cannot be served now: why, and when to retry (``retry_after`` seconds; None: not by retrying).
+
+    ``cause`` is the runner failure behind it, when there is one.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None, cause: Cause | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.cause = cause
 
 
 class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

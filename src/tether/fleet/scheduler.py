@@ -46,12 +46,12 @@ from anyio.abc import TaskGroup
 
 from tether.engines import registry
 from tether.engines.base import MemoryEstimate
-from tether.errors import DoesNotFit, InstanceExists, InvalidField, ModelRequired, NotFound, TetherError, Unavailable
+from tether.errors import InstanceExists, InvalidField, ModelRequired, NotFound, TetherError
 from tether.fleet.catalog import Catalog, Model, describe_keep_alive
-from tether.fleet.fleet import Fleet, Hosted, InstanceConfig, replica_names
+from tether.fleet.fleet import Fleet, Hosted, InstanceConfig, Unavailable, replica_names
 from tether.kernel.cgroups import MemoryCgroup
 from tether.node import fit
-from tether.node.fit import FitResult
+from tether.node.fit import DoesNotFit, FitResult
 from tether.node.gone import NotGone
 from tether.node.instance import (
     Instance,

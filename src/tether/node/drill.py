@@ -99,7 +99,7 @@ async def _worker(args: argparse.Namespace) -> None:
 
 
 @dataclass
-class TrialResult:
+class DrillResult:
     """Milliseconds from the worker's SIGKILL to each exit; ``survivors`` are still alive at the deadline."""
 
     worker: int
@@ -189,7 +189,7 @@ def run_trial(
     subreaper: bool = True,
     kill_delay: float = 0.0,
     timeout: float = 10.0,
-) -> TrialResult:
+) -> DrillResult:
     """One drill: start a worker, SIGKILL it, and time the exit of every process of every runner's group.
 
     ``kill_delay`` waits that long before the kill: benchmarks draw it at random to sample the poll layer's phase.
@@ -199,7 +199,7 @@ def run_trial(
     worker, report = start_worker(argv, disable_watchdog=disable_watchdog)
     runners = {int(r["pid"]): str(r["state"]) for r in report["runners"]}  # type: ignore[attr-defined]
     members = {pid: runner_processes(pid) for pid in runners}
-    result = TrialResult(worker=worker.pid, runners=runners, members=members, subreaper=is_subreaper)
+    result = DrillResult(worker=worker.pid, runners=runners, members=members, subreaper=is_subreaper)
     pidfds: dict[int, int] = {}
     for pid in [worker.pid, *(p for pids in members.values() for p in pids)]:
         fd = open_pidfd(pid)

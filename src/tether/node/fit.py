@@ -18,7 +18,7 @@ from typing import Any
 
 from tether.engines import registry
 from tether.engines.base import Estimate, MemoryEstimate
-from tether.errors import DoesNotFit
+from tether.errors import TetherError
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
 from tether.protocol import EngineSpec
 from tether.units import format_bytes
@@ -45,6 +45,15 @@ class FitResult:
     @property
     def needed(self) -> int | None:
         return self.estimate.total if self.estimate is not None else None
+
+
+class DoesNotFit(TetherError):
+    """The model does not fit the memory available; ``result`` has the numbers (here, beside the check that
+    raises it: the errors module is shared by every process side and imports nothing)."""
+
+    def __init__(self, result: FitResult) -> None:
+        super().__init__(result.message)
+        self.result = result
 
 
 def check_fit(estimate: MemoryEstimate, available: int, source: str, *, override: bool = False) -> FitResult:

@@ -37,9 +37,9 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from tether.errors import DoesNotFit, InvalidField
+from tether.errors import InvalidField
 from tether.node import fit
-from tether.node.fit import FitResult, MeasuredFit
+from tether.node.fit import DoesNotFit, FitResult, MeasuredFit
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
 from tether.node.listeners import Listeners

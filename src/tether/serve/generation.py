@@ -22,9 +22,10 @@ import anyio
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tether.errors import DoesNotFit, InvalidField, Unavailable
-from tether.fleet.fleet import Fleet, Hosted
+from tether.errors import InvalidField
+from tether.fleet.fleet import Fleet, Hosted, Unavailable
 from tether.fleet.scheduler import Scheduler
+from tether.node.fit import DoesNotFit
 from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus
 from tether.serve.dialects.plan import Plan

@@ -19,14 +19,14 @@ from msgspec import UNSET
 
 from tether.errors import (
     BodyTooLarge,
-    DoesNotFit,
     EngineImportRefused,
     InstanceExists,
     InvalidField,
     NotFound,
     TetherError,
-    Unavailable,
 )
+from tether.fleet.fleet import Unavailable
+from tether.node.fit import DoesNotFit
 from tether.protocol import TaskState, TaskStatus
 from tether.serve.views import ErrorBody, ErrorDetail, OllamaErrorBody, cause_out, encode
 

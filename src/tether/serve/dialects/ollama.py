@@ -45,10 +45,10 @@ from fastapi.responses import Response
 from msgspec import UNSET
 
 import tether
-from tether.errors import InvalidField, Unavailable
+from tether.errors import InvalidField
 from tether.fleet.catalog import KeepAlive, keep_alive_seconds
 from tether.fleet.facts import ListedModel, ModelFacts, capabilities, facts, listed, options_of
-from tether.fleet.fleet import Hosted, new_request_id
+from tether.fleet.fleet import Hosted, Unavailable, new_request_id
 from tether.node.instance import InstanceReady
 from tether.protocol import (
     MAX_TOKENS_LIMIT,
