@@ -6,8 +6,13 @@ Which process each module runs in:
 
 - ``wire``: both sides, the heartbeat path's messages and framing;
 - ``agent``: a node agent (a Ray actor process on every node), node side;
-- ``remote``: the coordinator (``tether serve --ray``), the stand-in for a supervisor whose runner is on a node;
+- ``link``: the coordinator, its view of one agent, shared by the coordinator and the lives hosted there;
+- ``remote``: the coordinator (``tether serve --ray``), the runner life (``tether.node.life``) whose runner is on a
+  node;
 - ``coordinator``: the coordinator, Ray itself, the agents, heartbeats, node loss and placement.
 
 Only this package imports Ray, and only when ``tether serve --ray`` asks for it: single-node tether never does.
+May import the wire, ``tether.kernel``, ``tether.engines``' registry, ``tether.runner``'s constants and
+``tether.node``; never ``tether.fleet`` (which knows a cluster only through its ``Runners`` protocol),
+``tether.serve`` or ``tether.cli``.
 """

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -42,13 +42,11 @@ from tether.errors import TetherError
 from tether.node.fit import DoesNotFit, FitResult
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceStopped
+from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
 from tether.node.ranks import Site
 from tether.protocol import Cause, CauseKind, EngineSpec
 from tether.units import format_bytes
-
-if TYPE_CHECKING:
-    from tether.node.supervisor import Supervisor
 
 log = logging.getLogger("tether.cluster.coordinator")
 Spread = Literal["SPREAD", "STRICT_SPREAD", "PACK"]
@@ -409,13 +407,13 @@ class Cluster:
             self.placed.pop(inst.name, None)
             self.placed_ranks.pop(inst.name, None)
 
-    def runners(self, memory_limit: int | None) -> Callable[..., Supervisor]:
+    def runners(self, memory_limit: int | None) -> Callable[..., RunnerLife]:
         """The supervisor factory of an instance: each life on the node its placement chose."""
         return partial(self._supervisor, memory_limit=memory_limit)
 
     def _supervisor(
         self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines, memory_limit: int | None
-    ) -> Supervisor:
+    ) -> RunnerLife:
         node_id = self.placed.get(runner_id.rpartition("-")[0])  # runner ids are "<instance>-<life>"
         link = self.links.get(node_id) if node_id is not None else None
         if link is None:

@@ -1,4 +1,4 @@
-"""A runner life on another node, seen from the coordinator: it stands where a ``Supervisor`` stands.
+"""A runner life on another node, seen from the coordinator: one of the three ``RunnerLife`` implementations.
 
 An ``Instance`` drives every life the same way whether its runner is local or on a node agent: start, ready, serve
 until it exits, then let the restart policy decide (and the placer pick a node, possibly another one). This class
@@ -13,30 +13,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
 
 from tether.cluster import agent
 from tether.cluster.link import AgentLink
 from tether.cluster.wire import RunnerReport
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
+from tether.node.life import LifeTasks
 from tether.node.memory import ProcessMemory
-from tether.node.supervisor import Supervisor
 from tether.node.tasks import (
     CancelReply,
     InFlight,
     RunnerUnavailable,
     StopReport,
-    TaskEvent,
     TaskFailed,
     TaskHandle,
     deliver,
@@ -49,7 +45,6 @@ from tether.protocol import (
     EngineSpec,
     ErrorChunk,
     GenerateParams,
-    GenerateTask,
     Idle,
     RunnerStatus,
     TaskAcknowledged,
@@ -63,9 +58,9 @@ _batch = msgspec.msgpack.Decoder(list[TaskAcknowledged | TaskStatus | Chunk | Er
 CALL_TIMEOUT = 10.0  # a call that is not a load or a generation (cancel, stop) answered within this, or moot
 
 
-class RemoteSupervisor(Supervisor):
+class RemoteSupervisor(LifeTasks):
     """The coordinator's end of one runner life hosted by ``link``'s agent. Use as ``async with``, like a
-    ``Supervisor``; leaving stops the runner and returns once its agent confirms it gone (or its node is lost)."""
+    local ``Supervisor``; leaving stops the runner and returns once its agent confirms it gone (or its node is lost)."""
 
     def __init__(
         self,
@@ -78,7 +73,7 @@ class RemoteSupervisor(Supervisor):
         stop_timeout: float = 10.0,
         reap_timeout: float = 10.0,
     ) -> None:
-        # No Supervisor.__init__: there is no local process, pipe or cgroup; every public attribute is set here.
+        super().__init__()  # no local process, pipe or cgroup: the agent's supervisor has them
         self.spec = spec
         self.runner_id = runner_id
         self.deadlines = deadlines
@@ -89,22 +84,15 @@ class RemoteSupervisor(Supervisor):
         self.reap_timeout = reap_timeout
         self.cause: Cause | None = None
         self.stop_report: StopReport | None = None
-        self.process = None  # the runner is the agent's child: the agent confirms it gone, not this process
         self.cgroup: Path | None = None
         self.footprint: ProcessMemory | None = None
         self.status: RunnerStatus = Idle()
         self.detection_seconds: float | None = None
-        self.hello = None
-        self.exception = None
         self.report: RunnerReport | None = None
         self._pid: int | None = None
-        self._inflight: dict[str, InFlight] = {}  # generations relayed, as a Supervisor keeps its own
-        self._exited = anyio.Event()
-        self._drained = anyio.Event()  # set whenever the last relay in flight ends
         self._lost_at: float | None = None
         self._settled = False  # a loss whose runners are known gone (the agent fenced itself and said so)
         self._not_gone: str | None = None  # the agent's word that the runner outlived its bounds
-        self._tg: TaskGroup | None = None
         self._shields: set[anyio.CancelScope] = set()
 
     @contextlib.contextmanager
@@ -156,19 +144,12 @@ class RemoteSupervisor(Supervisor):
     async def measure(self) -> ProcessMemory | None:
         return self.footprint  # its pid is on another machine: the agent's latest report, not a local /proc read
 
-    # --- lifecycle (entered as a Supervisor is: a task group, then ``start``) ----------------------------------
+    # --- lifecycle (entered as every life is: a task group, then ``start``) -----------------------------------
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        with anyio.CancelScope(shield=True):
-            await self.stop()
-        assert self._tg is not None
+    async def _release(self) -> None:
         for scope in list(self._shields):  # confirmed gone (or given up on): the watch and relays may end
             scope.cancel()
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        return None
+        self._group.cancel_scope.cancel()
 
     async def start(self) -> None:
         """Launch the life on its agent (spawn and hello there); ``RunnerUnavailable`` with the cause if not."""
@@ -184,8 +165,7 @@ class RemoteSupervisor(Supervisor):
             cause = launched.cause or Cause(kind=CauseKind.SPAWN_ERROR, summary=f"{self.name}: {launched.error}")
             self.cause = cause
             raise RunnerUnavailable(f"{self.name} could not start: {launched.error}", cause)
-        assert self._tg is not None
-        self._tg.start_soon(self._watch)
+        self._spawn(self._watch)
 
     async def _watch(self) -> None:
         """The life ends when the agent confirms the runner gone; a lost node ends it first (``lose``). Shielded,
@@ -203,10 +183,7 @@ class RemoteSupervisor(Supervisor):
             log.error("%s: %s", self.name, exited.not_gone)
             self._not_gone = exited.not_gone
         self.detection_seconds = exited.detected_in
-        if self._inflight:  # the relays' last batches may trail the agent's answer: everything written is delivered
-            self._drained = anyio.Event()
-            with anyio.move_on_after(CALL_TIMEOUT):
-                await self._drained.wait()
+        await self._drain(CALL_TIMEOUT)  # the relays' last batches may trail the agent's answer: all is delivered
         self._end(exited.cause, f"{self.name} ended")
 
     async def _await_loss(self, exc: BaseException) -> None:
@@ -246,9 +223,10 @@ class RemoteSupervisor(Supervisor):
             cause = Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=fallback)
         self.cause = cause
         error = cause.summary if cause is not None else f"{self.name} stopped"
-        for task_id, record in list(self._inflight.items()):
+        for task_id in list(self._inflight):
+            record = self._untrack(task_id)
+            assert record is not None
             _fail(record, task_id, error, cause)
-        self._inflight.clear()
         if self._lost_at is not None:
             self.detection_seconds = time.monotonic() - self._lost_at
         elif self.detection_seconds is None:
@@ -271,10 +249,6 @@ class RemoteSupervisor(Supervisor):
         if not self._exited.is_set():
             log.error("%s was not confirmed gone %.1f s after its stop", self.name, bound)
         return self.stop_report
-
-    async def wait_exit(self, timeout: float) -> None:
-        with anyio.fail_after(timeout):
-            await self._exited.wait()
 
     async def _call(self, ref: Awaitable[T], what: str) -> T:
         """Await a Ray call, unless the life ends first (its node lost): then ``RunnerUnavailable`` with the cause."""
@@ -316,15 +290,11 @@ class RemoteSupervisor(Supervisor):
         if self._exited.is_set() or self._pid is None:
             why = self.cause.summary if self.cause else "the runner is stopping or stopped"
             raise RunnerUnavailable(f"{self.name} cannot take a task: {why}", self.cause)
-        tid = task_id or new_id("gen")
-        if tid in self._inflight:
-            raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
-        send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
-        self._inflight[tid] = InFlight(task=GenerateTask(task_id=tid, params=params), send=send)
+        record, handle = self._track(params, task_id)
+        tid = record.task.task_id
         stream = self.link.actor.generate.remote(self.runner_id, tid, msgspec.msgpack.encode(params))
-        assert self._tg is not None
-        self._tg.start_soon(self._relay, tid, stream)
-        return TaskHandle(tid, "generate", receive)
+        self._spawn(self._relay, tid, stream)
+        return handle
 
     async def _relay(self, task_id: str, stream: Any) -> None:
         """Hand a generation's batches to its handle until its terminal status (or its node is lost); shielded,
@@ -347,7 +317,7 @@ class RemoteSupervisor(Supervisor):
                         if event.state is TaskState.RUNNING:
                             record.started = True
                         elif event.state.terminal:
-                            self._inflight.pop(task_id, None)
+                            self._untrack(task_id)
                     deliver(record, event)
         except Exception as exc:
             ended_by = exc
@@ -357,12 +327,10 @@ class RemoteSupervisor(Supervisor):
                     # Ray ended the stream before a terminal status: the agent died. tether's own verdict (which
                     # names the node and what was seen) is due within lost_after; it ends the task.
                     await self._await_loss(ended_by or RuntimeError("its event stream ended before the task did"))
-                record = self._inflight.pop(task_id, None)
+                record = self._untrack(task_id)
                 if record is not None:  # every task ends with exactly one terminal status
                     cause = self.cause or Cause(kind=CauseKind.NODE_LOST, summary=f"{self.name}: its stream ended")
                     _fail(record, task_id, cause.summary, cause)
-                if not self._inflight:
-                    self._drained.set()
 
     async def cancel(self, task_id: str) -> CancelReply:
         if task_id not in self._inflight:

@@ -44,10 +44,11 @@ from tether.node.instance import (
     InstanceReady,
     InstanceRestarting,
     InstanceStarting,
+    LifeFactory,
     Placer,
     RestartPolicy,
-    SupervisorFactory,
 )
+from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
 from tether.node.ranks import MAX_RANKS, RankGroup, RankPorts, Site, check_ports
 from tether.node.supervisor import Supervisor
@@ -201,7 +202,7 @@ class Hosted:
         return next((r for r in self.replicas if isinstance(r.state, InstanceReady)), self.replicas[0])
 
     @property
-    def supervisor(self) -> Supervisor | None:
+    def supervisor(self) -> RunnerLife | None:
         return self.instance.supervisor
 
     @property
@@ -244,9 +245,9 @@ class Hosted:
 
 class Runners(Protocol):
     """Where an instance's runners live when not on this machine (the Ray cluster): it builds each replica's
-    supervisor factory, each rank's site, and learns which replicas belong together, so placement can spread them."""
+    life factory, each rank's site, and learns which replicas belong together, so placement can spread them."""
 
-    def runners(self, memory_limit: int | None) -> SupervisorFactory: ...
+    def runners(self, memory_limit: int | None) -> LifeFactory: ...
 
     def sites(self, instance: str, memory_limit: int | None) -> list[Site]: ...
 
@@ -323,7 +324,7 @@ class Fleet:
         if self.placer is None and self.cluster is None:
             admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads a header
         admitted = admitted if config.ranks == 1 else None  # the fit of every rank is the placement's
-        factory: SupervisorFactory = (
+        factory: LifeFactory = (
             partial(Supervisor, memory_limit=config.memory_limit)
             if self.cluster is None
             else self.cluster.runners(config.memory_limit)

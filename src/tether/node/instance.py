@@ -1,9 +1,10 @@
 """Model instances and their restart policy.
 
-An ``Instance`` is one model instance served by a sequence of runner *lives*, one ``Supervisor`` at a time. When a
-life fails (any death the supervisor diagnoses, a load or warmup that does not complete, a runner that cannot be
-started), the ``RestartPolicy`` decides: stay failed, or start a replacement after an exponential backoff with
-jitter. Two guarantees the seed system lacked:
+An ``Instance`` is one model instance served by a sequence of runner *lives*, one ``RunnerLife`` at a time
+(``tether.node.life``: a local supervisor, a rank group or a remote life). When a life fails (any death the
+supervisor diagnoses, a load or warmup that does not complete, a runner that cannot be started), the
+``RestartPolicy`` decides: stay failed, or start a replacement after an exponential backoff with jitter.
+Two guarantees the seed system lacked:
 
 - the backoff resets after a healthy period (``healthy_after`` seconds of Ready), so a crash a day does not leave
   an instance on the maximum backoff for ever;
@@ -42,6 +43,7 @@ from tether.node import fit
 from tether.node.fit import DoesNotFit, FitResult, MeasuredFit
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
+from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
@@ -234,10 +236,10 @@ class Placer(Protocol):
     async def __call__(self, instance: Instance) -> FitResult: ...
 
 
-class SupervisorFactory(Protocol):
-    """Builds the supervisor of one runner life (``Supervisor`` itself is one)."""
+class LifeFactory(Protocol):
+    """Builds one runner life (``Supervisor`` itself is one such factory)."""
 
-    def __call__(self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines) -> Supervisor: ...
+    def __call__(self, spec: EngineSpec, *, runner_id: str, deadlines: Deadlines) -> RunnerLife: ...
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ class Instance:
         policy: RestartPolicy | None = None,
         *,
         name: str | None = None,
-        supervisor_factory: SupervisorFactory = Supervisor,
+        supervisor_factory: LifeFactory = Supervisor,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         reap_timeout: float = 10.0,
@@ -292,7 +294,7 @@ class Instance:
         self.pids: list[int] = []
         self.failures: collections.Counter[CauseKind] = collections.Counter()  # every failed life, by cause kind
         self.restarts = 0  # replacement lives started
-        self.supervisor: Supervisor | None = None  # the current life's, from spawn until its exit
+        self.supervisor: RunnerLife | None = None  # the current life, from spawn until its exit
         self._factory = supervisor_factory
         self._clock = clock
         self._life = 0
@@ -366,7 +368,7 @@ class Instance:
             return f"instance {self.name} is ready"
         return f"instance {self.name} is stopped"
 
-    async def wait_ready(self, timeout: float) -> Supervisor:
+    async def wait_ready(self, timeout: float) -> RunnerLife:
         """Wait (bounded) until a runner is Ready and return its supervisor; raise ``RunnerUnavailable`` if the
         instance failed or stopped instead."""
         state = await self.wait_state(
@@ -471,7 +473,7 @@ class Instance:
             )
         log.info("instance %s: %s", self.name, self.fit.message)
 
-    async def _live(self, sup: Supervisor, life: int) -> Cause:
+    async def _live(self, sup: RunnerLife, life: int) -> Cause:
         """Run one life to its end: start, load and warm up, serve until the runner dies. Returns the cause."""
         fallback: Cause | None = None
         try:
@@ -494,7 +496,7 @@ class Instance:
             self.supervisor = None
         return sup.cause or fallback or Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=f"{sup.name} ended")
 
-    async def _serve_life(self, sup: Supervisor, life: int) -> None:
+    async def _serve_life(self, sup: RunnerLife, life: int) -> None:
         """Ready until the runner exits; ``healthy_after`` seconds of it reset the backoff."""
         assert sup.pid is not None
         self._set_state(InstanceReady(life=life, pid=sup.pid))
@@ -511,7 +513,7 @@ class Instance:
             self._set_state(InstanceReady(life=life, pid=sup.pid, healthy=True))
             await sup.wait_exit(math.inf)
 
-    async def _record_measured(self, sup: Supervisor) -> None:
+    async def _record_measured(self, sup: RunnerLife) -> None:
         """After load: the runner's real memory beside the estimate it was admitted on (logged, and kept)."""
         if self.fit is None or self.fit.estimate is None or sup.pid is None:
             return
@@ -538,7 +540,7 @@ class Instance:
         self._set_state(InstanceFailed(cause=cause, reason=reason, history=tuple(self.history)))
         log.error("instance %s failed: %s; %s", self.name, cause.summary, reason)
 
-    def _record_pid(self, sup: Supervisor) -> None:
+    def _record_pid(self, sup: RunnerLife) -> None:
         pid = sup.pid
         if pid is not None and (not self.pids or self.pids[-1] != pid):
             self.pids.append(pid)
@@ -560,7 +562,7 @@ class Instance:
         self._changed = anyio.Event()
 
 
-def _cause_of(sup: Supervisor, exc: TaskFailed | RunnerUnavailable | TimeoutError) -> Cause:
+def _cause_of(sup: RunnerLife, exc: TaskFailed | RunnerUnavailable | TimeoutError) -> Cause:
     """The cause of a load or warmup that did not complete, for when the supervisor has none (the runner did not
     die of it, or survived the kill that should have ended it)."""
     if isinstance(exc, TaskFailed) and exc.status.cause is not None:

@@ -1,7 +1,8 @@
 """Multi-rank instances: N runners, one per rank, that live, fail and restart as one life of their instance.
 
-A ``RankGroup`` stands where a ``Supervisor`` stands (the ``Instance`` drives it unchanged: start, ready, serve until
-it exits, restart by its policy). Its members are ordinary supervisors, local or on node agents. What it adds is
+A ``RankGroup`` is one of the three ``RunnerLife`` implementations (``tether.node.life``): the ``Instance`` drives
+it as any life (start, ready, serve until it exits, restart by its policy). Its members are lives themselves, local
+supervisors or remote ones on node agents. What it adds is
 the seed's missing guarantee:
 
 - **Fail together.** The first rank to die, hang or run out of memory ends the life. Every other rank is stopped at
@@ -27,7 +28,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -36,14 +36,13 @@ import msgspec
 from tether.errors import InvalidField, TetherError
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
+from tether.node.life import LifeTasks, RunnerLife
 from tether.node.memory import ProcessMemory
-from tether.node.supervisor import Supervisor
 from tether.node.tasks import (
     CancelReply,
     InFlight,
     RunnerUnavailable,
     StopReport,
-    TaskEvent,
     TaskFailed,
     TaskHandle,
     deliver,
@@ -54,7 +53,6 @@ from tether.protocol import (
     CauseKind,
     EngineSpec,
     GenerateParams,
-    GenerateTask,
     Idle,
     RankInfo,
     RunnerStatus,
@@ -75,7 +73,7 @@ class Site:
     """Where one rank runs: the host its peers reach it on, and what builds its supervisor there."""
 
     host: str
-    factory: Callable[..., Supervisor]  # (spec, *, runner_id, deadlines) -> Supervisor
+    factory: Callable[..., RunnerLife]  # (spec, *, runner_id, deadlines) -> the rank's life
 
 
 class RankPorts:
@@ -138,9 +136,9 @@ def _sum(memories: Sequence[ProcessMemory | None]) -> ProcessMemory | None:
     return ProcessMemory(**{name: total(name) for name in ProcessMemory.__dataclass_fields__})
 
 
-class RankGroup(Supervisor):
+class RankGroup(LifeTasks):
     """One life of a multi-rank instance: a supervisor per rank (see the module docstring). Use as ``async with``,
-    like a ``Supervisor``; leaving stops every rank."""
+    like any life; leaving stops every rank."""
 
     def __init__(
         self,
@@ -152,7 +150,7 @@ class RankGroup(Supervisor):
         ports: Sequence[int],
         stop_timeout: float = 10.0,
     ) -> None:
-        # No Supervisor.__init__: the members own the processes; every public attribute is set here.
+        super().__init__()  # the members own the processes
         if len(sites) != len(ports) or not 2 <= len(sites) <= MAX_RANKS:
             raise ValueError(f"{len(sites)} sites and {len(ports)} ports: a rank group needs 2..{MAX_RANKS} of each")
         world = len(sites)
@@ -161,7 +159,7 @@ class RankGroup(Supervisor):
         self.runner_id = runner_id
         self.deadlines = deadlines
         self.stop_timeout = stop_timeout
-        self.members: list[Supervisor] = [
+        self.members: list[RunnerLife] = [
             site.factory(
                 msgspec.structs.replace(spec, rank=RankInfo(rank, world, peers)),
                 runner_id=f"{runner_id}.rank{rank}",
@@ -172,23 +170,14 @@ class RankGroup(Supervisor):
         self.peers = peers
         self.cause: Cause | None = None
         self.stop_report: StopReport | None = None
-        self.process = None  # one per rank: ``confirm_gone`` waits for every one
-        self.cgroup: Path | None = None
+        self.cgroup: Path | None = None  # one per rank, each its member's
         self.detection_seconds: float | None = None
-        self.hello = None
-        self.exception = None
-        self.hang = None
-        self.memory_limit = None
-        self._inflight: dict[str, InFlight] = {}
         self._cancelled: set[str] = set()  # asked to cancel: their CANCELLED is the user's, not the group's end
         self._ended: dict[int, float] = {}  # rank -> when its runner was seen gone
         self._first: int | None = None  # the rank whose end ended the life
         self._stopping = False
         self._entered: contextlib.AsyncExitStack | None = None
         self._decided = anyio.Event()  # the life's cause is known (or it was stopped)
-        self._exited = anyio.Event()
-        self._drained = anyio.Event()
-        self._tg = None
 
     # --- what the instance shows ---------------------------------------------------------------------------
 
@@ -213,25 +202,13 @@ class RankGroup(Supervisor):
     def node(self) -> str | None:
         return self.members[0].node
 
-    @node.setter
-    def node(self, value: str | None) -> None:
-        pass
-
     @property
     def status(self) -> RunnerStatus:
         return self.members[0].status if self.members[0].pid is not None else Idle()
 
-    @status.setter
-    def status(self, value: RunnerStatus) -> None:
-        pass
-
     @property
     def footprint(self) -> ProcessMemory | None:
         return _sum([m.footprint for m in self.members])
-
-    @footprint.setter
-    def footprint(self, value: ProcessMemory | None) -> None:
-        pass
 
     @property
     def last_heartbeat(self) -> float | None:
@@ -287,25 +264,17 @@ class RankGroup(Supervisor):
                 await self._fail_together(rank, fallback=exc.cause)
                 assert self.cause is not None
                 raise RunnerUnavailable(f"{self.name} could not start: {self.cause.summary}", self.cause) from exc
-        assert self._tg is not None
         for rank, member in enumerate(self.members):
-            self._tg.start_soon(self._watch_rank, rank, member)
+            self._spawn(self._watch_rank, rank, member)
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        with anyio.CancelScope(shield=True):
-            await self.stop()
-        assert self._tg is not None
+    async def _release(self) -> None:
         try:
             if self._entered is not None:  # each member leaves (shielded itself) in the scope it was entered in
                 await self._entered.aclose()  # a cancelled caller's members re-raise the cancellation: fine
         finally:
-            self._tg.cancel_scope.cancel()  # and this group's own scope leaves the task's stack whatever they raised
-            await self._tg.__aexit__(None, None, None)
-        return None
+            self._group.cancel_scope.cancel()  # and this group's own scope leaves the task's stack whatever they raised
 
-    async def _watch_rank(self, rank: int, member: Supervisor) -> None:
+    async def _watch_rank(self, rank: int, member: RunnerLife) -> None:
         with anyio.CancelScope(shield=True):
             await member.wait_exit(math.inf)
             self._ended.setdefault(rank, time.monotonic())
@@ -322,13 +291,11 @@ class RankGroup(Supervisor):
             self.detection_seconds = time.monotonic() - self._ended.get(first, time.monotonic())
             log.error("%s failed: %s", self.name, self.cause.render())
             self._decided.set()
-            if self._inflight:  # every relay delivers its request's end with this cause
-                with anyio.move_on_after(self.stop_timeout):
-                    await self._drained.wait()
+            await self._drain(self.stop_timeout)  # every relay delivers its request's end with this cause
             self._exited.set()
 
     async def _stop_members(self) -> None:
-        async def one(member: Supervisor) -> None:
+        async def one(member: RunnerLife) -> None:
             try:
                 await member.stop(self.stop_timeout)
             except Exception:  # one rank's stop going wrong must not spare the others, or the decision
@@ -387,7 +354,7 @@ class RankGroup(Supervisor):
         self._stopping = True
         reports: list[StopReport | None] = []
 
-        async def one(member: Supervisor) -> None:
+        async def one(member: RunnerLife) -> None:
             reports.append(await member.stop(timeout))
 
         async with anyio.create_task_group() as tg:
@@ -395,25 +362,19 @@ class RankGroup(Supervisor):
                 if member.alive:
                     tg.start_soon(one, member)
         self._decided.set()
-        if self._inflight:
-            with anyio.move_on_after(self.stop_timeout):
-                await self._drained.wait()
+        await self._drain(self.stop_timeout)
         self._exited.set()
         clean = all(r is None or r.clean for r in reports)
         escalated = next((r.escalated_to for r in reports if r is not None and r.escalated_to), None)
         self.stop_report = StopReport(clean=clean, escalated_to=escalated, seconds=time.monotonic() - began)
         return self.stop_report
 
-    async def wait_exit(self, timeout: float) -> None:
-        with anyio.fail_after(timeout):
-            await self._exited.wait()
-
     async def confirm_gone(self, timeout: float) -> None:
         """Every rank confirmed gone, on every node (each member's own confirmation, concurrently); ``NotGone``
         naming the ranks that are not."""
         failures: list[str] = []
 
-        async def one(rank: int, member: Supervisor) -> None:
+        async def one(rank: int, member: RunnerLife) -> None:
             try:
                 await member.confirm_gone(timeout)
             except NotGone as exc:
@@ -431,7 +392,7 @@ class RankGroup(Supervisor):
         """Load and warm up every rank at once (a ring forms while they warm up); the first that fails ends all."""
         failed: list[int] = []
 
-        async def one(rank: int, member: Supervisor) -> None:
+        async def one(rank: int, member: RunnerLife) -> None:
             try:
                 await member.ready()
             except (TaskFailed, RunnerUnavailable, TimeoutError):
@@ -439,8 +400,7 @@ class RankGroup(Supervisor):
                 self._ended.setdefault(rank, time.monotonic())
                 if self._first is None and not self._stopping:
                     self._first = rank
-                    assert self._tg is not None
-                    self._tg.start_soon(self._fail_together, rank)
+                    self._spawn(self._fail_together, rank)
 
         async with anyio.create_task_group() as tg:
             for rank, member in enumerate(self.members):
@@ -460,13 +420,9 @@ class RankGroup(Supervisor):
         if tid in self._inflight:
             raise ValueError(f"duplicate task id {tid!r}: every task needs a fresh id")
         inner = await self.members[0].generate(params, tid)
-        send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
-        record = InFlight(task=GenerateTask(task_id=tid, params=params), send=send)
-        self._inflight[tid] = record
-        self._drained = anyio.Event()
-        assert self._tg is not None
-        self._tg.start_soon(self._relay, tid, record, inner)
-        return TaskHandle(tid, "generate", receive)
+        record, handle = self._track(params, tid)
+        self._spawn(self._relay, tid, record, inner)
+        return handle
 
     async def _relay(self, tid: str, record: InFlight, inner: TaskHandle) -> None:
         with anyio.CancelScope(shield=True):
@@ -484,9 +440,7 @@ class RankGroup(Supervisor):
                 if inner.final is None:  # rank 0's stream ended without a terminal status: never leave it open
                     deliver(record, await self._final(tid, TaskStatus(tid, TaskState.FAILED, error="ended")))
                 record.send.close()
-                self._inflight.pop(tid, None)
-                if not self._inflight:
-                    self._drained.set()
+                self._untrack(tid)
 
     async def _final(self, tid: str, status: TaskStatus) -> TaskStatus:
         """A request's end, as the group tells it: when rank 0 ended it because its runner died or was stopped

@@ -31,11 +31,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup
 
 from tether.channel import AsyncReceiver, AsyncSender, EndOfStream, ProtocolError
 from tether.errors import InvalidField
@@ -53,6 +51,7 @@ from tether.node.hangs import (
     Hang,
     ProgressWatch,
 )
+from tether.node.life import LifeTasks
 from tether.node.listeners import Listeners
 from tether.node.memory import ProcessMemory, process_memory
 from tether.node.oom import OomWatch
@@ -111,10 +110,11 @@ OUTPUT_READS_PER_WAKE = 4  # 64 KiB reads of runner output per event-loop turn (
 OUTPUT_DRAIN_READS = 64  # after the exit: all a pipe can hold, bounded should a surviving helper keep writing
 
 
-class Supervisor:
+class Supervisor(LifeTasks):
     """Supervise one runner process hosting one engine.
 
     Use as ``async with Supervisor(spec) as sup:``; leaving the block stops the runner within ``stop_timeout``.
+    One of the three ``RunnerLife`` implementations (``tether.node.life``): the one with a process of its own.
     """
 
     def __init__(
@@ -140,6 +140,7 @@ class Supervisor:
         memory_limit: int | None = None,
         memory_interval: float = 2.0,
     ) -> None:
+        super().__init__()
         self.spec = spec
         self.node: str | None = None  # the node it runs on when that is not this machine (a cluster's)
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
@@ -186,11 +187,9 @@ class Supervisor:
             backups=log_backups,
         )
         self._stacks = StackCollector(self._output)
-        self._inflight: dict[str, InFlight] = {}
         self._finished: collections.OrderedDict[str, TaskState] = collections.OrderedDict()
         self._listeners: Listeners[RunnerStatus] = Listeners("status")
         self._changed = anyio.Event()
-        self._exited = anyio.Event()
         self._events_done = anyio.Event()
         self._output_done = anyio.Event()
         # The pumps and the watcher are shielded: when the caller is cancelled (Ctrl-C, a timeout), they must keep
@@ -200,7 +199,6 @@ class Supervisor:
         self._stop_requested = False
         self._forced_cause: Cause | None = None
         self._escalated_to: str | None = None
-        self._tg: TaskGroup | None = None
         self._sender: AsyncSender | None = None
         self._receiver: AsyncReceiver[Event] | None = None
 
@@ -224,21 +222,6 @@ class Supervisor:
         """When the runner last proved its interpreter runs (a heartbeat, or its hello), ``time.monotonic()``."""
         return self._progress.last_beat
 
-    def in_flight(self) -> list[InFlight]:
-        """The tasks this runner (life) is serving now, with the tokens each has produced."""
-        return list(self._inflight.values())
-
-    def generations(self) -> tuple[int, int]:
-        """(running, waiting): generations in the runner's batch, and those accepted that wait for a slot."""
-        running = waiting = 0
-        for record in self._inflight.values():
-            if isinstance(record.task, GenerateTask):
-                if record.started:
-                    running += 1
-                else:
-                    waiting += 1
-        return running, waiting
-
     @property
     def output_tail(self) -> list[str]:
         return list(self._output.lines)
@@ -250,28 +233,10 @@ class Supervisor:
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Supervisor:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        try:
-            await self.start()
-        except BaseException as exc:
-            await self.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        with anyio.CancelScope(shield=True):
-            await self.stop()
-        assert self._tg is not None
+    async def _release(self) -> None:
         if not self._exited.is_set():  # unkillable (e.g. stuck in the kernel): do not hang the caller with it
-            self._tg.cancel_scope.cancel()
-        # The runner is gone and our tasks are finishing: close the group on its own, so the caller's exception
-        # (if any) propagates as itself rather than wrapped in an exception group.
-        await self._tg.__aexit__(None, None, None)
-        return None
+            self._group.cancel_scope.cancel()
+        # else the runner is gone and the pumps finish draining its last output and events on their own
 
     async def start(self) -> None:
         """Spawn the runner and wait (bounded) for its hello."""
@@ -319,12 +284,12 @@ class Supervisor:
             raise
         log.info("%s started, pid %d", self.name, self.process.pid)
         self._register(self.process)
-        self._tg.start_soon(self._pump_events)
-        self._tg.start_soon(self._pump_output)
-        self._tg.start_soon(self._watch)
-        self._tg.start_soon(self._watch_deadlines)
+        self._spawn(self._pump_events)
+        self._spawn(self._pump_output)
+        self._spawn(self._watch)
+        self._spawn(self._watch_deadlines)
         if self.memory_interval > 0:
-            self._tg.start_soon(self._sample_memory_periodically)
+            self._spawn(self._sample_memory_periodically)
         try:
             await self._wait_until(lambda: self.hello is not None or self._exited.is_set(), self.start_timeout)
         except TimeoutError:
@@ -487,10 +452,6 @@ class Supervisor:
         await self._wait_until(lambda: predicate(self.status), timeout)
         return self.status
 
-    async def wait_exit(self, timeout: float) -> None:
-        with anyio.fail_after(timeout):
-            await self._exited.wait()
-
     async def measure(self) -> ProcessMemory | None:
         """The runner process's own memory now (smaps_rollup, off the loop): what the fit check's estimate is
         compared with after load. None when it is gone."""
@@ -520,8 +481,7 @@ class Supervisor:
                 self.send_timeout,
                 f"it stopped reading its task pipe (a write did not complete in {self.send_timeout:g} s)",
             )
-            assert self._tg is not None
-            self._tg.start_soon(self._declare_hung, hang)  # stacks, then the kill: the cause is made now, without them
+            self._spawn(self._declare_hung, hang)  # stacks, then the kill: the cause is made now, without them
             cause = self._forced_cause or self._hang_cause(hang)
             raise RunnerUnavailable(f"{self.name} is not reading tasks: {cause.summary}", cause)
 
