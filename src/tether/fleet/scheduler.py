@@ -99,7 +99,7 @@ class Slot:
     state: ModelState = "unloaded"
     hosted: Hosted | None = None
     holds: int = 0  # leases: requests using it or waiting for its load
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0  # on the scheduler's clock (``Scheduler.now``): LRU order and keep-alive count from it
     loads: int = 0
     load_seconds: float | None = None  # the last load's, request to ready
     load_error: BaseException | None = None  # why the last load failed (its waiters raise it)
@@ -178,8 +178,11 @@ class Scheduler:
         default: str | None = None,
         placement: Placer | None = None,
         allow_engine_import: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fleet = fleet
+        # What keep-alive and LRU order read (a test steps a fake one and pokes a slot); durations stay on monotonic
+        self._clock = clock
         # Whether POST /v1/instances may name an engine by module or file path (tether serve --allow-engine-import)
         self.allow_engine_import = allow_engine_import
         # Where a life goes on a cluster (``Cluster.place``: the node where it fits); None: this node, making room
@@ -193,7 +196,7 @@ class Scheduler:
         # starting with a sleep, as Ollama does after an unload (bench/swap.py's baseline).
         self.reclaim_poll = reclaim_poll
         self.memory = memory
-        self.slots = {model.id: Slot(model, model.keep_alive) for model in catalog}
+        self.slots = {model.id: Slot(model, model.keep_alive, last_used=clock()) for model in catalog}
         self.started_at = time.time()
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS)
         self.listeners: Listeners[Decision] = Listeners("scheduler decision")
@@ -222,6 +225,10 @@ class Scheduler:
         self._tg.cancel_scope.cancel()  # keep-alive timers and loads in progress; the fleet stops the instances
         await self._tg.__aexit__(None, None, None)
         return None
+
+    def now(self) -> float:
+        """The scheduler's clock: ``last_used`` and keep-alive countdowns are read against it."""
+        return self._clock()
 
     # --- names ----------------------------------------------------------------------------------------------
 
@@ -296,7 +303,7 @@ class Scheduler:
             yield await self._ready_instance(slot)
         finally:
             slot.holds -= 1
-            slot.last_used = time.monotonic()
+            slot.last_used = self.now()
             slot.keep_alive = slot.model.keep_alive if keep_alive is None else keep_alive
             slot.poke()
 
@@ -387,7 +394,7 @@ class Scheduler:
             slot.state = "loaded"
             slot.loads += 1
             slot.load_seconds = time.monotonic() - began
-            slot.last_used = time.monotonic()
+            slot.last_used = self.now()
             if hosted.supervisor is not None:
                 await hosted.supervisor.sample_memory()
             memory = footprint_of(hosted)
@@ -420,7 +427,7 @@ class Scheduler:
     async def _keep_alive(self, slot: Slot, hosted: Hosted) -> None:
         """Unload ``slot`` once it has been idle for its keep-alive; runs while this load lasts."""
         while slot.state == "loaded" and slot.hosted is hosted:
-            wait = slot.expires_in(time.monotonic())
+            wait = slot.expires_in(self.now())
             activity = slot._activity
             if wait is None:
                 await activity.wait()

@@ -995,7 +995,7 @@ def catalog_model_out(slot: Slot, now: float) -> CatalogModelOut:
 
 def scheduler_out(scheduler: Scheduler) -> SchedulerOut:
     """The scheduler for ``GET /v1/instances`` and ``tether status``: its settings, its models, its decisions."""
-    now = time.monotonic()
+    now = scheduler.now()
     return SchedulerOut(
         max_loaded=scheduler.max_loaded,
         load_wait=scheduler.load_wait,

@@ -860,7 +860,7 @@ def routes(api: Api) -> list[Route]:
 
     async def ps() -> Response:
         models = []
-        now = time.monotonic()
+        now = scheduler.now()
         for hosted in fleet.list():
             if isinstance(hosted.instance.state, InstanceReady):
                 slot = scheduler.slots.get(hosted.id)

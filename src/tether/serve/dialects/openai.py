@@ -739,7 +739,7 @@ async def model_out(scheduler: Scheduler, model_id: str) -> views.ModelOut:
         await sup.sample_memory()
     if slot is not None:
         await scheduler.estimate(slot)
-        seen = views.catalog_model_out(slot, time.monotonic())
+        seen = views.catalog_model_out(slot, scheduler.now())
         for name in seen.__struct_fields__:
             setattr(out, name, getattr(seen, name))
     elif hosted is not None:

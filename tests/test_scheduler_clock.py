@@ -1,0 +1,129 @@
+"""The scheduler's keep-alive and LRU logic on a clock the test steps: in-process, with real debug runners, and no
+real time spent waiting for a countdown. (Eviction under a real memory cgroup stays real, in test_scheduler.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from tether.fleet.catalog import Catalog, Model
+from tether.fleet.fleet import Fleet, InstanceConfig
+from tether.fleet.scheduler import Decision, Scheduler
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
+
+
+class Clock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def model(name: str, keep_alive: float) -> Model:
+    return Model(name, InstanceConfig(id=name, engine="debug"), (), keep_alive, False, "the test")
+
+
+@pytest.fixture
+async def scheduler() -> AsyncIterator[tuple[Scheduler, Clock]]:
+    clock = Clock()
+    catalog = Catalog([model("a", 60.0), model("b", 60.0), model("c", 60.0)])
+    async with Fleet(stop_timeout=10) as fleet, Scheduler(fleet, catalog, max_loaded=2, clock=clock) as scheduler:
+        yield scheduler, clock
+
+
+async def use(scheduler: Scheduler, model_id: str, keep_alive: float | None = None) -> None:
+    """One request's lease: load (if needed), then release, which starts the keep-alive countdown."""
+    with anyio.fail_after(30):
+        async with scheduler.lease(model_id, keep_alive):
+            pass
+
+
+async def next_decision(scheduler: Scheduler, kind: str, model_id: str) -> Decision:
+    """Wait for the scheduler's next ``kind`` decision about ``model_id`` (the event itself, not a sleep)."""
+    seen: list[Decision] = []
+    arrived = anyio.Event()
+
+    def watch(decision: Decision) -> None:
+        if decision.kind == kind and decision.model == model_id and not seen:
+            seen.append(decision)
+            arrived.set()
+
+    scheduler.listeners.add(watch)
+    with anyio.fail_after(10):
+        await arrived.wait()
+    return seen[0]
+
+
+async def test_keep_alive_counts_on_the_schedulers_clock_and_unloads_when_it_runs_out(
+    scheduler: tuple[Scheduler, Clock],
+) -> None:
+    sched, clock = scheduler
+    await use(sched, "a")
+    slot = sched.slots["a"]
+    assert slot.state == "loaded" and slot.expires_in(sched.now()) == 60.0
+    clock.t += 59.5
+    slot.poke()  # the countdown re-reads the clock: half a second left, still loaded
+    await anyio.wait_all_tasks_blocked()
+    assert slot.state == "loaded" and slot.expires_in(sched.now()) == pytest.approx(0.5)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(use, sched, "a", 5.0)  # a request's own keep_alive replaces the model's for the next countdown
+    assert slot.expires_in(sched.now()) == 5.0
+    clock.t += 5.0
+    unloaded = anyio.Event()
+    decisions: list[Decision] = []
+
+    async def wait_unload() -> None:
+        decisions.append(await next_decision(sched, "unload", "a"))
+        unloaded.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_unload)
+        await anyio.wait_all_tasks_blocked()
+        slot.poke()
+    assert unloaded.is_set() and slot.state == "unloaded" and slot.hosted is None
+    assert decisions[0].why == "keep_alive" and "idle for 5 s (keep-alive expired)" in decisions[0].reason
+
+
+async def test_a_lease_held_stops_the_countdown_however_far_the_clock_moves(
+    scheduler: tuple[Scheduler, Clock],
+) -> None:
+    sched, clock = scheduler
+    await use(sched, "a")
+    slot = sched.slots["a"]
+    async with sched.lease("a"):
+        clock.t += 3600
+        slot.poke()
+        await anyio.wait_all_tasks_blocked()
+        assert slot.state == "loaded" and slot.expires_in(sched.now()) is None  # busy: not counting down
+    assert slot.expires_in(sched.now()) == 60.0  # released: the countdown starts over from now
+
+
+async def test_over_max_loaded_the_least_recently_used_by_the_clock_is_evicted(
+    scheduler: tuple[Scheduler, Clock],
+) -> None:
+    sched, clock = scheduler
+    await use(sched, "a")
+    clock.t += 10
+    await use(sched, "b")
+    clock.t += 10
+    await use(sched, "a")  # a is now the more recent: b goes first
+    assert sched.slots["b"].last_used == clock.t - 10 < sched.slots["a"].last_used == clock.t
+    evicted = anyio.Event()
+    seen: list[Decision] = []
+
+    async def watch() -> None:
+        seen.append(await next_decision(sched, "evict", "b"))
+        evicted.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await anyio.wait_all_tasks_blocked()
+        await use(sched, "c")
+    assert evicted.is_set() and seen[0].why == "max_loaded", seen
+    assert {s.id for s in sched.slots.values() if s.state == "loaded"} == {"a", "c"}
