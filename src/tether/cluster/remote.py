@@ -90,6 +90,7 @@ class RemoteSupervisor(LifeTasks):
         self.detection_seconds: float | None = None
         self.report: RunnerReport | None = None
         self._pid: int | None = None
+        self._launch: Awaitable[bytes] | None = None  # the launch call, once sent: a stop may have to await its answer
         self._lost_at: float | None = None
         self._settled = False  # a loss whose runners are known gone (the agent fenced itself and said so)
         self._not_gone: str | None = None  # the agent's word that the runner outlived its bounds
@@ -156,8 +157,12 @@ class RemoteSupervisor(LifeTasks):
         self.link.attach(self)
         spec = msgspec.msgpack.encode(self.spec)
         deadlines = msgspec.msgpack.encode(self.deadlines)
-        ref = self.link.actor.launch.remote(self.runner_id, spec, deadlines, self.memory_limit)
+        ref = self._launch = self.link.actor.launch.remote(self.runner_id, spec, deadlines, self.memory_limit)
         launched = msgspec.msgpack.decode(await self._call(ref, "start"), type=agent.Launched)
+        self._launched(launched)
+
+    def _launched(self, launched: agent.Launched) -> None:
+        """The agent's answer to the launch: the runner's pid and its watch, or why it did not start."""
         self._pid = launched.pid
         if launched.error is not None:
             self._exited.set()
@@ -235,7 +240,14 @@ class RemoteSupervisor(LifeTasks):
         self.link.detach(self)
 
     async def stop(self, timeout: float | None = None) -> StopReport | None:
-        """Ask the agent to stop the runner (its supervisor's bounded stop) and wait until it is confirmed gone."""
+        """Ask the agent to stop the runner (its supervisor's bounded stop) and wait until it is confirmed gone. A
+        stop that overtook its launch (the instance deleted while it was being placed) first awaits the launch's
+        answer: the agent starts that runner whether or not anyone still waits for it, and it must not be left."""
+        if self._pid is None and self._launch is not None and not self._exited.is_set():
+            with anyio.move_on_after(CALL_TIMEOUT), contextlib.suppress(RunnerUnavailable):
+                answer = await self._call(self._launch, "start")
+                with contextlib.suppress(RunnerUnavailable):  # it did not start: nothing to stop
+                    self._launched(msgspec.msgpack.decode(answer, type=agent.Launched))
         if self._pid is None or self._exited.is_set():
             return self.stop_report
         began = time.monotonic()

@@ -771,7 +771,7 @@ class ClusterNodeOut(msgspec.Struct, forbid_unknown_fields=True):
     """A Ray node's agent as the coordinator sees it."""
 
     node: str
-    host: str
+    host: str | None  # None, as agent_pid, while its agent is joining: placed on the node, not yet started
     agent_pid: int | None
     state: str
     cause: str | None  # why it was lost
