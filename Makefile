@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tether-installed
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 PROMPT ?= What is the capital of France?
 
-.PHONY: install browser run ask test lint format bench clean
+.PHONY: install browser run ask check test lint format bench clean
 
 install: $(STAMP)
 
@@ -36,9 +36,14 @@ run: install
 ask: install
 	$(BIN)/tether run "$(PROMPT)"
 
-test: install browser
-	$(BIN)/ruff check src tests bench
-	$(BIN)/mypy
+# The quick tier, for every change: lint, types, and every test that needs no model, no Ray, no browser, no
+# fuzzer and no seconds of waiting (about 2 minutes on 2 cores).
+QUICK := not model and not cluster and not browser and not fuzz and not slow
+check: lint
+	$(BIN)/python -m pytest -m "$(QUICK)"
+
+# Everything, what CI runs.
+test: lint browser
 	$(BIN)/python -m pytest
 
 lint: install

@@ -1,8 +1,14 @@
-"""Shared fixtures: anyio on asyncio, and helpers that keep every wait bounded."""
+"""Shared fixtures: anyio on asyncio, helpers that keep every wait bounded, and the test tiers' markers.
+
+A test that uses a fixture needing the real model, a Ray cluster or a browser gets that fixture's marker here
+(``FIXTURE_MARKERS``), so it cannot be forgotten; ``fuzz`` and ``slow`` are set by the tests themselves. ``make
+check`` runs what carries none of them.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 import shutil
@@ -15,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -27,6 +34,17 @@ from tether.protocol import EngineSpec, Fault, GenerateParams
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
+
+FIXTURE_MARKERS = {"model_server": "model", "cluster": "cluster", "browser": "browser", "page": "browser"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            marker = FIXTURE_MARKERS.get(fixture)
+            if marker is not None:
+                item.add_marker(marker)
 
 
 @pytest.fixture
@@ -162,6 +180,40 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Answers checked against the served /openapi.json
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _closed(node: Any) -> Any:
+    """``node`` (a JSON Schema) with every object that lists its properties closed to others."""
+    if isinstance(node, dict):
+        out = {key: _closed(value) for key, value in node.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(node, list):
+        return [_closed(item) for item in node]
+    return node
+
+
+class Document:
+    """The served OpenAPI document, and validation of an answer against one route's stated response."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        self.document = _closed(copy.deepcopy(document))
+
+    def schema(self, path: str, method: str, status: int, media: str = "application/json") -> dict[str, Any]:
+        answer = self.document["paths"][path][method]["responses"][str(status)]
+        return {**answer["content"][media]["schema"], "components": self.document["components"]}
+
+    def check(self, response: httpx.Response, path: str, method: str = "get") -> Any:
+        body = response.json()
+        schema = self.schema(path, method, response.status_code)
+        jsonschema.validate(body, schema, cls=jsonschema.Draft202012Validator)
+        return body
+
+
+# --------------------------------------------------------------------------------------------------------------
 # `tether serve` as a child process
 # --------------------------------------------------------------------------------------------------------------
 
@@ -235,9 +287,10 @@ def serving(
         server.proc.kill() if server.proc.poll() is None else None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_server() -> Iterator[Server]:
-    """`tether serve` on the default model (2 threads, n_ctx 2048), shared by a module's tests."""
+    """`tether serve` on the default model (2 threads, n_ctx 2048), loaded once and shared by every test that only
+    asks it for generations (a test that changes a worker, or makes a claim about one, starts its own)."""
     missing = model_missing()
     if missing:
         pytest.skip(missing)

@@ -88,6 +88,7 @@ def test_a_character_split_over_two_pieces_is_emitted_whole_and_stops_span_piece
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_eight_requests_run_in_one_batch_with_the_texts_they_have_alone() -> None:
     with anyio.fail_after(60):
         async with Supervisor(debug(parallel=8, token_seconds=0.01)) as alone:
@@ -106,6 +107,7 @@ async def test_eight_requests_run_in_one_batch_with_the_texts_they_have_alone() 
     assert took < 8 * 40 * 0.01, took  # one step advances them all: far less than one after the other
 
 
+@pytest.mark.slow
 async def test_cancel_one_of_eight_ends_it_within_one_step_and_the_others_complete_unchanged() -> None:
     with anyio.fail_after(60):
         async with Supervisor(debug(parallel=8, token_seconds=0.01)) as sup:
@@ -165,6 +167,7 @@ async def test_sigkill_with_eight_running_and_eight_waiting_fails_all_sixteen_wi
     assert all(f.tokens > 0 for f in finals[:8]) and all(f.tokens == 0 for f in finals[8:]), finals
 
 
+@pytest.mark.slow
 async def test_a_hang_in_one_sequence_fails_every_request_of_the_batch_with_the_hang_and_the_stacks() -> None:
     hang = Fault(kind="hang", after_tokens=5)
     with anyio.fail_after(60):
@@ -178,6 +181,7 @@ async def test_a_hang_in_one_sequence_fails_every_request_of_the_batch_with_the_
         assert any("in _hang" in line for line in stack_dump(list(final.cause.evidence))), final.cause.render()
 
 
+@pytest.mark.slow
 async def test_deadlines_are_per_request_a_request_waiting_for_a_slot_is_not_late() -> None:
     """The first-token clock starts when a request enters the batch: waiting behind others for 2 s is not a hang
     of a 1 s first-token deadline."""
@@ -231,8 +235,10 @@ def llama(**options: object) -> EngineSpec:
     return EngineSpec(options={"n_threads": 2, "n_ctx": 512, "prompt_cache": False, **options})
 
 
+@pytest.mark.model
 @needs_model
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 async def test_eight_concurrent_greedy_chats_give_the_texts_of_eight_sequential_ones() -> None:
     """The same runner, the same prompts: one at a time, then all eight at once in one batch (the first chat also
     with a stop string, so stops are checked per sequence). Every text must be identical, not similar."""
@@ -251,8 +257,10 @@ async def test_eight_concurrent_greedy_chats_give_the_texts_of_eight_sequential_
     assert all(f.state is TaskState.COMPLETE for _, f, _ in results)
 
 
+@pytest.mark.model
 @needs_model
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 async def test_with_the_real_model_cancel_one_of_eight_and_a_too_long_prompt_each_end_alone() -> None:
     """One of eight is cancelled mid-stream (it ends within one step, the other seven complete unchanged), and a
     prompt longer than a sequence's context, sent beside them, fails alone."""
@@ -279,8 +287,10 @@ async def test_with_the_real_model_cancel_one_of_eight_and_a_too_long_prompt_eac
     assert all(f.state is TaskState.COMPLETE for _, f, _ in others)
 
 
+@pytest.mark.model
 @needs_model
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 async def test_with_the_real_model_sigkill_fails_eight_running_and_eight_waiting_with_the_cause() -> None:
     with anyio.fail_after(220):
         async with Supervisor(llama(parallel=8)) as sup:

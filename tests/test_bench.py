@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each runs a benchmark's quick mode: tens of seconds
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -89,6 +91,7 @@ def test_hang_bench_quick_run_prints_its_json_line() -> None:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.model  # its quick run loads the default model too
 def test_cancel_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("cancel", timeout=140)
     assert result["quick"] is True
@@ -99,6 +102,7 @@ def test_cancel_bench_quick_run_prints_its_json_line() -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.model  # its quick run loads the default model too
 def test_serve_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("serve", timeout=190)
     if result.get("skipped"):
@@ -114,6 +118,7 @@ def test_serve_bench_quick_run_prints_its_json_line() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.model  # its quick run loads the default model too
 def test_swap_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("swap", timeout=170)
     assert result["quick"] is True and result["error"] is None and result["ok"] is True, result
@@ -130,6 +135,7 @@ def test_swap_bench_quick_run_prints_its_json_line() -> None:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.model  # its quick run loads the default model too
 def test_load_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("load", timeout=140)
     assert result["quick"] is True and result["error"] is None and result["ok"] is True, result

@@ -21,6 +21,8 @@ from tether.chaos.target import Target
 from tether.chaos.trial import TrialResult, _check_gone, run_on
 from tether.protocol import CauseKind
 
+pytestmark = pytest.mark.slow  # campaigns of real faults on real workers: seconds each
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "failed_trials", "other_problems")
 

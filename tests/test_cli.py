@@ -128,6 +128,7 @@ def test_a_model_that_does_not_fit_is_refused_with_the_numbers_and_force_loads_i
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_hung_runner_is_reported_with_its_stacks_within_the_deadline_set_on_the_command_line() -> None:
     out = subprocess.run(
         [*TETHER, "run", "hi", "--engine", "debug", "--fault", "hang:generate:2", "--deadline", "token_gap=1"],

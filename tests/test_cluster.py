@@ -1,6 +1,11 @@
 """tether on a real local Ray cluster (``ray.cluster_utils.Cluster``: a head without CPUs and 3 nodes, all on this
 machine): placement by true memory, replicas, node loss (agent SIGKILLed, agent silent, node removed), the
-coordinator's death and its partition. Runners are the debug engine's; every check of "gone" is made on /proc."""
+coordinator's death and its partition. Runners are the debug engine's; every check of "gone" is made on /proc.
+
+One coordinator serves the module's tests that need only instances of their own (``shared``: each test starts with
+every node's agent live and leaves nothing behind, node faults included, since the coordinator replaces a lost
+agent); a test gets a fresh one only when its claim is about the coordinator itself (its death, its partition) or
+its options (``--node-memory-limit``)."""
 
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.conftest import Server, wait_until
 
+from conftest import Document, Server, wait_until
 from tether.chaos.target import runner_processes
 from tether.cluster import wire
 from tether.kernel.pids import live_processes
@@ -75,6 +80,60 @@ def coordinator(c: Cluster, *args: str) -> Iterator[Server]:
             server.stop(40)
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_coordinator(cluster: Cluster) -> Iterator[Server]:
+    with coordinator(cluster) as server:
+        yield server
+
+
+@pytest.fixture
+def shared(cluster: Cluster, shared_coordinator: Server) -> Iterator[Server]:
+    """The module's coordinator, with ``NODES`` live agents and its own ``debug`` instance ready; every instance a
+    test adds is deleted after it, and its runners confirmed gone from /proc."""
+    server = shared_coordinator
+    ensure_nodes(cluster)
+    wait_until(lambda: len(live_nodes(server)) == NODES, 60, f"{NODES} node agents live")
+    wait_until(lambda: server.instance("debug")["ready"], 60, "the coordinator's debug instance ready")
+    yield server
+    for inst in view(server)["data"]:
+        if inst["id"] != "debug":
+            assert server.http.delete(f"/v1/instances/{inst['id']}").status_code == 200
+    ensure_nodes(cluster)  # a node the test removed comes back, and its agent joins
+    wait_until(lambda: len(live_nodes(server)) == NODES, 60, f"{NODES} node agents live after the test")
+    agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+
+    def only_debug_left() -> bool:
+        debug = server.instance("debug")["runner"] or {}
+        return set(runners_of(agents, children=True)) == {debug.get("pid")}
+
+    try:
+        wait_until(only_debug_left, 30, "every runner of the test's instances gone")
+    except AssertionError as exc:
+        left = runners_of(agents, children=True)
+        raise AssertionError(f"{exc}: runners {left}, instances {view(server)['data']}") from None
+
+
+def debug_pid(server: Server) -> int:
+    """The pid of the coordinator's own debug runner, once ready: a test that loses a node may have taken it along,
+    and it is re-placed like any other."""
+    wait_until(lambda: server.instance("debug")["ready"], 60, "the debug instance ready (re-placed if lost)")
+    return int(server.instance("debug")["runner"]["pid"])
+
+
+def events_since(server: Server, since: float, kind: str | None = None) -> list[dict[str, Any]]:
+    """The coordinator's node events from ``since`` (``time.time()``) on: the shared one keeps earlier tests'."""
+    events = [e for e in view(server)["cluster"]["events"] if e["at"] >= since]
+    return [e for e in events if kind is None or e["kind"] == kind]
+
+
+def described(server: Server) -> dict[str, Any]:
+    """``GET /v1/instances`` validated against the coordinator's own ``/openapi.json``, every object closed: the
+    cluster view, replicas on nodes, ranks, and causes of node loss carry no key the schema does not state."""
+    document = Document(server.http.get("/openapi.json").json())
+    data: dict[str, Any] = document.check(server.http.get("/v1/instances"), "/v1/instances")
+    return data
 
 
 def view(server: Server) -> dict[str, Any]:
@@ -196,118 +255,122 @@ def test_placement_by_true_memory_and_a_507_with_every_node(cluster: Cluster) ->
         assert "huge" not in {i["id"] for i in view(server)["data"]}
 
 
-def test_replicas_spread_over_nodes_and_requests_balanced(cluster: Cluster) -> None:
-    with coordinator(cluster) as server:
-        inst = add(server, {"id": "rep", "replicas": 3, "spread": "STRICT_SPREAD", "options": {"token_seconds": 0.02}})
-        nodes = [r["node"] for r in inst["replicas"]]
-        assert len(set(nodes)) == 3, inst["replicas"]
-        streams = Streams(server, "rep", 3, max_tokens=150)
-        streams.wait_streaming(3)
-        serving = [r["serving"] for r in server.instance("rep")["replicas"]]
-        assert serving == [1, 1, 1], serving  # least loaded: one each, not three on the first
-        results = streams.join()
-        assert all(status == 200 and last["choices"][0]["finish_reason"] == "length" for _, status, last in results)
-        four = server.http.post(
-            "/v1/instances", json={"id": "four", "engine": "debug", "replicas": 4, "spread": "STRICT_SPREAD"}
-        )
-        assert four.status_code == 507, four.text
-        assert "holds a replica already" in four.json()["error"]["message"]
+def test_replicas_spread_over_nodes_and_requests_balanced(shared: Server) -> None:
+    server = shared
+    inst = add(server, {"id": "rep", "replicas": 3, "spread": "STRICT_SPREAD", "options": {"token_seconds": 0.02}})
+    nodes = [r["node"] for r in inst["replicas"]]
+    assert len(set(nodes)) == 3, inst["replicas"]
+    streams = Streams(server, "rep", 3, max_tokens=150)
+    streams.wait_streaming(3)
+    serving = [r["serving"] for r in server.instance("rep")["replicas"]]
+    assert serving == [1, 1, 1], serving  # least loaded: one each, not three on the first
+    results = streams.join()
+    assert all(status == 200 and last["choices"][0]["finish_reason"] == "length" for _, status, last in results)
+    four = server.http.post(
+        "/v1/instances", json={"id": "four", "engine": "debug", "replicas": 4, "spread": "STRICT_SPREAD"}
+    )
+    assert four.status_code == 507, four.text
+    assert "holds a replica already" in four.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("how", ["sigkill", "sigstop", "remove_node"])
-def test_losing_a_node_fails_its_requests_with_the_cause_and_replaces_its_replica(cluster: Cluster, how: str) -> None:
-    with coordinator(cluster) as server:
-        inst = add(server, {"id": "lose", "replicas": 2, "options": {"token_seconds": 0.02}})
-        victim = inst["replicas"][0]
-        survivor = inst["replicas"][1]
-        agent = agent_pid(server, victim["node"])
-        agents = {int(n["agent_pid"]) for n in live_nodes(server)}
-        assert victim["pid"] in runners_of({agent})
-        streams = Streams(server, "lose", 2)
-        streams.wait_streaming(2)
-        began = time.monotonic()
-        if how == "sigkill":
-            os.kill(agent, signal.SIGKILL)
-        elif how == "sigstop":
-            os.kill(agent, signal.SIGSTOP)  # silent, not dead: only the heartbeat can tell
-        else:
-            node = next(n for n in worker_nodes(cluster) if n.node_id == victim["node"])
-            cluster.remove_node(node, allow_graceful=False)
-        results = streams.join()
-        failed = [(at, last) for at, _, last in results if isinstance(last, dict) and "error" in last]
-        assert len(failed) == 1, results  # the victim's request failed; the survivor's finished
-        at, last = failed[0]
-        error = error_of(last)
-        assert error["code"] == "node_lost", error
-        assert victim["node"][:8] in error["message"], error
-        seen = {"sigkill": "connection closed", "sigstop": "silent for", "remove_node": "connection closed"}[how]
-        assert seen in error["message"], error
-        if how == "sigkill":
-            assert "Ray: the agent's worker process died" in error["message"], error  # Ray's account, within 0.3 s
-        assert at - began < 1.0 + 1.0, f"failed {at - began:.2f} s after the loss (lost after 1 s)"
-        wait_until(lambda: not alive(victim["pid"]), 10, "the lost node's runner gone")
-        assert runners_of({agent}) == []
-        wait_until(lambda: all_ready(server, "lose"), 60, "the lost replica re-placed")
-        after = server.instance("lose")["replicas"]
-        assert after[1]["pid"] == survivor["pid"], "the survivor was disturbed"
-        assert after[0]["node"] != survivor["node"], after  # SPREAD: a node of its own again
-        assert alive(after[0]["pid"])
-        lost = [e for e in view(server)["cluster"]["events"] if e["kind"] == "lost"]
-        assert any(e["node"] == victim["node"] for e in lost), lost
-        if how == "remove_node":  # Ray notices a removed node later (~2 s): its account joins the record then
-            wait_until(
-                lambda: any(
-                    e["kind"] == "ray" and e["node"] == victim["node"] for e in view(server)["cluster"]["events"]
-                ),
-                30,
-                "Ray's own account of the removed node",
-            )
-        history = server.instance("lose")
-        assert any(h["cause"]["kind"] == "node_lost" for h in history["history"]), history["history"]
-        now = {int(n["agent_pid"]) for n in live_nodes(server)}
-        expected = {r["pid"] for r in after} | {server.instance("debug")["runner"]["pid"]}
-        assert (
-            set(runners_of(agents | now, children=True)) == expected
-        )  # what it says runs is what runs, and nothing else
+def test_losing_a_node_fails_its_requests_with_the_cause_and_replaces_its_replica(
+    cluster: Cluster, shared: Server, how: str
+) -> None:
+    server = shared
+    since = time.time()
+    lose = f"lose-{how}"
+    inst = add(server, {"id": lose, "replicas": 2, "options": {"token_seconds": 0.02}})
+    victim = inst["replicas"][0]
+    survivor = inst["replicas"][1]
+    agent = agent_pid(server, victim["node"])
+    agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+    assert victim["pid"] in runners_of({agent})
+    # 250 tokens at 0.02 s: the survivor still streams for seconds past the loss (found within 1 s), then finishes
+    streams = Streams(server, lose, 2, max_tokens=250)
+    streams.wait_streaming(2)
+    began = time.monotonic()
+    if how == "sigkill":
+        os.kill(agent, signal.SIGKILL)
+    elif how == "sigstop":
+        os.kill(agent, signal.SIGSTOP)  # silent, not dead: only the heartbeat can tell
+    else:
+        node = next(n for n in worker_nodes(cluster) if n.node_id == victim["node"])
+        cluster.remove_node(node, allow_graceful=False)
+    results = streams.join()
+    failed = [(at, last) for at, _, last in results if isinstance(last, dict) and "error" in last]
+    assert len(failed) == 1, results  # the victim's request failed; the survivor's finished
+    at, last = failed[0]
+    error = error_of(last)
+    assert error["code"] == "node_lost", error
+    assert victim["node"][:8] in error["message"], error
+    seen = {"sigkill": "connection closed", "sigstop": "silent for", "remove_node": "connection closed"}[how]
+    assert seen in error["message"], error
+    if how == "sigkill":
+        assert "Ray: the agent's worker process died" in error["message"], error  # Ray's account, within 0.3 s
+    assert at - began < 1.0 + 1.0, f"failed {at - began:.2f} s after the loss (lost after 1 s)"
+    wait_until(lambda: not alive(victim["pid"]), 10, "the lost node's runner gone")
+    assert runners_of({agent}) == []
+    wait_until(lambda: all_ready(server, lose), 60, "the lost replica re-placed")
+    after = server.instance(lose)["replicas"]
+    assert after[1]["pid"] == survivor["pid"], "the survivor was disturbed"
+    assert after[0]["node"] != survivor["node"], after  # SPREAD: a node of its own again
+    assert alive(after[0]["pid"])
+    lost = events_since(server, since, "lost")
+    assert any(e["node"] == victim["node"] for e in lost), lost
+    if how == "remove_node":  # Ray notices a removed node later (~2 s): its account joins the record then
+        wait_until(
+            lambda: any(e["node"] == victim["node"] for e in events_since(server, since, "ray")),
+            30,
+            "Ray's own account of the removed node",
+        )
+    history = server.instance(lose)
+    assert any(h["cause"]["kind"] == "node_lost" for h in history["history"]), history["history"]
+    now = {int(n["agent_pid"]) for n in live_nodes(server)}
+    expected = {r["pid"] for r in after} | {debug_pid(server)}
+    assert set(runners_of(agents | now, children=True)) == expected  # what it says runs is what runs, and nothing else
+    listing = described(server)
+    assert listing["cluster"]["events"] and any(i["history"] for i in listing["data"]), listing
 
 
-def test_only_its_own_agents_may_speak_on_the_heartbeat_path(cluster: Cluster) -> None:
+def test_only_its_own_agents_may_speak_on_the_heartbeat_path(shared: Server) -> None:
     """A stranger posing as a live node's agent (its node id, no token) is hung up on; the node stays live."""
-    with coordinator(cluster) as server:
-        host, _, port = view(server)["cluster"]["address"].rpartition(":")
-        node = live_nodes(server)[0]["node"]
-        hello = wire.frame(wire.Hello(node, os.getpid(), "stranger", "not-the-token"))
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(hello)
-            sock.settimeout(10)
-            assert sock.recv(1) == b""  # closed on us, no beat sent
-        assert len(live_nodes(server)) == NODES
-        assert not [e for e in view(server)["cluster"]["events"] if e["kind"] == "lost"]
+    since = time.time()
+    server = shared
+    host, _, port = view(server)["cluster"]["address"].rpartition(":")
+    node = live_nodes(server)[0]["node"]
+    hello = wire.frame(wire.Hello(node, os.getpid(), "stranger", "not-the-token"))
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(hello)
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # closed on us, no beat sent
+    assert len(live_nodes(server)) == NODES
+    assert not events_since(server, since, "lost")
 
 
-def test_a_replica_with_nowhere_to_go_waits_for_a_node_instead_of_failing(cluster: Cluster) -> None:
+def test_a_replica_with_nowhere_to_go_waits_for_a_node_instead_of_failing(shared: Server) -> None:
     """3 STRICT_SPREAD replicas on 3 nodes, one agent SIGKILLed: the replacement finds no node (the others hold a
     replica) until the lost node's fresh agent joins; it retries with its backoff and lands there. Deleting and
     re-adding the instance then works at once: a restart's refusal is not the next creation's."""
-    with coordinator(cluster) as server:
-        inst = add(server, {"id": "full", "replicas": 3, "spread": "STRICT_SPREAD"})
-        victim = inst["replicas"][0]
-        os.kill(agent_pid(server, victim["node"]), signal.SIGKILL)
+    server = shared
+    inst = add(server, {"id": "full", "replicas": 3, "spread": "STRICT_SPREAD"})
+    victim = inst["replicas"][0]
+    os.kill(agent_pid(server, victim["node"]), signal.SIGKILL)
 
-        def replaced() -> bool:
-            replicas = server.instance("full")["replicas"]
-            return replicas[0]["pid"] not in (None, victim["pid"]) and all(r["state"] == "ready" for r in replicas)
+    def replaced() -> bool:
+        replicas = server.instance("full")["replicas"]
+        return replicas[0]["pid"] not in (None, victim["pid"]) and all(r["state"] == "ready" for r in replicas)
 
-        wait_until(replaced, 60, "the replica placed on the lost node's new agent")
-        after = server.instance("full")
-        assert after["replicas"][0]["node"] == victim["node"], after["replicas"]  # the only node without one
-        refusals = [d for d in view(server)["scheduler"]["decisions"] if d["kind"] == "refuse"]
-        assert any(d["model"] == "full.r0" for d in refusals), refusals  # it had nowhere to go for a while
-        assert server.http.delete("/v1/instances/full").status_code == 200
-        again = server.http.post(
-            "/v1/instances", json={"id": "full", "engine": "debug", "replicas": 3, "spread": "STRICT_SPREAD"}
-        )
-        assert again.status_code == 201, again.text
+    wait_until(replaced, 60, "the replica placed on the lost node's new agent")
+    after = server.instance("full")
+    assert after["replicas"][0]["node"] == victim["node"], after["replicas"]  # the only node without one
+    refusals = [d for d in view(server)["scheduler"]["decisions"] if d["kind"] == "refuse"]
+    assert any(d["model"] == "full.r0" for d in refusals), refusals  # it had nowhere to go for a while
+    assert server.http.delete("/v1/instances/full").status_code == 200
+    again = server.http.post(
+        "/v1/instances", json={"id": "full", "engine": "debug", "replicas": 3, "spread": "STRICT_SPREAD"}
+    )
+    assert again.status_code == 201, again.text
 
 
 def test_coordinator_sigkill_leaves_no_agent_and_no_runner(cluster: Cluster) -> None:
@@ -368,7 +431,7 @@ RANK_FAULTS = {  # rank 1's fault at its 10th token, in every life (the check af
 
 @pytest.mark.parametrize("how", ["runner", "agent", *RANK_FAULTS])
 def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the_ports(
-    cluster: Cluster, how: str
+    shared: Server, how: str
 ) -> None:
     """A 2-rank debug ring on 2 of the 3 nodes: rank 1's runner SIGKILLed, the agent hosting it SIGKILLed, or rank 1
     crashing, hanging with the GIL held or running out of memory while generating. The request fails with rank 1's
@@ -383,45 +446,47 @@ def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the
     }
     if how in RANK_FAULTS:
         body["faults"] = [RANK_FAULTS[how][0]]
-    with coordinator(cluster) as server:
-        if how == "runner":  # more ranks than nodes: refused whole, every node named
-            refused = server.http.post("/v1/instances", json={**body, "id": "wide", "engine": "debug", "ranks": 4})
-            assert refused.status_code == 507, refused.text
-            assert "needs 4 nodes, one per rank, and fits on 3" in refused.json()["error"]["message"], refused.text
-            assert len(refused.json()["error"]["nodes"]) == NODES
-        add(server, body)
-        ranks = server.instance("ring")["ranks"]
-        assert len({r["node"] for r in ranks}) == 2, ranks  # one node per rank
-        old = [r["pid"] for r in ranks]
-        agents = {int(n["agent_pid"]) for n in live_nodes(server)}
-        victim = agent_pid(server, ranks[1]["node"])
-        streams = Streams(server, "ring", 1)
-        streams.wait_streaming(1)
-        if how in ("runner", "agent"):
-            os.kill(old[1] if how == "runner" else victim, signal.SIGKILL)
-        ((_, _, last),) = streams.join()
-        error = error_of(last)
-        assert f"rank 1 of 2 on node {ranks[1]['node'][:8]} failed" in error["message"], error
-        code = {"runner": "signal", "agent": "node_lost"}.get(how) or RANK_FAULTS[how][1]
-        assert error["code"] == code, error
-        wait_until(lambda: not any(alive(pid) for pid in old), 10, "every rank of the failed life gone")
+    server = shared
+    if how == "runner":  # more ranks than nodes: refused whole, every node named
+        refused = server.http.post("/v1/instances", json={**body, "id": "wide", "engine": "debug", "ranks": 4})
+        assert refused.status_code == 507, refused.text
+        assert "needs 4 nodes, one per rank, and fits on 3" in refused.json()["error"]["message"], refused.text
+        assert len(refused.json()["error"]["nodes"]) == NODES
+    add(server, body)
+    ranks = server.instance("ring")["ranks"]
+    assert len({r["node"] for r in ranks}) == 2, ranks  # one node per rank
+    old = [r["pid"] for r in ranks]
+    agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+    victim = agent_pid(server, ranks[1]["node"])
+    streams = Streams(server, "ring", 1)
+    streams.wait_streaming(1)
+    if how in ("runner", "agent"):
+        os.kill(old[1] if how == "runner" else victim, signal.SIGKILL)
+    ((_, _, last),) = streams.join()
+    error = error_of(last)
+    assert f"rank 1 of 2 on node {ranks[1]['node'][:8]} failed" in error["message"], error
+    code = {"runner": "signal", "agent": "node_lost"}.get(how) or RANK_FAULTS[how][1]
+    assert error["code"] == code, error
+    wait_until(lambda: not any(alive(pid) for pid in old), 10, "every rank of the failed life gone")
 
-        def replaced() -> bool:
-            now = server.instance("ring")
-            return bool(now["ready"]) and not set(old) & {r["pid"] for r in now["ranks"]}
-
-        wait_until(replaced, 60, "a replacement ring ready")
+    def replaced() -> bool:
         now = server.instance("ring")
-        assert [r["address"].rpartition(":")[2] for r in now["ranks"]] == [
-            r["address"].rpartition(":")[2] for r in ranks
-        ], "the same ports"
-        assert len({r["node"] for r in now["ranks"]}) == 2
-        assert now["history"][-1]["cause"]["rank"] == 1
-        answer = server.http.post(
-            "/v1/chat/completions",
-            json={"model": "ring", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-        )
-        assert answer.status_code == 200, answer.text
-        live = {int(n["agent_pid"]) for n in live_nodes(server)}
-        expected = {r["pid"] for r in now["ranks"]} | {server.instance("debug")["runner"]["pid"]}
-        assert set(runners_of(agents | live, children=True)) == expected, "what it says runs is what runs"
+        return bool(now["ready"]) and not set(old) & {r["pid"] for r in now["ranks"]}
+
+    wait_until(replaced, 60, "a replacement ring ready")
+    now = server.instance("ring")
+    assert [r["address"].rpartition(":")[2] for r in now["ranks"]] == [
+        r["address"].rpartition(":")[2] for r in ranks
+    ], "the same ports"
+    assert len({r["node"] for r in now["ranks"]}) == 2
+    assert now["history"][-1]["cause"]["rank"] == 1
+    answer = server.http.post(
+        "/v1/chat/completions",
+        json={"model": "ring", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert answer.status_code == 200, answer.text
+    live = {int(n["agent_pid"]) for n in live_nodes(server)}
+    expected = {r["pid"] for r in now["ranks"]} | {debug_pid(server)}
+    assert set(runners_of(agents | live, children=True)) == expected, "what it says runs is what runs"
+    ring = next(i for i in described(server)["data"] if i["id"] == "ring")
+    assert [r["rank"] for r in ring["ranks"]] == [0, 1] and ring["history"][-1]["cause"]["rank"] == 1, ring

@@ -439,6 +439,7 @@ def test_fault_hang_keeps_other_threads_running(child_procs: list[subprocess.Pop
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.slow
 def test_fault_hang_gil_stops_every_python_thread(child_procs: list[subprocess.Popen]) -> None:
     proc = popen_child(child_procs, HEARTBEAT_CHILD, msgspec.json.encode(Fault(kind="hang_gil")).decode())
     out = LineReader(proc.stdout)  # type: ignore[arg-type]

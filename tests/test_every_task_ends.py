@@ -223,6 +223,7 @@ async def test_cancel_mid_stream_ends_cancelled_and_unknown_cancel_is_harmless()
             assert done.state is TaskState.COMPLETE
 
 
+@pytest.mark.slow
 async def test_stop_is_bounded_for_a_hung_runner_that_ignores_sigterm() -> None:
     spec = debug(Fault(kind="ignore_sigterm", phase="load"))
     with anyio.fail_after(30):
@@ -353,6 +354,7 @@ async def test_garbage_with_a_plausible_length_is_a_protocol_error_with_its_byte
     assert took < (0.5 if not mimic else min(PARTIAL_FRAME_STALL, heartbeat_deadline) + 1.0), took
 
 
+@pytest.mark.slow
 async def test_the_garbage_fault_writes_garbage_from_inside_the_runner() -> None:
     garbage = Fault(kind="garbage", after_tokens=3, size=1 << 20, mimic=True)
     with anyio.fail_after(30):
@@ -382,6 +384,7 @@ async def test_a_task_write_that_times_out_raises_with_the_hang_as_its_cause() -
     assert sup.cause is not None and sup.cause.kind is CauseKind.HANG
 
 
+@pytest.mark.slow
 async def test_a_task_that_cannot_be_encoded_is_refused_and_leaves_the_runner_serving() -> None:
     """An integer msgpack cannot carry used to be registered, fail on the wire, and get the runner declared hung
     when its acknowledgement never came."""

@@ -24,6 +24,8 @@ from tether.chaos.target import ServeChild
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import fuzz as fuzzer
 
+pytestmark = pytest.mark.fuzz  # schemathesis and transport abuse against a live worker
+
 EXAMPLES = 12  # per operation and mode: ~100 cases, a few seconds
 
 
@@ -227,6 +229,8 @@ def test_the_fuzzer_catches_a_schema_that_lies(server: ServeChild, document: dic
     lying = copy.deepcopy(document)
     lying["components"]["schemas"]["CompletionRequest"]["properties"]["n"] = {"type": "integer", "enum": [1, 2, 3]}
     lying["components"]["schemas"]["Health"]["properties"]["status"] = {"type": "integer"}
+    # only the two lying operations: the claim is that each lie is caught, and fuzzing the other 30 proves nothing here
+    lying["paths"] = {path: lying["paths"][path] for path in ("/healthz", "/v1/completions")}
     schema = schemathesis.openapi.from_dict(lying)
     report = fuzzer.fuzz(schema, server.url, 40, seed=3)
     failures = "\n".join(report.failures)

@@ -183,6 +183,7 @@ async def _hang_mid_generation(
     return last, failed.at, handle.final.cause, tokens
 
 
+@pytest.mark.slow
 async def test_a_python_hang_in_decode_is_caught_by_the_token_gap_with_its_stacks() -> None:
     gap = 1.0
     with anyio.fail_after(30):
@@ -196,6 +197,7 @@ async def test_a_python_hang_in_decode_is_caught_by_the_token_gap_with_its_stack
     assert sup.hang is not None and gap <= sup.hang.seconds <= gap + MARGIN
 
 
+@pytest.mark.slow
 async def test_a_native_hang_holding_the_gil_is_caught_by_the_heartbeat_with_its_stacks() -> None:
     """Every Python thread stops, the heartbeat included; faulthandler's C handler still dumps the stacks."""
     beat = 1.0
@@ -211,6 +213,7 @@ async def test_a_native_hang_holding_the_gil_is_caught_by_the_heartbeat_with_its
     assert beat - 0.25 <= failed_at - last <= beat + STACKS + MARGIN
 
 
+@pytest.mark.slow
 async def test_a_sigstopped_runner_is_caught_by_the_heartbeat_and_said_to_be_stopped() -> None:
     beat = 1.0
     with anyio.fail_after(30):
@@ -227,6 +230,7 @@ async def test_a_sigstopped_runner_is_caught_by_the_heartbeat_and_said_to_be_sto
     assert beat - 0.25 <= failed_at - last <= beat + MARGIN  # no stack wait: a stopped process cannot answer
 
 
+@pytest.mark.slow
 async def test_a_slow_but_progressing_load_is_not_killed() -> None:
     """Eight steps of 0.4 s: 3.2 s of loading against a 1 s stall deadline, never 1 s without progress."""
     with anyio.fail_after(30):
@@ -241,6 +245,7 @@ async def test_a_slow_but_progressing_load_is_not_killed() -> None:
     assert sup.hang is None and sup.cause is None
 
 
+@pytest.mark.slow
 async def test_a_load_that_stalls_is_killed_after_the_stall_deadline_with_its_stacks() -> None:
     stall = 1.0
     progress: list[float] = []
@@ -258,6 +263,7 @@ async def test_a_load_that_stalls_is_killed_after_the_stall_deadline_with_its_st
     assert failed.at is not None and stall <= failed.at - progress[-1] <= stall + STACKS + MARGIN
 
 
+@pytest.mark.slow
 async def test_a_warmup_that_never_ends_is_killed_after_the_warmup_deadline() -> None:
     with anyio.fail_after(30):
         async with Supervisor(debug(Fault(kind="hang", phase="warmup")), deadlines=deadlines(warmup=1.0)) as sup:
@@ -270,6 +276,7 @@ async def test_a_warmup_that_never_ends_is_killed_after_the_warmup_deadline() ->
     assert 1.0 <= took <= 1.0 + STACKS + MARGIN
 
 
+@pytest.mark.slow
 async def test_no_first_token_within_its_deadline_is_a_hang_in_prefill() -> None:
     slow_start = Fault(kind="slow", after_tokens=0, seconds=30.0)  # a prefill that never finishes in time
     with anyio.fail_after(30):
@@ -291,6 +298,7 @@ def stop_runner(pid: int) -> None:
     assert os.WIFSTOPPED(status)
 
 
+@pytest.mark.slow
 async def test_a_task_the_runner_does_not_acknowledge_is_a_hang_within_the_ack_deadline() -> None:
     """The reader thread acknowledges on arrival, even behind a long generation (no false alarm); a runner that
     stops reading is caught by the acknowledgement deadline (the heartbeat deadline is set long here)."""
@@ -313,6 +321,7 @@ async def test_a_task_the_runner_does_not_acknowledge_is_a_hang_within_the_ack_d
     assert 1.0 <= took <= 1.0 + MARGIN
 
 
+@pytest.mark.slow
 async def test_a_cancel_the_runner_cannot_receive_makes_it_hung() -> None:
     with anyio.fail_after(30):
         async with Supervisor(debug(token_seconds=0.005), deadlines=deadlines(ack=1.0)) as sup:
@@ -360,6 +369,7 @@ async def test_a_hang_fails_the_life_and_the_restart_policy_brings_a_new_runner(
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_cancel_mid_stream_ends_cancelled_with_at_most_one_more_token() -> None:
     """Tokens every 50 ms: nothing is in flight in the pipe at the cancel, so one more token is the bound."""
     with anyio.fail_after(30):
@@ -430,6 +440,7 @@ async def test_a_cancel_storm_ends_every_task_once_and_leaves_the_runner_healthy
     assert after.state is TaskState.COMPLETE and len(text.split()) == 5
 
 
+@pytest.mark.slow
 async def test_a_hung_runner_beside_a_healthy_one_never_holds_it_up() -> None:
     """One worker, two runners: while one hangs holding its GIL (detected, stacks taken, killed), the other's tokens
     keep flowing with no gap longer than 0.5 s, and a task sent to the hung one is answered within its bounds."""

@@ -106,6 +106,7 @@ def _admin_debug_instance(server: Server, instance_id: str, **config: Any) -> di
     return server.add_instance({"id": instance_id, "engine": "debug", **config})
 
 
+@pytest.mark.slow
 def test_a_runner_killed_mid_stream_ends_the_stream_with_its_cause_and_the_instance_recovers() -> None:
     with debug_server() as server:
         _admin_debug_instance(server, "slow", options={"token_seconds": 0.01}, restart={"initial_backoff": 0.05})
@@ -144,6 +145,7 @@ def test_a_runner_killed_mid_stream_ends_the_stream_with_its_cause_and_the_insta
         assert "killed by SIGKILL" in status, status
 
 
+@pytest.mark.slow
 def test_a_native_crash_before_the_first_token_is_a_500_with_the_cause_and_its_stack() -> None:
     with debug_server() as server:
         crash = [{"kind": "segv", "after_tokens": 0}]
@@ -165,6 +167,7 @@ def test_a_native_crash_before_the_first_token_is_a_500_with_the_cause_and_its_s
         assert "Retry-After" not in again.headers  # restart policy 'never': retrying cannot help
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_cancels_its_generation() -> None:
     with debug_server() as server:
         _admin_debug_instance(server, "slow", options={"token_seconds": 0.01})
@@ -191,6 +194,7 @@ def test_a_client_that_disconnects_cancels_its_generation() -> None:
         assert quick["choices"][0]["finish_reason"] == "length" and time.monotonic() - began < 5
 
 
+@pytest.mark.slow
 def test_a_request_can_be_cancelled_by_id() -> None:
     with debug_server() as server:
         _admin_debug_instance(server, "slow", options={"token_seconds": 0.01})
@@ -208,6 +212,7 @@ def test_a_request_can_be_cancelled_by_id() -> None:
         assert unknown["outcome"] == "unknown" and "nothing to cancel" in unknown["detail"]
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_failure() -> None:
     with debug_server() as server:
         _admin_debug_instance(server, "q", options={"token_seconds": 0.01}, max_queue=1, restart={"mode": "never"})
@@ -238,6 +243,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_waiting_requests_share_a_
         assert metric(server, "tether_requests_total", instance="q", outcome="rejected") == 1
 
 
+@pytest.mark.slow
 def test_parallel_streams_run_together_and_the_api_metrics_and_status_show_running_and_waiting() -> None:
     with debug_server() as server:
         _admin_debug_instance(server, "b", options={"token_seconds": 0.01, "parallel": 2}, max_queue=1)
@@ -429,6 +435,7 @@ def test_an_unknown_engine_is_refused_up_front_listing_the_engines(debug_shared:
     assert debug_shared.http.get("/v1/instances/nope").status_code == 404  # nothing was started
 
 
+@pytest.mark.slow
 def test_without_a_model_among_several_the_request_is_told_model_is_required() -> None:
     with debug_server() as server:
         _admin_debug_instance(server, "second")
@@ -439,6 +446,7 @@ def test_without_a_model_among_several_the_request_is_told_model_is_required() -
         assert "models: debug, " in error["message"] and ", second" in error["message"]  # catalog, then instances
 
 
+@pytest.mark.slow
 def test_the_api_key_is_required_everywhere_but_the_probes() -> None:
     with debug_server(api_key="s3cret") as server:
         bare = httpx.Client(base_url=server.url, timeout=10)
@@ -455,6 +463,7 @@ def test_the_api_key_is_required_everywhere_but_the_probes() -> None:
         bare.close()
 
 
+@pytest.mark.slow
 def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanly() -> None:
     with debug_server() as server:
         missing = model_missing()
@@ -489,6 +498,7 @@ def test_admin_api_refuses_what_does_not_fit_with_the_numbers_and_deletes_cleanl
         assert ready.status_code == 503 and ready.json() == {"ready": False, "instances": {}}
 
 
+@pytest.mark.slow
 def test_an_instance_memory_limit_is_its_runners_cgroup_limit() -> None:
     with debug_server() as server:
         limited = _admin_debug_instance(server, "small", memory_limit=256 << 20)
@@ -504,6 +514,7 @@ def test_an_instance_memory_limit_is_its_runners_cgroup_limit() -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_a_signal_stops_the_server_and_leaves_no_process_behind(sig: signal.Signals) -> None:
     server = Server("--engine", "debug", "--stop-timeout", "5")
     try:
@@ -532,6 +543,7 @@ def _add_helpers_instance(server: Server, instance_id: str = "helpers") -> dict[
 
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.slow
 def test_a_sigkilled_server_takes_every_helper_along_even_those_that_left_the_group() -> None:
     """The acceptance drill: helpers that called setsid (or setpgid, or daemonized) stayed alive after the worker's
     SIGKILL; now every process in every runner's cgroup goes, and the next worker's start removes the cgroups."""
@@ -565,6 +577,7 @@ def test_a_sigkilled_server_takes_every_helper_along_even_those_that_left_the_gr
 
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.slow
 def test_a_clean_stop_leaves_no_runner_cgroup_behind() -> None:
     """The cgroup removal used to be a background task that the stopping worker cancelled, about one stop in four."""
     left: list[str] = []
@@ -581,6 +594,7 @@ def test_a_clean_stop_leaves_no_runner_cgroup_behind() -> None:
     assert left == []
 
 
+@pytest.mark.slow
 def test_the_status_json_has_the_node_live_tokens_the_requests_in_flight_and_each_lifes_log() -> None:
     """What the dashboard and `tether status` read: this machine's memory with its source, tokens served counting the
     streams in flight, the requests being served (cancellable by id), and the runner log of the current and a failed

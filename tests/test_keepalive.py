@@ -13,6 +13,8 @@ import pytest
 from conftest import debug_server
 from tether.cli.serve import _bind
 
+pytestmark = pytest.mark.slow  # each waits as long as a client's keep-alive
+
 
 @pytest.mark.timeout(30)
 def test_connections_accepted_on_the_listening_socket_get_tcp_nodelay() -> None:

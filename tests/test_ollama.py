@@ -37,6 +37,7 @@ def debug() -> Iterator[Server]:
         yield server
 
 
+@pytest.mark.slow
 def test_chat_streams_ndjson_pieces_then_one_done_line_with_honest_counts(debug: Server) -> None:
     c = client(debug)
     parts = list(c.chat(model="debug", messages=HI, stream=True, options={"num_predict": 8, "seed": 3}))
@@ -146,6 +147,7 @@ def test_embed_and_the_older_embeddings_route(debug: Server) -> None:
         assert raised.value.status_code == 400 and name in raised.value.error
 
 
+@pytest.mark.slow
 def test_a_runner_killed_mid_stream_reaches_the_client_as_a_response_error_with_the_cause() -> None:
     with debug_server() as server:
         slow = {

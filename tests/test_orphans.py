@@ -118,6 +118,7 @@ def test_without_a_subreaper_orphans_go_to_init_and_still_die() -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("layer", lifeline.LAYERS)
+@pytest.mark.slow
 def test_each_layer_alone_kills_the_orphan_and_its_group(layer: str) -> None:
     result = drill(
         f"--states={STUCK_STATES}", "--helpers=1", "--helper-kind=fork", f"--layers={layer}", "--poll-interval=0.2"
@@ -126,6 +127,7 @@ def test_each_layer_alone_kills_the_orphan_and_its_group(layer: str) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_with_no_layer_the_stuck_runners_survive_so_the_layer_tests_can_fail() -> None:
     result = drill(f"--states={STUCK_STATES}", "--layers=", "--timeout=1.5")
     assert sorted(result["survivors"]) == sorted(pid for pids in result["members"].values() for pid in pids)
@@ -173,6 +175,7 @@ async def test_escape_hatch_warns_in_the_runner_output(monkeypatch: pytest.Monke
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_escape_hatch_keeps_runners_alive_then_tether_orphans_lists_and_reaps_them(private_runtime_dir: Path) -> None:
     result = drill(
         f"--states={ALL_STATES}",
@@ -278,6 +281,7 @@ def test_a_record_naming_a_reused_pid_is_stale_and_its_process_untouched(private
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_helpers_of_a_runner_killed_without_its_guard_are_found_through_the_record() -> None:
     result = drill(
         "--states=loading", "--helpers=2", "--disable-watchdog", "--timeout=1", "--keep-survivors", "--no-subreaper"
@@ -305,6 +309,7 @@ def test_helpers_of_a_runner_killed_without_its_guard_are_found_through_the_reco
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_starting_worker_reaps_dead_workers_runners_but_not_those_asked_to_live() -> None:
     # Orphans with their watchdog on only exist when every layer failed: simulate that with no layer armed.
     doomed = drill("--states=loading", "--layers=", "--timeout=1", "--keep-survivors", "--no-subreaper")
@@ -482,6 +487,7 @@ def _left_in_runner_cgroups(worker: int) -> list[int]:
 @pytest.mark.usefixtures("own_cgroups")
 @pytest.mark.parametrize("layers", ["pdeathsig,lifeline,poll", "pdeathsig", "lifeline", "poll"])
 @pytest.mark.parametrize("kinds", ["setsid", ESCAPING])
+@pytest.mark.slow
 def test_helpers_that_left_the_group_die_with_a_sigkilled_worker_whichever_layer_fires(layers: str, kinds: str) -> None:
     """The lifeline and the poll used to kill the runner's group, guard included, before the guard could kill the
     cgroup's members: every helper that had left the group survived, reparented to init."""
@@ -502,6 +508,7 @@ def test_helpers_that_left_the_group_die_with_a_sigkilled_worker_whichever_layer
 
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.slow
 def test_repeated_worker_sigkills_leave_no_helper_behind_in_any_state() -> None:
     """A race lost one time in several must show: twelve workers, each with an idle, a loading and a generating
     runner, the busy ones with a helper of each escaping kind, SIGKILLed at once after they report."""
@@ -567,6 +574,7 @@ def test_helpers_left_in_a_dead_workers_runner_cgroup_are_listed_and_reaped(
 
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("own_cgroups")
+@pytest.mark.slow
 def test_a_starting_worker_reaps_what_a_dead_workers_runner_cgroup_still_holds() -> None:
     result = drill(
         "--states=loading", "--helpers=1", "--helper-kind=setsid", "--layers=", "--timeout=1", "--keep-survivors"

@@ -120,6 +120,7 @@ def _ask(server: object, model: str, prompt: str) -> dict[str, object]:
     return body
 
 
+@pytest.mark.slow
 def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_module: Path) -> None:
     args = ("--engine", "echo_engine:EchoEngine", "--allow-engine-import")
     with serving(*args, env=_env_with_path(echo_module)) as server:
@@ -136,6 +137,7 @@ def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_m
         assert _ask(server, "by-file", "again")["choices"][0]["text"] == "> again"  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_an_entry_point_of_an_installed_distribution_is_an_engine_by_its_name(echo_distribution: Path) -> None:
     env = _env_with_path(echo_distribution)
     with serving("--engine", "parrot", "--name", "parrot", env=env) as server:
@@ -149,6 +151,7 @@ def test_an_entry_point_of_an_installed_distribution_is_an_engine_by_its_name(ec
         assert "'llama.cpp', 'debug', 'echo', 'parrot'" in error["message"], error  # the plugins are listed too
 
 
+@pytest.mark.slow
 def test_a_plugin_estimate_is_checked_and_its_options_refused_before_a_runner_starts(echo_module: Path) -> None:
     args = ("--engine", "echo_engine:EchoEngine", "--name", "echo", "--allow-engine-import")
     with serving(*args, env=_env_with_path(echo_module)) as server:
@@ -172,6 +175,7 @@ def test_a_plugin_estimate_is_checked_and_its_options_refused_before_a_runner_st
         assert server.http.get("/v1/instances/huge").status_code == 404
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_be_had_says_why_on_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "broken.py").write_text("class NotAnEngine:\n    pass\n")
     cases = {
@@ -190,6 +194,7 @@ def test_an_engine_that_cannot_be_had_says_why_on_the_command_line(tmp_path: Pat
 
 
 @pytest.mark.parametrize("name", ["llama.cpp", "llamacpp", "llama"])
+@pytest.mark.slow
 def test_every_name_of_llama_cpp_runs_the_fit_check(name: str) -> None:
     """The alias bug: ``llamacpp`` was accepted and skipped the fit check. 10 M tokens of context need ~220 GiB of
     KV cache for the default model, more than any test machine has: refused under every name, before a runner."""

@@ -104,6 +104,7 @@ async def ring(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[Fleet, H
 )
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners", "own_cgroups")
+@pytest.mark.slow
 async def test_a_rank_that_dies_fails_every_rank_with_its_cause_and_the_replacement_gets_the_same_ports(
     ring: tuple[Fleet, Hosted], kind: str, cause: CauseKind
 ) -> None:
@@ -152,6 +153,7 @@ async def test_a_rank_killed_from_outside_ends_every_request_with_its_cause(ring
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
+@pytest.mark.slow
 async def test_cancel_is_per_request_and_a_rank_stuck_in_the_ring_is_a_hang_of_the_instance() -> None:
     async with Fleet(stop_timeout=10) as fleet:
         hosted = await fleet.add(
@@ -228,6 +230,7 @@ def ranks_of(server: Server) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leaves_one() -> None:
     ports = free_ports(2)
     naive = {**os.environ, env.DISABLE_ORPHAN_WATCHDOG: "1"}  # the whole environment of the worker
@@ -288,6 +291,7 @@ def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leav
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_the_api_shows_each_rank_and_a_rank_killed_mid_stream_fails_the_stream_with_its_cause() -> None:
     with debug_server() as server:
         server.add_instance({"id": "ring", "engine": "debug", "ranks": 2, "options": {"token_seconds": 0.02}})

@@ -51,6 +51,7 @@ def server() -> Iterator[Server]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_response_has_the_shape_the_openai_models_validate(server: Server) -> None:
     client = server.openai()
     plain = client.responses.create(model="debug", input="tell me", max_output_tokens=6)

@@ -198,6 +198,7 @@ def _hold_memory_in_group(pgid: int, size: int = 1 << 30) -> subprocess.Popen[by
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
+@pytest.mark.slow
 async def test_a_replacement_is_created_only_after_the_old_runner_and_its_whole_group_are_gone() -> None:
     """Evidence taken at the moment the next supervisor is created: old pid and every old group member are gone.
 
@@ -271,6 +272,7 @@ async def test_a_crash_loop_ends_failed_with_every_cause_and_no_further_runner()
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
+@pytest.mark.slow
 async def test_an_instance_that_keeps_failing_remembers_its_latest_failures_and_counts_them_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -325,6 +327,7 @@ async def test_a_model_the_engine_refuses_is_not_retried_unless_the_policy_says_
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 async def test_the_backoff_grows_across_quick_failures_and_resets_after_a_healthy_period() -> None:
     policy = RestartPolicy(initial_backoff=0.05, max_backoff=1.0, jitter=0.0, healthy_after=1.0)
     states: list[InstanceState] = []

@@ -170,6 +170,7 @@ async def test_a_held_port_fails_the_load_as_an_exception_a_restart_retries() ->
             await retry.load()
 
 
+@pytest.mark.slow
 async def test_rank_1_hung_holding_the_gil_is_killed_and_rank_0_loses_its_peer() -> None:
     fault = Fault(kind="hang_gil", phase="generate", after_tokens=3, rank=1)
     deadlines = Deadlines(heartbeat=1.5, stacks=0.5)

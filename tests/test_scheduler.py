@@ -26,6 +26,8 @@ from tether.errors import InvalidField
 from tether.fleet.catalog import keep_alive_seconds
 from tether.models import default_model_path
 
+pytestmark = pytest.mark.slow  # each test starts its own worker and waits on loads, unloads, keep-alives in real time
+
 MiB = 1 << 20
 
 

@@ -6,50 +6,18 @@ the wrong type or a required one missing."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
 import socket
 from collections.abc import Iterator
-from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 
-from conftest import Server, debug_server, wait_until
+from conftest import Document, Server, debug_server, wait_until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_runners")]
-
-
-def _closed(node: Any) -> Any:
-    """``node`` (a JSON Schema) with every object that lists its properties closed to others."""
-    if isinstance(node, dict):
-        out = {key: _closed(value) for key, value in node.items()}
-        if "properties" in out and "additionalProperties" not in out:
-            out["additionalProperties"] = False
-        return out
-    if isinstance(node, list):
-        return [_closed(item) for item in node]
-    return node
-
-
-class Document:
-    """The served OpenAPI document, and validation of an answer against one route's stated response."""
-
-    def __init__(self, document: dict[str, Any]) -> None:
-        self.document = _closed(copy.deepcopy(document))
-
-    def schema(self, path: str, method: str, status: int, media: str = "application/json") -> dict[str, Any]:
-        answer = self.document["paths"][path][method]["responses"][str(status)]
-        return {**answer["content"][media]["schema"], "components": self.document["components"]}
-
-    def check(self, response: httpx.Response, path: str, method: str = "get") -> Any:
-        body = response.json()
-        schema = self.schema(path, method, response.status_code)
-        jsonschema.validate(body, schema, cls=jsonschema.Draft202012Validator)
-        return body
 
 
 def _free_ports(n: int) -> list[int]:
@@ -80,6 +48,7 @@ def document(server: Server) -> Document:
     return Document(server.http.get("/openapi.json").json())
 
 
+@pytest.mark.slow
 def test_instances_node_and_scheduler_are_all_described(server: Server, document: Document) -> None:
     listing = document.check(server.http.get("/v1/instances"), "/v1/instances")
     by_id = {i["id"]: i for i in listing["data"]}

@@ -198,6 +198,7 @@ def _ids(server: Server) -> list[str]:
     return [i["id"] for i in server.http.get("/v1/instances").json()["data"]]
 
 
+@pytest.mark.slow
 def test_the_reported_requests_are_refused_and_nothing_starts() -> None:
     with debug_server("--name", "d") as server:
         port, runners = _port(server), server.runners()  # the runner and its guard
@@ -232,6 +233,7 @@ def test_the_reported_requests_are_refused_and_nothing_starts() -> None:
         assert any("refused a request with Origin 'http://evil.example'" in line for line in said), said
 
 
+@pytest.mark.slow
 def test_what_runs_on_loopback_keeps_working() -> None:
     with debug_server() as server:
         port = _port(server)
@@ -270,6 +272,7 @@ def test_what_runs_on_loopback_keeps_working() -> None:
         assert _refusals(server) == {}
 
 
+@pytest.mark.slow
 def test_hosts_and_origins_the_operator_allows_get_in_from_flags_and_the_environment() -> None:
     env = dict(os.environ, TETHER_ALLOWED_HOSTS="box.lan", TETHER_CORS_ORIGINS="http://ui.lan:3000")
     with debug_server("--allowed-hosts", "tether.lan,*.home", "--cors-origins", "http://app.lan", env=env) as server:
@@ -284,6 +287,7 @@ def test_hosts_and_origins_the_operator_allows_get_in_from_flags_and_the_environ
             assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
 
 
+@pytest.mark.slow
 def test_engine_import_is_refused_on_the_wire_unless_the_worker_allows_it(tmp_path: Path) -> None:
     """Named by file or by module, through POST /v1/instances or a catalog file: refused with a 403 (or, for the
     catalog, exit 64) naming the flag, and the module is never imported (it would leave a file behind if it were)."""
@@ -326,6 +330,7 @@ def test_engine_import_is_refused_on_the_wire_unless_the_worker_allows_it(tmp_pa
         assert marker.read_text() == "ran"
 
 
+@pytest.mark.slow
 def test_an_open_address_needs_a_key_or_a_stated_no_auth() -> None:
     refused = subprocess.run(
         [*TETHER, "serve", "--engine", "debug", "--host", "0.0.0.0", "--port", "0"],
@@ -360,6 +365,7 @@ def test_an_open_address_needs_a_key_or_a_stated_no_auth() -> None:
             assert http.get("/v1/instances", headers={**keyed, "Host": "evil.lan"}).status_code == 403
 
 
+@pytest.mark.slow
 def test_log_reads_stay_inside_the_log_directory(tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("the user's private notes\n")

@@ -50,6 +50,7 @@ def test_anonymous_memory_counts_in_anon_uss_and_footprint() -> None:
     assert mem.gpu is None  # no snapshot given: unknown, not 0
 
 
+@pytest.mark.slow
 def test_mmapped_file_is_file_backed_and_not_footprint(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     with path.open("wb") as f:
