@@ -35,7 +35,13 @@ from tether.protocol import EngineSpec, Fault, GenerateParams
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
 
-FIXTURE_MARKERS = {"model_server": "model", "cluster": "cluster", "browser": "browser", "page": "browser"}
+FIXTURE_MARKERS = {
+    "model_server": "model",
+    "llama_engine": "model",
+    "cluster": "cluster",
+    "browser": "browser",
+    "page": "browser",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

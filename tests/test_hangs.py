@@ -484,6 +484,7 @@ async def test_a_hung_runner_beside_a_healthy_one_never_holds_it_up() -> None:
     assert len(gaps) >= 50 and max(gaps) < 0.5, max(gaps)  # streamed throughout: it stops only once the other failed
 
 
+@pytest.mark.model
 @pytest.mark.timeout(120)
 async def test_cancel_on_the_default_model_ends_within_one_token() -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: run `make install`")
