@@ -3,7 +3,7 @@ real time spent waiting for a countdown. (Eviction under a real memory cgroup st
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import pytest
@@ -44,8 +44,9 @@ async def use(scheduler: Scheduler, model_id: str, keep_alive: float | None = No
             pass
 
 
-async def next_decision(scheduler: Scheduler, kind: str, model_id: str) -> Decision:
-    """Wait for the scheduler's next ``kind`` decision about ``model_id`` (the event itself, not a sleep)."""
+async def decided(scheduler: Scheduler, kind: str, model_id: str, action: Callable[[], Awaitable[None]]) -> Decision:
+    """Run ``action``, then wait for the scheduler's next ``kind`` decision about ``model_id`` (the event, not a
+    sleep), watched from before the action so that it cannot be missed."""
     seen: list[Decision] = []
     arrived = anyio.Event()
 
@@ -55,6 +56,7 @@ async def next_decision(scheduler: Scheduler, kind: str, model_id: str) -> Decis
             arrived.set()
 
     scheduler.listeners.add(watch)
+    await action()
     with anyio.fail_after(10):
         await arrived.wait()
     return seen[0]
@@ -71,23 +73,16 @@ async def test_keep_alive_counts_on_the_schedulers_clock_and_unloads_when_it_run
     slot.poke()  # the countdown re-reads the clock: half a second left, still loaded
     await anyio.wait_all_tasks_blocked()
     assert slot.state == "loaded" and slot.expires_in(sched.now()) == pytest.approx(0.5)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(use, sched, "a", 5.0)  # a request's own keep_alive replaces the model's for the next countdown
+    await use(sched, "a", 5.0)  # a request's own keep_alive replaces the model's for the next countdown
     assert slot.expires_in(sched.now()) == 5.0
     clock.t += 5.0
-    unloaded = anyio.Event()
-    decisions: list[Decision] = []
 
-    async def wait_unload() -> None:
-        decisions.append(await next_decision(sched, "unload", "a"))
-        unloaded.set()
+    async def poke() -> None:
+        slot.poke()  # the countdown re-reads the clock: run out
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(wait_unload)
-        await anyio.wait_all_tasks_blocked()
-        slot.poke()
-    assert unloaded.is_set() and slot.state == "unloaded" and slot.hosted is None
-    assert decisions[0].why == "keep_alive" and "idle for 5 s (keep-alive expired)" in decisions[0].reason
+    unload = await decided(sched, "unload", "a", poke)
+    assert slot.state == "unloaded" and slot.hosted is None
+    assert unload.why == "keep_alive" and "idle for 5 s (keep-alive expired)" in unload.reason
 
 
 async def test_a_lease_held_stops_the_countdown_however_far_the_clock_moves(
@@ -114,16 +109,6 @@ async def test_over_max_loaded_the_least_recently_used_by_the_clock_is_evicted(
     clock.t += 10
     await use(sched, "a")  # a is now the more recent: b goes first
     assert sched.slots["b"].last_used == clock.t - 10 < sched.slots["a"].last_used == clock.t
-    evicted = anyio.Event()
-    seen: list[Decision] = []
-
-    async def watch() -> None:
-        seen.append(await next_decision(sched, "evict", "b"))
-        evicted.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch)
-        await anyio.wait_all_tasks_blocked()
-        await use(sched, "c")
-    assert evicted.is_set() and seen[0].why == "max_loaded", seen
+    evict = await decided(sched, "evict", "b", lambda: use(sched, "c"))
+    assert evict.why == "max_loaded", evict
     assert {s.id for s in sched.slots.values() if s.state == "loaded"} == {"a", "c"}
