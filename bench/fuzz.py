@@ -435,14 +435,40 @@ async def _open(url: str, rcvbuf: int | None = None) -> anyio.abc.SocketStream:
     return stream
 
 
+def _whole_response(data: bytes) -> bool:
+    """Whether ``data`` holds a whole HTTP response: its head and the body its Content-Length declares."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return value.strip().isdigit() and len(body) >= int(value.strip())
+    return False  # no length: the response ends when the server closes
+
+
 async def _answer(stream: anyio.abc.SocketStream, timeout: float = 10.0) -> bytes:
-    """What the server sends back before it closes (or the first 64 KiB); b"" when it just closed."""
+    """What the server sends back: one whole response, or all it sent before it closed (or the first 64 KiB); b""
+    when it just closed. A whole response ends the wait: a server may keep the connection alive after a 4xx."""
     data = b""
     with anyio.move_on_after(timeout):
         with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
-            while len(data) < 65536:
+            while len(data) < 65536 and not _whole_response(data):
                 data += await stream.receive()
     return data
+
+
+async def _answers(streams: list[anyio.abc.SocketStream]) -> list[bytes]:
+    """Every stream's answer, read at once (in the streams' order)."""
+    answers = [b""] * len(streams)
+
+    async def one(i: int) -> None:
+        answers[i] = await _answer(streams[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(streams)):
+            tg.start_soon(one, i)
+    return answers
 
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -487,7 +513,7 @@ async def abuse(url: str, kind: str, idle: int) -> dict[str, Any]:
                     stream = await _open(url)
                     await stream.send(junk[i % len(junk)] + os.urandom(64))
                     streams.append(stream)
-                answers = [await _answer(s) for s in streams]
+                answers = await _answers(streams)
                 figures["connections"] = 50
             elif kind == "oversized_headers":
                 for _ in range(10):
@@ -495,7 +521,7 @@ async def abuse(url: str, kind: str, idle: int) -> dict[str, Any]:
                     with contextlib.suppress(anyio.BrokenResourceError, OSError):
                         await stream.send(HEAD + b"X-Huge: " + b"a" * (1 << 20) + b"\r\nContent-Length: 2\r\n\r\n{}")
                     streams.append(stream)
-                answers = [await _answer(s) for s in streams]
+                answers = await _answers(streams)
                 figures["requests"] = 10
             elif kind == "never_reading":
                 body = json.dumps({"model": INSTANCE, "prompt": "never read", "max_tokens": 4000, "stream": True})
