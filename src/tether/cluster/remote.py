@@ -162,7 +162,10 @@ class RemoteSupervisor(LifeTasks):
         self._launched(launched)
 
     def _launched(self, launched: agent.Launched) -> None:
-        """The agent's answer to the launch: the runner's pid and its watch, or why it did not start."""
+        """The agent's answer to the launch: the runner's pid and its watch, or why it did not start. Read once: a
+        start and a stop that overtook it may both await the same answer."""
+        if self._pid is not None or self._exited.is_set():
+            return
         self._pid = launched.pid
         if launched.error is not None:
             self._exited.set()
