@@ -10,7 +10,7 @@ import pytest
 
 from tether.fleet.catalog import Catalog, Model
 from tether.fleet.fleet import Fleet, InstanceConfig
-from tether.fleet.scheduler import Decision, Scheduler
+from tether.fleet.scheduler import Decision, Scheduler, Slot
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
 
@@ -37,11 +37,12 @@ async def scheduler() -> AsyncIterator[tuple[Scheduler, Clock]]:
         yield scheduler, clock
 
 
-async def use(scheduler: Scheduler, model_id: str, keep_alive: float | None = None) -> None:
-    """One request's lease: load (if needed), then release, which starts the keep-alive countdown."""
+async def use(scheduler: Scheduler, model_id: str, keep_alive: float | None = None) -> Slot:
+    """One request's lease: load (if needed), then release, which starts the keep-alive countdown; the model's slot."""
     with anyio.fail_after(30):
         async with scheduler.lease(model_id, keep_alive):
             pass
+    return scheduler.slots[model_id]
 
 
 async def decided(scheduler: Scheduler, kind: str, model_id: str, action: Callable[[], Awaitable[None]]) -> Decision:
@@ -66,8 +67,7 @@ async def test_keep_alive_counts_on_the_schedulers_clock_and_unloads_when_it_run
     scheduler: tuple[Scheduler, Clock],
 ) -> None:
     sched, clock = scheduler
-    await use(sched, "a")
-    slot = sched.slots["a"]
+    slot = await use(sched, "a")
     assert slot.state == "loaded" and slot.expires_in(sched.now()) == 60.0
     clock.t += 59.5
     slot.poke()  # the countdown re-reads the clock: half a second left, still loaded
@@ -89,8 +89,7 @@ async def test_a_lease_held_stops_the_countdown_however_far_the_clock_moves(
     scheduler: tuple[Scheduler, Clock],
 ) -> None:
     sched, clock = scheduler
-    await use(sched, "a")
-    slot = sched.slots["a"]
+    slot = await use(sched, "a")
     async with sched.lease("a"):
         clock.t += 3600
         slot.poke()

@@ -157,9 +157,12 @@ class RemoteSupervisor(LifeTasks):
         self.link.attach(self)
         spec = msgspec.msgpack.encode(self.spec)
         deadlines = msgspec.msgpack.encode(self.deadlines)
-        ref = self._launch = self.link.actor.launch.remote(self.runner_id, spec, deadlines, self.memory_limit)
-        launched = msgspec.msgpack.decode(await self._call(ref, "start"), type=agent.Launched)
-        self._launched(launched)
+        self._launch = self.link.actor.launch.remote(self.runner_id, spec, deadlines, self.memory_limit)
+        self._launched(await self._launch_answer(self._launch))
+
+    async def _launch_answer(self, launch: Awaitable[bytes]) -> agent.Launched:
+        """The agent's answer to ``launch`` (awaited by start, or by a stop that overtook it)."""
+        return msgspec.msgpack.decode(await self._call(launch, "start"), type=agent.Launched)
 
     def _launched(self, launched: agent.Launched) -> None:
         """The agent's answer to the launch: the runner's pid and its watch, or why it did not start. Read once: a
@@ -248,9 +251,9 @@ class RemoteSupervisor(LifeTasks):
         answer: the agent starts that runner whether or not anyone still waits for it, and it must not be left."""
         if self._pid is None and self._launch is not None and not self._exited.is_set():
             with anyio.move_on_after(CALL_TIMEOUT), contextlib.suppress(RunnerUnavailable):
-                answer = await self._call(self._launch, "start")
+                answer = await self._launch_answer(self._launch)
                 with contextlib.suppress(RunnerUnavailable):  # it did not start: nothing to stop
-                    self._launched(msgspec.msgpack.decode(answer, type=agent.Launched))
+                    self._launched(answer)
         if self._pid is None or self._exited.is_set():
             return self.stop_report
         began = time.monotonic()
