@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import fcntl
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
+# No AMX tiles on x86 (as the Makefile builds llama-cpp-python): ggml's AMX matmul segfaults on this project's VMs.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX = (f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}") if platform.machine() == "x86_64" else ()
 CMAKE_CONFIGURE = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -45,6 +49,7 @@ CMAKE_CONFIGURE = (
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_CURL=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
+    *NO_AMX,
 )
 JOBS = 2
 VERSION_TIMEOUT = 30.0
