@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tether.engines.base import EngineLoadError
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
 from tether.engines.llamacpp import PARALLEL_DEFAULT, LlamaCppEngine
 from tether.engines.llamacpp_estimate import DEFAULT_HEADROOM, estimate_gguf
@@ -193,6 +194,22 @@ def test_each_parallel_sequence_has_a_cache_of_its_own_in_the_estimate(model_pat
     assert "or a smaller --parallel" in eight.advice(eight.total - 1)
     served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp"))  # what `tether serve` asks by default
     assert served.parallel == PARALLEL_DEFAULT and served.kv_cache == PARALLEL_DEFAULT * one.kv_cache
+
+
+def test_the_prompt_caches_ram_budget_is_counted_in_the_estimate(model_path: Path) -> None:
+    """The RAM store may fill its whole budget under churn, so the fit check counts all of it: by default ("auto")
+    as much again as the KV cache, else the size asked for; nothing without a prompt cache or for embeddings."""
+    served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp"))
+    assert served.prompt_cache_ram == served.kv_cache == 360 * MiB
+    assert served.expected == served.weights + 2 * served.kv_cache + served.runtime + served.outputs
+    assert "prompt cache in RAM 360 MiB" in served.describe()
+    sized = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache_ram": "64M"}))
+    assert sized.prompt_cache_ram == 64 * MiB and sized.kv_cache == served.kv_cache
+    off = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache": False}))
+    embed = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"embedding": True}))
+    assert off.prompt_cache_ram == embed.prompt_cache_ram == 0
+    with pytest.raises(EngineLoadError, match="prompt_cache_ram.*bad size 'lots'"):
+        LlamaCppEngine(EngineSpec(engine="llama.cpp", options={"prompt_cache_ram": "lots"}))
 
 
 def test_estimate_uses_per_layer_heads_and_key_value_lengths(tmp_path: Path) -> None:

@@ -18,3 +18,23 @@ def format_bytes(n: int | None) -> str:
         return f"{sign}{int(value)} B"
     digits = 2 if value < 9.995 else 1 if value < 99.95 else 0
     return f"{sign}{value:.{digits}f} {_UNITS[unit]}"
+
+
+_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes, or a number with a K/M/G/T suffix, binary (512M = 512 MiB; "1GiB" and "1G" alike); ``ValueError``
+    for anything else or a negative size."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        raw = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+        unit = raw[-1] if raw and raw[-1] in _SIZE_UNITS else ""
+        try:
+            value = int(float(raw[: len(raw) - len(unit)]) * _SIZE_UNITS.get(unit, 1))
+        except (ValueError, OverflowError):
+            raise ValueError(f"bad size {text!r}: use bytes or a number with K, M, G or T (binary)") from None
+    if value < 0:
+        raise ValueError(f"bad size {text!r}: a size cannot be negative")
+    return value

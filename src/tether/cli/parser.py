@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from tether import __version__
+from tether import __version__, units
 from tether.engines import registry
 from tether.node import orphans
 from tether.node.hangs import Deadlines
@@ -51,12 +51,10 @@ def parse_deadline(text: str) -> tuple[str, float]:
 
 def parse_size(text: str) -> int:
     """Bytes, or a number with a K/M/G/T suffix (binary: 512M = 512 MiB)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    value, unit = (text[:-1], text[-1].lower()) if text and text[-1].lower() in units else (text, "")
     try:
-        return int(float(value) * units.get(unit, 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes or a number with K, M, G or T") from None
+        return units.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,7 @@ class Delta(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()  # for the tokens this delta covers, when the request asked
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its final delta
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prompt cache (final delta)
 
 
 class RequestError(TetherError):

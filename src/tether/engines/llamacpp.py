@@ -32,10 +32,12 @@ L2-normalised; their dimension is the model's embedding width (576 for SmolLM2-1
 
 Options (``spec.options``): n_ctx (2048, per sequence), parallel (8 sequences at once; the KV cache holds
 parallel x n_ctx cells), n_threads (usable CPUs, at most 8), n_batch (512), prefill_chunk (64: prompt tokens per step
-while other sequences decode), prompt_cache (True: reuse a slot's cached prefix, see ``llamacpp_batch``), seed (0),
-n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike llama-cpp-python's 1.1), verbose (False), embedding (False:
-serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is prefilled in one micro-batch, and
-the cache holds n_ctx cells in all, one prompt at a time).
+while other sequences decode), prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from
+RAM, see ``llamacpp_cache``), prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or
+a size such as "512M"; counted by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike
+llama-cpp-python's 1.1), verbose (False), embedding (False: serve embeddings instead of generations; n_batch is
+then n_ctx, since a prompt is prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a
+time).
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = "run `make install` (or `pip install 'tether[llama]'`)"
 PARALLEL_DEFAULT = 8
+PROMPT_CACHE_FALLBACK = 256 << 20  # the RAM store's "auto" budget when the GGUF's header cannot be sized
+
 OPTION_DEFAULTS: dict[str, Any] = {
     "n_ctx": 2048,  # per sequence
     "parallel": PARALLEL_DEFAULT,
     "n_threads": None,  # computed: usable CPUs, at most 8
     "n_batch": 512,
-    "prompt_cache": True,  # reuse a slot's cached prefix (faster; a greedy text may then differ, rarely)
+    "prompt_cache": True,  # reuse a cached prefix from any slot or RAM (faster; a greedy text may then differ, rarely)
+    "prompt_cache_ram": "auto",  # bytes of saved sequences kept in RAM (a size: 1G, 512M; 0: none; auto: the KV's)
     "prefill_chunk": 64,  # ~0.2 s of prefill on 2 CPU threads: the longest pause a long prompt gives running streams
     "seed": 0,
     "n_gpu_layers": 0,
@@ -111,6 +116,8 @@ class LlamaCppEngine:
                 f"valid options are {', '.join(OPTION_DEFAULTS)}"
             )
         options = {**OPTION_DEFAULTS, **spec.options}
+        from tether.engines.llamacpp_estimate import prompt_cache_budget
+
         try:
             self.n_ctx = int(options["n_ctx"])
             self.parallel = int(options["parallel"])
@@ -118,6 +125,7 @@ class LlamaCppEngine:
             self.n_batch = int(options["n_batch"])
             self.prefill_chunk = int(options["prefill_chunk"])
             self.prompt_cache = bool(options["prompt_cache"])
+            self.prompt_cache_ram = prompt_cache_budget(options)  # None: the KV cache's size, known at load
             self.seed = int(options["seed"])
             self.n_gpu_layers = int(options["n_gpu_layers"])
             self.repeat_penalty = float(options["repeat_penalty"])
@@ -192,11 +200,24 @@ class LlamaCppEngine:
             n_threads=self.n_threads,
             prefill_chunk=self.prefill_chunk,
             prompt_cache=self.prompt_cache,
+            prompt_cache_ram=self._prompt_cache_budget(),
             embedding=self.embedding,
             pooling=_pooling(lib, model) if self.embedding else None,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model)
         progress(1.0, f"loaded {described} in {time.monotonic() - started:.1f} s")
+
+    def _prompt_cache_budget(self) -> int:
+        """The RAM store's budget in bytes: the option's, or (auto) the KV cache's size from the GGUF's header."""
+        if self.prompt_cache_ram is not None:
+            return self.prompt_cache_ram
+        from tether.engines.gguf import GgufError
+        from tether.engines.llamacpp_estimate import estimate_for_spec
+
+        try:
+            return estimate_for_spec(self.spec, {**OPTION_DEFAULTS, **self.spec.options}).prompt_cache_ram
+        except GgufError:  # llama.cpp loaded what the header reader cannot size: keep a modest store
+            return PROMPT_CACHE_FALLBACK
 
     def warmup(self) -> None:
         """Generate one token (or embed one word) so weights are paged in and buffers allocated before the first

@@ -13,16 +13,15 @@ latency per request queued ahead in the same burst. Every sequence samples with 
 sampler chain (its parameters: see Sampling below), decodes its pieces with its own ``TextStream`` (UTF-8 and stop
 strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its context.
 
-A slot keeps the tokens its cells hold after its sequence ends: the next request placed there reuses the longest
-common prefix (a chat's system prompt, a conversation's history) and prefills only the rest, as llama.cpp's own
-server does. A request goes to the free slot with the longest common prefix, the lowest on a tie. The price, as
-with llama-server's ``cache_prompt``: a reused prefix's cells were computed in another batch, so a greedy answer can
-(rarely) differ from the one a cold cache gives — measured here, 2 of 8 prompts differed across 48 requests with
-reuse, none without. Batching itself changes no text. ``prompt_cache=False`` prefills every prompt whole, for texts
-that depend on nothing but the request. (llama.cpp
-splits a batch over separate caches into one pass per run of consecutive sequence ids, so a gap among the busy slots
-costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than re-prefilling a
-prompt the cache already holds.) Decode rows go into the batch in slot order for the same reason.
+A slot keeps the cells of the tokens its last sequence saw, and the prompt cache (``llamacpp_cache``) reuses them:
+when a sequence's prefill begins, its prompt's longest cached prefix (from its own slot, another slot, busy or not,
+or the RAM store) is brought into its slot and only the rest is prefilled; a request goes to the free slot with the
+longest common prefix, the lowest on a tie. The price, as with llama-server's ``cache_prompt``: a reused prefix's
+cells were computed in another batch, so a greedy answer can (rarely) differ from a cold one. Batching itself changes
+no text. ``prompt_cache=False`` prefills every prompt whole, for texts that depend on nothing but the request.
+(llama.cpp splits a batch over separate caches into one pass per run of consecutive sequence ids, so a gap among the
+busy slots costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than
+re-prefilling a prompt the cache already holds.) Decode rows go into the batch in slot order for the same reason.
 
 **Sampling.** Each sequence's chain (``Batch._sampler``), in this order: ``logit_bias`` (added to the logits);
 the repeat penalty over the last 64 tokens the model saw (its prompt's tail included, as llama.cpp does);
@@ -71,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from tether.engines.base import Delta, EngineLoadError, RequestError, StepResult
+from tether.engines.llamacpp_cache import PromptCache
 from tether.engines.text import TextStream
 from tether.errors import TetherError
 from tether.protocol import FinishReason, TokenLogprob, TopLogprob
@@ -78,6 +78,7 @@ from tether.protocol import FinishReason, TokenLogprob, TopLogprob
 TOP_K, MIN_P = 40, 0.05  # llama-cpp-python's and llama-server's defaults, for temperature > 0
 PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size
 PIECE_BUFFER = 256
+GREEDY_SEARCH = 64  # a greedy json_schema pick checks the grammar on this many likeliest tokens before masking all
 JSON_VALUE_ENDS = frozenset(b'}]"el')  # a JSON value nothing can extend ends so: {...} [...] "..." true false null
 
 
@@ -123,6 +124,9 @@ class _BatchSequence:
     row: int = -1  # this step: the batch row whose logits it samples from (-1: none)
     logprobs: int | None = None
     output: bytearray | None = None  # the completion's bytes, for a json_schema sequence (it ends on a whole value)
+    plain_greedy: bool = False  # temperature 0 and nothing else in the chain: the allowed argmax is searched for
+    placed: bool = False  # its prefix brought into its slot (when its prefill begins: see llamacpp_cache)
+    reused: int = 0  # prompt tokens whose cells came from the cache, not prefilled
 
     @property
     def decoding(self) -> bool:
@@ -144,6 +148,7 @@ class Batch:
         n_threads: int,
         prefill_chunk: int,
         prompt_cache: bool = True,
+        prompt_cache_ram: int = 0,
         unified: bool = False,
         embedding: bool = False,
         pooling: int | None = None,
@@ -199,6 +204,7 @@ class Batch:
                 "embedding per input (a reranker's pooling is 4, rank)"
             )
         self.memory = lib.llama_get_memory(self.ctx)
+        self.cache = PromptCache(lib, self.ctx, self.memory, prompt_cache_ram, enabled=self.prompt_cache)
         self._batch = lib.llama_batch_init(self.n_batch + parallel, 0, 1)
         self._slots = [_Slot(i) for i in range(parallel)]
         self._seqs: dict[str, _BatchSequence] = {}
@@ -221,23 +227,18 @@ class Batch:
             raise RuntimeError("this batch computes embeddings: use start_embedding")
         slot = self._free_slot(seq_id, prompt)
         sampler, grammar = self._sampler(sampling, prompt)
-        keep = min(_common_prefix(slot.cached, prompt), len(prompt) - 1) if self.prompt_cache else 0
-        # (the last prompt token is always decoded again: its logits make the first token)
-        if not self.lib.llama_memory_seq_rm(self.memory, slot.index, keep, -1):
-            self.lib.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
-            keep = 0
-        del slot.cached[keep:]
         self._seqs[seq_id] = _BatchSequence(
             seq_id,
             slot,
             list(prompt),
-            keep,
+            0,
             max_tokens,
             TextStream(stops),
             sampler,
             grammar,
             logprobs=sampling.logprobs,
             output=bytearray() if grammar is not None else None,
+            plain_greedy=_plain_greedy(sampling),
         )
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
@@ -259,6 +260,8 @@ class Batch:
             self.lib.llama_sampler_free(seq.sampler)
         if seq.grammar is not None:
             self.lib.llama_sampler_free(seq.grammar)
+        if seq.placed:  # its slot's cells hold exactly what it computed, a cancelled prefill's part included
+            self.cache.register(seq.slot.index, seq.slot.cached)
         return len(seq.prompt), seq.completion
 
     def active(self) -> int:
@@ -267,6 +270,7 @@ class Batch:
     def clear(self) -> None:
         """Forget every slot's cached tokens (after warm-up: the next requests start from empty cells)."""
         self.lib.llama_memory_clear(self.memory, True)
+        self.cache.clear()
         for slot in self._slots:
             slot.cached.clear()
 
@@ -292,6 +296,8 @@ class Batch:
         prefilling = next((seq for seq in self._seqs.values() if seq.prefilled < len(seq.prompt)), None)
         if prefilling is not None and budget > 0:  # one prompt per step: see the module docstring
             seq = prefilling
+            if not seq.placed:
+                self._place(seq)
             chunk = seq.prompt[seq.prefilled : seq.prefilled + budget]
             for i, token in enumerate(chunk):
                 self._put(n, token, seq.prefilled + i, seq.slot.index, False)
@@ -301,6 +307,7 @@ class Batch:
             if seq.prefilled == len(seq.prompt):  # the prompt's last token: its logits make the first token
                 batch.logits[n - 1] = 1
                 seq.row = n - 1
+                self.cache.register(seq.slot.index, seq.slot.cached)
             else:
                 seq.row = -1
         if n == 0:
@@ -324,6 +331,12 @@ class Batch:
             self.ctx = None
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _place(self, seq: _BatchSequence) -> None:
+        """Bring the prompt's longest cached prefix into the sequence's slot (``PromptCache.place``)."""
+        placement = self.cache.place(seq.slot.index, seq.slot.cached, seq.prompt, [slot.cached for slot in self._slots])
+        seq.prefilled = seq.reused = placement.reused
+        seq.placed = True
 
     def _free_slot(self, seq_id: str, prompt: Sequence[int]) -> _Slot:
         if seq_id in self._seqs:
@@ -412,7 +425,7 @@ class Batch:
         if finish is None:
             return Delta(text, tokens, logprobs=logprobs)
         self.drop(seq.seq_id)
-        return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs)
+        return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs, cached_tokens=seq.reused)
 
     def _sample_constrained(self, seq: _BatchSequence) -> int | None:
         """Sample under the grammar (see the module docstring): the chain's pick if the grammar allows it, else the
@@ -420,7 +433,9 @@ class Batch:
         abort the process in llama.cpp)."""
         lib = self.lib
         logits = self._logits(seq.row)
-        token, _ = self._apply(seq.sampler, logits, None)
+        token = self._allowed_argmax(seq.grammar, logits) if seq.plain_greedy else -1
+        if token < 0:
+            token, _ = self._apply(seq.sampler, logits, None)
         if token < 0 or not self._allows(seq.grammar, token):  # mask every token by the grammar, then the chain again
             token, logit = self._apply(seq.sampler, logits, seq.grammar)
             if token < 0 or not math.isfinite(logit):
@@ -428,6 +443,17 @@ class Batch:
         lib.llama_sampler_accept(seq.grammar, token)
         lib.llama_sampler_accept(seq.sampler, token)
         return token
+
+    def _allowed_argmax(self, grammar: Any, logits: Any) -> int:
+        """The likeliest token the grammar allows among the ``GREEDY_SEARCH`` likeliest (ties: the lowest id, as
+        llama.cpp's greedy sampler picks), or -1 when it allows none of them. What masking the whole vocabulary
+        and then taking the argmax gives, at a few checks instead of one per token of the vocabulary."""
+        k = min(GREEDY_SEARCH, self.n_vocab)
+        top = np.argpartition(-logits, k - 1)[:k]
+        for token in top[np.lexsort((top, -logits[top]))]:
+            if self._allows(grammar, int(token)):
+                return int(token)
+        return -1
 
     def _allows(self, grammar: Any, token: int) -> bool:
         """Whether the grammar, in its present state, allows ``token`` next (it is applied to that one candidate)."""
@@ -543,6 +569,17 @@ class Batch:
                 lib.llama_sampler_free(grammar)
             raise
         return chain, grammar
+
+
+def _plain_greedy(sampling: Sampling) -> bool:
+    """Whether the chain is the greedy argmax of the raw logits and nothing else."""
+    return (
+        sampling.temperature <= 0.0
+        and not sampling.logit_bias
+        and sampling.repeat_penalty == 1.0
+        and sampling.frequency_penalty == 0.0
+        and sampling.presence_penalty == 0.0
+    )
 
 
 def _json_done(output: bytes | bytearray, piece: bytes) -> bool:

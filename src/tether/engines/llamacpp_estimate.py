@@ -16,6 +16,9 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
   4 + 2 bytes), or the feed-forward activations if larger. llama.cpp reserves more compute buffer than that (logits
   for a whole batch, 96 MiB for the default model), but the engine asks for logits of one token per sequence only,
   so those pages are never touched.
+* prompt cache in RAM: the budget of sequences the engine's prompt cache may save to RAM (option
+  ``prompt_cache_ram``; ``llamacpp_cache``), counted whole since under churn it fills up; by default ("auto") the
+  KV cache's size, so RAM holds as many cells again as the slots do;
 * headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
 
 **An embedding instance** (option ``embedding``) differs in three ways: its cache is n_ctx cells in all (one prompt
@@ -66,7 +69,7 @@ from typing import Any
 from tether.engines.gguf import CACHE_TYPES, TYPE_SIZES, GgufArray, GgufError, GgufFile, read_gguf, split_parts
 from tether.models import default_model_path
 from tether.protocol import EngineSpec
-from tether.units import format_bytes
+from tether.units import format_bytes, parse_size
 
 MiB = 1 << 20
 
@@ -132,6 +135,8 @@ class ModelEstimate:
     parallel: int = 1  # sequences served at once, each with n_ctx cells
     embedding: bool = False  # an embedding instance (see the module docstring)
     outputs: int = 0  # an embedding instance's logits (and vectors) of a whole prompt, in the output buffer
+    prompt_cache_ram: int = 0  # the budget of sequences the prompt cache may save to RAM (it may fill it all)
+    prompt_cache_ram_auto: bool = False  # that budget is the KV cache's size (the option "auto"), whatever n_ctx
 
     @property
     def runtime(self) -> int:
@@ -140,7 +145,7 @@ class ModelEstimate:
     @property
     def expected(self) -> int:
         """What the runner itself is expected to hold at its peak: everything but the headroom."""
-        return self.weights + self.kv_cache + self.runtime + self.outputs
+        return self.weights + self.kv_cache + self.runtime + self.outputs + self.prompt_cache_ram
 
     @property
     def total(self) -> int:
@@ -157,6 +162,8 @@ class ModelEstimate:
             ctx += f" x parallel {self.parallel}"
         cache = "" if self.cache_type == "f16" else f" ({self.cache_type})"
         outputs = f" + outputs {format_bytes(self.outputs)} (embeddings: every token's logits)" if self.outputs else ""
+        if self.prompt_cache_ram:
+            outputs += f" + prompt cache in RAM {format_bytes(self.prompt_cache_ram)}"
         return (
             f"needs ~{format_bytes(self.total)} (weights {format_bytes(self.weights)} + KV cache"
             f"{cache} {format_bytes(self.kv_cache)} at {ctx} + runtime {format_bytes(self.runtime)}{outputs} + "
@@ -209,9 +216,11 @@ def estimate_gguf(
     n_batch: int = DEFAULT_N_BATCH,
     parallel: int = 1,
     embedding: bool = False,
+    prompt_cache_ram: int | None = 0,
 ) -> ModelEstimate:
     """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring;
-    ``embedding``: for an embedding instance).
+    ``embedding``: for an embedding instance; ``prompt_cache_ram``: the prompt cache's RAM budget, None for the
+    KV cache's size).
 
     ``n_ctx`` None means the model's own context length (``{arch}.context_length``; ``describe`` says so).
     ``cache_type`` is the KV cache element type (one of :data:`CACHE_TYPES`). Raises :class:`GgufError` for a file
@@ -262,6 +271,8 @@ def estimate_gguf(
         notes=tuple(notes),
         parallel=parallel,
         embedding=embedding,
+        prompt_cache_ram=0 if embedding or prompt_cache_ram is None else prompt_cache_ram,
+        prompt_cache_ram_auto=prompt_cache_ram is None and not embedding,
     )
     chosen = n_ctx if n_ctx is not None else shape.context_length or 0
     return _estimate(seed, n_ctx=chosen, n_ctx_from_model=n_ctx is None)
@@ -293,6 +304,7 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
         runtime_base=RUNTIME_BASE + VOCAB_BYTES_PER_TOKEN * s.n_vocab,
         compute=max(attention, feed_forward) + logits // 2,
         outputs=logits // 2 + (n_ctx * s.n_embd * 4 if base.embedding else 0),
+        prompt_cache_ram=kv if base.prompt_cache_ram_auto else base.prompt_cache_ram,
     )
 
 
@@ -358,4 +370,13 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
         parallel=int(options.get("parallel", 1)),
         headroom=headroom,
         embedding=bool(options.get("embedding", False)),
+        prompt_cache_ram=prompt_cache_budget(options),
     )
+
+
+def prompt_cache_budget(options: Mapping[str, Any]) -> int | None:
+    """The prompt cache's RAM budget the options ask for: bytes, or None for the KV cache's size ("auto")."""
+    if not options.get("prompt_cache", True) or options.get("embedding", False):
+        return 0
+    value = options.get("prompt_cache_ram", "auto")
+    return None if value == "auto" else parse_size(value)

@@ -1,0 +1,211 @@
+"""The prompt cache of a llama.cpp batch: a prompt's longest cached prefix, from any slot or from RAM.
+
+A slot keeps the KV cells of the tokens its last sequence saw. When a request is placed (``llamacpp_batch``: when
+its prefill begins, so a prompt admitted in the same burst as another sharing its prefix finds that prefix computed),
+its prompt is matched against every slot, busy ones included, and the RAM store (``PrefixIndex``: a radix tree, one
+walk of the prompt). The longest match is brought into the request's own slot and only the rest is prefilled:
+
+- from its own slot: nothing to do (the tail is removed);
+- from another slot: ``llama_memory_seq_cp`` of the whole sequence, then the tail removed (the cache is not unified,
+  and a partial copy between streams is not supported). llama.cpp copies the stream's buffer at the next decode,
+  before that step's rows are computed, so a busy source is copied as it stood. Measured here (default model,
+  2 threads, 2048 cells a slot): ~6 ms, against ~4.4 ms of prefill per token; so a copy is made when it saves at
+  least ``MIN_COPY`` tokens over the slot's own prefix. (A unified cache makes the copy metadata only, but
+  measured the same way its decode steps were ~7% and its prefill ~15% slower: the cache stays per slot.)
+- from RAM: ``llama_state_seq_set_data_ext`` of a saved sequence (~4 ms for 841 tokens), then the tail removed.
+
+Before a slot's cells are overwritten, its whole sequence is saved to RAM (``llama_state_seq_get_data_ext``, ~23 KB
+a token for the default model, ~16 ms for 841 tokens) unless another holder already has all of it, it is shorter
+than ``MIN_SAVE`` tokens, or it does not fit the byte budget (``prompt_cache_ram``, counted by the fit check). A
+saved sequence makes any saved one that is its prefix redundant (a conversation's next turn extends its last):
+that one is dropped. When the budget is full, the least recently used entries go first.
+
+Exactness: cells reused from anywhere were computed in another batch than a cold prefill would be, so a greedy text
+can (rarely) differ from the cold one, as with llama-server's ``cache_prompt``; the copy itself is exact (cells
+copied or restored give bit-identical logits, measured here). ``prompt_cache: false`` prefills every prompt whole.
+
+Only the engine's thread uses any of this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tether.engines.prefix import PrefixIndex
+
+MIN_COPY = 16  # tokens a copy from another slot or from RAM must save over the slot's own prefix
+MIN_SAVE = 32  # shorter sequences are not worth RAM: prefilling them costs ~0.15 s here
+STATE_FLAGS = 0  # a whole sequence's cells
+
+
+@dataclass
+class _Saved:
+    tokens: list[int]
+    data: Any  # ctypes buffer of llama.cpp's sequence state
+    size: int  # bytes of it llama.cpp wrote (what a restore reads)
+    held: int  # bytes the buffer holds (what the budget counts)
+
+
+@dataclass
+class CacheStats:
+    """Prompt tokens seen, and where the reused ones came from (for metrics and the bench)."""
+
+    prompt_tokens: int = 0
+    from_own_slot: int = 0
+    from_other_slot: int = 0
+    from_ram: int = 0
+    saved: int = 0  # sequences saved to RAM
+    evicted: int = 0  # RAM entries dropped for the budget
+    redundant: int = 0  # RAM entries dropped because a longer one had them all
+
+    @property
+    def reused(self) -> int:
+        return self.from_own_slot + self.from_other_slot + self.from_ram
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What ``PromptCache.place`` did: the prompt tokens whose cells the slot now holds, and from where."""
+
+    reused: int
+    source: str  # "none", "own", "slot", "ram"
+
+
+class PromptCache:
+    """Slots' and RAM's cached sequences for one llama.cpp context (see the module docstring)."""
+
+    def __init__(self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True) -> None:
+        self.lib = lib
+        self.ctx = ctx
+        self.memory = memory
+        self.budget = budget
+        self.enabled = enabled
+        self.index = PrefixIndex()
+        self._ram: OrderedDict[str, _Saved] = OrderedDict()  # least recently used first
+        self._ram_bytes = 0
+        self._keys = 0
+        self.stats = CacheStats()
+
+    @property
+    def ram_bytes(self) -> int:
+        return self._ram_bytes
+
+    @property
+    def ram_entries(self) -> int:
+        return len(self._ram)
+
+    def place(self, slot: int, cached: list[int], prompt: Sequence[int], slots: Sequence[list[int]]) -> Placement:
+        """Bring ``prompt``'s longest cached prefix into ``slot`` (whose cells hold ``cached``, a list this updates
+        to what they hold after) and leave the rest of its cells empty. ``slots[i]`` is slot i's token list (the
+        source of a copy). The last prompt token is never reused: its logits make the first token."""
+        self.stats.prompt_tokens += len(prompt)
+        limit = len(prompt) - 1
+        if not self.enabled:
+            self._overwrite(slot, cached, 0)
+            return Placement(0, "none")
+        own = _common_prefix(cached, prompt, limit)
+        best = self.index.match(prompt, limit)
+        source, reused = ("own", own) if own else ("none", 0)
+        donor: int | None = None
+        saved: str | None = None
+        if best.length >= own + MIN_COPY:
+            others = [s for s in best.slots if s != slot]
+            if others:
+                donor, source, reused = min(others), "slot", best.length
+            elif best.ram:
+                saved, source, reused = next(iter(best.ram)), "ram", best.length
+        keep = reused if source == "own" else 0
+        self._save_before_overwrite(slot, cached, keep)
+        self.index.remove(slot)
+        if donor is not None:
+            self.lib.llama_memory_seq_cp(self.memory, donor, slot, -1, -1)
+            cached[:] = slots[donor][:reused]
+            self._truncate(slot, cached, reused)
+            self.stats.from_other_slot += reused
+        elif saved is not None:
+            entry = self._ram[saved]
+            self._ram.move_to_end(saved)
+            if self.lib.llama_state_seq_set_data_ext(self.ctx, entry.data, entry.size, slot, STATE_FLAGS) == 0:
+                self._overwrite(slot, cached, 0)  # llama.cpp could not restore it (no room): prefill it all
+                self._drop(saved)
+                return Placement(0, "none")
+            cached[:] = entry.tokens[:reused]
+            self._truncate(slot, cached, reused)
+            self.stats.from_ram += reused
+        else:
+            self._truncate(slot, cached, keep)
+            self.stats.from_own_slot += keep
+        return Placement(reused, source)
+
+    def register(self, slot: int, cached: Sequence[int]) -> None:
+        """``slot``'s cells now hold exactly ``cached`` (its prompt prefilled, or its sequence ended)."""
+        if self.enabled:
+            self.index.insert(slot, cached)
+
+    def withdraw(self, slot: int) -> None:
+        """``slot``'s cells are about to change in a way the index does not know of."""
+        self.index.remove(slot)
+
+    def clear(self) -> None:
+        """Forget every slot's registration and every RAM entry."""
+        for key in list(self._ram):
+            self._drop(key)
+        self.index = PrefixIndex()
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _overwrite(self, slot: int, cached: list[int], keep: int) -> None:
+        self.index.remove(slot)
+        self._truncate(slot, cached, keep)
+
+    def _truncate(self, slot: int, cached: list[int], keep: int) -> None:
+        """Remove the slot's cells from position ``keep`` on (all of them if llama.cpp refuses a partial removal)."""
+        if not self.lib.llama_memory_seq_rm(self.memory, slot, keep, -1):
+            self.lib.llama_memory_seq_rm(self.memory, slot, -1, -1)
+            keep = 0
+        del cached[keep:]
+
+    def _save_before_overwrite(self, slot: int, cached: Sequence[int], keep: int) -> None:
+        """Save ``slot``'s sequence to RAM if placing a prompt there loses some of it and nobody else has it."""
+        if keep >= len(cached) or len(cached) < MIN_SAVE or self.budget <= 0:
+            return
+        held = self.index.match(cached)
+        if held.length == len(cached) and (held.ram or any(s != slot for s in held.slots)):
+            return  # another slot or a RAM entry has all of it
+        size = int(self.lib.llama_state_seq_get_size_ext(self.ctx, slot, STATE_FLAGS))
+        if size <= 0 or size > self.budget:
+            return
+        while self._ram and self._ram_bytes + size > self.budget:
+            self._drop(next(iter(self._ram)))
+            self.stats.evicted += 1
+        data = (ctypes.c_uint8 * size)()
+        written = int(self.lib.llama_state_seq_get_data_ext(self.ctx, data, size, slot, STATE_FLAGS))
+        if written <= 0:
+            return
+        self._keys += 1
+        key = f"ram-{self._keys}"
+        self._ram[key] = _Saved(list(cached), data, written, size)
+        self._ram_bytes += size  # the buffer held, not only what llama.cpp wrote into it
+        self.stats.saved += 1
+        for prefix in self.index.insert(key, cached):
+            if isinstance(prefix, str) and prefix in self._ram:  # a saved prefix of this one: redundant now
+                self._drop(prefix)
+                self.stats.redundant += 1
+
+    def _drop(self, key: str) -> None:
+        entry = self._ram.pop(key, None)
+        if entry is not None:
+            self._ram_bytes -= entry.held
+            self.index.remove(key)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
