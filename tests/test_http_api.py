@@ -88,6 +88,11 @@ def test_chat_and_completions_without_streaming_on_the_default_model(model_serve
     chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, seed=1, temperature=0)
     assert chat.object == "chat.completion" and "Paris" in (chat.choices[0].message.content or "")
     assert chat.usage is not None and chat.usage.completion_tokens > 0
+    again = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, seed=1, temperature=0)
+    assert again.choices[0].message.content == chat.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    # the prompt cache had all of the prompt but its last token (whose logits make the first token)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1, again.usage
     completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert completion.object == "text_completion" and completion.choices[0].finish_reason in ("stop", "length")
     assert completion.usage is not None and completion.usage.completion_tokens <= 8

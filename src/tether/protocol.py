@@ -441,6 +441,7 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     sent_ns: int = 0  # CLOCK_MONOTONIC at send time (latency measurement; 0 = unset)
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this delta covers, when the request asked for logprobs
     embedding: tuple[float, ...] | None = None  # an embedding request's vector (on its final chunk)
+    cached_tokens: int = 0  # of prompt_tokens, those the prompt cache supplied (on the final chunk)
 
 
 class ErrorChunk(msgspec.Struct, tag="error", frozen=True):

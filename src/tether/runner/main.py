@@ -383,6 +383,7 @@ class Runner:
                         completion_tokens=result.completion_tokens,
                         logprobs=result.logprobs,
                         embedding=result.embedding,
+                        cached_tokens=result.cached_tokens,
                     )
                 )
                 if result.finish_reason is not None:

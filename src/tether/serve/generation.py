@@ -101,6 +101,7 @@ class GenerationResponse(Response):
         self.disconnected = False
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.first_token_at: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -145,6 +146,7 @@ class GenerationResponse(Response):
                 if event.finish_reason is not None:
                     finish = event.finish_reason
                     self.prompt_tokens = event.prompt_tokens
+                    self.cached_tokens = event.cached_tokens
                     self.completion_tokens = event.completion_tokens or self.completion_tokens
                 piece = shaper.feed(event)
                 if not self.stream:
@@ -195,6 +197,7 @@ class GenerationResponse(Response):
         m.requests.labels(instance, self.endpoint, self.outcome).inc()
         m.tokens.labels(instance, "prompt").inc(self.prompt_tokens)
         m.tokens.labels(instance, "completion").inc(self.completion_tokens)
+        m.tokens.labels(instance, "prompt_cached").inc(self.cached_tokens)
         if self.first_token_at is not None:
             m.ttft.labels(instance).observe(self.first_token_at - self.started)
         m.duration.labels(instance).observe(time.monotonic() - self.started)

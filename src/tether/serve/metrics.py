@@ -121,7 +121,7 @@ class Metrics:
         )
         self.tokens = Counter(
             "tether_tokens",
-            "Tokens processed, by kind (prompt, completion)",
+            "Tokens processed, by kind (prompt, completion; prompt_cached: prompt tokens the prompt cache supplied)",
             ["instance", "kind"],
             registry=self.registry,
         )

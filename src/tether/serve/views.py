@@ -62,10 +62,15 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # of prompt_tokens, those whose KV the prompt cache supplied (not prefilled)
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprobOut(msgspec.Struct):
@@ -220,7 +225,7 @@ class EmbeddingList(msgspec.Struct):
 
 class ResponseUsage(msgspec.Struct):
     input_tokens: int
-    input_tokens_details: dict[str, int]  # ``cached_tokens``, ``cache_write_tokens``: not counted here, 0
+    input_tokens_details: dict[str, int]  # ``cached_tokens`` (from the prompt cache), ``cache_write_tokens`` (0)
     output_tokens: int
     output_tokens_details: dict[str, int]  # ``reasoning_tokens``: 0
     total_tokens: int

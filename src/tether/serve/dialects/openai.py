@@ -525,11 +525,12 @@ def plan(body: ChatRequest | CompletionRequest) -> Plan:
 _encode = msgspec.json.Encoder().encode
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -574,6 +575,7 @@ class OpenAIShaper:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # streamed text so far (completion logprobs' text_offset)
+        self.cached_tokens = 0  # from the final chunk
 
     # --- generation.Shaper ---------------------------------------------------------------------------------------
 
@@ -582,6 +584,8 @@ class OpenAIShaper:
 
     def feed(self, chunk: Chunk) -> bytes:
         self.text.append(chunk.text)
+        if chunk.finish_reason is not None:
+            self.cached_tokens = chunk.cached_tokens
         if self.plan.logprobs:
             self.logprobs.extend(chunk.logprobs)
         if self.plan.tools is not None or not (chunk.text or (self.plan.logprobs and chunk.logprobs)):
@@ -625,7 +629,7 @@ class OpenAIShaper:
                 "created": self.created,
                 "model": self.model,
                 "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens),
+                "usage": usage(prompt_tokens, completion_tokens, self.cached_tokens),
             }
         )
 
@@ -699,7 +703,7 @@ class OpenAIShaper:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens),
+                "usage": usage(prompt_tokens, completion_tokens, self.cached_tokens),
             }
         )
 

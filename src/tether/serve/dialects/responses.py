@@ -443,10 +443,10 @@ def new_id(prefix: str) -> str:
     return new_request_id(prefix, "_")
 
 
-def response_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # not counted here
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,
@@ -475,6 +475,7 @@ class ResponsesShaper:
         self.logprobs: list[dict[str, Any]] = []
         self._sequence = 0
         self._opened = False
+        self.cached_tokens = 0  # from the final chunk
 
     # --- generation.Shaper ---------------------------------------------------------------------------------------
 
@@ -483,6 +484,8 @@ class ResponsesShaper:
 
     def feed(self, chunk: Chunk) -> bytes:
         self.text.append(chunk.text)
+        if chunk.finish_reason is not None:
+            self.cached_tokens = chunk.cached_tokens
         logprobs = [openai.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
         if not self.plan.stream or self.plan.tools is not None or not (chunk.text or logprobs):
@@ -614,7 +617,7 @@ class ResponsesShaper:
         done = status in ("completed", "incomplete")
         usage = None
         if prompt_tokens is not None and completion_tokens is not None:
-            usage = response_usage(prompt_tokens, completion_tokens)
+            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens)
         return {
             "id": self.id,
             "object": "response",
