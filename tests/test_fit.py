@@ -208,7 +208,7 @@ def test_the_prompt_caches_ram_budget_is_counted_in_the_estimate(model_path: Pat
     off = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache": False}))
     embed = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"embedding": True}))
     assert off.prompt_cache_ram == embed.prompt_cache_ram == 0
-    with pytest.raises(EngineLoadError, match="prompt_cache_ram.*bad size 'lots'"):
+    with pytest.raises(EngineLoadError, match=r"prompt_cache_ram.*bad size 'lots'"):
         LlamaCppEngine(EngineSpec(engine="llama.cpp", options={"prompt_cache_ram": "lots"}))
 
 

@@ -31,7 +31,7 @@ last), else mean, as llama-server's ``--embedding`` does for a generative model 
 L2-normalised; their dimension is the model's embedding width (576 for SmolLM2-135M).
 
 Options (``spec.options``): n_ctx (2048, per sequence), parallel (8 sequences at once; the KV cache holds
-parallel x n_ctx cells), n_threads (usable CPUs, at most 8), n_batch (512), prefill_chunk (64: prompt tokens per step
+parallel x n_ctx cells), n_threads (usable CPUs, at most 8), n_batch (512), prefill_chunk (32: prompt tokens per step
 while other sequences decode), prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from
 RAM, see ``llamacpp_cache``), prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or
 a size such as "512M"; counted by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike
@@ -71,7 +71,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "n_batch": 512,
     "prompt_cache": True,  # reuse a cached prefix from any slot or RAM (faster; a greedy text may then differ, rarely)
     "prompt_cache_ram": "auto",  # bytes of saved sequences kept in RAM (a size: 1G, 512M; 0: none; auto: the KV's)
-    "prefill_chunk": 64,  # ~0.2 s of prefill on 2 CPU threads: the longest pause a long prompt gives running streams
+    "prefill_chunk": 32,  # prompt tokens beside decode rows: a step then ~140 ms, not ~40 (2 CPU threads)
     "seed": 0,
     "n_gpu_layers": 0,
     "repeat_penalty": 1.0,  # neutral, as in OpenAI's API; llama-cpp-python's 1.1 derails small models

@@ -2,14 +2,23 @@
 
 One llama.cpp context holds ``parallel`` sequences, each in a *slot* (a sequence id with its own KV cells: the
 cache is not unified, so a sequence attends only to its own cells and ``n_ctx`` is per sequence). Each step builds
-one batch: the last sampled token of every decoding sequence (one row each, logits on) and a chunk of one
-prefilling sequence's prompt (the earliest admitted). While any sequence decodes, that chunk is at most
-``prefill_chunk`` tokens, so a long prompt arriving mid-stream delays the running streams by one short chunk per step
-instead of its whole prefill; with nothing decoding, it is up to ``n_batch`` tokens. One prompt per step, not
-several: measured here, prompts of several sequences prefilled in one batch change llama.cpp's arithmetic enough
-to flip a greedy choice (4 of 8 chat prompts together: one of them diverged after ~40 tokens), while one prompt
-beside decode rows gives exactly the text of the one-at-a-time path; the cost is at most one step of first-token
-latency per request queued ahead in the same burst. Every sequence samples with its own
+one batch: one row (logits on) for every decoding sequence, its last sampled token, and a chunk of one prefilling
+sequence's prompt (the earliest admitted). While any row decodes, that chunk is at most ``prefill_chunk`` tokens, so
+a prompt arriving mid-stream delays the running streams by one short chunk per step instead of its whole prefill:
+that is the bound on what an arrival adds to a step (measured here, default model, 2 threads: a step of 7 decode
+rows takes ~40 ms, with a 32-token chunk beside them ~140 ms, with 64 ~210 ms, with 16 ~95 ms: the
+prompt's prefill costs the others about the same in all, spread thinner); with nothing decoding, the chunk is
+up to ``n_batch`` tokens. One prompt per step, not several: measured here, prompts of several sequences prefilled
+in one batch change llama.cpp's arithmetic enough to flip a greedy choice (4 of 8 chat prompts together: one of them
+diverged after ~40 tokens), while one prompt beside decode rows gives exactly the text of the one-at-a-time path.
+
+A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first token),
+and not at once. A sequence whose prompt is in its cells but for that token is *ready*; it joins when none of the
+sequences that were prefilling (or waiting to) when it became ready still is. So a burst of arrivals is prefilled
+back to back with the whole ``n_batch`` budget while nothing decodes, then all its sequences decode together and,
+with equal lengths, end together, so the next burst stalls nobody; a later arrival never holds back a ready one,
+and a prompt arriving alone joins in the next step. The price is the burst's first tokens, which wait for the
+burst's prefill (as in llama-server, which prefills a burst in one batch). Every sequence samples with its own
 sampler chain (its parameters: see Sampling below), decodes its pieces with its own ``TextStream`` (UTF-8 and stop
 strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its context.
 
@@ -128,9 +137,21 @@ class _BatchSequence:
     placed: bool = False  # its prefix brought into its slot (when its prefill begins: see llamacpp_cache)
     reused: int = 0  # prompt tokens whose cells came from the cache, not prefilled
 
+    waits_for: frozenset[str] = frozenset()  # once ready: the sequences prefilling then (see the module docstring)
+
     @property
     def decoding(self) -> bool:
         return self.next_token is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Not yet placed, or some of its prompt but the last token still to prefill."""
+        return not self.placed or self.prefilled < len(self.prompt) - 1
+
+    @property
+    def ready(self) -> bool:
+        """All its prompt in its cells but the last token, which goes in with the decode rows."""
+        return self.placed and self.prefilled == len(self.prompt) - 1
 
 
 class Batch:
@@ -281,35 +302,38 @@ class Batch:
         in an embedding batch, one whole prompt and its vector)."""
         if self.embedding:
             return self._embed_step()
-        batch = self._batch
         n = 0
-        decoding = sorted((seq for seq in self._seqs.values() if seq.decoding), key=lambda seq: seq.slot.index)
-        for seq in decoding:
-            token = seq.next_token
-            assert token is not None
+        waiting = {seq.seq_id for seq in self._seqs.values() if seq.prefilling}
+        rows = sorted(
+            (seq for seq in self._seqs.values() if seq.decoding or (seq.ready and not seq.waits_for & waiting)),
+            key=lambda seq: seq.slot.index,
+        )
+        for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
+            if seq.next_token is not None:
+                token, seq.next_token = seq.next_token, None
+            else:
+                token = seq.prompt[-1]
+                seq.prefilled += 1
             self._put(n, token, len(seq.slot.cached), seq.slot.index, True)
             seq.slot.cached.append(token)
-            seq.next_token = None
+            if seq.prefilled == len(seq.prompt) and token is seq.prompt[-1] and seq.completion == 0:
+                self.cache.register(seq.slot.index, seq.slot.cached)  # the whole prompt now
             seq.row = n
             n += 1
-        budget = min(self.n_batch, self.prefill_chunk) if decoding else self.n_batch
-        prefilling = next((seq for seq in self._seqs.values() if seq.prefilled < len(seq.prompt)), None)
-        if prefilling is not None and budget > 0:  # one prompt per step: see the module docstring
-            seq = prefilling
+        budget = min(self.n_batch, self.prefill_chunk) if rows else self.n_batch
+        seq = next((seq for seq in self._seqs.values() if seq.prefilling), None)
+        if seq is not None:  # one prompt per step, and at most one placement: see the module docstring
             if not seq.placed:
                 self._place(seq)
-            chunk = seq.prompt[seq.prefilled : seq.prefilled + budget]
+            chunk = seq.prompt[seq.prefilled : min(seq.prefilled + budget, len(seq.prompt) - 1)]
             for i, token in enumerate(chunk):
                 self._put(n, token, seq.prefilled + i, seq.slot.index, False)
                 n += 1
             seq.slot.cached.extend(chunk)
             seq.prefilled += len(chunk)
-            if seq.prefilled == len(seq.prompt):  # the prompt's last token: its logits make the first token
-                batch.logits[n - 1] = 1
-                seq.row = n - 1
+            if not seq.prefilling:  # all but its last token: it waits for the prompts queued beside it (docstring)
+                seq.waits_for = frozenset(waiting - {seq.seq_id})
                 self.cache.register(seq.slot.index, seq.slot.cached)
-            else:
-                seq.row = -1
         if n == 0:
             return []
         self._decode(n)
