@@ -321,8 +321,9 @@ class Batch:
             seq.row = n
             n += 1
         budget = min(self.n_batch, self.prefill_chunk) if rows else self.n_batch
-        seq = next((seq for seq in self._seqs.values() if seq.prefilling), None)
-        if seq is not None:  # one prompt per step, and at most one placement: see the module docstring
+        prefilling = next((seq for seq in self._seqs.values() if seq.prefilling), None)
+        if prefilling is not None:  # one prompt per step, and at most one placement: see the module docstring
+            seq = prefilling
             if not seq.placed:
                 self._place(seq)
             chunk = seq.prompt[seq.prefilled : min(seq.prefilled + budget, len(seq.prompt) - 1)]
