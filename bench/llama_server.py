@@ -8,12 +8,14 @@ kernels. Everything lives under the bench's cache directory, ``$XDG_CACHE_HOME/t
 - ``sdist/llama_cpp_python-VERSION.tar.gz``: ``python -m pip download --no-deps --no-binary :all:
   llama-cpp-python==VERSION`` (into a temporary directory first, then moved: a file there is complete);
 - ``src/llama_cpp_python-VERSION/``: the sdist unpacked (also through a temporary directory);
-- ``src/llama_cpp_python-VERSION/vendor/llama.cpp/build/bin/llama-server``: built there with
-  ``cmake -B build -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
-  -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release`` and ``cmake --build build -j2 --target llama-server`` (about 10 min
-  on two cores; without curl the server cannot download models, and the bench gives it a local GGUF).
+- ``src/llama_cpp_python-VERSION/vendor/llama.cpp/build/bin/llama-server``: built there with ``cmake -B build
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF
+  -DCMAKE_BUILD_TYPE=Release`` (on x86 also ``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`` in ``CMAKE_C_FLAGS`` and
+  ``CMAKE_CXX_FLAGS``, as the Makefile builds llama-cpp-python) and ``cmake --build build -j2 --target llama-server``
+  (about 10 min on two cores; without curl the server cannot download models, and the bench gives it a local GGUF).
 
-``find()`` returns the cached binary when it exists and ``--version`` runs, else None; it never builds. ``build(log)``
+``find()`` returns the cached binary when it exists, its build directory was configured with those flags and
+``--version`` runs, else None; it never builds. ``build(log)``
 does whatever of the three steps is still missing, writing every tool's output to ``log`` (not the terminal), and
 raises ``BuildFailed`` saying why (no cmake or compiler, download failed, build failed, with the log's tail). It is
 idempotent: a finished step is reused, an interrupted build resumes (cmake rebuilds only what is missing), and a
@@ -104,10 +106,24 @@ def version(binary: Path) -> str | None:
     return next((line for line in lines if line.startswith("version")), lines[0] if lines else "unknown version")
 
 
+def configured_as_asked() -> bool:
+    """Whether the cached build directory was configured with this module's C flags (a binary built before the
+    flags changed, the AMX one among them, must be rebuilt: cmake reconfigures and rebuilds what they touch)."""
+    try:
+        cache = (source_dir() / "build" / "CMakeCache.txt").read_text(errors="replace")
+    except OSError:
+        return False
+    wanted = dict(arg[2:].split("=", 1) for arg in NO_AMX)
+    flags = {line.split(":", 1)[0]: line.split("=", 1)[1] for line in cache.splitlines() if line.startswith("CMAKE_C")}
+    return all(flags.get(name, "") == value for name, value in wanted.items())
+
+
 def find() -> Path | None:
-    """The cached ``llama-server`` when it exists and ``--version`` runs; never builds."""
+    """The cached ``llama-server`` when it exists, was built with this module's flags and ``--version`` runs;
+    never builds."""
     binary = binary_path()
-    return binary if binary.is_file() and version(binary) is not None else None
+    ok = binary.is_file() and configured_as_asked() and version(binary) is not None
+    return binary if ok else None
 
 
 def log_tail(log: Path, lines: int = 20) -> str:

@@ -19,18 +19,18 @@ cores), with 2 threads, greedy sampling and a context of 2048 tokens per sequenc
   sends ``[DONE]`` after the current token) as soon as another request is waiting for the model, so at concurrency
   4 most streams would be cut short. Everything else is the server as shipped (``verbose`` included). It serves one
   request at a time.
-- llama-server (``llama_server`` in the JSON keys): llama.cpp's C++ server, built from the llama.cpp vendored in
-  the llama-cpp-python 0.3.36 sdist (the same kernels as ``llama_cpp``; ``bench/llama_server.py`` finds or builds
-  it in ``~/.cache/tether-bench``): ``llama-server -m PATH --host 127.0.0.1 --port P -t 2 -tb 2 -c 16384 -np 8
-  -b 512 -fa off --seed 0 --temp 0 --no-webui``. ``-np 8`` gives it 8 slots decoded together (continuous batching,
-  its default) and ``-c`` is the total context, ``PARALLEL * 2048``: with an explicit ``-np`` the KV cache is not
-  unified, so each slot gets 2048 tokens, the others' per-sequence context. ``-fa off``: its default is ``auto``,
-  which turns flash attention on for this CPU, while ``llama_cpp`` (tether's engine, llama_cpp.server) builds its
-  contexts without it; with it on, the greedy texts drift from the others' after some tokens (observed on 5 of the
-  8 prompts at 32 tokens) and the comparison would be of attention kernels, not servers. ``--no-webui``: nothing but
-  the API. It is built without curl, so it cannot download anything; the model is a local path. Its prompt cache
-  stays at its default (``cache_prompt`` on: a slot keeps its last prompt's KV and a new request reuses the common
-  prefix; idle slots are saved to the RAM prompt cache, ``--cache-ram`` 8192 MiB). Ready when ``GET /health``
+- llama-server (``llama_server`` in the JSON keys): llama.cpp's C++ server, built from the llama.cpp vendored in the
+  llama-cpp-python 0.3.36 sdist (the same kernels as ``llama_cpp``; ``bench/llama_server.py`` finds or builds it in
+  ``~/.cache/tether-bench``): ``llama-server -m PATH --host 127.0.0.1 --port P -t 2 -tb 2 -c 16384 -np 8 -b 512 -fa
+  off --seed 0 --temp 0 --no-webui --cache-reuse 256``. ``-np 8`` gives it 8 slots decoded together (continuous
+  batching, its default) and ``-c`` is the total context, ``PARALLEL * 2048``: with an explicit ``-np`` the KV cache
+  is not unified, so each slot gets 2048 tokens, the others' per-sequence context. ``-fa off``: its default is
+  ``auto``, which turns flash attention on for this CPU, while ``llama_cpp`` (tether's engine, llama_cpp.server)
+  builds its contexts without it; with it on, the greedy texts drift from the others' after some tokens (observed on 5
+  of the 8 prompts at 32 tokens) and the comparison would be of attention kernels, not servers. ``--no-webui``:
+  nothing but the API. It is built without curl, so it cannot download anything; the model is a local path. Its prompt
+  cache stays at its default (``cache_prompt`` on: a slot keeps its last prompt's KV and a new request reuses the
+  common prefix; idle slots are saved to the RAM prompt cache, ``--cache-ram`` 8192 MiB). Ready when ``GET /health``
   returns 200 (503 while it loads). Stopped with SIGTERM, then SIGKILL after the bound.
 
   Where it comes from: ``--quick`` never builds; it uses the cached binary when ``llama_server.find()`` finds one
@@ -118,14 +118,42 @@ llama-server that does not start only skips its side).
 already built; it starts in under a second and its three phases take a few seconds, so the whole quick run,
 three servers, takes about 35-45 s on two cores (CI allows 190 s). Without a cached binary the quick run skips it.
 
-``--variants logprobs json_schema``: after each batching server's load phases (tether, llama-server), the highest
-concurrency again with that option in every request (``logprobs: true, top_logprobs: 5``; ``response_format``
-``json_schema`` with ``STORY``, the stories as a JSON object); ``SIDE_tokens_per_s_VARIANT_cC``,
-``SIDE_VARIANT_vs_plain_cC`` (its rate over the same side's plain rate: the option's cost) and
-``tokens_per_s_ratio_vs_llama_server_VARIANT_cC``. The plain phases are unchanged by it.
+**Workloads** (``--workloads``, default all three; tether and llama-server run each, llama_cpp.server only
+``distinct``). Each runs at every concurrency in turn, on a server that has served the workloads before it (so
+caches are warm, as in a deployment):
 
-Run: ``.venv/bin/python bench/serve.py [--quick] [--no-build] [--variants ...]``. The last line printed is one JSON
-object.
+- ``distinct``: the requests above (a short system message, one of ``PROMPTS``; ``max_tokens`` 128);
+- ``shared_prefix``: ``LONG_SYSTEM`` (a deployed assistant's instructions, ~580 tokens with the chat template)
+  then one of ``QUESTIONS``, ``max_tokens`` 64; each concurrency asks its own 16 questions (the same ``R``
+  requests as ``distinct``), so only the system prompt repeats;
+- ``multi_turn``: ``CONVERSATIONS`` (24) conversations of ``TURNS`` (6) turns each, ``max_tokens`` 48, every turn
+  resending the whole history (the server's own earlier answers) plus a follow-up; client ``i`` of ``C`` holds the
+  conversations ``k % C == i`` and sends turn 1 of each, then turn 2 of each, ...: more conversations than slots,
+  interleaved, so a conversation's cells are overwritten (or saved to RAM) between its turns. Each concurrency has
+  its own 24 topics.
+
+Keys per workload ``W`` and concurrency ``N``: ``tokens_per_s_ratio_vs_llama_server_W_cN``, ``tokens_per_s_W_cN``,
+``llama_server_tokens_per_s_W_cN``, ``ttft_p50_ms_W_cN`` (tether), ``llama_server_ttft_p50_ms_W_cN``; at the highest
+concurrency ``itl_p99_ms_W_cN`` and ``llama_server_itl_p99_ms_W_cN``; ``prefix_hit_tokens_share_W`` (and
+``llama_server_prefix_hit_tokens_share_W``): the prompt tokens the server's cache supplied over all prompt tokens,
+from ``usage.prompt_tokens_details.cached_tokens`` (llama-server: that, or ``timings.cache_n``).
+``distinct_prompts_differing_across_phases`` (and ``llama_server_...``): how many of ``distinct``'s prompts got
+more than one greedy text from the same server across its phases (other cache states, other neighbours): what
+prefix reuse costs in exactness, measured the same way on both. ``llama-server`` runs with its best settings for
+these: ``cache_prompt`` on (its default), ``--cache-reuse 256`` (reuse by KV shifting too), its default RAM cache.
+
+``--variants logprobs json_schema`` (default ``json_schema``; ``--quick``: none): after each batching server's load
+phases (tether, llama-server), the highest concurrency again with that option in every request (``logprobs: true,
+top_logprobs: 5``; ``response_format`` ``json_schema`` with ``STORY``, the stories as a JSON object);
+``SIDE_tokens_per_s_VARIANT_cC``, ``SIDE_VARIANT_vs_plain_cC`` (its rate over the same side's plain rate: the option's
+cost) and ``tokens_per_s_ratio_vs_llama_server_VARIANT_cC``; ``json_schema_over_plain`` (tether) and
+``llama_server_json_schema_over_plain``: that ratio for json_schema. The plain phases are unchanged by it.
+
+Sides: tether and llama-server by default (``--sides`` adds llama_cpp.server, whose keys are the ``baseline_`` and
+``tokens_per_s_ratio_cC`` ones); ``--quick`` runs all three.
+
+Run: ``.venv/bin/python bench/serve.py [--quick] [--no-build] [--rounds N] [--workloads ...] [--variants ...]``.
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -178,6 +206,101 @@ PROMPTS = (
     "Write a story about an old clock that starts running backwards.",
     "Write a story about a farmer who finds a door in the middle of his field.",
 )
+WORKLOADS = ("distinct", "shared_prefix", "multi_turn")
+# shared_prefix: one long system prompt (~600 tokens) before every request's own question, as a deployed assistant's
+_RULES = (
+    "greet the visitor by name when they give one",
+    "answer in plain English, in at most three short paragraphs",
+    "mention the exhibit that fits the question, with its room number",
+    "never invent opening hours, prices or dates you were not given",
+    "say so when you do not know, and suggest asking at the front desk",
+    "keep a friendly tone, with no jokes about the sea's dangers",
+    "point families with children to the interactive rooms on the ground floor",
+    "remind visitors that photographs without flash are welcome everywhere",
+    "describe every ship model with its name, its year and its home port",
+    "explain nautical words the first time you use them",
+    "suggest the guided tour, which starts every hour in the main hall",
+    "recommend the cafe on the roof terrace when someone asks about food",
+)
+_ROOMS = (
+    "the lighthouse room, with a working lens from 1887",
+    "the hall of anchors, forty anchors from twelve centuries",
+    "the navigation room, with compasses, sextants and star charts",
+    "the sail loft, where sails are still sewn by hand on Saturdays",
+    "the knot bench, where visitors learn six knots in ten minutes",
+    "the map gallery, with the first charts of the northern coast",
+    "the whale room, with the skeleton of a fin whale found in 1921",
+    "the storm theatre, a film about the great storm of the old harbor",
+    "the harbor model, the whole port in 1900 at one to two hundred",
+    "the shipyard, where a fishing boat is being built the old way",
+)
+LONG_SYSTEM = (
+    "You are Harbor, the visitor assistant of the Northern Maritime Museum. Follow these rules. "
+    + " ".join(f"Rule {i + 1}: {rule}." for i, rule in enumerate(_RULES))
+    + " The museum's rooms are: "
+    + "; ".join(f"room {i + 1}, {room}" for i, room in enumerate(_ROOMS))
+    + ". "
+    + " ".join(
+        f"About room {i + 1}: it is on floor {i % 3}, it takes about {10 + 5 * (i % 4)} minutes to see, it has "
+        f"benches, and its guide explains {room.split(',')[0]} every half hour."
+        for i, room in enumerate(_ROOMS[:4])
+    )
+)
+_SUBJECTS = (
+    "lighthouses",
+    "anchors",
+    "compasses",
+    "sails",
+    "knots",
+    "sea charts",
+    "whales",
+    "storms",
+    "harbors",
+    "fishing boats",
+    "tides",
+    "sextants",
+    "ship bells",
+    "figureheads",
+    "rope making",
+    "steam ships",
+)
+QUESTIONS = tuple(  # shared_prefix's own questions: 48, so each concurrency asks 16 the others do not
+    f"{opening} {subject}?"
+    for opening in ("What can I learn here about", "Which room should I visit for", "Tell me one fact about")
+    for subject in _SUBJECTS
+)
+CONVERSATIONS = 24  # multi_turn: more conversations than slots, interleaved, each turn resending its history
+TURNS = 6
+QUICK_CONVERSATIONS, QUICK_TURNS = 8, 2
+_CITIES = (
+    "Lisbon",
+    "Oslo",
+    "Genoa",
+    "Bergen",
+    "Valparaiso",
+    "Hamburg",
+    "Marseille",
+    "Halifax",
+    "Cadiz",
+    "Gdansk",
+    "Dubrovnik",
+    "Porto",
+    "Antwerp",
+    "Naples",
+    "Tallinn",
+    "Cork",
+)
+_ASPECTS = ("history", "food", "harbor", "architecture", "weather")
+TOPICS = tuple(f"the {aspect} of {city}" for aspect in _ASPECTS for city in _CITIES)  # 24 per concurrency
+FOLLOW_UPS = (
+    "Tell me about {topic}.",
+    "Why is that so?",
+    "Give me one example.",
+    "How has it changed over time?",
+    "What should a visitor see first?",
+    "Summarise our conversation in one sentence.",
+)
+WORKLOAD_MAX_TOKENS = {"shared_prefix": 64, "multi_turn": 48}  # distinct: --max-tokens
 READY_TIMEOUT = 120.0  # start-up and model load
 STOP_TIMEOUT = 15.0  # SIGTERM -> exit, then SIGKILL
 REQUEST_TIMEOUT = 120.0
@@ -227,7 +350,19 @@ def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
         assert setup.llama_server is not None
         cmd = [str(setup.llama_server), "-m", str(setup.model), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["-t", str(THREADS), "-tb", str(THREADS), "-c", str(PARALLEL * N_CTX), "-np", str(PARALLEL)]
-        cmd += ["-b", str(N_BATCH), "-fa", "off", "--seed", str(SEED), "--temp", "0", "--no-webui"]
+        cmd += [
+            "-b",
+            str(N_BATCH),
+            "-fa",
+            "off",
+            "--seed",
+            str(SEED),
+            "--temp",
+            "0",
+            "--no-webui",
+            "--cache-reuse",
+            "256",
+        ]
         return cmd, "/health"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(setup.model), "--n_ctx", str(N_CTX)]
     cmd += ["--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_batch", str(N_BATCH)]
@@ -361,6 +496,8 @@ class Request:
     text: str = ""
     error: str | None = None
     stamps: list[float] = field(default_factory=list)  # perf_counter() of each content chunk
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+    cached_tokens: int | None = None  # of them, those the server's prompt cache had (usage or llama-server timings)
 
     @property
     def tokens(self) -> int:
@@ -398,8 +535,11 @@ def chat_body(prompt: str, max_tokens: int, model: str) -> dict[str, Any]:
     }
 
 
-def request_body(server: Server, prompt: str, max_tokens: int, variant: str = "plain") -> dict[str, Any]:
+def request_body(
+    server: Server, prompt: str, max_tokens: int, variant: str = "plain", system: str = SYSTEM
+) -> dict[str, Any]:
     body = chat_body(prompt, max_tokens, server.model_id)
+    body["messages"][0]["content"] = system
     if server.side in ("baseline", "llama_server"):
         body["repeat_penalty"] = 1.0  # llama_cpp.server defaults to 1.1; tether's engine uses 1.0
     return body | VARIANTS[variant]
@@ -441,6 +581,8 @@ async def read_stream(client: httpx.AsyncClient, body: dict[str, Any], req: Requ
                     usage = chunk.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         req.usage_tokens = int(usage["completion_tokens"])
+                    if usage:
+                        read_prompt_usage(usage, chunk.get("timings"), req)
                     for choice in chunk.get("choices") or []:
                         content = (choice.get("delta") or {}).get("content")
                         if content:
@@ -460,6 +602,18 @@ async def read_stream(client: httpx.AsyncClient, body: dict[str, Any], req: Requ
     elif req.error is None and req.chunks == 0:
         req.error = "no content"
     return began
+
+
+def read_prompt_usage(usage: dict[str, Any], timings: dict[str, Any] | None, req: Request) -> None:
+    """The prompt's tokens and how many the server's cache had: OpenAI's ``prompt_tokens_details.cached_tokens``
+    (tether; llama-server too where it reports it), else llama-server's ``timings.cache_n``."""
+    if usage.get("prompt_tokens") is not None:
+        req.prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        req.cached_tokens = int(details["cached_tokens"])
+    elif timings and timings.get("cache_n") is not None:
+        req.cached_tokens = int(timings["cache_n"])
 
 
 @dataclass
@@ -489,6 +643,12 @@ class Load:
     def errors(self) -> int:
         return sum(1 for r in self.requests if r.error is not None)
 
+    @property
+    def prompt_counts(self) -> tuple[int, int]:
+        """(cached, all) prompt tokens over the requests that reported both."""
+        reported = [r for r in self.requests if r.prompt_tokens is not None and r.cached_tokens is not None]
+        return sum(r.cached_tokens or 0 for r in reported), sum(r.prompt_tokens or 0 for r in reported)
+
 
 async def run_load(server: Server, concurrency: int, per_client: int, max_tokens: int, variant: str = "plain") -> Load:
     """A closed loop: each of ``concurrency`` clients sends ``per_client`` requests back to back."""
@@ -502,6 +662,57 @@ async def run_load(server: Server, concurrency: int, per_client: int, max_tokens
             load.requests.append(await stream_one(client, server, index, max_tokens, variant))
 
         load.wall_s = await closed_loop(concurrency, per_client, send)
+    return load
+
+
+async def run_shared_prefix(server: Server, concurrency: int, phase: int, args: argparse.Namespace) -> Load:
+    """``shared_prefix``: ``LONG_SYSTEM`` + a question of this phase's own 16 (a closed loop, as ``run_load``)."""
+    load = Load(concurrency)
+    n = per_client(args.requests, concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    per_phase = len(QUESTIONS) // len(CONCURRENCY)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+
+        async def send(i: int, j: int) -> None:
+            index = (phase % len(CONCURRENCY)) * per_phase + (i * n + j) % per_phase
+            req = Request(index)
+            body = request_body(server, QUESTIONS[index], args.workload_tokens["shared_prefix"], system=LONG_SYSTEM)
+            await read_stream(client, body, req)
+            load.requests.append(req)
+
+        load.wall_s = await closed_loop(concurrency, n, send)
+    return load
+
+
+async def run_multi_turn(server: Server, concurrency: int, phase: int, args: argparse.Namespace) -> Load:
+    """``multi_turn``: ``args.conversations`` conversations of ``args.turns`` turns, each turn the whole history
+    (the server's own earlier answers included) and a follow-up. Client ``i`` holds the conversations ``k`` with
+    ``k % C == i`` and sends turn 1 of each, then turn 2 of each, ...: between two turns of a conversation the
+    others run, so with more conversations than slots its cells have been overwritten (or saved) meanwhile."""
+    load = Load(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    topics = TOPICS[(phase % len(CONCURRENCY)) * args.conversations :][: args.conversations]
+    histories: list[list[dict[str, str]]] = [[{"role": "system", "content": SYSTEM}] for _ in topics]
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+        mine = [k for k in range(len(topics)) if k % concurrency == i]
+        for turn in range(args.turns):
+            for k in mine:
+                question = FOLLOW_UPS[turn % len(FOLLOW_UPS)].format(topic=topics[k])
+                histories[k].append({"role": "user", "content": question})
+                body = request_body(server, "", args.workload_tokens["multi_turn"])
+                body["messages"] = list(histories[k])
+                req = Request(k * args.turns + turn)
+                await read_stream(client, body, req)
+                histories[k].append({"role": "assistant", "content": req.text})
+                load.requests.append(req)
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+        began = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(concurrency):
+                tg.start_soon(client_loop, client, i)
+        load.wall_s = time.perf_counter() - began
     return load
 
 
@@ -522,6 +733,11 @@ class Run:
     forced: bool = False
     warmup_error: str | None = None
     variants: dict[str, Load] = field(default_factory=dict)  # at the highest concurrency, one per --variants
+    workloads: dict[str, dict[int, Load]] = field(default_factory=dict)  # shared_prefix, multi_turn: per C
+
+    def workload(self, name: str) -> dict[int, Load]:
+        """The load phases of a workload, per concurrency (``distinct``'s are ``loads``)."""
+        return self.loads if name == "distinct" else self.workloads.get(name, {})
 
 
 async def run_side(side: str, rnd: int, setup: Setup, logdir: Path, args: argparse.Namespace) -> Run:
@@ -530,14 +746,25 @@ async def run_side(side: str, rnd: int, setup: Setup, logdir: Path, args: argpar
         print(f"round {rnd} {LABELS[side]}: ready in {server.load_s:.2f} s", flush=True)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT) as client:
             warm = await stream_one(client, server, 0, WARMUP_TOKENS)
-        loads = {}
-        for c in args.concurrency:
-            loads[c] = load = await run_load(server, c, per_client(args.requests, c), args.max_tokens)
-            print(
-                f"round {rnd} {LABELS[side]}: C={c} {len(load.requests)} request(s), {load.errors} error(s), "
-                f"{fmt(load.tokens_per_s)} tokens/s",
-                flush=True,
-            )
+        loads: dict[int, Load] = {}
+        workloads: dict[str, dict[int, Load]] = {}
+        for name in args.workloads if side in VARIANT_SIDES else ("distinct",):
+            phases = loads if name == "distinct" else workloads.setdefault(name, {})
+            for phase, c in enumerate(args.concurrency):
+                if name == "distinct":
+                    load = await run_load(server, c, per_client(args.requests, c), args.max_tokens)
+                elif name == "shared_prefix":
+                    load = await run_shared_prefix(server, c, phase, args)
+                else:
+                    load = await run_multi_turn(server, c, phase, args)
+                phases[c] = load
+                cached, prompt = load.prompt_counts
+                print(
+                    f"round {rnd} {LABELS[side]}: {name} C={c} {len(load.requests)} request(s), {load.errors} "
+                    f"error(s), {fmt(load.tokens_per_s)} tokens/s, TTFT p50 {fmt(load.ttft_ms(50))} ms, "
+                    f"prompt tokens cached {cached}/{prompt}",
+                    flush=True,
+                )
         variants = {}
         top = max(args.concurrency)
         for variant in args.variants if side in VARIANT_SIDES else ():
@@ -549,7 +776,7 @@ async def run_side(side: str, rnd: int, setup: Setup, logdir: Path, args: argpar
                 f"{fmt(load.tokens_per_s)} tokens/s",
                 flush=True,
             )
-    return Run(side, rnd, loads, server.load_s, server.leftover, server.forced, warm.error, variants)
+    return Run(side, rnd, loads, server.load_s, server.leftover, server.forced, warm.error, variants, workloads)
 
 
 def round_order(sides: Sequence[str], rnd: int) -> list[str]:
@@ -578,8 +805,8 @@ class Figures:
     itl_p99_ms: float
 
 
-def side_figures(runs: Sequence[Run], c: int) -> Figures:
-    loads = [r.loads[c] for r in runs]
+def side_figures(runs: Sequence[Run], c: int, workload: str = "distinct") -> Figures:
+    loads = [r.workload(workload)[c] for r in runs if c in r.workload(workload)]
     return Figures(
         median([load.tokens_per_s for load in loads]),
         median([load.ttft_ms(50) for load in loads]),
@@ -608,17 +835,28 @@ def outputs_identical(runs: Sequence[Run]) -> tuple[bool, int]:
     return differing == 0, differing
 
 
+def all_loads(run: Run) -> Iterator[tuple[str, Load]]:
+    """Every load phase of a run, with its workload's name (a variant's is its variant's)."""
+    for name in WORKLOADS:
+        for load in run.workload(name).values():
+            yield name, load
+    for variant, load in run.variants.items():
+        yield variant, load
+
+
 def print_table(runs: Sequence[Run]) -> None:
-    headers = ["round", "side", "C", "reqs", "errors", "chunks", "tokens", "wall s", "tok/s", "TTFT p50 ms"]
-    headers += ["TTFT p99 ms", "ITL p99 ms", "load s"]
+    headers = ["round", "side", "workload", "C", "reqs", "errors", "chunks", "tokens", "wall s", "tok/s"]
+    headers += ["TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "cached", "load s"]
     rows = []
     for run in runs:
-        for c, load in run.loads.items():
+        for name, load in all_loads(run):
+            cached, prompt = load.prompt_counts
             rows.append(
                 (
                     str(run.round),
                     LABELS[run.side],
-                    str(c),
+                    name,
+                    str(load.concurrency),
                     str(len(load.requests)),
                     str(load.errors),
                     str(sum(q.chunks for q in load.requests)),
@@ -628,6 +866,7 @@ def print_table(runs: Sequence[Run]) -> None:
                     fmt(load.ttft_ms(50)),
                     fmt(load.ttft_ms(99)),
                     fmt(load.itl_ms(99)),
+                    f"{cached}/{prompt}",
                     fmt(run.load_s),
                 )
             )
@@ -737,9 +976,9 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
             ),
             3,
         )
+    add_workload_figures(result, by_side, args)
     errors_by_side = {
-        side: sum(load.errors for r in rs for load in [*r.loads.values(), *r.variants.values()])
-        + sum(1 for r in rs if r.warmup_error)
+        side: sum(load.errors for r in rs for _, load in all_loads(r)) + sum(1 for r in rs if r.warmup_error)
         for side, rs in by_side.items()
     }
     errors = sum(errors_by_side.values())
@@ -810,8 +1049,38 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
 
 
 def _requests(run: Run) -> Iterator[Request]:
-    for load in run.loads.values():
+    for _, load in all_loads(run):
         yield from (q for q in load.requests if q.error is None)
+
+
+def add_workload_figures(result: dict[str, Any], by_side: dict[str, list[Run]], args: argparse.Namespace) -> None:
+    """The per-workload keys against llama-server (see the module docstring), and how often a greedy text
+    differed between a side's own phases of ``distinct`` (the same prompts, other cache states and neighbours)."""
+    top = max(args.concurrency)
+    for name in args.workloads:
+        for c in args.concurrency:
+            t = side_figures(by_side["tether"], c, name)
+            ls = side_figures(by_side["llama_server"], c, name)
+            result[f"tokens_per_s_ratio_vs_llama_server_{name}_c{c}"] = rounded(
+                ratio(t.tokens_per_s, ls.tokens_per_s), 3
+            )
+            result[f"tokens_per_s_{name}_c{c}"] = rounded(t.tokens_per_s)
+            result[f"llama_server_tokens_per_s_{name}_c{c}"] = rounded(ls.tokens_per_s)
+            result[f"ttft_p50_ms_{name}_c{c}"] = ms(t.ttft_p50_ms)
+            result[f"llama_server_ttft_p50_ms_{name}_c{c}"] = ms(ls.ttft_p50_ms)
+            if c == top:
+                result[f"itl_p99_ms_{name}_c{c}"] = ms(t.itl_p99_ms)
+                result[f"llama_server_itl_p99_ms_{name}_c{c}"] = ms(ls.itl_p99_ms)
+        for side, prefix in (("tether", ""), ("llama_server", "llama_server_")):
+            counts = [load.prompt_counts for r in by_side[side] for load in r.workload(name).values()]
+            cached, prompt = sum(c for c, _ in counts), sum(p for _, p in counts)
+            result[f"{prefix}prefix_hit_tokens_share_{name}"] = rounded(cached / prompt, 3) if prompt else None
+    for side, prefix in (("tether", ""), ("llama_server", "llama_server_")):
+        differing = outputs_identical(by_side[side])[1] if by_side[side] else None
+        result[f"{prefix}distinct_prompts_differing_across_phases"] = differing
+    if "json_schema" in args.variants:
+        result["json_schema_over_plain"] = result.get(f"tether_json_schema_vs_plain_c{top}")
+        result["llama_server_json_schema_over_plain"] = result.get(f"llama_server_json_schema_vs_plain_c{top}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -831,16 +1100,23 @@ def main(argv: list[str] | None = None) -> int:
         "--sides",
         nargs="+",
         choices=SIDES,
-        default=list(SIDES),
-        help="servers to run (default all; figures of a side left out are null)",
+        default=None,
+        help="servers to run (default tether and llama-server; --quick: all three; a side left out has null figures)",
     )
     parser.add_argument(
         "--variants",
         nargs="*",
         choices=[v for v in VARIANTS if v != "plain"],
-        default=[],
+        default=None,
         help="after the load phases, the highest concurrency again with each option on (tether and llama-server): "
-        "logprobs (top 5), json_schema (the stories as JSON); default none",
+        "logprobs (top 5), json_schema (the stories as JSON); default json_schema (--quick: none)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="tether's and llama-server's workloads (default all; llama_cpp.server runs distinct only)",
     )
     parser.add_argument(
         "--no-build", action="store_true", help="do not build llama-server when it is missing (skip that side)"
@@ -849,8 +1125,16 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help=f"1 round, R={QUICK_REQUESTS}, {QUICK_MAX_TOKENS} tokens, no build (CI)"
     )
     args = parser.parse_args(argv)
+    args.conversations, args.turns = CONVERSATIONS, TURNS
+    args.workload_tokens = dict(WORKLOAD_MAX_TOKENS)
     if args.quick:
         args.rounds, args.requests, args.max_tokens = 1, QUICK_REQUESTS, QUICK_MAX_TOKENS
+        args.conversations, args.turns = QUICK_CONVERSATIONS, QUICK_TURNS
+        args.workload_tokens = dict.fromkeys(WORKLOAD_MAX_TOKENS, QUICK_MAX_TOKENS // 2)
+    if args.sides is None:
+        args.sides = list(SIDES) if args.quick else ["tether", "llama_server"]
+    if args.variants is None:
+        args.variants = [] if args.quick else ["json_schema"]
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
         parser.error("--rounds, --requests, --max-tokens and --concurrency must be at least 1")
     args.concurrency = tuple(args.concurrency)
