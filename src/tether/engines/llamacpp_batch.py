@@ -18,7 +18,10 @@ sequences that were prefilling (or waiting to) when it became ready still is. So
 back to back with the whole ``n_batch`` budget while nothing decodes, then all its sequences decode together and,
 with equal lengths, end together, so the next burst stalls nobody; a later arrival never holds back a ready one,
 and a prompt arriving alone joins in the next step. The price is the burst's first tokens, which wait for the
-burst's prefill (as in llama-server, which prefills a burst in one batch). Every sequence samples with its own
+burst's prefill (as in llama-server, which prefills a burst in one batch), and one step of first-token latency for
+a prompt alone: its last token could go in with its chunk, but measured here, a row computed inside a prompt chunk
+and the same row among decode rows differ in llama.cpp's arithmetic enough to change a greedy text (1 of 8 chats),
+while a row among decode rows is the same whatever its neighbours; so every prompt's last token is a decode row. Every sequence samples with its own
 sampler chain (its parameters: see Sampling below), decodes its pieces with its own ``TextStream`` (UTF-8 and stop
 strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its context.
 
@@ -309,14 +312,13 @@ class Batch:
             key=lambda seq: seq.slot.index,
         )
         for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
-            if seq.next_token is not None:
-                token, seq.next_token = seq.next_token, None
-            else:
-                token = seq.prompt[-1]
-                seq.prefilled += 1
+            joins = seq.next_token is None
+            token = seq.prompt[-1] if seq.next_token is None else seq.next_token
+            seq.next_token = None
             self._put(n, token, len(seq.slot.cached), seq.slot.index, True)
             seq.slot.cached.append(token)
-            if seq.prefilled == len(seq.prompt) and token is seq.prompt[-1] and seq.completion == 0:
+            if joins:
+                seq.prefilled += 1
                 self.cache.register(seq.slot.index, seq.slot.cached)  # the whole prompt now
             seq.row = n
             n += 1
