@@ -144,7 +144,9 @@ these: ``cache_prompt`` on (its default), ``--cache-reuse 256`` (reuse by KV shi
 
 ``--variants logprobs json_schema`` (default ``json_schema``; ``--quick``: none): after each batching server's load
 phases (tether, llama-server), the highest concurrency again with that option in every request (``logprobs: true,
-top_logprobs: 5``; ``response_format`` ``json_schema`` with ``STORY``, the stories as a JSON object);
+top_logprobs: 5``; ``response_format`` ``json_schema`` with ``STORY``, the stories as a JSON object whose story has at
+least ``STORY_MIN_CHARS`` characters, so that a structured answer runs to ``max_tokens`` as a plain one does and the
+ratio is the grammar's cost per token, not a shorter answer's larger share of prefill);
 ``SIDE_tokens_per_s_VARIANT_cC``, ``SIDE_VARIANT_vs_plain_cC`` (its rate over the same side's plain rate: the option's
 cost) and ``tokens_per_s_ratio_vs_llama_server_VARIANT_cC``; ``json_schema_over_plain`` (tether) and
 ``llama_server_json_schema_over_plain``: that ratio for json_schema. The plain phases are unchanged by it.
@@ -206,6 +208,7 @@ PROMPTS = (
     "Write a story about an old clock that starts running backwards.",
     "Write a story about a farmer who finds a door in the middle of his field.",
 )
+STORY_MIN_CHARS = 800  # ~180 tokens of story: a json_schema answer is as long as a plain one (max_tokens 128)
 WORKLOADS = ("distinct", "shared_prefix", "multi_turn")
 # shared_prefix: one long system prompt (~600 tokens) before every request's own question, as a deployed assistant's
 _RULES = (
@@ -509,9 +512,12 @@ class Request:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
 
 
-STORY = {  # the json_schema variant's schema: the stories as JSON
+STORY = {  # the json_schema variant's schema: the stories as JSON, long enough to run to max_tokens as plain ones do
     "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 60}, "story": {"type": "string"}},
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "story": {"type": "string", "minLength": STORY_MIN_CHARS},
+    },
     "required": ["title", "story"],
 }
 VARIANTS: dict[str, dict[str, Any]] = {  # request fields per variant: the cost of each option on tokens/s
