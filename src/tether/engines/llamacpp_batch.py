@@ -12,18 +12,19 @@ up to ``n_batch`` tokens. One prompt per step, not several: measured here, promp
 in one batch change llama.cpp's arithmetic enough to flip a greedy choice (4 of 8 chat prompts together: one of them
 diverged after ~40 tokens), while one prompt beside decode rows gives exactly the text of the one-at-a-time path.
 
-A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first token),
-and not at once. A sequence whose prompt is in its cells but for that token is *ready*; it joins when none of the
+A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first token), and
+not at once. A sequence whose prompt is in its cells but for that token is *ready*; it joins when none of the
 sequences that were prefilling (or waiting to) when it became ready still is. So a burst of arrivals is prefilled
 back to back with the whole ``n_batch`` budget while nothing decodes, then all its sequences decode together and,
-with equal lengths, end together, so the next burst stalls nobody; a later arrival never holds back a ready one,
-and a prompt arriving alone joins in the next step. The price is the burst's first tokens, which wait for the
-burst's prefill (as in llama-server, which prefills a burst in one batch), and one step of first-token latency for
-a prompt alone: its last token could go in with its chunk, but measured here, a row computed inside a prompt chunk
-and the same row among decode rows differ in llama.cpp's arithmetic enough to change a greedy text (1 of 8 chats),
-while a row among decode rows is the same whatever its neighbours; so every prompt's last token is a decode row. Every sequence samples with its own
-sampler chain (its parameters: see Sampling below), decodes its pieces with its own ``TextStream`` (UTF-8 and stop
-strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its context.
+with equal lengths, end together, so the next burst stalls nobody; a later arrival never holds back a ready one, and
+a prompt arriving alone joins in the next step. The price is the burst's first tokens, which wait for the burst's
+prefill (as in llama-server, which prefills a burst in one batch), and one step of first-token latency for a prompt
+alone: its last token could go in with its chunk, but measured here, a row computed inside a prompt chunk and the
+same row among decode rows differ in llama.cpp's arithmetic enough to change a greedy text (1 of 8 chats), while a
+row among decode rows is the same whatever its neighbours; so every prompt's last token is a decode row. Every
+sequence samples with its own sampler chain (its parameters: see Sampling below), decodes its pieces with its own
+``TextStream`` (UTF-8 and stop strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its
+context.
 
 A slot keeps the cells of the tokens its last sequence saw, and the prompt cache (``llamacpp_cache``) reuses them:
 when a sequence's prefill begins, its prompt's longest cached prefix (from its own slot, another slot, busy or not,
