@@ -171,3 +171,22 @@ def test_version_and_help_are_plain_text() -> None:
         "tether: a supervised inference worker"
         in subprocess.run([*TETHER, "--help"], capture_output=True, text=True, timeout=20).stdout
     )
+
+
+def test_prompt_cache_ram_is_an_engine_option_a_one_shot_run_does_without() -> None:
+    """``--prompt-cache-ram`` reaches the engine's options as bytes; ``tether run`` (one prompt, nothing after it
+    to reuse a saved prefix) asks for no RAM store unless told, so its fit check does not count one."""
+    from tether.cli import run
+    from tether.cli.common import engine_options
+    from tether.cli.parser import build_parser
+
+    parser = build_parser()
+    served = parser.parse_args(["serve", "--prompt-cache-ram", "512M"])
+    assert engine_options(served) == {"prompt_cache_ram": 512 << 20}
+    assert "prompt_cache_ram" not in engine_options(parser.parse_args(["serve"]))
+    assert run._engine_spec(parser.parse_args(["run", "hi"])).options["prompt_cache_ram"] == 0
+    assert run._engine_spec(parser.parse_args(["run", "hi", "--prompt-cache-ram", "1G"])).options[
+        "prompt_cache_ram"
+    ] == (1 << 30)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prompt-cache-ram", "lots"])

@@ -25,8 +25,8 @@ def fail(message: str, code: int = EXIT_FAILED) -> int:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``), for ``run`` and ``serve``
-    alike."""
+    """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``),
+    for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
@@ -34,6 +34,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         options["n_threads"] = args.threads
     if args.parallel is not None:
         options["parallel"] = args.parallel
+    if args.prompt_cache_ram is not None:
+        options["prompt_cache_ram"] = args.prompt_cache_ram
     return options
 
 

@@ -287,6 +287,13 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str) ->
     )
     command.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
     command.add_argument(
+        "--prompt-cache-ram",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="RAM for prompt prefixes saved from slots (llama.cpp; default: the KV cache's size; 0: none)",
+    )
+    command.add_argument(
         "--fault",
         type=parse_fault,
         action="append",

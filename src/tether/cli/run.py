@@ -52,8 +52,11 @@ def command(args: argparse.Namespace) -> int:
 
 def _engine_spec(args: argparse.Namespace) -> EngineSpec:
     options = engine_options(args)
-    if "parallel" not in options and "parallel" in registry.resolve(engine_name(args)).options:
+    known = registry.resolve(engine_name(args)).options
+    if "parallel" not in options and "parallel" in known:
         options["parallel"] = 1  # one prompt: one sequence's cache, not a server's batch of them
+    if "prompt_cache_ram" not in options and "prompt_cache_ram" in known:
+        options["prompt_cache_ram"] = 0  # one prompt: nothing to keep for a next one
     load_faults = tuple(f for f in args.fault if f.phase != "generate")
     return EngineSpec(
         engine=engine_name(args),
