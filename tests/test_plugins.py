@@ -126,7 +126,12 @@ def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_m
     with serving(*args, env=_env_with_path(echo_module)) as server:
         body = _ask(server, "echo", "hello out there")  # the id is the engine's name: it has no model file
         assert body["choices"][0]["text"] == "echo: hello out there"  # type: ignore[index]
-        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        assert body["usage"] == {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         instance = server.instance("echo")
         assert instance["engine"] == "echo_engine:EchoEngine"
         assert instance["fit"].startswith("echo buffers fits: needs ~1.00 MiB (buffers 1.00 MiB)"), instance["fit"]

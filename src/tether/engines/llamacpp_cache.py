@@ -30,6 +30,7 @@ Only the engine's thread uses any of this.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,9 +46,14 @@ STATE_FLAGS = 0  # a whole sequence's cells
 @dataclass
 class _Saved:
     tokens: list[int]
-    data: Any  # ctypes buffer of llama.cpp's sequence state
+    mapping: mmap.mmap  # anonymous memory of its own: unmapped when dropped, so the budget is what is resident
+    data: Any  # ctypes view of ``mapping``: llama.cpp's sequence state
     size: int  # bytes of it llama.cpp wrote (what a restore reads)
     held: int  # bytes the buffer holds (what the budget counts)
+
+    def free(self) -> None:
+        self.data = None  # the view first: an exported mmap cannot close
+        self.mapping.close()
 
 
 @dataclass
@@ -182,13 +188,18 @@ class PromptCache:
         while self._ram and self._ram_bytes + size > self.budget:
             self._drop(next(iter(self._ram)))
             self.stats.evicted += 1
-        data = (ctypes.c_uint8 * size)()
+        # Its own anonymous mapping, not malloc's: glibc raises its mmap threshold after a large free, so freed
+        # buffers of this size would stay in the heap and the process would hold more than the budget says.
+        mapping = mmap.mmap(-1, size)
+        data = (ctypes.c_uint8 * size).from_buffer(mapping)
         written = int(self.lib.llama_state_seq_get_data_ext(self.ctx, data, size, slot, STATE_FLAGS))
         if written <= 0:
+            del data
+            mapping.close()
             return
         self._keys += 1
         key = f"ram-{self._keys}"
-        self._ram[key] = _Saved(list(cached), data, written, size)
+        self._ram[key] = _Saved(list(cached), mapping, data, written, size)
         self._ram_bytes += size  # the buffer held, not only what llama.cpp wrote into it
         self.stats.saved += 1
         for prefix in self.index.insert(key, cached):
@@ -199,6 +210,7 @@ class PromptCache:
     def _drop(self, key: str) -> None:
         entry = self._ram.pop(key, None)
         if entry is not None:
+            entry.free()
             self._ram_bytes -= entry.held
             self.index.remove(key)
 
