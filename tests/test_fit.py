@@ -203,6 +203,8 @@ def test_the_prompt_caches_ram_budget_is_counted_in_the_estimate(model_path: Pat
     assert served.prompt_cache_ram == served.kv_cache == 360 * MiB
     assert served.expected == served.weights + 2 * served.kv_cache + served.runtime + served.outputs
     assert "prompt cache in RAM 360 MiB" in served.describe()
+    advice = served.advice(served.total - 100 * MiB)  # fits with 260 MiB of prompt cache, not with 360
+    assert advice.startswith("lower --prompt-cache-ram") and "260 MiB or less fits" in advice, advice
     sized = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache_ram": "64M"}))
     assert sized.prompt_cache_ram == 64 * MiB and sized.kv_cache == served.kv_cache
     off = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache": False}))

@@ -29,6 +29,7 @@ Only the engine's thread uses any of this.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 from collections import OrderedDict
@@ -53,7 +54,8 @@ class _Saved:
 
     def free(self) -> None:
         self.data = None  # the view first: an exported mmap cannot close
-        self.mapping.close()
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes, not now
+            self.mapping.close()
 
 
 @dataclass

@@ -175,7 +175,15 @@ class ModelEstimate:
         return self.path.name
 
     def advice(self, available: int) -> str:
-        """What to do when this does not fit ``available`` bytes: the largest n_ctx that would, if any."""
+        """What to do when this does not fit ``available`` bytes: less prompt cache in RAM when that is enough, the
+        largest n_ctx that would fit, if any."""
+        cache = self.prompt_cache_ram
+        if cache and self.total - cache <= available:
+            return (
+                f"lower --prompt-cache-ram (the option prompt_cache_ram: its {format_bytes(cache)} are counted; "
+                f"{format_bytes(max(0, available - (self.total - cache)))} or less fits), free memory, or pass "
+                "--force to load anyway"
+            )
         best = self.max_n_ctx(available)
         if best is not None:
             fewer = " or a smaller --parallel" if self.parallel > 1 and not self.embedding else ""
