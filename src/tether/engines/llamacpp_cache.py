@@ -154,10 +154,6 @@ class PromptCache:
         if self.enabled:
             self.index.insert(slot, cached)
 
-    def withdraw(self, slot: int) -> None:
-        """``slot``'s cells are about to change in a way the index does not know of."""
-        self.index.remove(slot)
-
     def clear(self) -> None:
         """Forget every slot's registration and every RAM entry."""
         for key in list(self._ram):

@@ -6,8 +6,8 @@ with the exact tokens whose cells it holds. ``match(prompt)`` walks the prompt d
 prompt's length (plus one step per tree node on the way), whatever the number of holders, and it returns the
 matched length with the holders that share all of it, slots and RAM entries apart, so the caller can prefer a slot
 (a copy between slots, ~6 ms here) over a restore from RAM. A holder's registration must never claim a token whose
-cells it no longer holds: the batch withdraws a slot before it truncates or overwrites it, and registers it again
-once its cells are computed.
+cells it no longer holds: the prompt cache removes a slot's entry before it truncates or overwrites its cells,
+and registers it again once its cells are computed.
 
 Nodes are split where sequences diverge and pruned when their last holder leaves, so the tree holds at most one
 node per distinct branch point of the live holders (not one per token).
