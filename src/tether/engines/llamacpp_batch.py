@@ -84,6 +84,7 @@ import numpy as np
 
 from tether.engines.base import Delta, EngineLoadError, RequestError, StepResult
 from tether.engines.llamacpp_cache import PromptCache
+from tether.engines.prefix import common_length
 from tether.engines.text import TextStream
 from tether.errors import TetherError
 from tether.protocol import FinishReason, TokenLogprob, TopLogprob
@@ -313,9 +314,10 @@ class Batch:
             key=lambda seq: seq.slot.index,
         )
         for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
-            joins = seq.next_token is None
-            token = seq.prompt[-1] if seq.next_token is None else seq.next_token
-            seq.next_token = None
+            token, seq.next_token = seq.next_token, None
+            joins = token is None
+            if token is None:
+                token = seq.prompt[-1]
             self._put(n, token, len(seq.slot.cached), seq.slot.index, True)
             seq.slot.cached.append(token)
             if joins:
@@ -362,8 +364,8 @@ class Batch:
 
     def _place(self, seq: _BatchSequence) -> None:
         """Bring the prompt's longest cached prefix into the sequence's slot (``PromptCache.place``)."""
-        placement = self.cache.place(seq.slot.index, seq.slot.cached, seq.prompt, [slot.cached for slot in self._slots])
-        seq.prefilled = seq.reused = placement.reused
+        reused = self.cache.place(seq.slot.index, seq.slot.cached, seq.prompt, [slot.cached for slot in self._slots])
+        seq.prefilled = seq.reused = reused
         seq.placed = True
 
     def _free_slot(self, seq_id: str, prompt: Sequence[int]) -> _Slot:
@@ -373,7 +375,7 @@ class Batch:
         free = [slot for slot in self._slots if slot.index not in busy]
         if not free:
             raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
-        return max(free, key=lambda s: (_common_prefix(s.cached, prompt), -s.index))
+        return max(free, key=lambda s: (common_length(s.cached, prompt), -s.index))
 
     def _put(self, row: int, token: int, pos: int, seq: int, logits: bool) -> None:
         batch = self._batch
@@ -621,11 +623,3 @@ def _json_done(output: bytes | bytearray, piece: bytes) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

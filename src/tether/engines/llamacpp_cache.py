@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tether.engines.prefix import PrefixIndex
+from tether.engines.prefix import PrefixIndex, common_length
 
 MIN_COPY = 16  # tokens a copy from another slot or from RAM must save over the slot's own prefix
 MIN_SAVE = 32  # shorter sequences are not worth RAM: prefilling them costs ~0.15 s here
@@ -60,27 +60,14 @@ class _Saved:
 
 @dataclass
 class CacheStats:
-    """Prompt tokens seen, and where the reused ones came from (for metrics and the bench)."""
+    """Where reused prompt tokens came from, and what the RAM store did (counters to inspect: tests, debugging)."""
 
-    prompt_tokens: int = 0
     from_own_slot: int = 0
     from_other_slot: int = 0
     from_ram: int = 0
     saved: int = 0  # sequences saved to RAM
     evicted: int = 0  # RAM entries dropped for the budget
     redundant: int = 0  # RAM entries dropped because a longer one had them all
-
-    @property
-    def reused(self) -> int:
-        return self.from_own_slot + self.from_other_slot + self.from_ram
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What ``PromptCache.place`` did: the prompt tokens whose cells the slot now holds, and from where."""
-
-    reused: int
-    source: str  # "none", "own", "slot", "ram"
 
 
 class PromptCache:
@@ -106,16 +93,16 @@ class PromptCache:
     def ram_entries(self) -> int:
         return len(self._ram)
 
-    def place(self, slot: int, cached: list[int], prompt: Sequence[int], slots: Sequence[list[int]]) -> Placement:
+    def place(self, slot: int, cached: list[int], prompt: Sequence[int], slots: Sequence[list[int]]) -> int:
         """Bring ``prompt``'s longest cached prefix into ``slot`` (whose cells hold ``cached``, a list this updates
-        to what they hold after) and leave the rest of its cells empty. ``slots[i]`` is slot i's token list (the
-        source of a copy). The last prompt token is never reused: its logits make the first token."""
-        self.stats.prompt_tokens += len(prompt)
+        to what they hold after) and leave the rest of its cells empty; returns that prefix's length. ``slots[i]``
+        is slot i's token list (the source of a copy). The last prompt token is never reused: its logits make the
+        first token."""
         limit = len(prompt) - 1
         if not self.enabled:
             self._overwrite(slot, cached, 0)
-            return Placement(0, "none")
-        own = _common_prefix(cached, prompt, limit)
+            return 0
+        own = common_length(cached, prompt, 0, limit)
         best = self.index.match(prompt, limit)
         source, reused = ("own", own) if own else ("none", 0)
         donor: int | None = None
@@ -140,14 +127,14 @@ class PromptCache:
             if self.lib.llama_state_seq_set_data_ext(self.ctx, entry.data, entry.size, slot, STATE_FLAGS) == 0:
                 self._overwrite(slot, cached, 0)  # llama.cpp could not restore it (no room): prefill it all
                 self._drop(saved)
-                return Placement(0, "none")
+                return 0
             cached[:] = entry.tokens[:reused]
             self._truncate(slot, cached, reused)
             self.stats.from_ram += reused
         else:
             self._truncate(slot, cached, keep)
             self.stats.from_own_slot += keep
-        return Placement(reused, source)
+        return reused
 
     def register(self, slot: int, cached: Sequence[int]) -> None:
         """``slot``'s cells now hold exactly ``cached`` (its prompt prefilled, or its sequence ended)."""
@@ -211,11 +198,3 @@ class PromptCache:
             entry.free()
             self._ram_bytes -= entry.held
             self.index.remove(key)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

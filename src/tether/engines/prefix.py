@@ -69,16 +69,8 @@ class PrefixIndex:
         self._root = _Node([], None)
         self._where: dict[Holder, tuple[_Node, int]] = {}  # holder -> (its last node, its length)
 
-    def __contains__(self, holder: Holder) -> bool:
-        return holder in self._where
-
     def __len__(self) -> int:
         return len(self._where)
-
-    def length(self, holder: Holder) -> int:
-        """How many tokens ``holder`` is registered with (0 when it is not)."""
-        where = self._where.get(holder)
-        return where[1] if where is not None else 0
 
     def insert(self, holder: Holder, tokens: Sequence[int]) -> list[Holder]:
         """Register ``holder`` as holding exactly ``tokens`` (replacing what it held before). Returns the *other*
@@ -101,7 +93,7 @@ class PrefixIndex:
                 i = n
                 break
             edge = child.edge
-            k = _common(edge, tokens, i)
+            k = common_length(edge, tokens, i)
             if k < len(edge):
                 child = self._split(child, k)
             child.add(holder)
@@ -136,7 +128,7 @@ class PrefixIndex:
             child = node.children.get(prompt[i])
             if child is None:
                 break
-            k = _common(child.edge, prompt, i, n)
+            k = common_length(child.edge, prompt, i, n)
             i += k
             best = Match(i, child.slots, child.ram)
             if k < len(child.edge):
@@ -156,11 +148,11 @@ class PrefixIndex:
         return middle
 
 
-def _common(edge: Sequence[int], tokens: Sequence[int], start: int, stop: int | None = None) -> int:
-    """How many of ``edge``'s first tokens equal ``tokens[start:stop]``'s."""
-    end = len(tokens) if stop is None else stop
-    n = min(len(edge), end - start)
+def common_length(a: Sequence[int], b: Sequence[int], start: int = 0, stop: int | None = None) -> int:
+    """How many of ``a``'s first tokens equal those of ``b[start:stop]``: the common prefix's length."""
+    end = len(b) if stop is None else min(stop, len(b))
+    n = min(len(a), end - start)
     i = 0
-    while i < n and edge[i] == tokens[start + i]:
+    while i < n and a[i] == b[start + i]:
         i += 1
     return i
