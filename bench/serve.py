@@ -170,7 +170,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -656,38 +656,51 @@ class Load:
         return sum(r.cached_tokens or 0 for r in reported), sum(r.prompt_tokens or 0 for r in reported)
 
 
-async def run_load(server: Server, concurrency: int, per_client: int, max_tokens: int, variant: str = "plain") -> Load:
-    """A closed loop: each of ``concurrency`` clients sends ``per_client`` requests back to back."""
-    load = Load(concurrency)
+def phase_client(server: Server, concurrency: int) -> httpx.AsyncClient:
+    """One load phase's client: a keep-alive connection for every concurrent client."""
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    return httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits)
 
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+
+async def closed_loop_load(
+    server: Server, concurrency: int, per_client: int, body_of: Callable[[int, int], tuple[int, dict[str, Any]]]
+) -> Load:
+    """A closed loop: each of ``concurrency`` clients sends ``per_client`` requests back to back; ``body_of(i, j)``
+    is request ``j`` of client ``i``: its prompt's index and its body."""
+    load = Load(concurrency)
+    async with phase_client(server, concurrency) as client:
 
         async def send(i: int, j: int) -> None:
-            index = (i * per_client + j) % len(PROMPTS)
-            load.requests.append(await stream_one(client, server, index, max_tokens, variant))
+            index, body = body_of(i, j)
+            req = Request(index)
+            await read_stream(client, body, req)
+            load.requests.append(req)
 
         load.wall_s = await closed_loop(concurrency, per_client, send)
     return load
 
 
+async def run_load(server: Server, concurrency: int, per_client: int, max_tokens: int, variant: str = "plain") -> Load:
+    """``distinct`` (and its variants): ``PROMPTS`` in turn, in a closed loop."""
+
+    def body_of(i: int, j: int) -> tuple[int, dict[str, Any]]:
+        index = (i * per_client + j) % len(PROMPTS)
+        return index, request_body(server, PROMPTS[index], max_tokens, variant)
+
+    return await closed_loop_load(server, concurrency, per_client, body_of)
+
+
 async def run_shared_prefix(server: Server, concurrency: int, phase: int, args: argparse.Namespace) -> Load:
-    """``shared_prefix``: ``LONG_SYSTEM`` + a question of this phase's own 16 (a closed loop, as ``run_load``)."""
-    load = Load(concurrency)
+    """``shared_prefix``: ``LONG_SYSTEM`` + a question of this phase's own 16, in a closed loop."""
     n = per_client(args.requests, concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     per_phase = len(QUESTIONS) // len(CONCURRENCY)
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
 
-        async def send(i: int, j: int) -> None:
-            index = (phase % len(CONCURRENCY)) * per_phase + (i * n + j) % per_phase
-            req = Request(index)
-            body = request_body(server, QUESTIONS[index], args.workload_tokens["shared_prefix"], system=LONG_SYSTEM)
-            await read_stream(client, body, req)
-            load.requests.append(req)
+    def body_of(i: int, j: int) -> tuple[int, dict[str, Any]]:
+        index = (phase % len(CONCURRENCY)) * per_phase + (i * n + j) % per_phase
+        tokens = args.workload_tokens["shared_prefix"]
+        return index, request_body(server, QUESTIONS[index], tokens, system=LONG_SYSTEM)
 
-        load.wall_s = await closed_loop(concurrency, n, send)
-    return load
+    return await closed_loop_load(server, concurrency, n, body_of)
 
 
 async def run_multi_turn(server: Server, concurrency: int, phase: int, args: argparse.Namespace) -> Load:
@@ -696,7 +709,6 @@ async def run_multi_turn(server: Server, concurrency: int, phase: int, args: arg
     ``k % C == i`` and sends turn 1 of each, then turn 2 of each, ...: between two turns of a conversation the
     others run, so with more conversations than slots its cells have been overwritten (or saved) meanwhile."""
     load = Load(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     topics = TOPICS[(phase % len(CONCURRENCY)) * args.conversations :][: args.conversations]
     histories: list[list[dict[str, str]]] = [[{"role": "system", "content": SYSTEM}] for _ in topics]
 
@@ -713,7 +725,7 @@ async def run_multi_turn(server: Server, concurrency: int, phase: int, args: arg
                 histories[k].append({"role": "assistant", "content": req.text})
                 load.requests.append(req)
 
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+    async with phase_client(server, concurrency) as client:
         began = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for i in range(concurrency):
