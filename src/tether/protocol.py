@@ -75,6 +75,8 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: int
     world_size: int
     peers: tuple[str, ...]
+    shares: tuple[float, ...] = ()  # each rank's share of the work, where the engine divides it (layers): its node's
+    # free memory when placed, else () for equal shares
 
     def address(self, rank: int | None = None) -> tuple[str, int]:
         """(host, port) of ``rank`` (default: this one)."""

@@ -51,6 +51,13 @@ llama.cpp's context. Filling the context adds 52 MiB at n_ctx 2048 and 224 MiB a
 per attention score (512 x n_ctx x 9 heads). So the estimate is within 2% of the peak at both sizes and above the
 ready RSS (+26% at 2048, +64% at 8192, where most of the scratch is not touched yet).
 
+**A rank of a split instance** (``ranks`` > 1: the model's layers shared over ranks through ggml's RPC backend, see
+``llamacpp_rpc``) holds its layers' weights and their KV cache (llama.cpp keeps a layer's cache on the layer's
+device), a compute scratch of its own, and the runtime base; rank 0 alone holds the input embeddings, the vocabulary
+and the prompt cache's RAM store. :func:`layer_plan` says which layers each rank holds, exactly as llama.cpp assigns
+them from ``n_gpu_layers`` and ``tensor_split``; a model whose output layer is tied to its input embeddings (no
+``output.weight``) gets a copy of the embeddings on whichever rank holds the output layer.
+
 Not modelled (said in :attr:`ModelEstimate.notes` where the metadata shows it): GPU offload, sliding-window layers
 (their smaller cache: the estimate is then an upper bound), recurrent state of SSM layers, and weights a CPU backend
 repacks into anonymous copies (Q4_0/IQ4_NL/Q4_K on some CPUs: resident weights may then count twice in RSS, the
@@ -59,8 +66,11 @@ file-backed pages being reclaimable page cache).
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections.abc import Mapping
+import re
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -68,7 +78,7 @@ from typing import Any
 
 from tether.engines.gguf import CACHE_TYPES, TYPE_SIZES, GgufArray, GgufError, GgufFile, read_gguf, split_parts
 from tether.models import default_model_path
-from tether.protocol import EngineSpec
+from tether.protocol import EngineSpec, RankInfo
 from tether.units import format_bytes, parse_size
 
 MiB = 1 << 20
@@ -93,6 +103,7 @@ MAX_N_UBATCH = 512  # llama-cpp-python's n_ubatch default: micro-batches are min
 KV_CELL_PADDING = 256  # llama.cpp rounds the context up to a multiple of this many KV cells
 
 _DEFAULT_CTX_NOTE = "n_ctx not given: using the model's context length"
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,13 @@ class ModelEstimate:
     outputs: int = 0  # an embedding instance's logits (and vectors) of a whole prompt, in the output buffer
     prompt_cache_ram: int = 0  # the budget of sequences the prompt cache may save to RAM (it may fill it all)
     prompt_cache_ram_auto: bool = False  # that budget is the KV cache's size (the option "auto"), whatever n_ctx
+    layer_weights: tuple[int, ...] = ()  # bytes of each repeating layer's tensors, then the output layer's
+    input_weights: int = 0  # the input embeddings and what belongs to no layer (always on rank 0)
+    tied_output: int = 0  # a tied output layer's copy of the input embeddings, on a rank that is not rank 0
+    layer_kv: tuple[int, ...] = ()  # each repeating layer's share of kv_cache
+    rank: int | None = None  # this estimate is one rank's of a split instance (None: the whole model)
+    shares: tuple[float, ...] = ()  # every rank's share of the layers (relative), with ``rank``
+    layers: tuple[int, ...] = ()  # the layers this rank holds (n_layers is the output layer), with ``rank``
 
     @property
     def runtime(self) -> int:
@@ -164,15 +182,20 @@ class ModelEstimate:
         outputs = f" + outputs {format_bytes(self.outputs)} (embeddings: every token's logits)" if self.outputs else ""
         if self.prompt_cache_ram:
             outputs += f" + prompt cache in RAM {format_bytes(self.prompt_cache_ram)}"
+        weights = f"weights {format_bytes(self.weights)}"
+        if self.rank is not None:
+            weights = f"{layers_words(self.layers, self.shape.n_layers)}: {weights}"
         return (
-            f"needs ~{format_bytes(self.total)} (weights {format_bytes(self.weights)} + KV cache"
+            f"needs ~{format_bytes(self.total)} ({weights} + KV cache"
             f"{cache} {format_bytes(self.kv_cache)} at {ctx} + runtime {format_bytes(self.runtime)}{outputs} + "
             f"headroom {format_bytes(self.headroom)})"
         )
 
     @property
     def subject(self) -> str:
-        return self.path.name
+        if self.rank is None:
+            return self.path.name
+        return f"rank {self.rank} of {len(self.shares)} of {self.path.name}"
 
     def advice(self, available: int) -> str:
         """What to do when this does not fit ``available`` bytes: less prompt cache in RAM when that is enough, the
@@ -245,9 +268,22 @@ def estimate_gguf(
     parts = split_parts(gguf)
     shape = _shape(gguf)
     types: dict[str, int] = {}
+    layer_weights = [0] * (shape.n_layers + 1)
+    input_weights = 0
+    embeddings = 0
+    tied = True
     for part in parts:
         for t in part.tensors:
             types[t.type_name] = types.get(t.type_name, 0) + t.n_bytes
+            block = _BLOCK.match(t.name)
+            if block is not None and int(block.group(1)) < shape.n_layers:
+                layer_weights[int(block.group(1))] += t.n_bytes
+            elif t.name.startswith(("output.", "output_norm.")):
+                layer_weights[shape.n_layers] += t.n_bytes
+                tied = tied and not t.name.startswith("output.")
+            else:
+                input_weights += t.n_bytes
+                embeddings += t.n_bytes if t.name.startswith("token_embd.") else 0
     notes = []
     if n_ctx is None:
         if shape.context_length is None:
@@ -281,6 +317,9 @@ def estimate_gguf(
         embedding=embedding,
         prompt_cache_ram=0 if embedding or prompt_cache_ram is None else prompt_cache_ram,
         prompt_cache_ram_auto=prompt_cache_ram is None and not embedding,
+        layer_weights=tuple(layer_weights),
+        input_weights=input_weights,
+        tied_output=embeddings if tied else 0,
     )
     chosen = n_ctx if n_ctx is not None else shape.context_length or 0
     return _estimate(seed, n_ctx=chosen, n_ctx_from_model=n_ctx is None)
@@ -290,30 +329,118 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
     s = base.shape
     cells = -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
     block, size = TYPE_SIZES[base.cache_type]
-    kv = (
+    layer_kv = tuple(
         (1 if base.embedding else base.parallel)  # an embedding instance holds one prompt at a time
         * cells
-        * sum(
-            -(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size
-            for heads in s.n_head_kv
-        )
+        * (-(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size)
+        for heads in s.n_head_kv
     )
+    kv = sum(layer_kv)
     n_ubatch = n_ctx if base.embedding else min(base.n_batch, MAX_N_UBATCH, n_ctx)
     attention = n_ubatch * cells * max(s.n_head) * ATTENTION_BYTES_PER_SCORE
     feed_forward = n_ubatch * s.n_ff * 4 * 3  # gate, up and their product, f32
     logits = embedding_outputs(s, n_ctx) if base.embedding else 0
-    return replace(
+    whole = replace(
         base,
         n_ctx=n_ctx,
         n_ctx_cells=cells,
         n_ctx_from_model=n_ctx_from_model,
         n_ubatch=n_ubatch,
         kv_cache=kv,
+        layer_kv=layer_kv,
         runtime_base=RUNTIME_BASE + VOCAB_BYTES_PER_TOKEN * s.n_vocab,
         compute=max(attention, feed_forward) + logits // 2,
         outputs=logits // 2 + (n_ctx * s.n_embd * 4 if base.embedding else 0),
         prompt_cache_ram=kv if base.prompt_cache_ram_auto else base.prompt_cache_ram,
     )
+    return whole if base.rank is None else _rank_share(whole, base.rank, base.shares)
+
+
+def _rank_share(whole: ModelEstimate, rank: int, shares: Sequence[float]) -> ModelEstimate:
+    """What rank ``rank`` of a split instance holds of ``whole`` (see the module docstring)."""
+    n_layers = whole.shape.n_layers
+    mine = layer_plan(n_layers, shares).layers[rank]
+    weights = sum(whole.layer_weights[i] for i in mine)
+    if rank == 0:
+        weights += whole.input_weights
+    elif n_layers in mine:
+        weights += whole.tied_output
+    first = rank == 0
+    return replace(
+        whole,
+        rank=rank,
+        shares=tuple(shares),
+        layers=mine,
+        weights=weights,
+        kv_cache=sum(whole.layer_kv[i] for i in mine if i < n_layers),
+        runtime_base=whole.runtime_base if first else RUNTIME_BASE,
+        outputs=whole.outputs if first else 0,
+        prompt_cache_ram=whole.prompt_cache_ram if first else 0,
+        prompt_cache_ram_auto=whole.prompt_cache_ram_auto and first,
+    )
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How a split instance's layers fall on its ranks, as llama.cpp assigns them: rank 0 keeps the first layers on
+    its CPU; ``n_gpu_layers`` (the last of the n_layers + 1, the output layer counting as one) go to the RPC devices
+    of ranks 1.., shared among them by ``tensor_split``."""
+
+    n_gpu_layers: int
+    tensor_split: tuple[float, ...]  # ranks 1.. (relative)
+    layers: tuple[tuple[int, ...], ...]  # each rank's layers (n_layers: the output layer)
+
+
+def layer_plan(n_layers: int, shares: Sequence[float]) -> LayerPlan:
+    """Each rank's layers for relative ``shares`` (one per rank; llama.cpp's own rule, its float arithmetic too).
+    ``ValueError`` when a share is not positive or a rank would get no layer."""
+    world = len(shares)
+    total = n_layers + 1
+    if world < 2 or any(not share > 0 for share in shares):
+        raise ValueError(f"a layer split needs two or more positive shares, got {list(shares)}")
+    if world > total:
+        raise ValueError(f"{world} ranks for {total} layers: every rank needs a layer of its own")
+    local = min(max(round(total * shares[0] / sum(shares)), 0), total - (world - 1))
+    n_gpu = total - local
+    remote = tuple(float(share) for share in shares[1:])
+    splits, running = [], _f32(0.0)
+    for share in remote:
+        running = _f32(running + _f32(share))
+        splits.append(running)
+    splits = [_f32(v / running) for v in splits]
+    layers: list[list[int]] = [[] for _ in range(world)]
+    for il in range(total):
+        if il < local:
+            layers[0].append(il)
+        else:
+            device = bisect.bisect_right(splits, _f32(_f32(il - local) / n_gpu))
+            layers[1 + min(device, len(remote) - 1)].append(il)
+    empty = [rank for rank, held in enumerate(layers) if not held and rank > 0]
+    if empty:
+        raise ValueError(
+            f"the layer split {list(shares)} leaves rank {empty[0]} without a layer of the model's {total}: give "
+            "each rank a larger share (layer_split) or use fewer ranks"
+        )
+    return LayerPlan(n_gpu, remote, tuple(tuple(held) for held in layers))
+
+
+def block_count(path: str | os.PathLike[str]) -> int:
+    """The model's repeating layers (``{arch}.block_count``), from its header; ``GgufError`` when unreadable."""
+    return _shape(read_gguf(path)).n_layers
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to a C float, as llama.cpp computes the split points."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def layers_words(layers: Sequence[int], n_layers: int) -> str:
+    """``layers 16-29 and the output layer``"""
+    blocks = [i for i in layers if i < n_layers]
+    parts = [f"layers {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"layer {blocks[0]}"] if blocks else []
+    if n_layers in layers:
+        parts.append("the output layer")
+    return " and ".join(parts) or "no layer"
 
 
 def embedding_outputs(shape: ModelShape, n_ctx: int) -> int:
@@ -371,7 +498,7 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
     """The estimate for a llama.cpp runner of ``spec`` with ``options`` (the engine's defaults under the spec's own,
     so the estimate matches the load). Raises ``GgufError`` for a file that is not a readable GGUF."""
     path = Path(spec.model) if spec.model else default_model_path()
-    return estimate_gguf(
+    whole = estimate_gguf(
         path,
         n_ctx=int(options["n_ctx"]),
         n_batch=int(options["n_batch"]),
@@ -380,6 +507,24 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
         embedding=bool(options.get("embedding", False)),
         prompt_cache_ram=prompt_cache_budget(options),
     )
+    if spec.rank is None:
+        return whole
+    shares = split_shares(spec.rank, options.get("layer_split"))
+    return _rank_share(replace(whole, rank=spec.rank.rank, shares=shares), spec.rank.rank, shares)
+
+
+def split_shares(rank: RankInfo, layer_split: Sequence[float] | None) -> tuple[float, ...]:
+    """Every rank's share of the layers: ``layer_split`` when given, else what the placement gave (each rank's
+    node's free memory), else equal. ``ValueError`` for a ``layer_split`` that does not name one share per rank."""
+    if layer_split is not None:
+        if len(layer_split) != rank.world_size:
+            raise ValueError(
+                f"layer_split names {len(layer_split)} shares for {rank.world_size} ranks: give one per rank"
+            )
+        return tuple(float(v) for v in layer_split)
+    if len(rank.shares) == rank.world_size:
+        return rank.shares
+    return (1.0,) * rank.world_size
 
 
 def prompt_cache_budget(options: Mapping[str, Any]) -> int | None:

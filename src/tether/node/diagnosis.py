@@ -32,6 +32,17 @@ ENGINE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     )
 )
 
+# What an engine prints when it dies because another rank of its instance did (its connection to that rank broke):
+# the death is then a consequence (``peer_lost``), and the other rank's failure the cause.
+PEER_LOST_PATTERNS = tuple(
+    re.compile(rx)
+    for rx in (
+        r"Remote RPC server crashed or returned malformed response",  # ggml-rpc: a peer died, froze or timed out
+        r"ggml-rpc.*Failed to connect to",  # ggml-rpc: a peer that is not there
+        r"RPC handshake failed",
+    )
+)
+
 
 @dataclass(frozen=True)
 class Evidence:
@@ -100,6 +111,15 @@ def diagnose(ev: Evidence) -> Cause:
         name = status.signal_name or ""
         if ev.oom is not None and (ev.oom.killed_by_oom or ev.oom.counter_rose):
             return _oom_cause(ev, ev.oom, where, name, tail)
+        lost = next((line for line in tail if any(rx.search(line) for rx in PEER_LOST_PATTERNS)), None)
+        if lost is not None:
+            return Cause(
+                kind=CauseKind.PEER_LOST,
+                summary=f"{ev.runner} lost its connection to another rank{where} and was {status.describe()}",
+                evidence=(f"its engine said: {lost.strip()}", *tail[-10:]),
+                signal=name,
+                phase=ev.phase,
+            )
         stack = _faulthandler_stack(ev.output_tail) if name in CRASH_SIGNALS else []
         if stack:
             return Cause(

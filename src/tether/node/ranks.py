@@ -74,6 +74,7 @@ class Site:
 
     host: str
     factory: Callable[..., RunnerLife]  # (spec, *, runner_id, deadlines) -> the rank's life
+    share: float | None = None  # this rank's share of a split model (its node's free memory when placed)
 
 
 class RankPorts:
@@ -155,13 +156,15 @@ class RankGroup(LifeTasks):
             raise ValueError(f"{len(sites)} sites and {len(ports)} ports: a rank group needs 2..{MAX_RANKS} of each")
         world = len(sites)
         peers = tuple(f"{site.host}:{port}" for site, port in zip(sites, ports, strict=True))
+        shares = tuple(float(site.share) for site in sites if site.share is not None)
+        shares = shares if len(shares) == world else ()
         self.spec = spec
         self.runner_id = runner_id
         self.deadlines = deadlines
         self.stop_timeout = stop_timeout
         self.members: list[RunnerLife] = [
             site.factory(
-                msgspec.structs.replace(spec, rank=RankInfo(rank, world, peers)),
+                msgspec.structs.replace(spec, rank=RankInfo(rank, world, peers, shares)),
                 runner_id=f"{runner_id}.rank{rank}",
                 deadlines=deadlines,
             )
@@ -343,7 +346,8 @@ class RankGroup(LifeTasks):
         )
 
     async def stop(self, timeout: float | None = None) -> StopReport | None:
-        """Stop every rank (concurrently, each within ``timeout``); returns once each runner has exited."""
+        """Stop rank 0, then every other rank (concurrently), each within ``timeout``; returns once each runner has
+        exited."""
         if self._exited.is_set() or self.members[0].pid is None:
             return self.stop_report
         if self._first is not None:  # failing already: that stops them
@@ -357,8 +361,10 @@ class RankGroup(LifeTasks):
         async def one(member: RunnerLife) -> None:
             reports.append(await member.stop(timeout))
 
+        if self.members[0].alive:  # rank 0 first: it is the client of the others (an engine may talk to them
+            await one(self.members[0])  # as it closes, as llama.cpp frees its layers on its RPC peers)
         async with anyio.create_task_group() as tg:
-            for member in self.members:
+            for member in self.members[1:]:
                 if member.alive:
                     tg.start_soon(one, member)
         self._decided.set()
