@@ -147,6 +147,12 @@ def spec_problem(spec: EngineSpec) -> InvalidField | None:
     return None
 
 
+def splits_model(name: str) -> bool:
+    """Whether the engine divides one model among the ranks of a multi-rank instance (each rank holds a share, as
+    llama.cpp's layer split does) rather than giving each rank a whole copy (as the debug ring does)."""
+    return bool(getattr(engine_class(name), "splits_model", False))
+
+
 def estimate(spec: EngineSpec) -> MemoryEstimate | None:
     """What the engine says a runner of ``spec`` will need, or None when the engine declares no estimator."""
     estimator = getattr(engine_class(spec.engine), "estimate_memory", None)

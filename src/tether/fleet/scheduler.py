@@ -562,8 +562,8 @@ class Scheduler:
             estimate = await anyio.to_thread.run_sync(registry.estimate, spec)
             if slot is not None:
                 slot.estimate = estimate
-        if estimate is not None:
-            estimate = fit.for_ranks(estimate, instance.ranks)  # every rank of a multi-rank instance, on this node
+        if estimate is not None and instance.ranks > 1:  # every rank of a multi-rank instance, on this node
+            estimate = await anyio.to_thread.run_sync(fit.ranks_estimate, spec, instance.ranks)
         for candidate in self._candidates(instance):  # what each would free, measured now
             sup = candidate.hosted.supervisor if candidate.hosted is not None else None
             if sup is not None:

@@ -16,11 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tether.engines import registry
 from tether.engines.base import Estimate, MemoryEstimate
 from tether.errors import TetherError
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
-from tether.protocol import EngineSpec
+from tether.protocol import EngineSpec, RankInfo
 from tether.units import format_bytes
 
 WHAT_TO_DO = "free memory, or pass --force to load anyway"
@@ -89,14 +91,35 @@ def for_ranks(estimate: MemoryEstimate, ranks: int) -> MemoryEstimate:
     )
 
 
+def rank_spec(spec: EngineSpec, rank: int, ranks: int, shares: tuple[float, ...] = ()) -> EngineSpec:
+    """``spec`` as rank ``rank`` of ``ranks`` runs it (no addresses: an estimate needs none), with ``shares``."""
+    return msgspec.structs.replace(spec, rank=RankInfo(rank, ranks, (), shares))
+
+
+def ranks_estimate(spec: EngineSpec, ranks: int, shares: tuple[float, ...] = ()) -> MemoryEstimate | None:
+    """What ``ranks`` runners of ``spec`` need together on one node: each rank's own share when the engine divides
+    the model among them (``registry.splits_model``; ``shares`` as the placement gave them), else a whole copy each.
+    Reads the model file's header: call it off the event loop."""
+    if ranks == 1 or not registry.splits_model(spec.engine):
+        whole = registry.estimate(spec)
+        return for_ranks(whole, ranks) if whole is not None else None
+    parts = [registry.estimate(rank_spec(spec, rank, ranks, shares)) for rank in range(ranks)]
+    known = [part for part in parts if part is not None]
+    if len(known) < ranks:
+        return None
+    return Estimate(
+        f"{ranks} ranks of {known[0].subject.rpartition(' of ')[2]}",
+        {f"rank {rank}": part.expected for rank, part in enumerate(known)},
+        headroom=sum(part.headroom for part in known),
+    )
+
+
 def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None, ranks: int = 1) -> FitResult:
     """The fit check for a runner of ``spec`` (``ranks`` of them, for a multi-rank instance on this node): the
     registry's estimate against this node's memory (read now unless ``node`` is given). Reads the model file's
     header, so call it off the event loop. Raises ``InvalidModel`` for a model file the estimator cannot read and
     ``UnknownEngine`` for an engine that names none."""
-    estimate = registry.estimate(spec)
-    if estimate is not None:
-        estimate = for_ranks(estimate, ranks)
+    estimate = ranks_estimate(spec, ranks)
     if estimate is None:
         engine = registry.canonical(spec.engine)
         message = f"no memory estimate for engine {engine!r} (it declares none): admitted without a fit check"
