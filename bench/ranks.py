@@ -85,15 +85,17 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 
 from benchstats import PERCENTILE, BenchFailed, describe, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether import env
 from tether.chaos.target import ServeChild, runner_processes
 from tether.fleet.fleet import Fleet, InstanceConfig
 from tether.kernel.pids import alive, group_members, holds_listener, iter_exits, open_pidfd, proc_stat
+from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup, RankPorts
-from tether.protocol import Chunk, GenerateParams, TaskState
+from tether.protocol import CauseKind, ChatMessage, Chunk, GenerateParams, TaskState
 
 ROUNDS = 20
 QUICK_ROUNDS = 3
@@ -101,6 +103,18 @@ WORKER_ROUNDS = 3
 QUICK_WORKER_ROUNDS = 1
 RING_OPTIONS: dict[str, Any] = {"token_seconds": 0.01}
 STREAM_TOKENS = 2000  # 20 s at 0.01 s a token: still streaming at the kill
+RING_STREAM = GenerateParams(prompt="tell me about rings", max_tokens=STREAM_TOKENS)
+RING_AGAIN = GenerateParams(prompt="again", max_tokens=5)
+SPLIT_OPTIONS: dict[str, Any] = {"n_ctx": 1024, "parallel": 2, "n_threads": 1}  # 2 runners, each 1 thread, 2 cores
+SPLIT_STORY = GenerateParams(
+    messages=(ChatMessage("user", "Tell me a long story about a lighthouse keeper and a storm."),),
+    max_tokens=200,
+    temperature=0.0,
+)
+SPLIT_STREAM = msgspec.structs.replace(SPLIT_STORY, max_tokens=800)  # still streaming at the kill
+SPLIT_AGAIN = msgspec.structs.replace(SPLIT_STORY, max_tokens=8)
+SPEED_ROUNDS = 5
+FROZEN_ROUNDS = 3
 BACKOFF = 0.1  # seconds: section 1's constant restart delay
 STOP_TIMEOUT = 10.0  # each rank's (and each worker's) stop bound
 READY_TIMEOUT = 60.0  # an instance ready (spawn, load, ring) on two busy cores
@@ -136,7 +150,7 @@ class UnexpectedLogs(logging.Handler):
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name in self.EXPECTED and record.msg == "%s failed: %s":
+        if record.name in self.EXPECTED and record.msg in DELIBERATE:
             return
         line = record.getMessage().splitlines()[0]
         if record.exc_info and record.exc_info[1] is not None:
@@ -144,6 +158,7 @@ class UnexpectedLogs(logging.Handler):
         self.lines.append(f"in process: {record.name}: {line}"[:300])
 
 
+DELIBERATE = frozenset({"%s failed: %s", "%s; asking for its stacks (%s) before killing it"})  # faults caused here
 WORKER_TROUBLE = ("ended with an error", "did not stop within", "survived SIGKILL", "Attempted to exit a cancel scope")
 
 
@@ -311,7 +326,16 @@ async def ready_group(inst: Instance, old: set[int], timeout: float) -> RankGrou
     return group_of(inst)
 
 
-async def rank_round(inst: Instance) -> RankRound:
+def ring_serves(text: str) -> bool:
+    return len(text.split()) == 5
+
+
+async def rank_round(
+    inst: Instance,
+    stream: GenerateParams = RING_STREAM,
+    again: GenerateParams = RING_AGAIN,
+    serves: Callable[[str], bool] = ring_serves,
+) -> RankRound:
     out = RankRound()
     group = group_of(inst)
     runners = member_pids(group)
@@ -320,7 +344,7 @@ async def rank_round(inst: Instance) -> RankRound:
     try:
         if watch.unpinned:
             raise BenchFailed(f"processes of the ranks gone before the kill: {watch.unpinned}")
-        handle = await inst.generate(GenerateParams(prompt="tell me about rings", max_tokens=STREAM_TOKENS))
+        handle = await inst.generate(stream)
         async for event in handle:
             if isinstance(event, Chunk):
                 break  # streaming
@@ -351,8 +375,8 @@ async def rank_round(inst: Instance) -> RankRound:
         out.started_after_gone = (
             last_exit is not None and len(starts) == len(runners) and min(starts) >= last_exit - tick
         )
-        text, done = await (await inst.generate(GenerateParams(prompt="again", max_tokens=5))).text()
-        out.serves = done.state is TaskState.COMPLETE and len(text.split()) == 5
+        text, done = await (await inst.generate(again)).text()
+        out.serves = done.state is TaskState.COMPLETE and serves(text)
     finally:
         watch.close()
     return out
@@ -391,6 +415,121 @@ async def rank_rounds(rounds: int, ports: list[int], errors: list[str]) -> list[
             if not r.cause_ok:
                 say(f"  cause: {r.cause}")
     return done
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. llama.cpp split over 2 ranks (ggml RPC), in process
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SplitSide:
+    texts_identical: bool = False
+    local_tps: list[float] = field(default_factory=list)
+    split_tps: list[float] = field(default_factory=list)
+    kills: list[RankRound] = field(default_factory=list)
+    frozen_failed_s: list[float] = field(default_factory=list)
+    frozen_ok: bool = True  # every frozen round: FAILED with a hang of rank 1, every rank gone, replaced
+    frozen_causes: list[str] = field(default_factory=list)
+
+
+async def decode_rate(inst: Instance, params: GenerateParams) -> tuple[str, float]:
+    """The text of one generation and its decode rate (tokens/s from the first chunk to the end)."""
+    handle = await inst.generate(params)
+    first: float | None = None
+    tokens = 0
+    parts: list[str] = []
+    async for event in handle:
+        if isinstance(event, Chunk):
+            if first is None:
+                first = time.monotonic()
+            else:
+                tokens += event.tokens
+            parts.append(event.text)
+    ended = time.monotonic()
+    final = handle.final
+    if final is None or final.state is not TaskState.COMPLETE or first is None:
+        raise BenchFailed(f"a generation did not complete: {final}")
+    return "".join(parts), tokens / max(ended - first, 1e-9)
+
+
+async def frozen_round(inst: Instance) -> tuple[float, bool, str]:
+    """SIGSTOP rank 1 mid-stream: seconds to the request's failure, whether it was a hang of rank 1 with every rank
+    gone and a replacement ready, and the cause."""
+    group = group_of(inst)
+    runners = member_pids(group)
+    handle = await inst.generate(SPLIT_STREAM)
+    async for event in handle:
+        if isinstance(event, Chunk):
+            break
+    t0 = time.monotonic()
+    os.kill(runners[1], signal.SIGSTOP)
+    final = await handle.wait()
+    failed_s = time.monotonic() - t0
+    cause = final.cause
+    ok = final.state is TaskState.FAILED and cause is not None and cause.kind is CauseKind.HANG and cause.rank == 1
+    left = kill_and_await([pid for pid in runners if alive(pid)])
+    await ready_group(inst, set(runners), READY_TIMEOUT)
+    return failed_s, ok and not left, cause.summary if cause is not None else str(final)
+
+
+async def split_side(rounds: int, frozen: int, speed: int, ports: list[int], errors: list[str]) -> SplitSide:
+    out = SplitSide()
+    config = InstanceConfig(
+        id="split",
+        engine="llama.cpp",
+        ranks=2,
+        ports=tuple(ports),
+        options=SPLIT_OPTIONS,
+        restart=rank_policy(rounds + frozen),
+        deadlines=Deadlines(),  # the defaults: a frozen rank is found by its heartbeat deadline (5 s)
+    )
+    async with Fleet(stop_timeout=STOP_TIMEOUT) as fleet:
+        local = await fleet.add(InstanceConfig(id="local", engine="llama.cpp", options=SPLIT_OPTIONS))
+        hosted = await fleet.add(config)
+        split = hosted.replicas[0]
+        await local.replicas[0].wait_ready(READY_TIMEOUT)
+        await split.wait_ready(READY_TIMEOUT)
+        say(f"section 3: llama.cpp over 2 ranks on ports {ports} ready (runners {member_pids(group_of(split))})")
+        texts: dict[str, set[str]] = {"local": set(), "split": set()}
+        for i in range(speed):  # alternating, so drift hits both alike
+            for name, inst, rates in (("local", local.replicas[0], out.local_tps), ("split", split, out.split_tps)):
+                text, rate = await decode_rate(inst, SPLIT_STORY)
+                texts[name].add(text)
+                rates.append(rate)
+            say(f"speed round {i}: local {out.local_tps[-1]:.1f} tokens/s, split {out.split_tps[-1]:.1f}")
+        out.texts_identical = len(texts["local"]) == 1 and texts["local"] == texts["split"]
+        await fleet.remove("local")
+        for i in range(rounds):
+            try:
+                with anyio.fail_after(ROUND_BOUND):
+                    r = await rank_round(split, SPLIT_STREAM, SPLIT_AGAIN, lambda text: bool(text))
+            except Exception as exc:
+                errors.append(f"llama.cpp rank round {i}: {describe(exc)}")
+                say(errors[-1])
+                break
+            out.kills.append(r)
+            say(
+                f"llama.cpp round {i}: request failed {fmt(r.request_failed_ms or float('nan'))} ms, ranks gone "
+                f"{fmt(r.ranks_gone_ms or float('nan'))} ms, replacement ready "
+                f"{fmt(r.replacement_ready_ms or float('nan'))} ms; cause ok {r.cause_ok}, same ports {r.same_ports}"
+            )
+            if not r.cause_ok:
+                say(f"  cause: {r.cause}")
+        for i in range(frozen):
+            try:
+                with anyio.fail_after(ROUND_BOUND):
+                    failed_s, ok, cause = await frozen_round(split)
+            except Exception as exc:
+                errors.append(f"llama.cpp frozen round {i}: {describe(exc)}")
+                say(errors[-1])
+                out.frozen_ok = False
+                break
+            out.frozen_failed_s.append(failed_s)
+            out.frozen_ok = out.frozen_ok and ok
+            out.frozen_causes.append(cause)
+            say(f"frozen round {i}: request failed {failed_s:.2f} s after rank 1's SIGSTOP; ok {ok}: {cause[:160]}")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -509,6 +648,14 @@ def ring_body(ports: list[int], restart: dict[str, Any] | None) -> dict[str, Any
     return body
 
 
+def split_body(ports: list[int], restart: dict[str, Any] | None) -> dict[str, Any]:
+    """The llama.cpp side's instance: the default model over 2 ranks (its id is "ring" too: one set of helpers)."""
+    return {**ring_body(ports, restart), "engine": "llama.cpp", "options": SPLIT_OPTIONS}
+
+
+Body = Callable[[list[int], dict[str, Any] | None], dict[str, Any]]
+
+
 def serving_worker(naive: bool, body: dict[str, Any], seen: Seen) -> tuple[Worker, float, float]:
     """A new worker POSTing ``ring`` at once, ready: (worker, start -> ready ms, POST -> ready ms)."""
     worker = seen.add(Worker(*(("--no-reap",) if naive else ()), naive=naive, verbose=seen.verbose))
@@ -546,9 +693,9 @@ class Baseline:
         )
 
 
-def baseline(ports: list[int], restart: dict[str, Any] | None, seen: Seen) -> Baseline:
+def baseline(ports: list[int], restart: dict[str, Any] | None, seen: Seen, body_of: Body = ring_body) -> Baseline:
     out = Baseline()
-    body = ring_body(ports, restart)
+    body = body_of(ports, restart)
     first, _, _ = serving_worker(True, body, seen)
     orphans: list[int] = []
     try:
@@ -610,9 +757,11 @@ class TetherSide:
     no_restarts: bool = True
 
 
-def tether_side(ports: list[int], restart: dict[str, Any] | None, rounds: int, seen: Seen) -> TetherSide:
+def tether_side(
+    ports: list[int], restart: dict[str, Any] | None, rounds: int, seen: Seen, body_of: Body = ring_body
+) -> TetherSide:
     out = TetherSide()
-    body = ring_body(ports, restart)
+    body = body_of(ports, restart)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     worker, out.first_ready_ms, _ = serving_worker(False, body, seen)
     try:
@@ -674,7 +823,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--worker-rounds", type=int, default=None, help=f"tether worker SIGKILL rounds (default {WORKER_ROUNDS})"
     )
+    parser.add_argument(
+        "--sides",
+        default="ring,llamacpp",
+        help="which engines to run: ring (the debug ring), llamacpp (the default model over 2 ranks), or both",
+    )
+    parser.add_argument("--split-rounds", type=int, default=None, help="llama.cpp rank SIGKILL rounds (default 10)")
     args = parser.parse_args(argv)
+    sides = set(args.sides.split(","))
+    split_rounds = args.split_rounds or (QUICK_ROUNDS if args.quick else 10)
+    frozen_rounds = 1 if args.quick else FROZEN_ROUNDS
+    speed_rounds = 2 if args.quick else SPEED_ROUNDS
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     worker_rounds = args.worker_rounds or (QUICK_WORKER_ROUNDS if args.quick else WORKER_ROUNDS)
     baseline_restart = QUICK_BASELINE_RESTART if args.quick else None
@@ -691,24 +850,48 @@ def main(argv: list[str] | None = None) -> int:
     side = TetherSide()
     leftover: list[int] = []
     began = time.monotonic()
+    split = SplitSide()
+    split_base = Baseline()
+    split_tether = TetherSide()
     with private_tether_dirs("tether-bench-ranks-"):
-        try:
-            rank_results = anyio.run(rank_rounds, rounds, free_ports(pool, "in-process", 2), errors)
-        except Exception as exc:
-            errors.append(f"section 1: {describe(exc)}")
-            say(errors[-1])
-        seed_ports = free_ports(pool, "seed", 2)
-        say(f"section 2: ring on ports {seed_ports}")
-        try:
-            base = baseline(seed_ports, baseline_restart, seen)
-        except Exception as exc:
-            errors.append(f"baseline: {describe(exc)}")
-            say(errors[-1])
-        try:
-            side = tether_side(seed_ports, baseline_restart, worker_rounds, seen)
-        except Exception as exc:
-            errors.append(f"tether side: {describe(exc)}")
-            say(errors[-1])
+        if "ring" in sides:
+            try:
+                rank_results = anyio.run(rank_rounds, rounds, free_ports(pool, "in-process", 2), errors)
+            except Exception as exc:
+                errors.append(f"section 1: {describe(exc)}")
+                say(errors[-1])
+            seed_ports = free_ports(pool, "seed", 2)
+            say(f"section 2: ring on ports {seed_ports}")
+            try:
+                base = baseline(seed_ports, baseline_restart, seen)
+            except Exception as exc:
+                errors.append(f"baseline: {describe(exc)}")
+                say(errors[-1])
+            try:
+                side = tether_side(seed_ports, baseline_restart, worker_rounds, seen)
+            except Exception as exc:
+                errors.append(f"tether side: {describe(exc)}")
+                say(errors[-1])
+        if "llamacpp" in sides:
+            try:
+                split = anyio.run(
+                    split_side, split_rounds, frozen_rounds, speed_rounds, free_ports(pool, "split", 2), errors
+                )
+            except Exception as exc:
+                errors.append(f"section 3: {describe(exc)}")
+                say(errors[-1])
+            seed_ports = free_ports(pool, "split seed", 2)
+            say(f"section 3, the seed's case: the default model over 2 ranks on ports {seed_ports}")
+            try:
+                split_base = baseline(seed_ports, baseline_restart, seen, split_body)
+            except Exception as exc:
+                errors.append(f"llama.cpp baseline: {describe(exc)}")
+                say(errors[-1])
+            try:
+                split_tether = tether_side(seed_ports, baseline_restart, worker_rounds, seen, split_body)
+            except Exception as exc:
+                errors.append(f"llama.cpp tether side: {describe(exc)}")
+                say(errors[-1])
         deadline = time.monotonic() + 5.0
         while (leftover := runner_processes(seen.pids)) and time.monotonic() < deadline:
             time.sleep(POLL)
@@ -726,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     replacement = [x for r in rank_results if (x := r.replacement_ready_ms) is not None]
     same_ports = bool(rank_results) and all(r.same_ports for r in rank_results) and side.same_ports
     tether_ready = median(side.new_worker_ready_ms)
-    checks = {
+    ring_checks = {
         "every_round_ran": len(rank_results) == rounds,
         "cause_is_rank_1_sigkill": bool(rank_results) and all(r.cause_ok for r in rank_results),
         "every_rank_gone": bool(rank_results) and all(not r.left and r.groups_gone_ms for r in rank_results),
@@ -741,6 +924,31 @@ def main(argv: list[str] | None = None) -> int:
         "tether_no_orphans": side.rounds > 0 and side.orphans == 0,
         "tether_same_ports": side.rounds > 0 and side.same_ports,
         "tether_new_worker_serves": side.rounds > 0 and side.chats_ok and side.no_restarts,
+    }
+    kills = split.kills
+    split_fail_all = [x for r in kills if (x := r.fail_all_ms) is not None]
+    split_replacement = [x for r in kills if (x := r.replacement_ready_ms) is not None]
+    split_ratio = median(split.split_tps) / median(split.local_tps) if split.local_tps and split.split_tps else None
+    split_checks = {
+        "llamacpp_texts_identical": split.texts_identical,
+        "llamacpp_every_round_ran": len(kills) == split_rounds,
+        "llamacpp_cause_is_rank_1_sigkill": bool(kills) and all(r.cause_ok for r in kills),
+        "llamacpp_every_rank_gone": bool(kills) and all(not r.left and r.groups_gone_ms for r in kills),
+        "llamacpp_replacement_after_every_rank_gone": bool(kills) and all(r.started_after_gone for r in kills),
+        "llamacpp_replacement_same_ports": bool(kills) and all(r.same_ports for r in kills),
+        "llamacpp_replacement_serves": bool(kills) and all(r.serves for r in kills),
+        "llamacpp_frozen_is_a_hang_of_rank_1": len(split.frozen_failed_s) == frozen_rounds and split.frozen_ok,
+        "llamacpp_baseline_crash_loop": split_base.crash_loop,
+        "llamacpp_baseline_orphans_killed": split_base.orphans > 0 and not split_base.orphans_left_after_kill,
+        "llamacpp_tether_no_orphans": split_tether.rounds == worker_rounds and split_tether.orphans == 0,
+        "llamacpp_tether_new_worker_serves": split_tether.rounds > 0
+        and split_tether.chats_ok
+        and split_tether.no_restarts
+        and split_tether.same_ports,
+    }
+    checks = {
+        **(ring_checks if "ring" in sides else {}),
+        **(split_checks if "llamacpp" in sides else {}),
         "nothing_left": not leftover,
     }
     result: dict[str, Any] = {
@@ -786,6 +994,28 @@ def main(argv: list[str] | None = None) -> int:
             else None
         ),
         "orphans": side.orphans,
+        "llamacpp_texts_identical": split.texts_identical,
+        "llamacpp_split_tokens_per_s_ratio": round(split_ratio, 3) if split_ratio is not None else None,
+        "llamacpp_local_tokens_per_s": round(median(split.local_tps), 1),
+        "llamacpp_split_tokens_per_s": round(median(split.split_tps), 1),
+        "llamacpp_rounds": len(kills),
+        "llamacpp_rank_fail_all_p50_ms": ms(percentile(split_fail_all, 50)),
+        "llamacpp_rank_fail_all_p99_ms": ms(percentile(split_fail_all, 99)),
+        "llamacpp_request_failed_p50_ms": ms(percentile([x for r in kills if (x := r.request_failed_ms)], 50)),
+        "llamacpp_frozen_peer_failed_s": round(median(split.frozen_failed_s), 2),
+        "llamacpp_frozen_peer_failed_max_s": round(max(split.frozen_failed_s, default=float("nan")), 2),
+        "llamacpp_frozen_heartbeat_deadline_s": Deadlines().heartbeat,
+        "llamacpp_replacement_ready_p50_ms": ms(percentile(split_replacement, 50)),
+        "llamacpp_replacement_ready_p99_ms": ms(percentile(split_replacement, 99)),
+        "llamacpp_baseline_crash_loop": split_base.crash_loop,
+        "llamacpp_baseline_lives": split_base.lives,
+        "llamacpp_baseline_orphan_ranks": split_base.orphan_ranks,
+        "llamacpp_baseline_failed_after_ms": ms(
+            split_base.failed_after_ms if split_base.failed_after_ms is not None else float("nan")
+        ),
+        "llamacpp_tether_ranks_gone_ms": ms(median(split_tether.ranks_gone_ms)),
+        "llamacpp_tether_new_worker_ready_ms": ms(median(split_tether.new_worker_ready_ms)),
+        "llamacpp_orphans": split_tether.orphans,
         "leftover_processes": len(leftover),
         "tether_errors_logged": trouble,  # not a check: what tether logged going wrong itself (see the report)
         "percentile": PERCENTILE,
@@ -804,42 +1034,71 @@ def main(argv: list[str] | None = None) -> int:
             fmt(max(samples, default=float("nan"))),
         ]
 
-    print(f"1. SIGKILL of rank 1 of a 2-rank debug ring, mid-stream ({len(rank_results)} rounds; backoff {BACKOFF} s)")
-    print_rows(
-        ["ms from the kill", "n", "p50", "p99", "max"],
-        [
-            row("request FAILED (rank 1, SIGKILL)", request_failed),
-            row("every rank's runner gone", ranks_gone),
-            row("every rank's process group gone", groups_gone),
-            row("rank_fail_all (later of the two)", fail_all),
-            row("replacement ready (same ports)", replacement),
-        ],
-    )
-    print()
-    print(f"2. the worker SIGKILLed, a new worker, the same instance and ports (tether: {side.rounds} rounds, medians)")
-    print_rows(
-        ["", "baseline (no orphan protection)", "tether"],
-        [
-            ["ranks alive after the worker's death", str(base.orphan_ranks), str(side.orphans)],
-            ["processes left (guards included)", str(base.orphans), str(side.orphans)],
-            ["ranks gone after the worker's SIGKILL, ms", "never", fmt(median(side.ranks_gone_ms))],
+    if "ring" in sides:
+        print(
+            f"1. SIGKILL of rank 1 of a 2-rank debug ring, mid-stream ({len(rank_results)} rounds; backoff {BACKOFF} s)"
+        )
+        print_rows(
+            ["ms from the kill", "n", "p50", "p99", "max"],
             [
-                "new worker's instance",
-                f"failed: crash loop, {base.lives} lives" if base.crash_loop else "not a crash loop",
-                "ready" if side.new_worker_ready_ms else "-",
+                row("request FAILED (rank 1, SIGKILL)", request_failed),
+                row("every rank's runner gone", ranks_gone),
+                row("every rank's process group gone", groups_gone),
+                row("rank_fail_all (later of the two)", fail_all),
+                row("replacement ready (same ports)", replacement),
             ],
+        )
+        print()
+        print(
+            f"2. the worker SIGKILLed, a new worker, the same instance and ports ({side.rounds} tether rounds, medians)"
+        )
+        print_rows(
+            ["", "baseline (no orphan protection)", "tether"],
             [
-                "  ms from the new worker's start",
-                fmt(base.failed_after_ms if base.failed_after_ms is not None else float("nan")),
-                fmt(tether_ready),
+                ["ranks alive after the worker's death", str(base.orphan_ranks), str(side.orphans)],
+                ["processes left (guards included)", str(base.orphans), str(side.orphans)],
+                ["ranks gone after the worker's SIGKILL, ms", "never", fmt(median(side.ranks_gone_ms))],
+                [
+                    "new worker's instance",
+                    f"failed: crash loop, {base.lives} lives" if base.crash_loop else "not a crash loop",
+                    "ready" if side.new_worker_ready_ms else "-",
+                ],
+                [
+                    "  ms from the new worker's start",
+                    fmt(base.failed_after_ms if base.failed_after_ms is not None else float("nan")),
+                    fmt(tether_ready),
+                ],
+                [
+                    "  ms from its POST",
+                    fmt(base.failed_after_post_ms if base.failed_after_post_ms is not None else float("nan")),
+                    fmt(median(side.post_ready_ms)),
+                ],
             ],
+        )
+    if "llamacpp" in sides:
+        print()
+        print(f"3. llama.cpp, the default model over 2 ranks (ggml RPC), {len(kills)} SIGKILL rounds of rank 1")
+        print_rows(
+            ["", "value"],
             [
-                "  ms from its POST",
-                fmt(base.failed_after_post_ms if base.failed_after_post_ms is not None else float("nan")),
-                fmt(median(side.post_ready_ms)),
+                ["greedy text identical to one process", str(split.texts_identical)],
+                [
+                    "decode tokens/s local / split (medians)",
+                    f"{median(split.local_tps):.1f} / {median(split.split_tps):.1f}",
+                ],
+                [
+                    "rank 1 SIGKILL -> failed and every rank gone, p50/p99 ms",
+                    f"{fmt(percentile(split_fail_all, 50))} / {fmt(percentile(split_fail_all, 99))}",
+                ],
+                [
+                    "rank 1 SIGSTOP -> request failed, median/max s",
+                    f"{median(split.frozen_failed_s):.2f} / {max(split.frozen_failed_s, default=float('nan')):.2f}",
+                ],
+                ["replacement ready (same ports), p50 ms", fmt(percentile(split_replacement, 50))],
+                ["baseline (no orphan protection): crash loop, lives", f"{split_base.crash_loop}, {split_base.lives}"],
+                ["tether: ranks alive after the worker's SIGKILL", str(split_tether.orphans)],
             ],
-        ],
-    )
+        )
     print(f"percentiles: {PERCENTILE}")
     if trouble:
         print(f"tether logged {len(trouble)} error(s) of its own (tether_errors_logged), e.g. {trouble[0]}")
