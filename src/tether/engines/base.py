@@ -23,7 +23,9 @@ the only one that receives requests; it must make every step a step of all ranks
 above 0 get no requests: after ``warmup`` the runner calls their ``follow()`` on a thread of its own, which takes
 part in rank 0's steps until ``close``. An engine whose peer failed raises ``PeerLost``: tether then reports the
 failed rank's cause, and this rank's error only as evidence. Any rank's failure ends every rank of the instance,
-and a replacement starts only once every one of them is gone.
+and a replacement starts only once every one of them is gone. An engine whose ranks each hold a share of the model
+(a layer split) rather than a copy declares ``splits_model = True``: its estimator then gets ``spec.rank`` (with
+``shares``, each rank's share as placed) and answers for that rank alone, and the fit counts each rank's share.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tether.kernel.pids import cmdline, port_holders
+from tether.kernel.pids import cmdline, holds_listener, port_holders
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 LISTEN_WAIT = 10.0  # seconds a server may take from its start to listening
@@ -183,8 +183,6 @@ def _command(pid: int) -> str:
 
 
 def _listening(port: int) -> bool:
-    from tether.kernel.pids import holds_listener
-
     return holds_listener(os.getpid(), port)
 
 
