@@ -143,7 +143,7 @@ class NodeAgent:
             self._join_cgroup(limit)
         stream = await self._connect()
         self._spawn(self._beat(stream))
-        return {"pid": os.getpid(), "node_id": self.settings.node_id, "host": socket.gethostname()}
+        return {"pid": os.getpid(), "node_id": self.settings.node_id, "host": socket.gethostname(), "ip": _node_ip()}
 
     def _join_cgroup(self, limit: int) -> None:
         self._parent_cgroup = MemoryCgroup.of_pid(os.getpid())
@@ -407,6 +407,17 @@ class NodeAgent:
     async def runners(self) -> list[int]:
         """The pids of the runners alive here (tests and ``tether status`` check them against ``ps``)."""
         return [life.sup.pid for life in self._lives.values() if life.sup.pid is not None and life.sup.alive]
+
+
+def _node_ip() -> str | None:
+    """This node's address as Ray knows it (where its ranks listen and their peers reach them), None outside Ray."""
+    try:
+        import ray
+
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    except Exception:
+        return None
+    return ip
 
 
 def sweep_agent_cgroups(parent: Path) -> int:

@@ -37,7 +37,8 @@ class AgentLink:
     lost_after: float
     settle: float = 0.0  # after its last word, by when a partitioned agent has fenced itself: lease + stop + reap
     pid: int | None = None
-    host: str | None = None
+    host: str | None = None  # the node's host name, for messages
+    ip: str | None = None  # the node's address (Ray's node IP), where ranks listen and their peers reach them
     last_seen: float = field(default_factory=time.monotonic)
     report: wire.NodeReport | None = None
     fenced: bool = False
@@ -79,6 +80,7 @@ class AgentLink:
         return {
             "node": self.node_id,
             "host": self.host,
+            "ip": self.ip,
             "agent_pid": self.pid,
             "state": self.state,
             "cause": self.lost.summary if self.lost is not None else None,

@@ -777,6 +777,7 @@ class ClusterNodeOut(msgspec.Struct, forbid_unknown_fields=True):
 
     node: str
     host: str | None  # None, as agent_pid, while its agent is joining: placed on the node, not yet started
+    ip: str | None  # the node's address (Ray's node IP), where its ranks listen; None while joining
     agent_pid: int | None
     state: str
     cause: str | None  # why it was lost
