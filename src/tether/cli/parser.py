@@ -57,6 +57,16 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_ranks(text: str) -> int | str:
+    """A number of ranks, or ``auto`` (placement chooses, for an engine that splits the model)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --ranks {text!r}: give a number of ranks or 'auto'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tether", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tether {__version__}")
@@ -202,11 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ray.add_argument(
         "--ranks",
-        type=int,
+        type=parse_ranks,
         default=1,
-        metavar="N",
+        metavar="N|auto",
         help="runners per life of the model loaded at start, one per rank, failing and restarting together (an engine "
-        "that declares distributed, such as the debug engine's ring); on a cluster, each on a node of its own",
+        "that declares distributed: llama.cpp splits the model's layers over them, the debug engine's ring copies "
+        "it); on a cluster, each on a node of its own. 'auto' (llama.cpp): one runner where a node holds the model, "
+        "else the fewest nodes that hold it split by their free memory; 1 without a cluster",
     )
     ray.add_argument(
         "--node-memory-limit",

@@ -9,6 +9,7 @@ Which process each module runs in:
 - ``link``: the coordinator, its view of one agent, shared by the coordinator and the lives hosted there;
 - ``remote``: the coordinator (``tether serve --ray``), the runner life (``tether.node.life``) whose runner is on a
   node;
+- ``placement``: the coordinator, the pure rule placing a split model's ranks by each node's free memory;
 - ``coordinator``: the coordinator, Ray itself, the agents, heartbeats, node loss and placement.
 
 Only this package imports Ray, and only when ``tether serve --ray`` asks for it: single-node tether never does.

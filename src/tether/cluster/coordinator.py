@@ -15,6 +15,11 @@ placement by true memory.
   the node's memory as tether measures it); the instance goes where it fits, by its replicas' ``spread``: SPREAD
   (prefer nodes without a replica, then the most memory free), STRICT_SPREAD (never two replicas on one node), PACK
   (prefer nodes that have one, then the least memory that fits). Nowhere: ``DoesNotFit`` with every node's numbers.
+  The ranks of an engine that gives each a whole copy (the debug ring) need nodes that each fit the whole model; an
+  engine that splits the model (``splits_model``: llama.cpp) needs none that does: its ranks go to the nodes with
+  the most memory available, each rank's share of the layers by that memory, and each chosen node's agent checks
+  its own share (``tether.cluster.placement``). ``ranks: "auto"`` chooses for every life: one runner where a node
+  holds the model whole, else the fewest nodes whose shares all fit.
   Ray's placement groups reserve logical resources only; they would happily put a model where its memory is not.
 """
 
@@ -35,16 +40,19 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream, TaskGroup
 
-from tether.cluster import agent, wire
+from tether.cluster import agent, placement, wire
 from tether.cluster.link import AgentLink
 from tether.cluster.remote import RemoteSupervisor
+from tether.engines import registry
+from tether.engines.base import MemoryEstimate
 from tether.errors import TetherError
+from tether.node import fit
 from tether.node.fit import DoesNotFit, FitResult
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceFailed, InstanceStopped
 from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
-from tether.node.ranks import Site
+from tether.node.ranks import MAX_RANKS, Site
 from tether.protocol import Cause, CauseKind, EngineSpec
 from tether.units import format_bytes
 
@@ -104,6 +112,11 @@ def _ray_words(lines: list[str]) -> str:
     return why[:300]
 
 
+def _rank_estimate(spec: EngineSpec, rank: int, world: int, shares: tuple[float, ...]) -> MemoryEstimate | None:
+    """What rank ``rank`` of ``world`` needs with ``shares`` of the model (the engine's estimate of its share)."""
+    return registry.estimate(fit.rank_spec(spec, rank, world, shares))
+
+
 def _import_ray() -> Any:
     try:
         import ray
@@ -128,6 +141,7 @@ class Cluster:
         self.listeners: Listeners[NodeEvent] = Listeners("cluster event")
         self.placed: dict[str, str] = {}  # instance name -> the node its current life is placed on
         self.placed_ranks: dict[str, list[str]] = {}  # a multi-rank instance's name -> each rank's node, in order
+        self.placed_shares: dict[str, tuple[float, ...]] = {}  # a split model's name -> each rank's share, in order
         self._groups: dict[str, tuple[list[Instance], Spread]] = {}  # instance name -> its replicas, their spread
         self._ray: Any = None
         self._address: str = ""
@@ -256,7 +270,7 @@ class Cluster:
             with contextlib.suppress(Exception):
                 self._ray.kill(actor, no_restart=True)
             return
-        link.pid, link.host = info["pid"], info["host"]
+        link.pid, link.host, link.ip = info["pid"], info["host"], info.get("ip")
         link.last_seen = time.monotonic()
         assert self._tg is not None
         self._tg.start_soon(self._watch_actor, link)
@@ -406,6 +420,7 @@ class Cluster:
             self._groups.pop(inst.name, None)
             self.placed.pop(inst.name, None)
             self.placed_ranks.pop(inst.name, None)
+            self.placed_shares.pop(inst.name, None)
 
     def runners(self, memory_limit: int | None) -> Callable[..., RunnerLife]:
         """The supervisor factory of an instance: each life on the node its placement chose."""
@@ -428,22 +443,18 @@ class Cluster:
         )
 
     async def place(self, instance: Instance) -> FitResult:
-        """Pick the node for ``instance``'s next life (see the module's docstring); ``DoesNotFit`` with every
-        node's numbers when it fits nowhere."""
+        """Pick the node for ``instance``'s next life, or each rank's (see the module's docstring); ``DoesNotFit``
+        with every node's numbers when it fits nowhere."""
         self.placed.pop(instance.name, None)
+        self.placed_ranks.pop(instance.name, None)
+        self.placed_shares.pop(instance.name, None)
         replicas, spread = self._groups.get(instance.name, ([instance], "SPREAD"))
         links = [link for link in self.links.values() if link.live and not link.fenced]
-        spec = msgspec.msgpack.encode(instance.spec)
-        verdicts: dict[str, agent.Verdict] = {}
-
-        async def assess(link: AgentLink) -> None:
-            with contextlib.suppress(Exception), anyio.move_on_after(ASSESS_TIMEOUT):
-                raw = await link.actor.assess.remote(spec, instance.force)
-                verdicts[link.node_id] = msgspec.msgpack.decode(raw, type=agent.Verdict)
-
-        async with anyio.create_task_group() as tg:
-            for link in links:
-                tg.start_soon(assess, link)
+        verdicts = await self._assess([(link, instance.spec) for link in links], instance.force)
+        if instance.auto_ranks or (instance.ranks > 1 and registry.splits_model(instance.spec.engine)):
+            split = await self._place_split(instance, verdicts, links)
+            if split is not None:
+                return split
         siblings = {
             self.placed[other.name]
             for other in replicas
@@ -467,6 +478,71 @@ class Cluster:
         message = f"placed on node {chosen.node_id[:8]}: {chosen.message}"
         return FitResult(None, chosen.available, f"node {chosen.node_id[:8]}: {chosen.source}", True, False, message)
 
+    async def _assess(self, jobs: list[tuple[AgentLink, EngineSpec]], force: bool) -> dict[str, agent.Verdict]:
+        """Each job's fit check on its node, concurrently: node id -> verdict (none for a node that did not answer
+        within ``ASSESS_TIMEOUT``)."""
+        verdicts: dict[str, agent.Verdict] = {}
+
+        async def assess(link: AgentLink, spec: bytes) -> None:
+            with contextlib.suppress(Exception), anyio.move_on_after(ASSESS_TIMEOUT):
+                raw = await link.actor.assess.remote(spec, force)
+                verdicts[link.node_id] = msgspec.msgpack.decode(raw, type=agent.Verdict)
+
+        async with anyio.create_task_group() as tg:
+            for link, spec in jobs:
+                tg.start_soon(assess, link, msgspec.msgpack.encode(spec))
+        return verdicts
+
+    async def _place_split(
+        self, instance: Instance, verdicts: dict[str, agent.Verdict], links: list[AgentLink]
+    ) -> FitResult | None:
+        """The ranks of an engine that divides the model among them (``tether.cluster.placement``): ``world``
+        nodes, the most memory available first, each rank's share of the layers its node's available memory, and
+        each chosen agent's fit check of its own share. ``ranks: "auto"``: None (an ordinary single-runner life)
+        when a node holds the model whole, else the fewest nodes whose shares all fit."""
+        spec = instance.spec
+        if instance.auto_ranks and any(v.fits for v in verdicts.values()):
+            instance.ranks = 1
+            return None
+        by_id = {link.node_id: link for link in links}
+        offers = [placement.Offer(v.node_id, v.available, v.source) for v in verdicts.values() if v.node_id in by_id]
+        if instance.auto_ranks:
+            worlds = list(range(2, min(MAX_RANKS, len(offers)) + 1))
+        elif len(offers) >= instance.ranks:
+            worlds = [instance.ranks]
+        else:
+            worlds = []
+        estimate = partial(_rank_estimate, spec)
+        tried: list[tuple[placement.Split, dict[str, agent.Verdict]]] = []
+        for world in worlds:
+            split = await anyio.to_thread.run_sync(placement.split_over, offers, world, estimate)  # reads a header
+            if instance.auto_ranks and not split.fits:  # by the estimate here: no agent need be asked
+                tried.append((split, {}))
+                continue
+            jobs = [(by_id[r.node.node_id], fit.rank_spec(spec, r.rank, world, split.shares)) for r in split.ranks]
+            confirmed = await self._assess(jobs, instance.force)
+            tried.append((split, confirmed))
+            if all(node in confirmed and confirmed[node].fits for node in split.nodes):
+                return self._placed_split(instance, split, confirmed)
+        raise DoesNotFit(self._split_refusal(instance, verdicts, links, tried))
+
+    def _placed_split(
+        self, instance: Instance, split: placement.Split, confirmed: dict[str, agent.Verdict]
+    ) -> FitResult:
+        self.placed_ranks[instance.name] = list(split.nodes)
+        self.placed_shares[instance.name] = split.shares
+        self.placed[instance.name] = split.nodes[0]
+        instance.ranks = split.world
+        total = sum(split.shares)
+        where = ", ".join(
+            f"rank {r.rank} on node {r.node.node_id[:8]} ({share / total:.0%} of the model: "
+            f"{confirmed[r.node.node_id].message})"
+            for r, share in zip(split.ranks, split.shares, strict=True)
+        )
+        least = min(split.ranks, key=lambda r: r.node.available).node
+        message = f"split over {split.world} nodes by their free memory: {where}"
+        return FitResult(None, least.available, f"node {least.node_id[:8]}: {least.source}", True, False, message)
+
     def _place_ranks(
         self,
         instance: Instance,
@@ -474,7 +550,7 @@ class Cluster:
         links: list[AgentLink],
         fitting: list[agent.Verdict],
     ) -> FitResult:
-        """Each rank on a node of its own (STRICT_SPREAD), those with the most memory free first."""
+        """Each rank (a whole copy of the model) on a node of its own (STRICT_SPREAD), the most memory free first."""
         fitting.sort(key=lambda v: -v.available)
         if len(fitting) < instance.ranks:
             raise DoesNotFit(self._refusal(instance, verdicts, links, set(), "STRICT_SPREAD"))
@@ -485,22 +561,92 @@ class Cluster:
         least = min(chosen, key=lambda v: v.available)
         return FitResult(None, least.available, f"node {least.node_id[:8]}: {least.source}", True, False, where)
 
+    def world(self, instance: str) -> int:
+        """The ranks of ``instance``'s next life, as placed (1: a single runner)."""
+        return len(self.placed_ranks.get(instance) or ()) or 1
+
     def sites(self, instance: str, memory_limit: int | None) -> list[Site]:
-        """Where each rank of ``instance``'s next life runs, as placed: its node's host and agent."""
+        """Where each rank of ``instance``'s next life runs, as placed: its node's address, its agent and (for a
+        split model) its share."""
         nodes = self.placed_ranks.get(instance)
         links = [self.links.get(node_id) for node_id in nodes or ()]
         if not nodes or any(link is None for link in links):
             raise TetherError(f"the ranks of {instance} were not placed on live nodes")
+        shares = self.placed_shares.get(instance) or (None,) * len(nodes)
         return [
             Site(
-                link.host or "127.0.0.1",
+                link.ip or link.host or "127.0.0.1",
                 partial(
                     RemoteSupervisor, link=link, memory_limit=memory_limit, stop_timeout=self.settings.stop_timeout
                 ),
+                share,
             )
-            for link in links
+            for link, share in zip(links, shares, strict=True)
             if link is not None
         ]
+
+    def _split_refusal(
+        self,
+        instance: Instance,
+        verdicts: dict[str, agent.Verdict],
+        links: list[AgentLink],
+        tried: list[tuple[placement.Split, dict[str, agent.Verdict]]],
+    ) -> FitResult:
+        """Why a split model was not placed: every node's numbers, whole and in each split tried."""
+        last = dict(tried[-1][1]) if tried else {}
+        nodes = []
+        whole = []
+        for link in links:
+            verdict = last.get(link.node_id) or verdicts.get(link.node_id)
+            if verdict is None:
+                whole.append(f"node {link.short}: no answer to the fit check within {ASSESS_TIMEOUT:g} s")
+                continue
+            if link.node_id in verdicts:
+                whole.append(f"node {link.short}: {verdicts[link.node_id].message}")
+            nodes.append(
+                {
+                    "node": verdict.node_id,
+                    "fits": verdict.fits,
+                    "needed": verdict.needed,
+                    "available": verdict.available,
+                    "source": verdict.source,
+                }
+            )
+        splits = []
+        for split, confirmed in tried:
+            ranks = [
+                f"rank {r.rank} on node {r.node.node_id[:8]}: {confirmed[r.node.node_id].message}"
+                if r.node.node_id in confirmed
+                else r.describe()
+                for r in split.ranks
+            ]
+            splits.append(f"over {split.world} nodes: {'; '.join(ranks)}")
+        lost = [link.short for link in self.links.values() if not link.live or link.fenced]
+        room = sum(v.available for v in verdicts.values())
+        if instance.auto_ranks:
+            most = min(MAX_RANKS, len(verdicts))
+            head = (
+                f"{instance.name} fits on no node of the cluster whole, nor split over "
+                + (f"2..{most} of them" if most >= 2 else "several (a split needs 2 nodes or more)")
+                + f" by their free memory ({format_bytes(room)} available on {len(verdicts)} nodes together)"
+            )
+            advice = "free memory on the nodes, add nodes, or lower n_ctx or parallel"
+        else:
+            head = (
+                f"{instance.name} needs {instance.ranks} nodes, one per rank holding its share of the model, and "
+                f"{len(verdicts)} answered"
+            )
+            advice = (
+                "free memory on the chosen nodes, add nodes, ask for more ranks (smaller shares), or use ranks "
+                "'auto' to let placement choose"
+            )
+        parts = [f"whole: {'; '.join(whole)}" if whole else "no live node agent"]
+        parts += [f"split {text}" for text in splits]
+        if lost:
+            parts.append(f"not asked (lost or fenced): {', '.join(lost)}")
+        message = f"{head}: {' | '.join(parts)}: {advice}"
+        best = max((v.available for v in verdicts.values()), default=None)
+        return FitResult(None, best, "cluster", False, False, message, nodes=tuple(nodes))
 
     def _refusal(
         self,

@@ -97,8 +97,11 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spread: Spread = "SPREAD"
     # Runners per life, one per rank, that fail and restart together (an engine that declares ``distributed``); on a
     # cluster each on a node of its own. Requests go to rank 0. ``ports``: one per rank, the same for every life
-    # (default: tether picks free ones from 25100 on).
-    ranks: Annotated[int, documented(minimum=1, maximum=MAX_RANKS)] = 1
+    # (default: tether picks free ones from 25100 on). "auto", for an engine that splits the model among its ranks
+    # (llama.cpp): on a cluster, one runner when a node holds the model whole, else the fewest nodes whose shares
+    # (by their free memory) fit, decided again for every life; without a cluster, 1 (splitting one machine's memory
+    # among ranks on it adds none).
+    ranks: Annotated[int, documented(minimum=1, maximum=MAX_RANKS)] | Literal["auto"] = 1
     ports: tuple[Annotated[int, documented(minimum=1024, maximum=65535)], ...] | None = None
 
     def check(self) -> InvalidField | None:
@@ -143,6 +146,10 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return None
 
     def _check_ranks(self, engine: str) -> InvalidField | None:
+        if self.ranks == "auto":
+            return self._check_auto_ranks(engine)
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int):
+            return InvalidField("ranks", f"ranks must be a number in [1, {MAX_RANKS}] or 'auto', got {self.ranks!r}")
         if not 1 <= self.ranks <= MAX_RANKS:
             return InvalidField("ranks", f"ranks must be in [1, {MAX_RANKS}], got {self.ranks}")
         if self.ranks == 1:
@@ -157,6 +164,29 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.replicas > 1:
             return InvalidField("replicas", "replicas of a multi-rank instance are not supported yet: use ranks alone")
         return check_ports(self.ports, self.ranks) if self.ports is not None else None
+
+    def _check_auto_ranks(self, engine: str) -> InvalidField | None:
+        if not registry.splits_model(engine):
+            return InvalidField(
+                "ranks",
+                f"ranks 'auto' is for an engine that divides one model among its ranks (splits_model = True, as "
+                f"llama.cpp does): engine {engine!r} "
+                + (
+                    "gives every rank a whole copy, so more ranks never make it fit"
+                    if getattr(registry.engine_class(engine), "distributed", False)
+                    else "runs in one process"
+                )
+                + f"; give ranks a number (1..{MAX_RANKS})",
+            )
+        if self.ports is not None:
+            return InvalidField(
+                "ports",
+                "ports are one per rank, and with ranks 'auto' the number of ranks is the placement's: give ranks a "
+                "number with as many ports, or leave ports out (tether picks free ones)",
+            )
+        if self.replicas > 1:
+            return InvalidField("replicas", "replicas of a multi-rank instance are not supported yet: use ranks alone")
+        return None
 
     def spec(self) -> EngineSpec:
         """The engine spec, under the engine's one name (an alias resolved, a file path made absolute)."""
@@ -251,6 +281,8 @@ class Runners(Protocol):
 
     def sites(self, instance: str, memory_limit: int | None) -> list[Site]: ...
 
+    def world(self, instance: str) -> int: ...
+
     def join(self, instances: list[Instance], spread: Spread) -> None: ...
 
     def forget(self, instances: list[Instance]) -> None: ...
@@ -266,6 +298,7 @@ class Fleet:
         self.placer = placer  # decides every life's placement (the scheduler); None: the fit check alone
         self.cluster = cluster  # None: every runner on this machine
         self.rank_ports = RankPorts()  # each multi-rank instance's ports, kept for all its lives
+        self._auto_ports: dict[str, dict[int, tuple[int, ...]]] = {}  # a ranks "auto" instance's ports, by rank count
         self._hosted: dict[str, Hosted] = {}
         self._requests: dict[str, tuple[Hosted, Instance]] = {}  # request id -> its instance and replica, in flight
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
@@ -323,15 +356,19 @@ class Fleet:
         admitted = None  # a placer decides (under its node-wide load lock), else the fit check runs now
         if self.placer is None and self.cluster is None:
             admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads a header
-        admitted = admitted if config.ranks == 1 else None  # the fit of every rank is the placement's
+        auto = config.ranks == "auto" and self.cluster is not None  # each placement chooses the ranks of a life
+        ranks = config.ranks if isinstance(config.ranks, int) else 1  # "auto" on one machine: one runner
+        admitted = admitted if ranks == 1 and not auto else None  # the fit of every rank is the placement's
         factory: LifeFactory = (
             partial(Supervisor, memory_limit=config.memory_limit)
             if self.cluster is None
             else self.cluster.runners(config.memory_limit)
         )
-        if config.ranks > 1:
-            ports = self.rank_ports.allocate(instance_id, config.ranks, config.ports)
+        if ranks > 1:
+            ports = self.rank_ports.allocate(instance_id, ranks, config.ports)
             factory = partial(self._rank_group, config=config, ports=ports)
+        elif auto:
+            factory = partial(self._placed_life, single=factory, config=config, instance_id=instance_id)
         replicas = [
             Instance(
                 spec,
@@ -343,7 +380,8 @@ class Fleet:
                 stop_timeout=self.stop_timeout,
                 admitted=admitted if i == 0 else None,
                 placer=self.placer,
-                ranks=config.ranks,
+                ranks=ranks,
+                auto_ranks=auto,
             )
             for i, name in enumerate(replica_names(config))
         ]
@@ -364,8 +402,29 @@ class Fleet:
         if self.cluster is not None:
             sites = self.cluster.sites(runner_id.rpartition("-")[0], config.memory_limit)  # runner ids: <name>-<life>
         else:
-            sites = [Site(LOCAL_HOST, partial(Supervisor, memory_limit=config.memory_limit))] * config.ranks
+            sites = [Site(LOCAL_HOST, partial(Supervisor, memory_limit=config.memory_limit))] * len(ports)
         return RankGroup(spec, runner_id=runner_id, deadlines=deadlines, sites=sites, ports=ports)
+
+    def _placed_life(
+        self,
+        spec: EngineSpec,
+        *,
+        runner_id: str,
+        deadlines: Deadlines,
+        single: LifeFactory,
+        config: InstanceConfig,
+        instance_id: str,
+    ) -> RunnerLife:
+        """One life of a ``ranks: "auto"`` instance on the cluster: a single runner or a rank group, as its
+        placement decided. Each rank count gets its ports once and keeps them for every life with that count."""
+        assert self.cluster is not None
+        world = self.cluster.world(runner_id.rpartition("-")[0])  # runner ids: <name>-<life>
+        if world == 1:
+            return single(spec, runner_id=runner_id, deadlines=deadlines)
+        by_world = self._auto_ports.setdefault(instance_id, {})
+        if world not in by_world:
+            by_world[world] = self.rank_ports.allocate(f"{instance_id} ({world} ranks)", world)
+        return self._rank_group(spec, runner_id=runner_id, deadlines=deadlines, config=config, ports=by_world[world])
 
     async def remove(self, instance_id: str) -> Hosted:
         """Stop an instance (its runner within the stop bound) and forget it; its waiting requests fail."""
@@ -373,6 +432,8 @@ class Fleet:
         await self._stop_one(hosted)
         self._hosted.pop(instance_id, None)
         self.rank_ports.release(instance_id)
+        for world in self._auto_ports.pop(instance_id, {}):
+            self.rank_ports.release(f"{instance_id} ({world} ranks)")
         if self.cluster is not None:
             self.cluster.forget(hosted.replicas)
         return hosted

@@ -270,9 +270,13 @@ class Instance:
         admitted: FitResult | None = None,
         placer: Placer | None = None,
         ranks: int = 1,
+        auto_ranks: bool = False,
     ) -> None:
         self.spec = spec
         self.ranks = ranks  # runners per life (a multi-rank instance's group, ``node.ranks``), placed together
+        # ``ranks: "auto"`` on a cluster: each placement chooses the ranks of the next life (one runner when a node
+        # holds the model whole, else the fewest nodes that hold it split) and sets ``ranks`` to them
+        self.auto_ranks = auto_ranks
         self._placer = placer
         self.deadlines = deadlines if deadlines is not None else Deadlines()  # per phase, for every life's runner
         self.force = force  # load even when the fit check says the model does not fit
