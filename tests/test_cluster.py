@@ -10,6 +10,7 @@ its options (``--node-memory-limit``)."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -23,11 +24,15 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Document, Server, wait_until
+from conftest import Document, Server, model_missing, wait_until
 from tether.chaos.target import runner_processes
 from tether.cluster import wire
+from tether.engines import registry
 from tether.kernel.pids import live_processes
+from tether.node import fit
+from tether.protocol import EngineSpec
 from tether.runner.lifeline import GUARD_WAIT
+from tether.units import format_bytes
 
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'tether[ray]'")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -35,6 +40,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 NODES = 3
 MiB = 1 << 20
+MISSING = model_missing()
+needs_model = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
 @pytest.fixture(scope="module")
@@ -184,15 +191,17 @@ def add(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 class Streams:
     """Concurrent streamed chat requests to one model, each ending with the time it ended and its last event."""
 
-    def __init__(self, server: Server, model: str, n: int, max_tokens: int = 2000) -> None:
+    def __init__(
+        self, server: Server, model: str, n: int, max_tokens: int = 2000, content: str = "go", **extra: Any
+    ) -> None:
         self.results: list[tuple[float, int, Any]] = []
         self.first = threading.Semaphore(0)
-        self.threads = [threading.Thread(target=self._one, args=(server, model, max_tokens)) for _ in range(n)]
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+        self.threads = [threading.Thread(target=self._one, args=(server, body)) for _ in range(n)]
         for t in self.threads:
             t.start()
 
-    def _one(self, server: Server, model: str, max_tokens: int) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens}
+    def _one(self, server: Server, body: dict[str, Any]) -> None:
         last: Any = None
         status = 0
         with (
@@ -492,3 +501,141 @@ def test_a_rank_lost_on_its_node_fails_every_rank_and_the_replacement_reuses_the
     assert set(runners_of(agents | live, children=True)) == expected, "what it says runs is what runs"
     ring = next(i for i in described(server)["data"] if i["id"] == "ring")
     assert [r["rank"] for r in ring["ranks"]] == [0, 1] and ring["history"][-1]["cause"]["rank"] == 1, ring
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The default model split over nodes (llama.cpp's layers over ggml RPC), placed by each node's free memory
+# --------------------------------------------------------------------------------------------------------------
+
+SMALL = {"n_ctx": 1024, "parallel": 2, "n_threads": 1}  # two ranks' threads on this machine's two cores
+STORY = "Tell me a long story about a lighthouse keeper and a storm."
+FAST = {"initial_backoff": 0.1, "max_backoff": 0.2, "jitter": 0.0}
+
+
+def ip_of(server: Server, node: str) -> str:
+    ip = next(n["ip"] for n in live_nodes(server) if n["node"] == node)
+    assert isinstance(ip, str) and ipaddress.ip_address(ip), ip
+    return ip
+
+
+def greedy(server: Server, model: str, max_tokens: int = 100) -> str:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": STORY}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    answer = server.http.post("/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    text: str = answer.json()["choices"][0]["message"]["content"]
+    return text
+
+
+def add_model(server: Server, body: dict[str, Any], timeout: float = 90) -> dict[str, Any]:
+    response = server.http.post("/v1/instances", json={"engine": "llama.cpp", "options": SMALL, **body}, timeout=60)
+    assert response.status_code == 201, response.text
+    wait_until(lambda: server.instance(body["id"])["ready"], timeout, f"{body['id']} ready")
+    return server.instance(body["id"])
+
+
+@pytest.mark.model
+@needs_model
+def test_the_default_model_split_over_two_nodes_writes_the_single_runners_greedy_text(shared: Server) -> None:
+    """``ranks: "auto"`` on nodes that each hold the model whole: one runner. ``ranks: 2``: a rank on each of two
+    nodes, rank 0 reaching rank 1 on its node's address, and the same greedy text as the single runner's."""
+    server = shared
+    whole = add_model(server, {"id": "whole", "ranks": "auto"})
+    assert whole["ranks"] is None and whole["runner"]["node"], whole  # it fits a node: no split
+    assert "placed on node" in whole["fit"], whole["fit"]
+    expected = greedy(server, "whole")
+    assert len(expected) > 200, expected
+    assert server.http.delete("/v1/instances/whole").status_code == 200
+    split = add_model(server, {"id": "split", "ranks": 2})
+    ranks = split["ranks"]
+    assert len({r["node"] for r in ranks}) == 2, ranks  # a node per rank
+    port = ranks[1]["address"].rpartition(":")[2]
+    assert ranks[1]["address"] == f"{ip_of(server, ranks[1]['node'])}:{port}", ranks  # its node's address
+    assert split["fit"].startswith("split over 2 nodes by their free memory: rank 0 on node"), split["fit"]
+    assert "rank 1 of 2" in split["fit"], split["fit"]
+    assert greedy(server, "split") == expected
+
+
+@pytest.mark.model
+@needs_model
+def test_rank_1_of_a_split_model_sigkilled_mid_stream_fails_every_rank_and_the_replacement_serves(
+    shared: Server,
+) -> None:
+    server = shared
+    add_model(server, {"id": "split", "ranks": 2, "restart": FAST})
+    ranks = server.instance("split")["ranks"]
+    old = [r["pid"] for r in ranks]
+    agents = {int(n["agent_pid"]) for n in live_nodes(server)}
+    streams = Streams(server, "split", 1, max_tokens=400, content=STORY, temperature=0)
+    streams.wait_streaming(1, timeout=60)
+    os.kill(old[1], signal.SIGKILL)
+    killed = time.monotonic()
+    ((at, _, last),) = streams.join()
+    assert at - killed < 5.0, f"the stream failed {at - killed:.2f} s after rank 1 died"
+    error = error_of(last)
+    assert f"rank 1 of 2 on node {ranks[1]['node'][:8]} failed" in error["message"], error
+    assert error["code"] == "signal" and "SIGKILL" in error["message"], error
+    wait_until(lambda: not any(alive(pid) for pid in old), 10, "every rank of the failed life gone")
+
+    def replaced() -> bool:
+        now = server.instance("split")
+        return bool(now["ready"]) and not set(old) & {r["pid"] for r in now["ranks"] or ()}
+
+    wait_until(replaced, 90, "a replacement split ready")
+    now = server.instance("split")
+    assert [r["address"].rpartition(":")[2] for r in now["ranks"]] == [
+        r["address"].rpartition(":")[2] for r in ranks
+    ], "the same ports"
+    assert len({r["node"] for r in now["ranks"]}) == 2, now["ranks"]
+    assert now["history"][-1]["cause"]["rank"] == 1, now["history"]
+    assert len(greedy(server, "split", 16)) > 0
+    live = {int(n["agent_pid"]) for n in live_nodes(server)}
+    expected = {r["pid"] for r in now["ranks"]} | {debug_pid(server)}
+    assert set(runners_of(agents | live, children=True)) == expected, "what it says runs is what runs"
+
+
+BIG = {"n_ctx": 4096, "parallel": 2, "n_threads": 1, "prompt_cache": False}  # ~576 MiB whole, ~463 MiB for rank 0
+HUGE = {"n_ctx": 8192, "parallel": 16, "n_threads": 1, "prompt_cache": False}  # ~1.4 GiB a rank, over 3 nodes
+
+
+@pytest.mark.model
+@needs_model
+def test_a_model_no_node_can_hold_serves_split_with_ranks_auto_and_a_507_when_the_cluster_cannot(
+    cluster: Cluster,
+) -> None:
+    spec = EngineSpec(engine="llama.cpp", options=BIG)
+    whole = registry.estimate(spec)
+    shares = [registry.estimate(fit.rank_spec(spec, rank, 2)) for rank in range(2)]
+    assert whole is not None and all(share is not None for share in shares)
+    both = fit.ranks_estimate(spec, 2)
+    assert both is not None and both.total > whole.total  # split, it needs more in all, but less on each node
+    # Each node a little less than the whole model needs: its agent holds some of it (and one node the debug runner)
+    limit = whole.total - 8 * MiB
+    with coordinator(cluster, "--node-memory-limit", str(limit)) as server:
+        nodes = sorted(live_nodes(server), key=lambda n: -n["memory"]["available"])
+        room = [n["memory"]["available"] for n in nodes]
+        numbers = f"whole {format_bytes(whole.total)}, ranks {[format_bytes(s.total) for s in shares if s]}, {room}"
+        assert max(room) < whole.total, numbers
+        assert room[1] >= max(s.total for s in shares if s) + 16 * MiB, f"the window is too narrow: {numbers}"
+        inst = add_model(server, {"id": "big", "ranks": "auto", "options": BIG, "restart": FAST}, timeout=120)
+        ranks = inst["ranks"]
+        assert ranks is not None and len({r["node"] for r in ranks}) == 2, inst
+        assert {r["node"] for r in ranks} == {nodes[0]["node"], nodes[1]["node"]}, (ranks, nodes)  # the most room
+        assert inst["fit"].startswith("split over 2 nodes by their free memory"), inst["fit"]
+        assert len(greedy(server, "big", 16)) > 0
+        refused = server.http.post(
+            "/v1/instances", json={"id": "huge", "engine": "llama.cpp", "ranks": "auto", "options": HUGE}, timeout=60
+        )
+        assert refused.status_code == 507, refused.text
+        error = refused.json()["error"]
+        assert "fits on no node of the cluster whole, nor split over 2..3 of them" in error["message"], error
+        assert "split over 3 nodes: rank 0 on node" in error["message"], error
+        assert {n["node"] for n in error["nodes"]} == {n["node"] for n in nodes}, error
+        assert all(not n["fits"] and n["needed"] > n["available"] for n in error["nodes"]), error
+        assert "huge" not in {i["id"] for i in view(server)["data"]}
+        debug = server.http.post("/v1/instances", json={"id": "ring-auto", "engine": "debug", "ranks": "auto"})
+        assert debug.status_code == 400 and "gives every rank a whole copy" in debug.text, debug.text
