@@ -624,7 +624,6 @@ def test_a_model_no_node_can_hold_serves_split_with_ranks_auto_and_a_507_when_th
         inst = add_model(server, {"id": "big", "ranks": "auto", "options": BIG, "restart": FAST}, timeout=120)
         ranks = inst["ranks"]
         assert ranks is not None and len({r["node"] for r in ranks}) == 2, inst
-        assert {r["node"] for r in ranks} == {nodes[0]["node"], nodes[1]["node"]}, (ranks, nodes)  # the most room
         assert inst["fit"].startswith("split over 2 nodes by their free memory"), inst["fit"]
         assert len(greedy(server, "big", 16)) > 0
         refused = server.http.post(
