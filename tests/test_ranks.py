@@ -22,6 +22,7 @@ import pytest
 
 from conftest import Server, debug_server, pid_alive, prompt, wait_until
 from tether import env
+from tether.errors import InvalidField
 from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
@@ -333,3 +334,17 @@ def test_the_api_shows_each_rank_and_a_rank_killed_mid_stream_fails_the_stream_w
         assert view["history"][-1]["cause"]["rank"] == 1
         assert not any(pid_alive(pid) for pid in old)
         assert [r["address"] for r in view["ranks"]] == [r["address"] for r in ranks]
+
+
+@pytest.mark.anyio
+async def test_a_split_instance_refuses_options_only_its_ranks_would_refuse_before_any_runner_starts() -> None:
+    async with Fleet() as fleet:
+        for options, words in (
+            ({"layer_split": [1, 2, 3]}, "3 shares for 2 ranks"),
+            ({"n_gpu_layers": 4}, "n_gpu_layers is the layer split's"),
+            ({"layer_split": [1, 0]}, "positive shares"),
+        ):
+            with pytest.raises(InvalidField, match=words) as refused:
+                await fleet.add(InstanceConfig(id="split", engine="llama.cpp", ranks=2, options=options))
+            assert refused.value.field == "options"
+        assert fleet.list() == []

@@ -38,7 +38,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from tether.errors import InvalidField
+from tether.errors import InvalidField, TetherError
 from tether.node import fit
 from tether.node.fit import DoesNotFit, FitResult, MeasuredFit
 from tether.node.gone import NotGone
@@ -425,8 +425,13 @@ class Instance:
             else:
                 if life > 1:
                     self.restarts += 1
-                sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
-                cause = await self._live(sup, life)
+                try:
+                    sup = self._factory(self.spec, runner_id=f"{self.name}-{life}", deadlines=self.deadlines)
+                except TetherError as exc:  # its life cannot be built (no free ports for its ranks, a lost placement)
+                    sup = None
+                    cause = Cause(kind=CauseKind.SPAWN_ERROR, summary=f"{self.name}: life {life} not started: {exc}")
+                else:
+                    cause = await self._live(sup, life)
             pid = sup.pid if sup is not None else None
             detected = sup.detection_seconds if sup is not None else None
             logged = str(sup.output_log) if sup is not None and sup.output_log is not None else None
