@@ -345,7 +345,12 @@ class Fleet:
             raise InstanceExists(instance_id)
         spec = config.spec()
         refused = registry.spec_problem(spec)
-        if refused is None and isinstance(config.ranks, int) and config.ranks > 1:
+        if (
+            refused is None
+            and isinstance(config.ranks, int)
+            and config.ranks > 1
+            and registry.splits_model(spec.engine)
+        ):
             refused = next(  # what only a rank refuses (llama.cpp: n_gpu_layers, a layer_split of the wrong length)
                 (p for r in (0, 1) if (p := registry.spec_problem(fit.rank_spec(spec, r, config.ranks))) is not None),
                 None,
