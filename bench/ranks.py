@@ -391,29 +391,34 @@ async def rank_rounds(rounds: int, ports: list[int], errors: list[str]) -> list[
         options=RING_OPTIONS,
         restart=rank_policy(rounds),
     )
-    done: list[RankRound] = []
     async with Fleet(stop_timeout=STOP_TIMEOUT) as fleet:
         hosted = await fleet.add(config)
         inst = hosted.replicas[0]
         await inst.wait_ready(READY_TIMEOUT)
         say(f"section 1: ring of 2 ranks on ports {ports} ready (runners {member_pids(group_of(inst))})")
-        for i in range(rounds):
-            try:
-                with anyio.fail_after(ROUND_BOUND):
-                    r = await rank_round(inst)
-            except Exception as exc:
-                errors.append(f"rank round {i}: {describe(exc)}")
-                say(errors[-1])
-                break
-            done.append(r)
-            say(
-                f"round {i}: request failed {fmt(r.request_failed_ms or float('nan'))} ms, ranks gone "
-                f"{fmt(r.ranks_gone_ms or float('nan'))} ms (groups {fmt(r.groups_gone_ms or float('nan'))}), "
-                f"replacement ready {fmt(r.replacement_ready_ms or float('nan'))} ms; cause ok {r.cause_ok}, "
-                f"same ports {r.same_ports}, started after gone {r.started_after_gone}, serves {r.serves}"
-            )
-            if not r.cause_ok:
-                say(f"  cause: {r.cause}")
+        return await kill_rounds(inst, rounds, errors, "ring")
+
+
+async def kill_rounds(inst: Instance, rounds: int, errors: list[str], label: str, *how: Any) -> list[RankRound]:
+    """``rounds`` of ``rank_round(inst, *how)``, each bounded; an error ends them (recorded in ``errors``)."""
+    done: list[RankRound] = []
+    for i in range(rounds):
+        try:
+            with anyio.fail_after(ROUND_BOUND):
+                r = await rank_round(inst, *how)
+        except Exception as exc:
+            errors.append(f"{label} rank round {i}: {describe(exc)}")
+            say(errors[-1])
+            break
+        done.append(r)
+        say(
+            f"{label} round {i}: request failed {fmt(r.request_failed_ms or float('nan'))} ms, ranks gone "
+            f"{fmt(r.ranks_gone_ms or float('nan'))} ms (groups {fmt(r.groups_gone_ms or float('nan'))}), "
+            f"replacement ready {fmt(r.replacement_ready_ms or float('nan'))} ms; cause ok {r.cause_ok}, "
+            f"same ports {r.same_ports}, started after gone {r.started_after_gone}, serves {r.serves}"
+        )
+        if not r.cause_ok:
+            say(f"  cause: {r.cause}")
     return done
 
 
@@ -500,22 +505,7 @@ async def split_side(rounds: int, frozen: int, speed: int, ports: list[int], err
             say(f"speed round {i}: local {out.local_tps[-1]:.1f} tokens/s, split {out.split_tps[-1]:.1f}")
         out.texts_identical = len(texts["local"]) == 1 and texts["local"] == texts["split"]
         await fleet.remove("local")
-        for i in range(rounds):
-            try:
-                with anyio.fail_after(ROUND_BOUND):
-                    r = await rank_round(split, SPLIT_STREAM, SPLIT_AGAIN, lambda text: bool(text))
-            except Exception as exc:
-                errors.append(f"llama.cpp rank round {i}: {describe(exc)}")
-                say(errors[-1])
-                break
-            out.kills.append(r)
-            say(
-                f"llama.cpp round {i}: request failed {fmt(r.request_failed_ms or float('nan'))} ms, ranks gone "
-                f"{fmt(r.ranks_gone_ms or float('nan'))} ms, replacement ready "
-                f"{fmt(r.replacement_ready_ms or float('nan'))} ms; cause ok {r.cause_ok}, same ports {r.same_ports}"
-            )
-            if not r.cause_ok:
-                say(f"  cause: {r.cause}")
+        out.kills = await kill_rounds(split, rounds, errors, "llama.cpp", SPLIT_STREAM, SPLIT_AGAIN, bool)
         for i in range(frozen):
             try:
                 with anyio.fail_after(ROUND_BOUND):

@@ -26,10 +26,13 @@ import openai
 import pytest
 
 from tether.chaos.target import ServeChild
+from tether.fleet.fleet import Hosted
 from tether.kernel.cgroups import create_child_cgroup, remove_cgroup
 from tether.kernel.pids import alive, live_processes
 from tether.models import DefaultModelMissing, default_model_path
+from tether.node.instance import Instance, InstanceReady
 from tether.node.orphans import sweep_stale_cgroups
+from tether.node.ranks import RankGroup, RankPorts
 from tether.protocol import EngineSpec, Fault, GenerateParams
 
 if TYPE_CHECKING:
@@ -343,3 +346,40 @@ def browser() -> Iterator[Browser]:
             yield chromium
         finally:
             chromium.close()
+
+
+# --- multi-rank instances -------------------------------------------------------------------------------------
+
+
+def free_rank_ports(n: int) -> list[int]:
+    """``n`` ports nothing listens on, below the ephemeral range (no outgoing connection takes one meanwhile)."""
+    return list(RankPorts(base=26000 + os.getpid() % 4000).allocate("test", n))
+
+
+def rank_group(hosted: Hosted) -> RankGroup:
+    sup = hosted.supervisor
+    assert isinstance(sup, RankGroup), f"not a rank group: {sup!r}"
+    return sup
+
+
+def rank_pids(group: RankGroup) -> list[int]:
+    pids = [m.pid for m in group.members]
+    assert all(pid is not None for pid in pids)
+    return [pid for pid in pids if pid is not None]
+
+
+async def ready_group(inst: Instance, old: set[int], timeout: float = 30) -> RankGroup:
+    """Wait for a Ready life whose ranks are all new (not in ``old``)."""
+
+    def fresh(state: Any) -> bool:
+        sup = inst.supervisor
+        return (
+            isinstance(state, InstanceReady)
+            and isinstance(sup, RankGroup)
+            and not old.intersection(m.pid for m in sup.members if m.pid is not None)
+        )
+
+    await inst.wait_state(fresh, timeout)
+    sup = inst.supervisor
+    assert isinstance(sup, RankGroup)
+    return sup

@@ -126,6 +126,10 @@ def shared(cluster: Cluster, shared_coordinator: Server) -> Iterator[Server]:
 def debug_pid(server: Server) -> int:
     """The pid of the coordinator's own debug runner, once ready: a test that loses a node may have taken it along,
     and it is re-placed like any other."""
+    listed = {i["id"] for i in view(server)["data"]}
+    if "debug" not in listed:  # failed for good and forgotten: say why, from the scheduler's own account
+        why = [d for d in view(server)["scheduler"]["decisions"] if d.get("model") == "debug"][-5:]
+        raise AssertionError(f"the coordinator's debug instance is gone (instances: {sorted(listed)}): {why}")
     wait_until(lambda: server.instance("debug")["ready"], 60, "the debug instance ready (re-placed if lost)")
     return int(server.instance("debug")["runner"]["pid"])
 

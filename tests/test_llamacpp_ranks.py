@@ -17,13 +17,12 @@ from typing import Any
 import anyio
 import pytest
 
-from conftest import model_missing, pid_alive
+from conftest import free_rank_ports, model_missing, pid_alive, rank_group, rank_pids, ready_group
 from tether.engines.llamacpp_estimate import estimate_for_spec, layer_plan
 from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
-from tether.node.instance import Instance, InstanceFailed, InstanceReady, RestartPolicy
-from tether.node.ranks import RankGroup, RankPorts
+from tether.node.instance import InstanceFailed, RestartPolicy
 from tether.protocol import CauseKind, ChatMessage, EngineSpec, GenerateParams, RankInfo, TaskState
 
 MISSING = model_missing()
@@ -40,37 +39,6 @@ STORY = GenerateParams(
     max_tokens=160,
     temperature=0.0,
 )
-
-
-def free_ports(n: int) -> list[int]:
-    return list(RankPorts(base=27000 + os.getpid() % 3000).allocate("test", n))
-
-
-def group_of(hosted: Hosted) -> RankGroup:
-    sup = hosted.supervisor
-    assert isinstance(sup, RankGroup), f"not a rank group: {sup!r}"
-    return sup
-
-
-def pids_of(group: RankGroup) -> list[int]:
-    pids = [m.pid for m in group.members]
-    assert all(pid is not None for pid in pids)
-    return [pid for pid in pids if pid is not None]
-
-
-async def fresh_group(inst: Instance, old: set[int], timeout: float = 60) -> RankGroup:
-    def fresh(state: Any) -> bool:
-        sup = inst.supervisor
-        return (
-            isinstance(state, InstanceReady)
-            and isinstance(sup, RankGroup)
-            and not old.intersection(m.pid for m in sup.members if m.pid is not None)
-        )
-
-    await inst.wait_state(fresh, timeout)
-    sup = inst.supervisor
-    assert isinstance(sup, RankGroup)
-    return sup
 
 
 @pytest.fixture
@@ -130,7 +98,7 @@ async def test_a_split_model_writes_the_single_process_models_greedy_text(ranks:
             assert done.state is TaskState.COMPLETE, done.error
             texts[n] = text
             if n > 1:
-                group = group_of(hosted)
+                group = rank_group(hosted)
                 loaded = group.members[0].status
                 assert all(m.alive for m in group.members), loaded
                 rank1 = group.members[1]
@@ -147,8 +115,8 @@ async def test_rank_1_sigkilled_mid_stream_fails_the_request_with_its_cause_and_
     split: Hosted,
 ) -> None:
     inst = split.instance
-    group = group_of(split)
-    old = pids_of(group)
+    group = rank_group(split)
+    old = rank_pids(group)
     peers = group.peers
     with anyio.fail_after(90):
         handle = await inst.generate(STORY)
@@ -164,7 +132,7 @@ async def test_rank_1_sigkilled_mid_stream_fails_the_request_with_its_cause_and_
         assert any(line.startswith("rank 0: ") and "another rank" in line for line in cause.evidence), cause.render()
         assert failed_in < 3.0, f"the request failed {failed_in:.2f} s after rank 1 died"
         assert not any(pid_alive(pid) for pid in old), "every rank of the failed life is gone"
-        new = await fresh_group(inst, set(old))
+        new = await ready_group(inst, set(old))
         assert new.peers == peers, "the replacement's ranks listen on the same ports"
         text, done = await (await inst.generate(STORY)).text()
     assert done.state is TaskState.COMPLETE and len(text) > 200
@@ -174,8 +142,8 @@ async def test_rank_1_sigkilled_mid_stream_fails_the_request_with_its_cause_and_
 @pytest.mark.usefixtures("no_leftover_runners")
 async def test_a_frozen_rank_1_is_a_hang_of_the_instance_within_its_heartbeat_deadline(split: Hosted) -> None:
     inst = split.instance
-    group = group_of(split)
-    old = pids_of(group)
+    group = rank_group(split)
+    old = rank_pids(group)
     with anyio.fail_after(90):
         handle = await inst.generate(STORY)
         async for _ in handle:
@@ -188,7 +156,7 @@ async def test_a_frozen_rank_1_is_a_hang_of_the_instance_within_its_heartbeat_de
         assert final.cause.kind is CauseKind.HANG and final.cause.rank == 1, final.cause.render()
         assert failed_in < 2.0 + 3.0, f"failed {failed_in:.2f} s after rank 1 froze (heartbeat deadline 2 s)"
         assert not any(pid_alive(pid) for pid in old)
-        await fresh_group(inst, set(old))
+        await ready_group(inst, set(old))
 
 
 @pytest.mark.anyio
@@ -211,8 +179,8 @@ async def test_rank_1_killed_by_the_oom_killer_is_an_out_of_memory_of_rank_1() -
         )
         with anyio.fail_after(120):
             await hosted.instance.wait_ready(60)
-            group = group_of(hosted)
-            old = pids_of(group)
+            group = rank_group(hosted)
+            old = rank_pids(group)
             final = await (await hosted.instance.generate(long)).wait()
             assert final.state is TaskState.FAILED and final.cause is not None
             assert final.cause.kind is CauseKind.OUT_OF_MEMORY and final.cause.rank == 1, final.cause.render()
@@ -223,7 +191,7 @@ async def test_rank_1_killed_by_the_oom_killer_is_an_out_of_memory_of_rank_1() -
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
 async def test_a_held_port_is_a_retried_load_error_naming_its_holder() -> None:
-    ports = free_ports(2)
+    ports = free_rank_ports(2)
     holder = socket.socket()
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     holder.bind(("127.0.0.1", ports[1]))
@@ -301,7 +269,7 @@ def test_an_orphaned_rank_and_its_forked_child_keep_the_rpc_port_and_a_naive_res
     from tether import env
 
     (tmp_path / "forking_rank.py").write_text(FORKING_RANK)
-    ports = free_ports(2)
+    ports = free_rank_ports(2)
     body = {
         "id": "split",
         "engine": f"{tmp_path / 'forking_rank.py'}:ForkingRank",

@@ -20,53 +20,28 @@ import anyio
 import httpx
 import pytest
 
-from conftest import Server, debug_server, pid_alive, prompt, wait_until
+from conftest import (
+    Server,
+    debug_server,
+    free_rank_ports,
+    pid_alive,
+    prompt,
+    rank_group,
+    rank_pids,
+    ready_group,
+    wait_until,
+)
 from tether import env
 from tether.errors import InvalidField
 from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
-from tether.node.instance import Instance, InstanceFailed, InstanceReady, RestartPolicy
-from tether.node.ranks import RankGroup, RankPorts
+from tether.node.instance import InstanceFailed, InstanceReady, RestartPolicy
 from tether.protocol import CauseKind, Fault, TaskState
 
 pytestmark = pytest.mark.timeout(90)
 FAST = RestartPolicy(initial_backoff=0.05, max_backoff=0.2, jitter=0.0)
 MiB = 1 << 20
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` ports nothing listens on, below the ephemeral range (no outgoing connection takes one meanwhile)."""
-    return list(RankPorts(base=26000 + os.getpid() % 4000).allocate("test", n))
-
-
-def group_of(hosted: Hosted) -> RankGroup:
-    sup = hosted.supervisor
-    assert isinstance(sup, RankGroup), f"not a rank group: {sup!r}"
-    return sup
-
-
-def rank_pids(group: RankGroup) -> list[int]:
-    pids = [m.pid for m in group.members]
-    assert all(pid is not None for pid in pids)
-    return [pid for pid in pids if pid is not None]
-
-
-async def ready_group(inst: Instance, old: set[int], timeout: float = 30) -> RankGroup:
-    """Wait for a Ready life whose ranks are all new (not in ``old``)."""
-
-    def fresh(state: Any) -> bool:
-        sup = inst.supervisor
-        return (
-            isinstance(state, InstanceReady)
-            and isinstance(sup, RankGroup)
-            and not old.intersection(m.pid for m in sup.members if m.pid is not None)
-        )
-
-    await inst.wait_state(fresh, timeout)
-    sup = inst.supervisor
-    assert isinstance(sup, RankGroup)
-    return sup
 
 
 @pytest.fixture
@@ -111,7 +86,7 @@ async def test_a_rank_that_dies_fails_every_rank_with_its_cause_and_the_replacem
 ) -> None:
     _, hosted = ring
     inst = hosted.instance
-    group = group_of(hosted)
+    group = rank_group(hosted)
     old = rank_pids(group)
     peers = group.peers
     with anyio.fail_after(40):
@@ -134,7 +109,7 @@ async def test_a_rank_that_dies_fails_every_rank_with_its_cause_and_the_replacem
 async def test_a_rank_killed_from_outside_ends_every_request_with_its_cause(ring: tuple[Fleet, Hosted]) -> None:
     _, hosted = ring
     inst = hosted.instance
-    group = group_of(hosted)
+    group = rank_group(hosted)
     old = rank_pids(group)
     with anyio.fail_after(30):
         handles = [await inst.generate(prompt(2000)) for _ in range(1)]
@@ -170,7 +145,7 @@ async def test_cancel_is_per_request_and_a_rank_stuck_in_the_ring_is_a_hang_of_t
         inst = hosted.instance
         with anyio.fail_after(40):
             await inst.wait_ready(30)
-            group = group_of(hosted)
+            group = rank_group(hosted)
             pids = rank_pids(group)
             keep = await inst.generate(prompt(40))
             drop = await inst.generate(prompt(2000))
@@ -244,7 +219,7 @@ def ranks_of(server: Server) -> list[dict[str, Any]]:
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leaves_one() -> None:
-    ports = free_ports(2)
+    ports = free_rank_ports(2)
     naive = {**os.environ, env.DISABLE_ORPHAN_WATCHDOG: "1"}  # the whole environment of the worker
     orphans: list[int] = []
     left: list[int] = []  # everything of the naive workers' that outlives them: killed at the end, whatever happens
