@@ -22,7 +22,7 @@ import pytest
 import tether.serve.app  # noqa: F401  (every route module registers its bodies on import)
 from tether.errors import InvalidField
 from tether.fleet.catalog import keep_alive_seconds as keep_alive
-from tether.serve.dialects import embeddings, fields, ollama, openai, responses
+from tether.serve.dialects import embeddings, fields, ollama, openai, responses, tokenizer
 from tether.serve.dialects.plan import decode_body
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             **SAMPLING,
             "prompt": Case("hello", refused=["a", "b"]),
             "logprobs": Case(2),
-            "echo": Case(False, refused=True),
+            "echo": Case(True),
             "suffix": Case("", refused="x"),
             "best_of": Case(1, refused=3),
         },
@@ -198,6 +198,46 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
         },
     ),
 }
+
+
+def tokenize_plan(body: bytes) -> Any:
+    """A tokenize body's plan; one that names no text gets ``prompt: "hi"`` (each of its three texts is a case)."""
+    request = json.loads(body)
+    if not {"content", "prompt", "messages"} & set(request):
+        request["prompt"] = "hi"
+    return tokenizer.tokenize_plan(decode_body(tokenizer._tokenize_decoder, json.dumps(request).encode()))
+
+
+def detokenize_plan(body: bytes) -> Any:
+    request = decode_body(tokenizer._detokenize_decoder, body)
+    return tokenizer.detokenize_params(request), request.model
+
+
+CASES.update(
+    {
+        "POST /tokenize": (
+            {},
+            tokenize_plan,
+            {
+                "content": Case("hello"),
+                "add_special": Case(False),
+                "parse_special": Case(True, refused=False),
+                "with_pieces": Case(True),
+                "model": Case("other"),
+                "prompt": Case("hello"),
+                "messages": Case([{"role": "user", "content": "hello"}]),
+                "add_special_tokens": Case(False),
+                "add_generation_prompt": Case(True, refused=False),
+                "return_token_strs": Case(True),
+            },
+        ),
+        "POST /detokenize": (
+            {"tokens": [1]},
+            detokenize_plan,
+            {"tokens": Case([1, 2]), "model": Case("other")},
+        ),
+    }
+)
 
 
 def unprefixed(plan: Callable[[bytes], Any], prefix: str) -> Callable[[bytes], Any]:
@@ -328,7 +368,7 @@ CASES.update(
             {
                 **OLLAMA_EMBED,
                 "input": Case(["a", "b"]),
-                "truncate": Case(False, refused=True),
+                "truncate": Case(False),
                 "dimensions": Case(8),
             },
         ),

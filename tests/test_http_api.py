@@ -310,7 +310,8 @@ def test_parallel_streams_run_together_and_the_api_metrics_and_status_show_runni
         ("/v1/chat/completions", {"messages": "hi"}, "messages", "Expected `array`, got `str`"),
         ("/v1/chat/completions", {"model": "debug"}, None, "missing required field `messages`"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens", "Expected `int | null`"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "echo is not supported"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "prompt must be one prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 only with echo"),
     ],
 )
 def test_bad_parameters_are_a_400_naming_the_field(

@@ -165,8 +165,8 @@ MAX_LOGIT_BIAS = 1024  # entries (OpenAI documents no limit; a bound keeps a req
 
 
 class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One generation (or, with ``embed``, one embedding) request. Exactly one of ``prompt`` (raw completion) or
-    ``messages`` (chat) is set.
+    """One generation (or, with ``embed``, one embedding; with ``tokenizer``, one tokenization) request. Exactly one
+    of ``prompt`` (raw completion), ``prompt_ids`` (the same, as token ids) or ``messages`` (chat) is set.
 
     Sampling follows OpenAI's definitions where OpenAI has the parameter (``presence_penalty`` and
     ``frequency_penalty`` over the tokens generated so far, ``logit_bias`` added to the logits of token ids) and
@@ -174,6 +174,13 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``logprobs``: None for none, else how many alternatives to report beside each chosen token (0 to 20).
     ``json_schema``: the JSON text of a JSON Schema the output must match (``{}`` for any JSON object is
     ``{"type": "object"}``), enforced by the engine's grammar-constrained sampling.
+    ``prompt_ids``: a raw prompt as token ids, used as they are (no BOS added). ``echo``: the answer starts with
+    the prompt (its text, and with ``logprobs`` each prompt token's entry, the first one's logprob NaN: nothing
+    precedes it; an end-of-generation token then gets an entry too, as vLLM gives it); ``max_tokens`` may then be 0
+    (the prompt's logprobs alone, as lm-eval's loglikelihood asks).
+    ``tokenizer``: not a generation but a question to the model's tokenizer, answered on the final chunk's
+    ``tokenized`` (``TokenizerAnswer``): "encode" tokenizes ``prompt`` (``add_special``: with the BOS the model
+    adds, if any) or the rendered ``messages``; "decode" writes ``prompt_ids`` out as the final chunk's text.
     """
 
     prompt: str | None = None
@@ -192,14 +199,36 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: int | None = None
     json_schema: str | None = None
     embed: bool = False  # an embedding of the prompt (or the rendered chat), not a generation
+    prompt_ids: tuple[int, ...] | None = None  # a raw prompt given as token ids (OpenAI's legacy completions shape)
+    echo: bool = False  # the prompt's own tokens (with their logprobs when asked) lead the answer (completions)
+    fit_context: bool = False  # a chat longer than the context keeps its system messages and latest turns (Ollama)
+    tokenizer: Literal["encode", "decode"] | None = None  # a tokenizer request (see the docstring), not a generation
+    add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
     def check(self) -> InvalidField | None:
         """What is wrong with these parameters (naming the field), or None."""
-        if (self.prompt is None) == (self.messages is None):
-            return InvalidField(None, "set exactly one of 'prompt' or 'messages'")
-        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            return InvalidField("max_tokens", f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            return InvalidField(None, f"set exactly one of 'prompt', 'messages' or 'prompt_ids' (got {len(given)})")
+        if self.tokenizer == "decode" and self.prompt_ids is None:
+            return InvalidField("tokens", "a tokenizer 'decode' request needs token ids (prompt_ids)")
+        if self.prompt_ids is not None:
+            if not self.prompt_ids and self.tokenizer is None:
+                return InvalidField("prompt", "a token-id prompt needs at least one token")
+            if self.tokenizer == "encode" or self.embed:
+                return InvalidField("prompt", "token ids are already tokens: send text to tokenize or embed")
+            for i, token in enumerate(self.prompt_ids):
+                if not 0 <= token <= MAX_TOKENS_LIMIT:
+                    return InvalidField("prompt", f"token ids must be integers >= 0, got {token} at index {i}")
+        if self.echo and self.messages is not None:
+            return InvalidField("echo", "echo repeats a raw prompt (completions); a chat has none to repeat")
+        fewest = 0 if self.echo or self.tokenizer is not None else 1
+        if not fewest <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            hint = " (0 only with echo: the prompt's logprobs alone)" if self.max_tokens == 0 else ""
+            return InvalidField(
+                "max_tokens", f"max_tokens must be in [{fewest}, {MAX_TOKENS_LIMIT}]{hint}, got {self.max_tokens}"
+            )
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             return InvalidField("seed", f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}")
         low, high = TEMPERATURE_RANGE
@@ -253,6 +282,23 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     piece: bytes
     top: tuple[TopLogprob, ...] = ()
+
+
+class TokenizerAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a tokenizer request (``GenerateParams.tokenizer``) learns from the runner, which alone holds the model:
+    the token ids of an "encode" and each one's bytes, and the facts a client's remote tokenizer needs."""
+
+    ids: tuple[int, ...] = ()  # "encode": the token ids
+    pieces: tuple[bytes, ...] = ()  # "encode": each token's bytes (special tokens written out: ``<|im_end|>``)
+    n_ctx: int = 0  # tokens one sequence's context holds: the longest prompt plus answer served
+    n_vocab: int = 0
+    bos_token: str | None = None  # the special tokens' texts and ids (None: the model has none)
+    bos_id: int | None = None
+    eos_token: str | None = None
+    eos_id: int | None = None
+    add_bos: bool = False  # whether a prompt's tokenization starts with BOS
+    chat_template: str | None = None  # the model's own (Jinja), if it has one
+    kind: str = ""  # the tokenizer's family, as the engine names it (llama.cpp: "gpt2", "llama", ...)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -444,6 +490,16 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this delta covers, when the request asked for logprobs
     embedding: tuple[float, ...] | None = None  # an embedding request's vector (on its final chunk)
     cached_tokens: int = 0  # of prompt_tokens, those the prompt cache supplied (on the final chunk)
+    dropped_messages: int = 0  # ``fit_context``: the chat's oldest turns left out to fit the context (final chunk)
+    prefilled: int = 0  # a progress report (no text, no tokens): prompt tokens prefilled so far (``is_progress``)
+
+    @property
+    def is_progress(self) -> bool:
+        """Only a report that a long prompt's prefill advanced: it restarts the first-token clock and no client
+        sees it."""
+        return self.prefilled > 0 and self.tokens == 0 and not self.text and self.finish_reason is None
+
+    tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``GenerateParams.tokenizer``; final)
 
 
 class ErrorChunk(msgspec.Struct, tag="error", frozen=True):

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tether.errors import TetherError
-from tether.protocol import FinishReason, GenerateParams, TokenLogprob
+from tether.protocol import FinishReason, GenerateParams, TokenizerAnswer, TokenLogprob
 from tether.units import format_bytes
 
 ProgressCallback = Callable[[float, str], None]  # (fraction 0..1, detail)
@@ -55,6 +55,9 @@ class Delta(msgspec.Struct, frozen=True):
     logprobs: tuple[TokenLogprob, ...] = ()  # for the tokens this delta covers, when the request asked
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its final delta
     cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prompt cache (final delta)
+    dropped_messages: int = 0  # a chat's oldest turns left out to fit the context (``fit_context``; final delta)
+    prefilled: int = 0  # a progress delta (no text, no tokens): the prompt tokens prefilled so far
+    tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``GenerateParams.tokenizer``; final)
 
 
 class RequestError(TetherError):

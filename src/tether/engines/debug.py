@@ -14,6 +14,10 @@ What a deterministic engine can honestly say about the rest of a request:
 * ``logprobs``: every word is the only possible one, so each token's logprob is 0.0 (probability 1) and ``top``
   holds just that token when the request asks for one or more alternatives.
 * ``json_schema``: refused (``RequestError``): the word stream cannot follow a schema.
+* ``echo``: the prompt's text leads the first delta; with ``logprobs``, one entry per whitespace-separated word of
+  it (its prompt tokens), the first with logprob NaN (nothing precedes it), the others 0.0. ``max_tokens`` 0 ends
+  the request with the echo alone.
+* ``prompt_ids`` and ``tokenizer`` requests: refused (``RequestError``): words have no token ids.
 * The other sampling parameters (temperature, penalties, ``logit_bias``, top_k, ...) are checked and otherwise
   change nothing: the text depends on the prompt and ``seed`` alone.
 
@@ -130,6 +134,8 @@ class _DebugSequence:
     embedding: tuple[float, ...] | None = None  # an embed request's vector: it ends at its first step
     carried: tuple[Fault, ...] = ()  # its request's generate faults for other ranks, carried round the ring
     ringed: bool = True  # its tokens go round the ring (not the warm-up generation's: the warm-up frame did that)
+    echo: str | None = None  # ``echo``: the prompt, to lead the first delta (None once sent)
+    echoed: tuple[TokenLogprob, ...] = ()  # ``echo`` with logprobs: the prompt's words' entries
 
 
 class RingToken(msgspec.Struct, frozen=True, array_like=True):
@@ -411,15 +417,30 @@ class DebugEngine:
             raise RequestError(
                 "the debug engine does not do structured output (json_schema): use the llama.cpp engine for it"
             )
+        if params.prompt_ids is not None or params.tokenizer is not None:
+            raise RequestError(
+                "the debug engine has no tokenizer (its tokens are words): send a text prompt, and token ids or "
+                "tokenizer requests to a llama.cpp instance"
+            )
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already running")
         if len(self._seqs) >= self.parallel:
             raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
         text = prompt_text(params)
         prompt_tokens = len(text.split())
+        if params.embed and params.fit_context and self.n_ctx is not None and prompt_tokens > self.n_ctx:
+            text = " ".join(text.split()[: self.n_ctx])  # Ollama's truncate: the input's first n_ctx tokens
+            prompt_tokens = self.n_ctx
         if self.n_ctx is not None and prompt_tokens > self.n_ctx:
             raise RequestError(f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx")
         budget = params.max_tokens if self.n_ctx is None else max(1, min(params.max_tokens, self.n_ctx - prompt_tokens))
+        if params.max_tokens == 0:  # echo alone (``check`` allows 0 only with echo)
+            budget = 0
+        echoed: tuple[TokenLogprob, ...] = ()
+        if params.echo and params.logprobs is not None:
+            words = text.split()  # the first has no logprob (nothing precedes it), the others are certain
+            first = tuple(TokenLogprob(w, math.nan, w.encode()) for w in words[:1])
+            echoed = first + tuple(certain(w, params.logprobs) for w in words[1:])
         self._seqs[seq_id] = _DebugSequence(
             token_stream(text, params.seed),
             TextStream(params.stop),
@@ -430,6 +451,8 @@ class DebugEngine:
             embedding=embedding_vector(text, self.embedding_dim) if params.embed else None,
             carried=carried,
             ringed=ringed,
+            echo=text if params.echo else None,
+            echoed=echoed,
         )
 
     def _advance(self, seq_id: str, seq: _DebugSequence) -> tuple[Delta, str]:
@@ -437,11 +460,17 @@ class DebugEngine:
         if seq.embedding is not None:
             del self._seqs[seq_id]
             return Delta("", 0, "stop", seq.prompt_tokens, 0, embedding=seq.embedding), ""
+        lead, seq.echo = seq.echo or "", None
+        lead_logprobs, seq.echoed = seq.echoed, ()
+        if seq.budget == 0:  # echo with max_tokens 0: the prompt alone
+            del self._seqs[seq_id]
+            return Delta(lead, 0, "length", seq.prompt_tokens, 0, logprobs=lead_logprobs), ""
         word = next(seq.words)
         seq.done += 1
-        piece = word if seq.done == 1 else " " + word
-        logprobs = () if seq.logprobs is None else (certain(piece, seq.logprobs),)
+        piece = " " + word if seq.done > 1 or lead else word  # words follow an echoed prompt after a space too
+        logprobs = lead_logprobs + (() if seq.logprobs is None else (certain(piece, seq.logprobs),))
         text, stopped = seq.text.feed(piece)
+        text = lead + text
         if stopped or seq.done == seq.budget:
             del self._seqs[seq_id]
             if not stopped:

@@ -23,6 +23,12 @@ vocabulary size; ``json_schema`` is converted to a GBNF grammar by llama-cpp-pyt
 engine's process: a schema it cannot convert is that request's ``RequestError``), with strings kept free of raw
 control characters so the output is strict JSON.
 
+**Token ids, echo and the tokenizer.** A raw prompt may come as token ids (``prompt_ids``: used as they are, no BOS
+added; an id outside the vocabulary is a ``RequestError`` naming it and ``n_vocab``); ``echo`` leads the answer with
+the prompt, and with logprobs its tokens' (``llamacpp_batch``'s Echo). Tokenizer requests
+(``GenerateParams.tokenizer``) are answered at ``start`` from the model's own vocabulary by any instance, an
+embedding one too, and returned by the next ``step``.
+
 **Embeddings** need an instance of their own (option ``embedding``): llama.cpp computes pooled embeddings in a
 context built for them (``embeddings`` on, every prompt token an output), which a generating context is not. Such an
 instance serves only ``embed`` requests and refuses generations, and a generating instance refuses ``embed``
@@ -37,20 +43,23 @@ share the placement gave it (its node's free memory), else equally. Rank 0 waits
 them, loads, then bounds its connections to them (``rpc_timeout``). A layer split is a pipeline: it adds memory, not
 speed, for one sequence.
 
-Options (``spec.options``): n_ctx (2048, per sequence), parallel (8 sequences at once; the KV cache holds
-parallel x n_ctx cells), n_threads (usable CPUs, at most 8), n_batch (512), prefill_chunk (32: prompt tokens per step
-while other sequences decode), prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from
-RAM, see ``llamacpp_cache``), prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or
-a size such as "512M"; counted by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike
-llama-cpp-python's 1.1), verbose (False), embedding (False: serve embeddings instead of generations; n_batch is
-then n_ctx, since a prompt is prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a
-time), layer_split (None: a relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that long
-mid-step ends rank 0; above the heartbeat deadline, so a frozen peer on this machine is found by its own silence
-first).
+Options (``spec.options``): n_ctx ("auto": per sequence, the model's trained context up to 8192 — 2048 for an
+embedding instance —, which the worker's fit check lowers to what memory holds, saying so), parallel (8 sequences at
+once; the KV cache holds parallel x n_ctx cells), n_threads (usable CPUs: affinity, cpuset and CPU quota; at most
+8), adaptive_threads (True: one thread while other processes hold the cores, all again once they are free; see
+``llamacpp_threads``), n_batch (512), prefill_chunk (32: prompt tokens per step while other sequences decode),
+prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from RAM, see ``llamacpp_cache``),
+prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or a size such as "512M"; counted
+by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike llama-cpp-python's 1.1), verbose
+(False), embedding (False: serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is
+prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a time), layer_split (None: a
+relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that long mid-step ends rank 0; above the
+heartbeat deadline, so a frozen peer on this machine is found by its own silence first).
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import os
@@ -60,10 +69,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
-from tether.protocol import EngineSpec, GenerateParams, RankInfo
+from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
 
 if TYPE_CHECKING:
     from tether.engines.llamacpp_batch import Batch
@@ -74,7 +85,7 @@ PARALLEL_DEFAULT = 8
 PROMPT_CACHE_FALLBACK = 256 << 20  # the RAM store's "auto" budget when the GGUF's header cannot be sized
 
 OPTION_DEFAULTS: dict[str, Any] = {
-    "n_ctx": 2048,  # per sequence
+    "n_ctx": "auto",  # per sequence: the model's trained context (capped, see auto_context), lowered by the fit check
     "parallel": PARALLEL_DEFAULT,
     "n_threads": None,  # computed: usable CPUs, at most 8
     "n_batch": 512,
@@ -88,6 +99,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "embedding": False,  # serve embeddings (embed requests) instead of generations: see the module docstring
     "layer_split": None,  # ranks > 1: each rank's relative share of the layers (None: by placement, else equal)
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
+    "adaptive_threads": True,  # one thread while other processes hold the cores (``llamacpp_threads``)
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -95,13 +107,33 @@ PROGRESS_STEP = 0.05  # report load progress in steps of at least 5% so the chan
 GGML_LOG_WARN, GGML_LOG_ERROR, GGML_LOG_CONT = 3, 4, 5  # enum ggml_log_level (NONE 0, DEBUG 1, INFO 2)
 
 
+def cpu_quota() -> float | None:
+    """CPUs' worth of time this process's cgroup may use (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), None: no limit."""
+    for quota_file, period_file in (
+        ("/sys/fs/cgroup/cpu.max", None),
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    ):
+        try:
+            text = Path(quota_file).read_text().split()
+            quota, period = text[0], (text[1] if period_file is None else Path(period_file).read_text().strip())
+            if quota in ("max", "-1"):
+                return None
+            return int(quota) / int(period)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
 def default_threads() -> int:
-    """CPUs this process may run on (affinity and cpusets honoured), capped at 8: beyond that, token
-    generation is memory-bound and extra threads only contend."""
+    """CPUs this process may run on (affinity, cpusets and a cgroup CPU quota honoured), capped at 8: beyond that,
+    token generation is memory-bound and extra threads only contend."""
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        usable = min(usable, max(1, int(quota)))
     return max(1, min(usable, 8))
 
 
@@ -129,10 +161,11 @@ class LlamaCppEngine:
                 f"valid options are {', '.join(OPTION_DEFAULTS)}"
             )
         options = {**OPTION_DEFAULTS, **spec.options}
-        from tether.engines.llamacpp_estimate import prompt_cache_budget
+        from tether.engines.llamacpp_estimate import AUTO_CTX_CAP, prompt_cache_budget
 
         try:
-            self.n_ctx = int(options["n_ctx"])
+            self.n_ctx_auto = options["n_ctx"] == "auto"  # resolved at load from the model (``auto_context``)
+            self.n_ctx = AUTO_CTX_CAP if self.n_ctx_auto else int(options["n_ctx"])
             self.parallel = int(options["parallel"])
             self.n_threads = int(options["n_threads"]) if options["n_threads"] else default_threads()
             self.n_batch = int(options["n_batch"])
@@ -144,6 +177,7 @@ class LlamaCppEngine:
             self.repeat_penalty = float(options["repeat_penalty"])
             self.verbose = bool(options["verbose"])
             self.embedding = bool(options["embedding"])
+            self.adaptive_threads = bool(options["adaptive_threads"])
         except (TypeError, ValueError, OverflowError) as exc:
             raise EngineLoadError(f"invalid llama.cpp engine option in {spec.options!r}: {exc}") from exc
         if not (
@@ -169,6 +203,9 @@ class LlamaCppEngine:
         self._chat_formatter: Any = None
         self._n_vocab = 0  # known once loaded
         self._calls = 0
+        self._answers: list[StepResult] = []  # tokenizer requests, answered at start, returned by the next step
+        self._facts: TokenizerAnswer | None = None  # the tokenizer's facts, read once
+        self._dropped: dict[str, int] = {}  # sequence id -> turns a fitted chat left out (until its final delta)
 
     # -------------------------------------------------------------------------------------------------------
 
@@ -213,6 +250,10 @@ class LlamaCppEngine:
             raise reporter.error
         self._model = model
         self._n_vocab = int(lib.llama_vocab_n_tokens(model.vocab))
+        if self.n_ctx_auto:
+            from tether.engines.llamacpp_estimate import auto_context
+
+            self.n_ctx = auto_context(int(lib.llama_model_n_ctx_train(model.model)), self.embedding)
         self._batch = Batch(
             lib,
             model.model,
@@ -226,6 +267,7 @@ class LlamaCppEngine:
             prompt_cache_ram=self._prompt_cache_budget(),
             embedding=self.embedding,
             pooling=_pooling(lib, model) if self.embedding else None,
+            adaptive_threads=self.adaptive_threads,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model)
         where = ""
@@ -311,6 +353,9 @@ class LlamaCppEngine:
         problem = params.check()
         if problem is not None:
             raise RequestError(str(problem))
+        if params.tokenizer is not None:  # a question to the tokenizer: any instance answers it, at once
+            self._answers.append((seq_id, self._tokenizer_answer(params)))
+            return
         if params.embed != self.embedding:
             raise RequestError(
                 "this llama.cpp instance serves embeddings only (it was started with the embedding option): send "
@@ -325,10 +370,15 @@ class LlamaCppEngine:
         grammar = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
         stop = list(params.stop)
         if params.messages is not None:
-            prompt_tokens, template_stop = self._render_chat(params)
+            prompt_tokens, template_stop = self._fitted_chat(seq_id, params)
             stop += template_stop
+        elif params.prompt_ids is not None:
+            prompt_tokens = self._known_ids(params.prompt_ids, "prompt")
         else:
             prompt_tokens = self._tokenize(params.prompt or "")
+        echo: str | None = None
+        if params.echo:  # the prompt as sent: its text, or its token ids written out
+            echo = params.prompt if params.prompt is not None else self._detokenize(prompt_tokens)
         if len(prompt_tokens) >= self.n_ctx:
             raise RequestError(
                 f"prompt is {len(prompt_tokens)} tokens but a sequence's context (n_ctx) is {self.n_ctx}: shorten "
@@ -348,7 +398,7 @@ class LlamaCppEngine:
             grammar=grammar,
             logprobs=params.logprobs,
         )
-        batch.start(seq_id, prompt_tokens, params.max_tokens, stop, sampling)
+        batch.start(seq_id, prompt_tokens, params.max_tokens, stop, sampling, echo=echo)
 
     def _check_sampling(self, params: GenerateParams) -> str | None:
         """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` (None without)."""
@@ -368,26 +418,100 @@ class LlamaCppEngine:
         else:
             prompt_tokens = self._tokenize(params.prompt or "")
         if len(prompt_tokens) > self.n_ctx:
-            raise RequestError(
-                f"the input is {len(prompt_tokens)} tokens but this embedding instance's context (n_ctx) is "
-                f"{self.n_ctx}: shorten it or start the instance with a larger n_ctx"
-            )
+            if params.fit_context:  # Ollama's truncate: the input's start, as much as the context holds
+                prompt_tokens = prompt_tokens[: self.n_ctx]
+            else:
+                raise RequestError(
+                    f"the input is {len(prompt_tokens)} tokens but this embedding instance's context (n_ctx) is "
+                    f"{self.n_ctx}: shorten it, start the instance with a larger n_ctx, or (Ollama's /api/embed) "
+                    f"send truncate: true to embed its first {self.n_ctx} tokens"
+                )
         batch.start_embedding(seq_id, prompt_tokens)
 
     def _tokenize(self, text: str) -> list[int]:
         tokens: list[int] = self._model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
         return tokens or [self._model.token_bos()]  # an empty prompt on a model without BOS-adding: BOS alone
 
+    def _known_ids(self, ids: tuple[int, ...], field: str) -> list[int]:
+        """``ids`` when every one is in the vocabulary, else ``RequestError`` naming the first that is not."""
+        for i, token in enumerate(ids):
+            if token >= self._n_vocab:
+                raise RequestError(
+                    f"{field} names token {token} (at index {i}), but {describe_model(self.model_path or '?')} has "
+                    f"{self._n_vocab} tokens (n_vocab; ids 0 to {self._n_vocab - 1}): send ids this model's "
+                    "tokenizer gave (POST /tokenize)"
+                )
+        return list(ids)
+
+    def _detokenize(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens written out (as llama-server's /detokenize); an unfinished character
+        at the end is dropped, one in the middle becomes U+FFFD."""
+        batch = self._require_batch()
+        raw = b"".join(batch.piece(token, special=True) for token in ids)
+        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw)
+
+    def _tokenizer_answer(self, params: GenerateParams) -> Delta:
+        """A tokenizer request's final delta (``GenerateParams.tokenizer``): the prompt's (or the rendered chat's)
+        token ids and pieces, or the token ids' text; with the tokenizer's facts either way."""
+        facts = self._tokenizer_facts()
+        if params.tokenizer == "decode":
+            ids = self._known_ids(params.prompt_ids or (), "tokens")
+            return Delta(self._detokenize(ids), 0, "stop", len(ids), 0, tokenized=facts)
+        if params.messages is not None:
+            ids, _ = self._render_chat(params)
+        else:
+            text = (params.prompt or "").encode("utf-8")
+            ids = list(self._model.tokenize(text, add_bos=params.add_special, special=True))
+        batch = self._require_batch()
+        pieces = tuple(batch.piece(token, special=True) for token in ids)
+        answer = msgspec.structs.replace(facts, ids=tuple(ids), pieces=pieces)
+        return Delta("", 0, "stop", len(ids), 0, tokenized=answer)
+
+    def _tokenizer_facts(self) -> TokenizerAnswer:
+        """What a remote tokenizer needs to know of this model's (read once): its special tokens, its context, its
+        chat template."""
+        if self._facts is None:
+            model, batch = self._model, self._require_batch()
+
+            def special(token: int) -> tuple[str | None, int | None]:
+                if token < 0:
+                    return None, None
+                return batch.piece(token, special=True).decode("utf-8", errors="replace"), token
+
+            bos, bos_id = special(int(model.token_bos()))
+            eos, eos_id = special(int(model.token_eos()))
+            metadata = model.metadata()
+            self._facts = TokenizerAnswer(
+                n_ctx=self.n_ctx,
+                n_vocab=self._n_vocab,
+                bos_token=bos,
+                bos_id=bos_id,
+                eos_token=eos,
+                eos_id=eos_id,
+                add_bos=bool(model.add_bos_token()),
+                chat_template=metadata.get("tokenizer.chat_template") or None,
+                kind=str(metadata.get("tokenizer.ggml.model", "")),
+            )
+        return self._facts
+
     def step(self) -> list[StepResult]:
-        return self._require_batch().step()
+        answers, self._answers = self._answers, []  # tokenizer requests answered since the last step
+        results = answers + self._require_batch().step()
+        if self._dropped:  # say on a fitted chat's final delta how many turns were left out
+            for i, (seq_id, delta) in enumerate(results):
+                if isinstance(delta, Delta) and delta.finish_reason is not None and seq_id in self._dropped:
+                    results[i] = (seq_id, msgspec.structs.replace(delta, dropped_messages=self._dropped.pop(seq_id)))
+        return results
 
     def drop(self, seq_id: str) -> Delta:
+        self._dropped.pop(seq_id, None)
+        self._answers = [answer for answer in self._answers if answer[0] != seq_id]
         counts = self._require_batch().drop(seq_id)
         prompt, completion = counts if counts is not None else (0, 0)
         return Delta("", 0, "cancelled", prompt, completion)
 
     def active(self) -> int:
-        return self._require_batch().active()
+        return self._require_batch().active() + len(self._answers)
 
     def follow(self) -> None:
         """A rank above 0, on the runner's follow thread: serve rank 0 until the process ends; ggml's server returns
@@ -434,10 +558,46 @@ class LlamaCppEngine:
             raise RuntimeError("llama.cpp engine used before load() (or after close())")
         return self._batch
 
-    def _render_chat(self, params: GenerateParams) -> tuple[list[int], list[str]]:
-        """Render the chat with the model's template and tokenize it, exactly as llama-cpp-python's chat
-        handler does, so the token count is the real one."""
-        messages = [{"role": m.role, "content": m.content} for m in params.messages or ()]
+    def _fitted_chat(self, seq_id: str, params: GenerateParams) -> tuple[list[int], list[str]]:
+        """The chat's tokens; with ``fit_context`` (Ollama's routes), a chat too long for the context keeps its system
+        messages and its latest turns, as Ollama does: the fewest oldest turns are left out that leave room for
+        ``min(max_tokens, n_ctx / 4)`` tokens of answer (the latest message always stays: alone too long, it is the
+        usual refusal with the numbers)."""
+        messages = list(params.messages or ())
+        tokens, stop = self._render_chat(params, messages)
+        room = self.n_ctx - min(params.max_tokens, self.n_ctx // 4)
+        if not params.fit_context or len(tokens) <= room:
+            return tokens, stop
+        droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
+
+        def without(k: int) -> list[ChatMessage]:
+            gone = set(droppable[:k])
+            while k < len(droppable) and messages[droppable[k]].role not in ("user",):
+                gone.add(droppable[k])  # a kept history starts with a user turn, as templates expect
+                k += 1
+            return [m for i, m in enumerate(messages) if i not in gone]
+
+        lo, hi = 1, len(droppable)  # the fewest oldest turns to leave out: fits(k) is monotonic in k
+        best: tuple[list[int], list[str], int] | None = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            kept = without(mid)
+            fitted, fitted_stop = self._render_chat(params, kept)
+            if len(fitted) <= room:
+                best, hi = (fitted, fitted_stop, len(messages) - len(kept)), mid - 1
+            else:
+                lo = mid + 1
+        if best is None:  # the system messages and the latest alone are too long: refused as any long prompt
+            return self._render_chat(params, without(len(droppable)))
+        self._dropped[seq_id] = best[2]
+        return best[0], best[1]
+
+    def _render_chat(
+        self, params: GenerateParams, chat: list[ChatMessage] | None = None
+    ) -> tuple[list[int], list[str]]:
+        """Render the chat (``chat``, else the request's messages) with the model's template and tokenize it,
+        exactly as llama-cpp-python's chat handler does, so the token count is the real one."""
+        messages = [{"role": m.role, "content": m.content} for m in (params.messages or () if chat is None else chat)]
         if self._chat_formatter is None:
             raise RequestError(
                 f"{describe_model(self.model_path or '?')} has no chat template: send a raw 'prompt' instead"

@@ -51,6 +51,15 @@ Python). So a token the grammar or a bias forced can have a low logprob, and a g
 alternative only when nothing but the model shaped the choice. Nothing is computed for a request without
 ``logprobs``.
 
+**Echo** (``start(echo=...)``, the completions API's ``echo``): the prompt's text leads the sequence's first delta.
+With logprobs, so do its tokens' entries, computed as a generated token's are: each prompt chunk row is decoded with
+its logits on, and row ``p``'s distribution gives the entry of prompt token ``p + 1`` (the first token's logprob is
+NaN: nothing precedes it), so such a prompt reuses nothing from the prompt cache (cached cells have no logits); an
+end-of-generation token then gets an entry too (vLLM's way: lm-eval drops the last entry of an echo as the generated
+one). ``max_tokens`` 0 ends the sequence once its prompt is in, with the echo alone (lm-eval's loglikelihood). A
+prompt token's logprob comes from a prompt chunk's row and the same token generated from a decode row: measured
+here (default model) the two are the same to every digit, but llama.cpp's arithmetic does not promise it.
+
 **Structured output.** A ``json_schema`` sequence samples under a grammar (a GBNF text whose root rule is ``root``)
 as llama.cpp's own common sampler does: the chain picks a token from the unconstrained logits, the grammar checks
 that one token, and only when it refuses it are the logits masked by the grammar (every token's piece matched
@@ -76,6 +85,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +94,7 @@ import numpy as np
 
 from tether.engines.base import Delta, EngineLoadError, RequestError, StepResult
 from tether.engines.llamacpp_cache import PromptCache
+from tether.engines.llamacpp_threads import ThreadGovernor
 from tether.engines.prefix import common_length
 from tether.engines.text import TextStream
 from tether.errors import TetherError
@@ -143,6 +154,10 @@ class _BatchSequence:
     reused: int = 0  # prompt tokens whose cells came from the cache, not prefilled
 
     waits_for: frozenset[str] = frozenset()  # once ready: the sequences prefilling then (see the module docstring)
+    echo: str | None = None  # the prompt's text, to lead the first delta (``echo``; None once sent, or not asked)
+    echoed: list[TokenLogprob] | None = None  # ``echo`` with logprobs: the prompt tokens' entries computed so far
+    eog_entry: bool = False  # ``echo`` with logprobs: an end-of-generation token gets an entry too (vLLM's way)
+    chunk_rows: tuple[int, int, int] = (0, 0, 0)  # this step's prompt rows with logits: (first row, count, position)
 
     @property
     def decoding(self) -> bool:
@@ -157,6 +172,11 @@ class _BatchSequence:
     def ready(self) -> bool:
         """All its prompt in its cells but the last token, which goes in with the decode rows."""
         return self.placed and self.prefilled == len(self.prompt) - 1
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: it ends once its prompt's logprobs are known, generating nothing."""
+        return self.max_tokens == 0
 
 
 class Batch:
@@ -178,9 +198,11 @@ class Batch:
         unified: bool = False,
         embedding: bool = False,
         pooling: int | None = None,
+        adaptive_threads: bool = True,
     ) -> None:
         """``embedding``: a context for pooled embeddings (``pooling``: a ``LLAMA_POOLING_TYPE_*``, None for the
-        model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``."""
+        model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``. ``adaptive_threads``:
+        one thread while other processes hold the cores (``llamacpp_threads``)."""
         self.lib = lib
         self.vocab = vocab
         self.parallel = parallel
@@ -217,6 +239,7 @@ class Batch:
                 f"{', embeddings' if embedding else ''}): lower parallel or n_ctx (the stderr tail has llama.cpp's "
                 "reason)"
             )
+        self.threads = ThreadGovernor(lib, self.ctx, n_threads, adaptive=adaptive_threads)
         if embedding and lib.llama_pooling_type(self.ctx) not in (
             lib.LLAMA_POOLING_TYPE_MEAN,
             lib.LLAMA_POOLING_TYPE_CLS,
@@ -244,15 +267,31 @@ class Batch:
     # --- sequences ------------------------------------------------------------------------------------------
 
     def start(
-        self, seq_id: str, prompt: Sequence[int], max_tokens: int, stops: Sequence[str], sampling: Sampling
+        self,
+        seq_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stops: Sequence[str],
+        sampling: Sampling,
+        echo: str | None = None,
     ) -> None:
         """Place a sequence in the free slot that shares the longest prefix with ``prompt`` (its first token comes
         with a later step). The caller has checked the prompt fits the context. ``RequestError`` (nothing started)
-        when llama.cpp cannot build its sampler (a grammar it cannot parse)."""
+        when llama.cpp cannot build its sampler (a grammar it cannot parse).
+
+        ``echo``: the prompt's text, which leads the sequence's first delta; with ``sampling.logprobs`` the prompt's
+        tokens' entries lead its logprobs (see "Echo" in the module docstring). ``max_tokens`` 0 (with ``echo``
+        only) ends the sequence once its prompt is in, generating nothing."""
         if self.embedding:
             raise RuntimeError("this batch computes embeddings: use start_embedding")
+        if max_tokens < (0 if echo is not None else 1) or not prompt:
+            raise RuntimeError(f"a sequence needs a prompt and max_tokens >= 1 (0 with echo), got {max_tokens}")
         slot = self._free_slot(seq_id, prompt)
         sampler, grammar = self._sampler(sampling, prompt)
+        echoed: list[TokenLogprob] | None = None
+        if echo is not None and sampling.logprobs is not None:  # the first token: nothing precedes it, no logprob
+            first = self._token_piece(prompt[0], special=True)
+            echoed = [TokenLogprob(first.decode("utf-8", errors="replace"), math.nan, first)]
         self._seqs[seq_id] = _BatchSequence(
             seq_id,
             slot,
@@ -265,6 +304,9 @@ class Batch:
             logprobs=sampling.logprobs,
             output=bytearray() if grammar is not None else None,
             plain_greedy=_plain_greedy(sampling),
+            echo=echo,
+            echoed=echoed,
+            eog_entry=echoed is not None,
         )
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
@@ -310,7 +352,11 @@ class Batch:
         n = 0
         waiting = {seq.seq_id for seq in self._seqs.values() if seq.prefilling}
         rows = sorted(
-            (seq for seq in self._seqs.values() if seq.decoding or (seq.ready and not seq.waits_for & waiting)),
+            (
+                seq
+                for seq in self._seqs.values()
+                if seq.decoding or (seq.ready and not seq.echo_only and not seq.waits_for & waiting)
+            ),
             key=lambda seq: seq.slot.index,
         )
         for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
@@ -332,22 +378,36 @@ class Batch:
             if not seq.placed:
                 self._place(seq)
             chunk = seq.prompt[seq.prefilled : min(seq.prefilled + budget, len(seq.prompt) - 1)]
+            logits = seq.echoed is not None  # each prompt row's logits give the next prompt token's logprob
+            if logits:
+                seq.chunk_rows = (n, len(chunk), seq.prefilled)
             for i, token in enumerate(chunk):
-                self._put(n, token, seq.prefilled + i, seq.slot.index, False)
+                self._put(n, token, seq.prefilled + i, seq.slot.index, logits)
                 n += 1
             seq.slot.cached.extend(chunk)
             seq.prefilled += len(chunk)
             if not seq.prefilling:  # all but its last token: it waits for the prompts queued beside it (docstring)
                 seq.waits_for = frozenset(waiting - {seq.seq_id})
                 self.cache.register(seq.slot.index, seq.slot.cached)
-        if n == 0:
+        if n == 0 and not any(seq.echo_only and seq.ready for seq in self._seqs.values()):
             return []
-        self._decode(n)
+        if n:
+            self._decode(n)
+        if prefilling is not None and prefilling.chunk_rows[1]:
+            self._prompt_logprobs(prefilling)
         results: list[StepResult] = []
+        if prefilling is not None and prefilling.prefilling:  # a long prompt advanced: its first-token clock restarts
+            results.append((prefilling.seq_id, Delta("", 0, prefilled=prefilling.prefilled)))
         for seq in list(self._seqs.values()):
             if seq.row >= 0:
                 results.append((seq.seq_id, self._sample(seq)))
                 seq.row = -1
+            elif seq.echo_only and seq.ready:  # its prompt is in: it ends, having generated nothing
+                self.drop(seq.seq_id)
+                echoed = tuple(seq.echoed or ())
+                prompt = len(seq.prompt)
+                final = Delta(seq.echo or "", 0, "length", prompt, 0, logprobs=echoed, cached_tokens=seq.reused)
+                results.append((seq.seq_id, final))
         return results
 
     def close(self) -> None:
@@ -363,8 +423,11 @@ class Batch:
     # --- internals ------------------------------------------------------------------------------------------
 
     def _place(self, seq: _BatchSequence) -> None:
-        """Bring the prompt's longest cached prefix into the sequence's slot (``PromptCache.place``)."""
-        reused = self.cache.place(seq.slot.index, seq.slot.cached, seq.prompt, [slot.cached for slot in self._slots])
+        """Bring the prompt's longest cached prefix into the sequence's slot (``PromptCache.place``); none for a
+        sequence that needs its prompt's logprobs (cached cells have no logits): placed as a one-token prompt, of
+        which the cache never reuses anything, its slot's cells are saved (when worth it) and emptied."""
+        prompt = seq.prompt[:1] if seq.echoed is not None else seq.prompt
+        reused = self.cache.place(seq.slot.index, seq.slot.cached, prompt, [slot.cached for slot in self._slots])
         seq.prefilled = seq.reused = reused
         seq.placed = True
 
@@ -387,7 +450,10 @@ class Batch:
 
     def _decode(self, n: int) -> None:
         self._batch.n_tokens = n
+        self.threads.before()
+        started = time.perf_counter()
         code = self.lib.llama_decode(self.ctx, self._batch)
+        self.threads.after(time.perf_counter() - started)
         if code != 0:
             raise DecodeError(
                 f"llama_decode failed with {code} for a batch of {n} tokens over {len(self._seqs)} sequences "
@@ -433,6 +499,8 @@ class Batch:
         if lib.llama_vocab_is_eog(self.vocab, token):
             text, finish = seq.text.flush(), "stop"
             tokens = 0
+            if seq.eog_entry and seq.logprobs is not None:
+                logprobs = (self._logprob(seq.row, token, self._token_piece(token, special=True), seq.logprobs),)
         else:
             seq.completion += 1
             tokens = 1
@@ -452,10 +520,24 @@ class Batch:
                 finish = "length"
             else:
                 seq.next_token = token
+        if seq.echo is not None:  # the first delta: the prompt leads it
+            text, logprobs, seq.echo = seq.echo + text, (*(seq.echoed or ()), *logprobs), None
+            seq.echoed = None
         if finish is None:
             return Delta(text, tokens, logprobs=logprobs)
         self.drop(seq.seq_id)
         return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs, cached_tokens=seq.reused)
+
+    def _prompt_logprobs(self, seq: _BatchSequence) -> None:
+        """The entries of the prompt tokens this step's chunk rows predict: row ``i`` (position ``p``) gives the
+        logprob of the prompt's token ``p + 1`` and the ``logprobs`` likeliest tokens there."""
+        first, count, position = seq.chunk_rows
+        seq.chunk_rows = (0, 0, 0)
+        if seq.echoed is None or seq.logprobs is None:
+            return
+        for i in range(count):
+            token = seq.prompt[position + i + 1]
+            seq.echoed.append(self._logprob(first + i, token, self._token_piece(token, special=True), seq.logprobs))
 
     def _sample_constrained(self, seq: _BatchSequence) -> int | None:
         """Sample under the grammar (see the module docstring): the chain's pick if the grammar allows it, else the
@@ -538,6 +620,10 @@ class Batch:
     def _top(self, token: int, logprob: float) -> TopLogprob:
         piece = self._token_piece(token, special=True)
         return TopLogprob(piece.decode("utf-8", errors="replace"), min(logprob, 0.0), piece)
+
+    def piece(self, token: int, special: bool = True) -> bytes:
+        """A token's bytes (``special``: a special token written out, ``<|im_end|>``, rather than as nothing)."""
+        return self._token_piece(token, special)
 
     def _token_piece(self, token: int, special: bool) -> bytes:
         size = self.lib.llama_token_to_piece(self.vocab, token, self._piece, PIECE_BUFFER, 0, special)

@@ -102,6 +102,15 @@ DEFAULT_N_BATCH = 512  # the llama.cpp engine's n_batch default
 MAX_N_UBATCH = 512  # llama-cpp-python's n_ubatch default: micro-batches are min(n_batch, 512) tokens
 KV_CELL_PADDING = 256  # llama.cpp rounds the context up to a multiple of this many KV cells
 
+AUTO_CTX_CAP = 8192
+"""n_ctx "auto" (the default) is the model's trained context up to this many cells per sequence: every sequence's
+cache is allocated and cleared at load (8 sequences x 8192 cells are 1.4 GiB for the default model), so a model
+trained for 128K does not take its whole context eight times over unless ``--n-ctx`` asks for it. Open WebUI's
+default chat with its built-in tools is a ~6,600-token prompt."""
+
+AUTO_CTX_CAP_EMBEDDING = 2048
+"""n_ctx "auto" of an embedding instance: its outputs grow with n_ctx x n_vocab (see the module docstring)."""
+
 _DEFAULT_CTX_NOTE = "n_ctx not given: using the model's context length"
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -498,13 +507,21 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
     """The estimate for a llama.cpp runner of ``spec`` with ``options`` (the engine's defaults under the spec's own,
     so the estimate matches the load). Raises ``GgufError`` for a file that is not a readable GGUF."""
     path = Path(spec.model) if spec.model else default_model_path()
+    embedding = bool(options.get("embedding", False))
+    n_ctx: int | None
+    if options["n_ctx"] == "auto":  # the model's own context when that is what "auto" gives (describe says so)
+        trained = _shape(read_gguf(path)).context_length
+        n_ctx = auto_context(trained, embedding)
+        n_ctx = None if n_ctx == trained else n_ctx
+    else:
+        n_ctx = int(options["n_ctx"])
     whole = estimate_gguf(
         path,
-        n_ctx=int(options["n_ctx"]),
+        n_ctx=n_ctx,
         n_batch=int(options["n_batch"]),
         parallel=int(options.get("parallel", 1)),
         headroom=headroom,
-        embedding=bool(options.get("embedding", False)),
+        embedding=embedding,
         prompt_cache_ram=prompt_cache_budget(options),
     )
     if spec.rank is None:
@@ -525,6 +542,12 @@ def split_shares(rank: RankInfo, layer_split: Sequence[float] | None) -> tuple[f
     if len(rank.shares) == rank.world_size:
         return rank.shares
     return (1.0,) * rank.world_size
+
+
+def auto_context(trained: int | None, embedding: bool = False) -> int:
+    """The n_ctx that "auto" means for a model trained for ``trained`` tokens (None or 0: unknown)."""
+    cap = AUTO_CTX_CAP_EMBEDDING if embedding else AUTO_CTX_CAP
+    return min(trained, cap) if trained and trained > 0 else cap
 
 
 def prompt_cache_budget(options: Mapping[str, Any]) -> int | None:

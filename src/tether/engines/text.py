@@ -31,8 +31,11 @@ class TextStream:
         return text, False
 
     def flush(self) -> str:
-        """The end of the sequence: everything held back (an unfinished character becomes U+FFFD)."""
-        text, self._pending = self._pending + self._decoder.decode(b"", final=True), ""
+        """The end of the sequence: everything held back but an unfinished character, whose bytes are dropped (a
+        generation cut by ``max_tokens`` inside a character ends before it, as llama-cpp-python's completions did:
+        text is always whole text; the token's logprobs keep its bytes)."""
+        text, self._pending = self._pending, ""
+        self._decoder.reset()
         return text
 
 

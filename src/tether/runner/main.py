@@ -384,6 +384,9 @@ class Runner:
                         logprobs=result.logprobs,
                         embedding=result.embedding,
                         cached_tokens=result.cached_tokens,
+                        dropped_messages=result.dropped_messages,
+                        prefilled=result.prefilled,
+                        tokenized=result.tokenized,
                     )
                 )
                 if result.finish_reason is not None:

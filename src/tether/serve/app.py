@@ -17,7 +17,7 @@ from tether.errors import TetherError
 from tether.fleet.scheduler import Scheduler
 from tether.node.output import default_log_dir
 from tether.serve import admin, dashboard, schema, views
-from tether.serve.dialects import embeddings, ollama, openai, responses
+from tether.serve.dialects import embeddings, ollama, openai, responses, tokenizer
 from tether.serve.generation import Api
 from tether.serve.guard import Guard, Policy
 from tether.serve.metrics import Metrics
@@ -33,6 +33,7 @@ def route_table(api: Api, logs: Path, cluster: views.ClusterView | None) -> list
     return [
         *openai.routes(api),
         *embeddings.routes(api),
+        *tokenizer.routes(api),
         *responses.routes(api),
         *ollama.routes(api),
         *dashboard.routes(),  # `/`: the page for a browser, Ollama's probe answer for anything else

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from tether.serve import views
-from tether.serve.dialects import ollama, openai, responses
+from tether.serve.dialects import ollama, openai, responses, tokenizer
 from tether.serve.guard import OPEN_PATHS
 from tether.serve.routes import REF, Route, json_answer
 from tether.serve.statuses import WHEN, shape_of
@@ -68,7 +68,8 @@ def openapi(routes: Sequence[Route], *, auth: bool) -> dict[str, Any]:
     ones)."""
     bodies = [route.body for route in routes if route.body is not None]
     _, components = msgspec.json.schema_components([*bodies, *answer_structs()], ref_template=REF)
-    for name, rules in {**openai.SCHEMA_RULES, **responses.SCHEMA_RULES, **ollama.SCHEMA_RULES}.items():
+    dialects = (openai, responses, ollama, tokenizer)  # what each body's fields cannot say alone
+    for name, rules in {name: rules for d in dialects for name, rules in d.SCHEMA_RULES.items()}.items():
         components[name].update(rules)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

@@ -95,11 +95,12 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions API's logprobs (``logprobs: n``)."""
+    """The legacy completions API's logprobs (``logprobs: n``). With ``echo`` the prompt's tokens come first, and
+    the first of them has null for its logprob and its alternatives (nothing precedes it)."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
 
 
@@ -114,11 +115,19 @@ class ToolCallOut(msgspec.Struct):
     function: FunctionCallOut
 
 
+class FunctionCallDelta(msgspec.Struct):
+    name: str | UnsetType = UNSET  # in a call's first delta
+    arguments: str = ""  # more of the arguments' JSON text (the deltas joined are the arguments)
+
+
 class ToolCallDelta(msgspec.Struct):
+    """One streamed call's piece, as OpenAI streams it: the first carries its id, type and name, the next more of
+    its arguments."""
+
     index: int
-    id: str
-    type: Literal["function"]
-    function: FunctionCallOut
+    function: FunctionCallDelta
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -165,7 +174,7 @@ class Completion(msgspec.Struct):
 class ChatDelta(msgspec.Struct):
     role: Literal["assistant"] | None = None  # in the first chunk
     content: str | None = None  # absent in the chunk that carries the finish reason
-    tool_calls: list[ToolCallDelta] | None = None  # a tool answer: every call, whole, in one chunk
+    tool_calls: list[ToolCallDelta] | None = None  # a tool answer: a call's opening, or more of its arguments
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -198,6 +207,45 @@ class CompletionChunk(msgspec.Struct):
     model: str
     choices: list[TextChunkChoice]
     usage: Usage | None = None
+
+
+class TokenPiece(msgspec.Struct):
+    id: int
+    piece: str | list[int]  # the token's text, or its bytes when they are not whole UTF-8 (llama-server's shape)
+
+
+class Tokenized(msgspec.Struct):
+    """``POST /tokenize``: the token ids, each with its piece when ``with_pieces`` asked (llama-server's shape); asked
+    in vLLM's shape (``prompt`` or ``messages``), with their count and the longest prompt plus answer served."""
+
+    tokens: list[int | TokenPiece]
+    count: int | UnsetType = UNSET
+    max_model_len: int | UnsetType = UNSET
+    token_strs: list[str] | UnsetType = UNSET  # ``return_token_strs``: each token's text
+
+
+class Detokenized(msgspec.Struct):
+    """``POST /detokenize``: the tokens' text, under llama-server's name and vLLM's (one route answers both)."""
+
+    content: str
+    prompt: str
+
+
+class TokenizerInfo(msgspec.Struct):
+    """``GET /tokenizer_info`` (vLLM's): what a client's remote tokenizer needs (lm-eval's ``tokenizer_backend``
+    ``remote``), read from the model by its runner."""
+
+    model: str
+    tokenizer_class: str  # the GGUF's tokenizer family: gpt2, llama, ...
+    bos_token: str | None
+    bos_token_id: int | None
+    eos_token: str | None
+    eos_token_id: int | None
+    pad_token: str | None  # none: completions are never padded here
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int  # a sequence's context (n_ctx): the longest prompt plus answer served
+    vocab_size: int
 
 
 class EmbeddingOut(msgspec.Struct):
@@ -250,7 +298,7 @@ class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
     call_id: str  # what the ``function_call_output`` item that answers it names
     name: str
     arguments: str  # JSON text
-    status: Literal["in_progress", "completed"]
+    status: Literal["in_progress", "completed", "incomplete"]  # incomplete: a limit cut its arguments (streams only)
 
 
 OutputItem = OutputMessage | OutputFunctionCall
@@ -480,6 +528,7 @@ class OllamaChatDone(msgspec.Struct):
     eval_count: int | None = None
     eval_duration: int | None = None
     logprobs: list[LogprobOut] | None = None
+    truncated_messages: int | UnsetType = UNSET  # the chat's oldest turns left out to fit the context (when any)
 
 
 class OllamaGenerateChunk(msgspec.Struct):
@@ -503,6 +552,7 @@ class OllamaGenerateDone(msgspec.Struct):
     eval_count: int | None = None
     eval_duration: int | None = None
     logprobs: list[LogprobOut] | None = None
+    truncated_messages: int | UnsetType = UNSET  # the chat's oldest turns left out to fit the context (when any)
 
 
 class OllamaEmbedOut(msgspec.Struct):
@@ -535,6 +585,7 @@ class OllamaTag(msgspec.Struct):
     size: int  # the model file's
     digest: str  # sha256 of the file's path, size and mtime
     details: OllamaDetails
+    capabilities: list[str]  # Ollama's names: "completion", "tools", "embedding" (an embedding instance: that alone)
 
 
 class OllamaTags(msgspec.Struct):
@@ -569,7 +620,7 @@ class OllamaShow(msgspec.Struct):
 
 
 class OllamaVersion(msgspec.Struct):
-    version: str  # tether's
+    version: str  # the Ollama release whose API tether speaks (tether's own: the X-Tether-Version header)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -598,6 +649,8 @@ class ModelOut(msgspec.Struct):
     loads: int | UnsetType = UNSET
     load_seconds: float | UnsetType | None = UNSET  # the last load's, request to ready
     source: str | UnsetType = UNSET  # where it is catalogued: the catalog file, the models directory, built in
+    # what it serves, in Ollama's names: ["embedding"] for an embedding instance (clients must not offer it for chat)
+    capabilities: list[str] | UnsetType = UNSET
 
 
 class ModelList(msgspec.Struct):
@@ -822,10 +875,14 @@ class Deleted(msgspec.Struct):
 
 
 class CancelOut(msgspec.Struct):
+    """Always a 200: a cancel of a request that already ended (a client that left, a stop pressed twice) is no
+    error, it says so (``cancelled`` false, ``detail`` how it ended)."""
+
     id: str
     outcome: Literal["requested", "finished", "unknown", "runner_gone"]
     detail: str
     state: str | None
+    cancelled: bool  # whether this call cancelled it (false: it had ended, or is unknown)
 
 
 class Health(msgspec.Struct):

@@ -10,6 +10,7 @@ from that. A request becomes a ``Plan``: the ``GenerateParams`` the runner gets,
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,7 @@ from fastapi.responses import Response
 
 from tether.errors import InvalidField, NotFound
 from tether.fleet.catalog import KeepAlive, keep_alive_seconds
+from tether.fleet.facts import ListedModel, capabilities
 from tether.fleet.fleet import new_request_id
 from tether.fleet.scheduler import Scheduler
 from tether.node.instance import InstanceReady
@@ -182,10 +184,30 @@ class ChatRequest(_Sampling, kw_only=True):
     function_call: Annotated[Any, documented(type="null", description="deprecated: send tool_choice")] = None
 
 
+TokenId = Annotated[int, documented(minimum=0, maximum=MAX_TOKENS_LIMIT)]
+# One prompt: a string, a list of one string, token ids, or a list of one list of token ids (OpenAI's legacy shapes;
+# msgspec takes one array type in a union, so the list's items are any of them and the plan checks the mix).
+PromptIn = (
+    str | Annotated[list[str | TokenId | Annotated[list[TokenId], documented(minItems=1)]], documented(minItems=1)]
+)
+
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKENS_LIMIT}
+PROMPT_SHAPES = {  # a string, token ids, or a list of one of them
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1, "maxItems": 1},
+    ]
+}
+
+
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | Annotated[list[str], documented(minItems=1, maxItems=1)]
+    prompt: PromptIn
+    max_tokens: Annotated[int, documented(minimum=0, maximum=MAX_TOKENS_LIMIT)] | None = None  # 0: echo only
     logprobs: Annotated[int, documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)] | None = None
-    echo: Annotated[bool, documented(enum=[False], description="echo is not supported")] = False
+    echo: bool = False
     suffix: Annotated[str, documented(maxLength=0, description="suffix is not supported")] | None = None
     best_of: Annotated[int, documented(enum=[1], description="one candidate per request")] | None = None
 
@@ -240,6 +262,15 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
         ]
     },
     "MessageIn": ASSISTANT_CALLS_RULE,
+    "CompletionRequest": {
+        "allOf": [
+            {  # max_tokens 0 is the echoed prompt alone (lm-eval's loglikelihood), so only with echo
+                "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+            },
+            {"properties": {"prompt": PROMPT_SHAPES}},  # one prompt (the type allows any mix in one list)
+        ]
+    },
     "ResponseFormat": {  # json_schema names its schema (response_schema refuses it otherwise)
         "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
         "then": {
@@ -308,9 +339,10 @@ register(
     CompletionRequest,
     {
         **_SAMPLING_POLICY,
-        "prompt": FieldPolicy(L, "one string (or a list of one)"),
+        "prompt": FieldPolicy(L, "one prompt: a string or token ids (a list of ints), or a list of one of them"),
+        "max_tokens": FieldPolicy(H, "default 16; 0 with `echo`: the prompt's logprobs alone"),
         "logprobs": FieldPolicy(H, "0 to 5 alternatives per token, OpenAI's legacy shape"),
-        "echo": FieldPolicy(L, "false only"),
+        "echo": FieldPolicy(H, "the prompt leads the text; with `logprobs`, its tokens lead them (the first: null)"),
         "suffix": FieldPolicy(L, "empty only"),
         "best_of": FieldPolicy(L, "1 only"),
     },
@@ -485,22 +517,35 @@ def chat_plan(request: ChatRequest) -> Plan:
     )
 
 
+def completion_prompt(prompt: str | list[str | int | list[int]]) -> str | tuple[int, ...]:
+    """The one prompt of a completions request: its text, or its token ids (OpenAI's legacy shapes: a string, token
+    ids, or a list of one of them). Several prompts in one request (a batch) are refused: send one request each."""
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(item, int) for item in prompt):
+        return tuple(item for item in prompt if isinstance(item, int))
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0] if isinstance(prompt[0], str) else tuple(prompt[0])
+    kinds = sorted({"string" if isinstance(i, str) else "token id" if isinstance(i, int) else "list" for i in prompt})
+    raise InvalidField(
+        "prompt",
+        f"prompt must be one prompt: a string, a list of token ids, or a list of one of them; got a list of "
+        f"{len(prompt)} items ({', '.join(kinds)}). Send one request per prompt",
+    )
+
+
 def completion_plan(request: CompletionRequest) -> Plan:
-    if request.echo:
-        raise InvalidField("echo", "echo is not supported by this server")
     if request.suffix:
         raise InvalidField("suffix", "suffix is not supported by this server")
     if request.best_of not in (None, 1):
         raise InvalidField("best_of", f"best_of must be 1 (one candidate per request), got {request.best_of}")
-    prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise InvalidField("prompt", f"prompt must be one string (got a list of {len(prompt)})")
-        prompt = prompt[0]
+    prompt = completion_prompt(request.prompt)
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidField("logprobs", f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {request.logprobs}")
     params = GenerateParams(
-        prompt=prompt,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_ids=None if isinstance(prompt, str) else prompt,
+        echo=request.echo,
         logprobs=request.logprobs,
         **sampling(request, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
     )
@@ -550,16 +595,20 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[st
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.token)
-    return {
+    return {  # an echoed prompt's first token has no logprob (NaN from the runner): null, as vLLM answers
         "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "token_logprobs": [None if math.isnan(e.logprob) else e.logprob for e in entries],
+        "top_logprobs": [None if math.isnan(e.logprob) else {t.token: t.logprob for t in e.top} for e in entries],
         "text_offset": offsets,
     }
 
 
 class OpenAIShaper:
-    """One request's OpenAI chat or completion objects and SSE chunks (see ``generation.Shaper``)."""
+    """One request's OpenAI chat or completion objects and SSE chunks (see ``generation.Shaper``).
+
+    A tool answer streams as it is decided (``toolkit.AnswerStream``): a direct answer's text as content deltas, each
+    call as OpenAI streams one (a first delta with its index, id, type and name, then its arguments' text).
+    """
 
     media_type = "text/event-stream"
     load_seconds = 0.0  # set by the API: how long the request waited for its model to load
@@ -576,6 +625,7 @@ class OpenAIShaper:
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # streamed text so far (completion logprobs' text_offset)
         self.cached_tokens = 0  # from the final chunk
+        self.answer = self.plan.tools.stream() if self.plan.tools is not None else None
 
     # --- generation.Shaper ---------------------------------------------------------------------------------------
 
@@ -588,28 +638,24 @@ class OpenAIShaper:
             self.cached_tokens = chunk.cached_tokens
         if self.plan.logprobs:
             self.logprobs.extend(chunk.logprobs)
-        if self.plan.tools is not None or not (chunk.text or (self.plan.logprobs and chunk.logprobs)):
-            return b""  # a tool answer is parsed whole; the finish reason goes in a chunk of its own
+        if self.answer is not None:
+            return self._tool_deltas(self.answer.feed(chunk.text))
+        if not (chunk.text or (self.plan.logprobs and chunk.logprobs)):
+            return b""  # the finish reason goes in a chunk of its own
         return self.chunk(chunk.text, None, logprobs=list(chunk.logprobs) if self.plan.logprobs else None)
 
     def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         out = b""
-        content, calls = self._answer()
-        if self.plan.tools is not None:
-            if calls:
-                out += self._sse(
-                    self._chunk_obj({"tool_calls": [dict(c.json(), index=i) for i, c in enumerate(calls)]})
-                )
-            elif content:
-                out += self.chunk(content, None)
-        out += self.chunk("", self._finish(finish, calls))
+        if self.answer is not None:
+            out += self._tool_deltas(self.answer.finish())
+        out += self.chunk("", self._finish(finish))
         if self.plan.include_usage:
             out += self.usage_chunk(prompt_tokens, completion_tokens)
         return out + DONE
 
     def whole(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         content, calls = self._answer()
-        reason = self._finish(finish, calls)
+        reason = self._finish(finish)
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -643,16 +689,31 @@ class OpenAIShaper:
     # --- pieces ------------------------------------------------------------------------------------------------
 
     def _answer(self) -> tuple[str | None, list[toolkit.ToolCall]]:
-        text = "".join(self.text)
-        if self.plan.tools is None:
-            return text, []
-        return toolkit.parse(text)
+        """The content and the complete calls (a tool answer cut by a limit: what of it was decided, no JSON)."""
+        if self.answer is None:
+            return "".join(self.text), []
+        self.answer.finish()
+        return self.answer.content, self.answer.calls
 
-    @staticmethod
-    def _finish(finish: str, calls: list[toolkit.ToolCall]) -> str:
-        if calls:
-            return "tool_calls"
+    def _finish(self, finish: str) -> str:
+        if self.answer is not None:
+            return self.answer.finish_reason(finish)
         return "length" if finish == "length" else "stop"
+
+    def _tool_deltas(self, events: list[toolkit.Event]) -> bytes:
+        """A tool answer's events as chat chunks: content deltas, and each call's opening and arguments deltas."""
+        out = b""
+        for event in events:
+            if isinstance(event, toolkit.Text):
+                out += self.chunk(event.text, None)
+            elif isinstance(event, toolkit.CallOpened):
+                function = {"name": event.name, "arguments": ""}
+                call = {"index": event.index, "id": event.id, "type": "function", "function": function}
+                out += self._sse(self._chunk_obj({"tool_calls": [call]}))
+            elif isinstance(event, toolkit.CallArguments):
+                call = {"index": event.index, "function": {"arguments": event.delta}}
+                out += self._sse(self._chunk_obj({"tool_calls": [call]}))
+        return out
 
     def chunk(
         self,
@@ -738,6 +799,11 @@ async def model_out(scheduler: Scheduler, model_id: str) -> views.ModelOut:
     hosted = fleet.get(model_id) if slot is None else slot.hosted
     created = int(hosted.created_at if hosted is not None else scheduler.started_at)
     out = views.ModelOut(id=model_id, object="model", created=created, owned_by="tether")
+    spec = hosted.instance.spec if slot is None and hosted is not None else None
+    if slot is not None:
+        spec = slot.model.config.spec()
+    if spec is not None:  # ["embedding"] for an embedding instance: not one to offer for chat
+        out.capabilities = capabilities(ListedModel(model_id, spec, created))
     sup = hosted.supervisor if hosted is not None else None
     if sup is not None and sup.alive:
         await sup.sample_memory()

@@ -1,0 +1,113 @@
+"""How many threads a llama.cpp step uses on a machine it may share: all it was given while they get their cores,
+one while something else holds them (runner side, driven by the batch's step thread).
+
+ggml's threads meet at a barrier after each of a step's operations (hundreds per token). With every thread on a
+core of its own, that costs microseconds; when another process takes a core, the threads that arrived wait for the
+one that was preempted, spinning through their own share of the CPU (libgomp spins for milliseconds before it
+sleeps), and a step takes many times longer: measured here, 2 threads on 2 cores decoded 72-83 tokens/s alone and
+7-19 tokens/s beside two busy-looping processes, where 1 thread kept 16-22 (and 50 alone). OpenMP's passive wait
+avoids the collapse but costs an idle machine about 40% (48 tokens/s), and a shorter spin was worse on both counts.
+
+So the governor watches for the sign of that contention, the runner's threads waiting for a CPU while a step
+runs (each thread's ``run_delay`` in ``/proc/self/task/*/schedstat``: time runnable but not running), and steps
+down to one thread when that passes :data:`CONTENDED` of the step time; after a back-off (5 s, doubling to 80 s
+while the contention lasts) it tries all its threads again, and keeps them while they run uncontended. Changing
+the thread count between two steps is free (``llama_set_n_threads``) and changes no result: a row's arithmetic
+does not depend on how many threads share it. Where ``schedstat`` cannot be read, the governor does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WINDOW = 0.25
+"""Seconds of stepping between two looks at the threads' run delay."""
+
+GAP = 0.05
+"""Seconds between two decodes that start a new window (what happened between them is not the steps')."""
+
+CONTENDED = 0.2
+"""Run delay per thread over step time above which the step's threads are fighting for cores."""
+
+BACKOFF = (5.0, 80.0)
+"""Seconds on one thread before trying all again: the first back-off, and the longest it doubles to."""
+
+
+def run_delay_ns() -> int | None:
+    """The summed run delay (ns runnable but waiting for a CPU) of this process's threads; None when unreadable."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+class ThreadGovernor:
+    """Chooses each step's thread count (see the module docstring); ``after(seconds)`` follows every decode."""
+
+    def __init__(self, lib: Any, ctx: Any, n_threads: int, *, adaptive: bool = True) -> None:
+        self.lib = lib
+        self.ctx = ctx
+        self.most = n_threads
+        self.current = n_threads
+        self.enabled = adaptive and n_threads > 1 and run_delay_ns() is not None
+        self._stepped = 0.0  # seconds of decode since the window began
+        self._delay = 0  # the threads' run delay when it began
+        self._last = 0.0  # monotonic end of the last decode
+        self._backoff = BACKOFF[0]
+        self._retry_at = 0.0  # monotonic time to try all threads again (while on one)
+        self.switches = 0  # for tests and the log
+
+    def before(self) -> None:
+        """Before a decode: a window begins at the first decode after a look, or after a pause between decodes
+        (idle between requests, the runner's own work), so only the steps' own time is weighed."""
+        if not self.enabled:
+            return
+        if self._stepped == 0.0 or time.monotonic() - self._last > GAP:
+            self._delay, self._stepped = run_delay_ns() or 0, 0.0
+
+    def after(self, seconds: float) -> None:
+        """Account one decode of ``seconds``; every :data:`WINDOW` of decoding, look and maybe switch."""
+        if not self.enabled:
+            return
+        self._last = time.monotonic()
+        self._stepped += seconds
+        if self._stepped < WINDOW:
+            return
+        delay = run_delay_ns()
+        if delay is None:
+            self.enabled = False
+            return
+        share = (delay - self._delay) / 1e9 / (self._stepped * self.current)
+        self._delay, self._stepped = delay, 0.0
+        now = time.monotonic()
+        if self.current > 1 and share > CONTENDED:
+            self._set(1)
+            self._retry_at = now + self._backoff
+            log.info(
+                "threads waited %.0f%% of the step time for a CPU (another process holds cores): 1 thread for %.0f s",
+                share * 100,
+                self._backoff,
+            )
+            self._backoff = min(self._backoff * 2, BACKOFF[1])
+        elif self.current == 1 and now >= self._retry_at:
+            self._set(self.most)
+        elif self.current > 1 and share < CONTENDED / 2:
+            self._backoff = BACKOFF[0]  # all threads ran uncontended for a window: the next back-off starts short
+
+    def _set(self, n: int) -> None:
+        self.lib.llama_set_n_threads(self.ctx, n, n)
+        self.current = n
+        self.switches += 1
