@@ -456,8 +456,11 @@ def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: in
 class ResponsesShaper:
     """One request's ``response`` object, or its typed SSE events (see ``generation.Shaper``).
 
-    Text streams as ``response.output_text.delta`` events as it comes; a tool answer is parsed whole, so its
-    ``function_call`` items (and a direct answer's message) arrive together at the end. A failure mid-stream sends
+    Text streams as ``response.output_text.delta`` events as it comes; so does a tool answer, as it is decided
+    (``toolkit.AnswerStream``): a direct answer's text as a message's deltas, each call as a ``function_call`` item
+    added once its name is known, its arguments as ``response.function_call_arguments.delta`` events, done once
+    they are complete (a call a limit cut ends ``incomplete`` in a stream, and is left out of a whole answer,
+    as are the calls that repeat an earlier one). A failure mid-stream sends
     ``response.failed`` (its ``error`` with the cause) and then an ``error`` event carrying OpenAI's error object
     under ``error``, which the openai client raises as an ``APIError``: never ``response.completed``.
     """
@@ -476,6 +479,9 @@ class ResponsesShaper:
         self._sequence = 0
         self._opened = False
         self.cached_tokens = 0  # from the final chunk
+        self.answer = plan.tools.stream() if plan.tools is not None else None
+        self._outputs: list[dict[str, Any]] = []  # a tool answer's items, as opened (their index is their place)
+        self._calls: dict[int, dict[str, Any]] = {}  # the function_call items, by the call's index
 
     # --- generation.Shaper ---------------------------------------------------------------------------------------
 
@@ -488,8 +494,11 @@ class ResponsesShaper:
             self.cached_tokens = chunk.cached_tokens
         logprobs = [openai.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
-        if not self.plan.stream or self.plan.tools is not None or not (chunk.text or logprobs):
-            return b""  # a tool answer is parsed whole, at the end
+        if self.answer is not None:  # its items are kept streamed or not: a whole answer is made of them too
+            events = self._tool_events(self.answer.feed(chunk.text))
+            return self._begin() + events if self.plan.stream else b""
+        if not self.plan.stream or not (chunk.text or logprobs):
+            return b""
         # the first chunk is fed before ``opening``: the opening events go first, in sequence
         return self._begin() + self._event(
             "response.output_text.delta", **self._at(0), content_index=0, delta=chunk.text, logprobs=logprobs
@@ -497,19 +506,33 @@ class ResponsesShaper:
 
     def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         out = self._begin()
-        items = self._items(finish)
-        if self.plan.tools is None:  # its item and part were opened by ``_begin``
+        status = self._status(finish)
+        if self.answer is None:  # its item and part were opened by ``_begin``
+            items = self._items(finish)
             out += self._finish_message(0, items[0])
         else:
+            out += self._tool_events(self.answer.finish())
+            if not self._outputs and self.answer.content is not None:  # nothing streamed: an empty message
+                out += self._tool_events([toolkit.Text("")])
+            items = self._tool_items(status)
             for index, item in enumerate(items):
-                out += self._item_events(index, item)
-        status = self._status(finish)
+                if item["type"] == "message":
+                    out += self._finish_message(index, item)
+                elif item["status"] == "incomplete":  # a call the limit cut: its arguments were never done
+                    out += self._event("response.output_item.done", output_index=index, item=item)
         event = "response.completed" if status == "completed" else "response.incomplete"
         return out + self._event(event, response=self._response(status, items, prompt_tokens, completion_tokens))
 
     def whole(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
-        items = self._items(finish)
-        return _encode(self._response(self._status(finish), items, prompt_tokens, completion_tokens))
+        status = self._status(finish)
+        if self.answer is None:
+            items = self._items(finish)
+        else:
+            self._tool_events(self.answer.finish())
+            items = [i for i in self._tool_items(status) if i["type"] == "message" or i["status"] == "completed"]
+            if not items and self.answer.content is not None:  # a direct answer that is empty, or cut before it began
+                items = [self._message(status, self.answer.content, [])]
+        return _encode(self._response(status, items, prompt_tokens, completion_tokens))
 
     def stream_error(self, failure: Answer) -> bytes:
         out = self._begin()
@@ -528,31 +551,70 @@ class ResponsesShaper:
 
     # --- pieces ------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _status(finish: str) -> str:
+    def _status(self, finish: str) -> str:
+        if self.answer is not None:  # a tool answer that closed is complete, whatever stopped the generation
+            return "incomplete" if self.answer.finish_reason(finish) == "length" else "completed"
         return "incomplete" if finish == "length" else "completed"
 
     def _items(self, finish: str) -> list[dict[str, Any]]:
-        """The output items, made once (call ids are drawn here)."""
+        """The output items of a plain answer."""
         status = "incomplete" if finish == "length" else "completed"
-        text = "".join(self.text)
-        if self.plan.tools is None:
-            return [self._message(status, text, self.logprobs)]
-        content, calls = toolkit.parse(text)
-        items = []
-        if content is not None and (content or not calls):  # a direct answer (or the length limit cut the JSON)
-            items.append(self._message(status, content, []))
-        for call in calls:
-            items.append(
-                {
+        return [self._message(status, "".join(self.text), self.logprobs)]
+
+    def _tool_events(self, events: list[toolkit.Event]) -> bytes:
+        """A tool answer's events: its items opened and filled as they are decided (kept for the answer), and the
+        stream's events for them."""
+        out = b""
+        for event in events:
+            if isinstance(event, toolkit.Text):
+                if not any(item["type"] == "message" for item in self._outputs):
+                    index = len(self._outputs)
+                    self._outputs.append(self._message("in_progress", None))
+                    out += self._event("response.output_item.added", output_index=index, item=self._outputs[index])
+                    out += self._event(
+                        "response.content_part.added", **self._at(index), content_index=0, part=self._part("", [])
+                    )
+                    if not event.text:
+                        continue
+                index = next(i for i, item in enumerate(self._outputs) if item["type"] == "message")
+                out += self._event(
+                    "response.output_text.delta", **self._at(index), content_index=0, delta=event.text, logprobs=[]
+                )
+            elif isinstance(event, toolkit.CallOpened):
+                item = {
                     "type": "function_call",
                     "id": new_id("fc"),
-                    "call_id": call.id,
-                    "name": call.name,
-                    "arguments": call.arguments,
-                    "status": "completed",
+                    "call_id": event.id,
+                    "name": event.name,
+                    "arguments": "",
+                    "status": "in_progress",
                 }
-            )
+                self._calls[event.index] = item
+                self._outputs.append(item)
+                out += self._event("response.output_item.added", output_index=len(self._outputs) - 1, item=item)
+            else:
+                item = self._calls[event.index]
+                at = self._at(self._outputs.index(item), item["id"])
+                if isinstance(event, toolkit.CallArguments):
+                    item["arguments"] += event.delta
+                    out += self._event("response.function_call_arguments.delta", **at, delta=event.delta)
+                else:
+                    item.update(arguments=event.call.arguments, status="completed")
+                    args = item["arguments"]
+                    out += self._event("response.function_call_arguments.done", **at, name=item["name"], arguments=args)
+                    out += self._event("response.output_item.done", output_index=at["output_index"], item=item)
+        return out
+
+    def _tool_items(self, status: str) -> list[dict[str, Any]]:
+        """A tool answer's items as they end: its message with the answer's text, calls the limit cut incomplete."""
+        assert self.answer is not None
+        items = []
+        for item in self._outputs:
+            if item["type"] == "message":
+                item = self._message(status, self.answer.content or "", [])
+            elif item["status"] != "completed":
+                item = {**item, "status": "incomplete"}
+            items.append(item)
         return items
 
     def _message(self, status: str, text: str | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -586,29 +648,6 @@ class ResponsesShaper:
             "response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"]
         )
         out += self._event("response.content_part.done", **at, content_index=0, part=part)
-        return out + self._event("response.output_item.done", output_index=index, item=item)
-
-    def _item_events(self, index: int, item: dict[str, Any]) -> bytes:
-        """A whole item, as a stream tells it: added, its text or arguments, done."""
-        at = self._at(index, item["id"])
-        if item["type"] == "message":
-            out = self._event("response.output_item.added", output_index=index, item={**item, "content": []})
-            if item["content"]:
-                part = item["content"][0]
-                out += self._event("response.content_part.added", **at, content_index=0, part=self._part("", []))
-                out += self._event(
-                    "response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=part["logprobs"]
-                )
-                out += self._finish_message(index, item)
-            else:
-                out += self._event("response.output_item.done", output_index=index, item=item)
-            return out
-        opened = {**item, "arguments": "", "status": "in_progress"}
-        out = self._event("response.output_item.added", output_index=index, item=opened)
-        out += self._event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-        out += self._event(
-            "response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"]
-        )
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
     def _response(

@@ -9,6 +9,11 @@ allows both, ``required`` only calls, a named function only calls of it, ``none`
 rendered in the same format (an assistant's calls as that JSON, a tool's result as a ``tool_response`` object in a
 user turn), so a conversation with tool results reads as one consistent protocol to the model.
 
+The answer is read as it is generated (``AnswerStream``), so the dialects stream it: a direct answer's string as
+its decoded text, each call as soon as its name is known and its arguments as they come. Its JSON never reaches a
+client as text, even when a limit cuts it. The list of calls is bounded (``MAX_PARALLEL_CALLS``, 1 with
+``parallel_tool_calls: false``) and a call repeating an earlier one in the same answer is dropped.
+
 Not done: a model's native tool-call format (Hermes ``<tool_call>`` tags, Llama 3's ``<|python_tag|>``): those
 models get the generic format too, which they follow under the grammar but were not trained on.
 """
@@ -16,7 +21,8 @@ models get the generic format too, which they follow under the grammar but were 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -24,6 +30,12 @@ import msgspec
 from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
 from tether.protocol import ChatMessage
+
+log = logging.getLogger("tether.api")
+# The most calls one answer may make when parallel calls are allowed: the grammar's maxItems. Small models repeat a
+# call until the token limit when the list is unbounded; 8 leaves room for real fan-out (weather in several cities)
+# and repeats are dropped anyway (``AnswerStream``). ``parallel_tool_calls: false`` makes it 1.
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,15 @@ class ToolPlan:
         messages.insert(0, ChatMessage(role="system", content=self.system_prompt()))
         return msgspec.json.encode(self.schema()).decode()
 
+    @property
+    def max_calls(self) -> int:
+        """The most calls one answer makes (the grammar's bound, and the parser's)."""
+        return MAX_PARALLEL_CALLS if self.parallel else 1
+
+    def stream(self) -> AnswerStream:
+        """A parser for one answer under this plan."""
+        return AnswerStream(self.max_calls)
+
     def offered(self) -> tuple[Tool, ...]:
         if self.choice in ("auto", "required"):
             return self.tools
@@ -77,8 +98,7 @@ class ToolPlan:
         ]
         array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         array["minItems"] = 1
-        if not self.parallel:
-            array["maxItems"] = 1
+        array["maxItems"] = self.max_calls
         call = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"]}
         if self.choice != "auto":
             return call
@@ -148,24 +168,381 @@ def tool_result(call_id: str | None, name: str | None, content: str) -> str:
     )
 
 
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """The model's answer as (content, calls). Text that is not the generic JSON (the length limit cut it) is
-    content, as written."""
-    try:
-        answer = json.loads(text)
-    except ValueError:
-        return text, []
-    if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
-        calls = [
-            ToolCall(
-                new_request_id("call", "_"),
-                str(call.get("name", "")),
-                json.dumps(call.get("arguments", {}), ensure_ascii=False),
-            )
-            for call in answer["tool_calls"]
-            if isinstance(call, dict)
-        ]
-        return None, calls
-    if isinstance(answer, dict) and isinstance(answer.get("response"), str):
-        return answer["response"], []
-    return text, []
+# --------------------------------------------------------------------------------------------------------------
+# The answer, read as it is generated
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Text:
+    """Decoded characters of the answer's ``response`` string (or of an answer that is not the generic JSON)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallOpened:
+    """A call is reported: its name is known and it is not (yet) a repeat of an earlier one."""
+
+    index: int  # among the calls reported (a dropped repeat takes no index)
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """More of an opened call's arguments, as JSON text (the deltas joined are the whole arguments)."""
+
+    index: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class CallClosed:
+    """An opened call's arguments are complete."""
+
+    index: int
+    call: ToolCall
+
+
+Event = Text | CallOpened | CallArguments | CallClosed
+
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_LITERAL = frozenset("0123456789+-.eEtruefalsn")
+_SPACE = frozenset(" \t\n\r")
+_REPLACEMENT = "\ufffd"  # for a lone surrogate escape: not encodable as UTF-8
+
+
+class _Frame:
+    """An open object or array of the answer."""
+
+    __slots__ = ("expect", "index", "key", "kind", "path")
+
+    def __init__(self, kind: str, path: tuple[str | int, ...]) -> None:
+        self.kind = kind  # "{" or "["
+        self.path = path
+        self.key: str | None = None
+        self.index = 0
+        self.expect = "first"  # first (a key/value or the end), key, colon, value, next (a comma or the end)
+
+
+@dataclass
+class _Call:
+    """One call in the model's list, as far as it has been read."""
+
+    name: str | None = None
+    raw: list[str] = field(default_factory=list)  # the arguments' JSON text
+    compact: list[str] = field(default_factory=list)  # the same without the whitespace between tokens
+    index: int | None = None  # once reported
+    id: str = ""
+    sent: int = 0  # pieces of ``raw`` already reported
+    complete: bool = False
+
+
+class AnswerStream:
+    """The generic JSON answer, parsed as its text arrives (``feed``), told as events a dialect streams.
+
+    ``{"response": "..."}`` becomes the string's decoded characters (``Text``), a few at a time, never its JSON;
+    ``{"tool_calls": [...]}`` becomes each call: ``CallOpened`` once its name is known, its arguments' text as it
+    comes (``CallArguments``), ``CallClosed`` once they are complete. A call identical to an earlier one (same
+    name, same arguments up to the spaces between their tokens: the grammar fixes the keys' order) is dropped,
+    and a call beyond the plan's bound is ignored: while a call could still turn out to repeat an earlier one (its
+    name and arguments so far are the start of one), it is held back, and reported only once it differs.
+    When a limit cuts the answer, nothing of the JSON leaks: the content is the decoded part of the response
+    string, a call is complete only if its object closed (``calls``), and a call held back is never reported. Text
+    that does not start as JSON at all is content as written.
+    """
+
+    def __init__(self, max_calls: int = MAX_PARALLEL_CALLS) -> None:
+        self.max_calls = max_calls
+        self.branch: str | None = None  # "response", "tool_calls", or "text" (not the generic JSON)
+        self.complete = False  # the answer's JSON closed
+        self.broken: str | None = None  # why the text stopped parsing (the grammar should make this impossible)
+        self.calls: list[ToolCall] = []  # the complete calls reported
+        self._content: list[str] = []
+        self._events: list[Event] = []
+        self._stack: list[_Frame] = []
+        self._started = False
+        self._string: list[str] | None = None  # the decoded string being read
+        self._string_path: tuple[str | int, ...] = ()
+        self._key = False  # the string is an object's key
+        self._escape: str | None = None  # "" after a backslash, "u..." inside a \u escape
+        self._high: int | None = None  # a high surrogate waiting for its low half
+        self._literal: list[str] | None = None  # a number, true, false or null being read
+        self._literal_path: tuple[str | int, ...] = ()
+        self._call: _Call | None = None  # the call being read
+        self._capture = 0  # > 0: depth of the arguments value being captured (characters go to the call)
+        self._reported: list[_Call] = []
+        self._pending_space = ""  # whitespace before the answer's first character
+
+    # --- what the dialects read -----------------------------------------------------------------------------
+
+    @property
+    def content(self) -> str | None:
+        """The answer's text: the response string (decoded, as far as it went); None for an answer of calls."""
+        if self.branch == "tool_calls":
+            return None
+        return "".join(self._content)
+
+    def feed(self, text: str) -> list[Event]:
+        """Read more of the answer; the events it decides."""
+        for i, c in enumerate(text):
+            if self.broken is not None:
+                break
+            if self.branch == "text":  # the rest is text as written
+                self._content.append(text[i:])
+                self._text(text[i:])
+                break
+            self._char(c)
+        self._advance()
+        return self._drain()
+
+    def finish(self) -> list[Event]:
+        """The answer ended (complete, or cut by a limit): the events still owed. A call held back is dropped."""
+        if self.branch is None and not self._started and self._pending_space:
+            self.branch = "text"  # only whitespace: it is the text
+            self._content.append(self._pending_space)
+            self._text(self._pending_space)
+        self._advance()
+        return self._drain()
+
+    def finish_reason(self, finish: str) -> str:
+        """OpenAI's finish reason for this answer, given the generation's ("length" or "stop")."""
+        if finish == "length" and not self.complete:
+            return "length"
+        return "tool_calls" if self.calls else "stop"
+
+    # --- the characters ------------------------------------------------------------------------------------
+
+    def _char(self, c: str) -> None:
+        if not self._started:
+            if c in _SPACE:
+                self._pending_space += c
+                return
+            if c != "{":
+                self.branch = "text"  # not the generic JSON (no grammar held it): the text is the answer
+                self._content.append(self._pending_space + c)
+                self._text(self._pending_space + c)
+                return
+            self._started = True
+        if self._string is not None:
+            self._raw(c, compact=True)
+            self._string_char(c)
+            return
+        if self._literal is not None:
+            if c in _LITERAL:
+                self._raw(c, compact=True)
+                self._literal.append(c)
+                return
+            self._end_literal()
+        if c in _SPACE:
+            self._raw(c, compact=False)
+            return
+        frame = self._stack[-1] if self._stack else None
+        expect = frame.expect if frame is not None else ("done" if self.complete else "value")
+        if frame is not None and c == "}]"[frame.kind == "["] and expect in ("first", "next"):
+            self._raw(c, compact=True)
+            self._stack.pop()
+            self._value_end(frame.path)
+        elif expect == "value" or (frame is not None and frame.kind == "[" and expect == "first"):
+            self._value_start(c, self._child_path())
+        elif expect in ("first", "key") and c == '"':
+            self._raw(c, compact=True)
+            self._string, self._key = [], True
+        elif expect == "colon" and c == ":":
+            self._raw(c, compact=True)
+            assert frame is not None
+            frame.expect = "value"
+        elif expect == "next" and c == ",":
+            self._raw(c, compact=True)
+            assert frame is not None
+            if frame.kind == "[":
+                frame.index += 1
+                frame.expect = "value"
+            else:
+                frame.expect = "key"
+        else:
+            self._break(f"unexpected {c!r} where the answer's JSON expects {expect}")
+
+    def _child_path(self) -> tuple[str | int, ...]:
+        if not self._stack:
+            return ()
+        frame = self._stack[-1]
+        slot: str | int = frame.index if frame.kind == "[" else (frame.key or "")
+        return (*frame.path, slot)
+
+    def _value_start(self, c: str, path: tuple[str | int, ...]) -> None:
+        if len(path) == 1 and self.branch is None and path[0] in ("response", "tool_calls"):
+            self.branch = str(path[0])
+        if self.branch == "tool_calls" and len(path) >= 2 and path[0] == "tool_calls" and isinstance(path[1], int):
+            if len(path) == 2 and c == "{":
+                self._call = _Call()
+            elif len(path) == 3 and path[2] == "arguments" and self._call is not None:
+                self._capture = len(self._stack) + 1  # the stack's depth once this value has ended, plus one
+        self._raw(c, compact=True)
+        if c in "{[":
+            self._stack.append(_Frame(c, path))
+        elif c == '"':
+            self._string, self._key, self._string_path = [], False, path
+        elif c in _LITERAL:
+            self._literal, self._literal_path = [c], path
+        else:
+            self._break(f"unexpected {c!r} where the answer's JSON expects a value")
+
+    def _value_end(self, path: tuple[str | int, ...]) -> None:
+        if self._capture and len(self._stack) + 1 == self._capture:
+            self._capture = 0
+        if not self._stack:
+            self.complete = True
+        else:
+            self._stack[-1].expect = "next"
+        call = self._call
+        if call is not None and len(path) == 2 and path[0] == "tool_calls":
+            call.complete = True
+            self._advance()
+            self._call = None
+
+    def _string_char(self, c: str) -> None:
+        assert self._string is not None
+        escape = self._escape
+        if escape is None:
+            if c == "\\":
+                self._escape = ""
+            elif c == '"':
+                self._end_string()
+            else:
+                self._decoded(c)
+        elif escape == "":
+            if c == "u":
+                self._escape = "u"
+            elif c in _ESCAPES:
+                self._escape = None
+                self._decoded(_ESCAPES[c])
+            else:
+                self._break(f"unknown escape \\{c} in a string")
+        else:
+            self._escape = escape + c
+            if len(self._escape) == 5:
+                self._escape = None
+                try:
+                    code = int(escape[1:] + c, 16)
+                except ValueError:
+                    self._break(f"bad \\u escape {escape + c!r}")
+                    return
+                self._code(code)
+
+    def _code(self, code: int) -> None:
+        if 0xD800 <= code < 0xDC00:  # a high surrogate: its low half follows as the next escape
+            if self._high is not None:
+                self._decoded(_REPLACEMENT)
+            self._high = code
+        elif 0xDC00 <= code < 0xE000 and self._high is not None:
+            high, self._high = self._high, None
+            self._decoded(chr(0x10000 + ((high - 0xD800) << 10) + (code - 0xDC00)))
+        else:
+            self._decoded(_REPLACEMENT if 0xD800 <= code < 0xE000 else chr(code))
+
+    def _decoded(self, text: str) -> None:
+        """A string's next decoded characters (a high surrogate left waiting is a U+FFFD before them)."""
+        assert self._string is not None
+        if self._high is not None:
+            self._high = None
+            text = _REPLACEMENT + text
+        self._string.append(text)
+        if not self._key and self._string_path == ("response",):
+            self._content.append(text)
+            self._text(text)
+
+    def _end_string(self) -> None:
+        assert self._string is not None
+        if self._high is not None:
+            self._decoded("")
+        value, self._string = "".join(self._string), None
+        frame = self._stack[-1] if self._stack else None
+        if self._key:
+            assert frame is not None
+            frame.key, frame.expect = value, "colon"
+            return
+        path = self._string_path
+        if self._call is not None and len(path) == 3 and path[0] == "tool_calls" and path[2] == "name":
+            self._call.name = value
+        self._value_end(path)
+
+    def _end_literal(self) -> None:
+        assert self._literal is not None
+        text, self._literal = "".join(self._literal), None
+        try:
+            json.loads(text)
+        except ValueError:
+            self._break(f"{text!r} is not a JSON value")
+            return
+        self._value_end(self._literal_path)
+
+    def _raw(self, c: str, compact: bool) -> None:
+        if self._capture and self._call is not None:
+            self._call.raw.append(c)
+            if compact:
+                self._call.compact.append(c)
+
+    def _break(self, why: str) -> None:
+        """Stop reading: what follows is not the generic JSON, and none of it is reported (it would leak)."""
+        self.broken = why
+        log.warning("a tool answer stopped parsing: %s; the rest of it is not reported", why)
+
+    def _text(self, text: str) -> None:
+        if self._events and isinstance(self._events[-1], Text):
+            self._events[-1] = Text(self._events[-1].text + text)
+        else:
+            self._events.append(Text(text))
+
+    # --- the calls -----------------------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Report what the call being read allows now: open it once it cannot be a repeat, send its arguments,
+        close it when complete (a complete repeat, or a call beyond the bound, is dropped)."""
+        call = self._call
+        if call is None or call.name is None:
+            return
+        if call.index is None:
+            if len(self._reported) >= self.max_calls or self._repeats(call):
+                if call.complete:
+                    self._call = None  # dropped
+                return
+            call.index, call.id = len(self._reported), new_request_id("call", "_")
+            self._reported.append(call)
+            self._events.append(CallOpened(call.index, call.id, call.name))
+        if len(call.raw) > call.sent:
+            delta = "".join(call.raw[call.sent :])
+            call.sent = len(call.raw)
+            last = self._events[-1] if self._events else None
+            if isinstance(last, CallArguments) and last.index == call.index:
+                self._events[-1] = CallArguments(call.index, last.delta + delta)
+            else:
+                self._events.append(CallArguments(call.index, delta))
+        if call.complete:
+            done = ToolCall(call.id, call.name, "".join(call.raw) or "{}")
+            self.calls.append(done)
+            self._events.append(CallClosed(call.index, done))
+
+    def _repeats(self, call: _Call) -> bool:
+        """Whether ``call`` is, or may still become, identical to a call reported before it."""
+        compact = "".join(call.compact)
+        for earlier in self._reported:
+            if earlier.name != call.name:
+                continue
+            before = "".join(earlier.compact)
+            if before == compact if call.complete else before.startswith(compact):
+                return True
+        return False
+
+    def _drain(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+
+def parse(text: str, max_calls: int = MAX_PARALLEL_CALLS) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer as (content, complete calls), read as ``AnswerStream`` reads it."""
+    stream = AnswerStream(max_calls)
+    stream.feed(text)
+    stream.finish()
+    return stream.content, stream.calls
