@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 import re
 import shutil
 import subprocess
@@ -339,7 +340,9 @@ def test_models_dir_serves_each_gguf_by_its_stem_loaded_on_demand_and_status_sho
             [*TETHER, "status", "--url", server.url], capture_output=True, text=True, timeout=30, check=True
         )
         assert "smol-b" in status.stdout and "scheduler decisions" in status.stdout, status.stdout
-        assert re.search(r"loaded smol-b: smol-b loaded in [\d.]+ s, holding [\d.]+ MiB", status.stdout), status.stdout
+        assert re.search(r"loaded smol-b: smol-b loaded in [\d.]+ s, holding [\d.]+ [MG]iB", status.stdout), (
+            status.stdout
+        )
 
 
 def test_keep_alive_takes_seconds_and_go_durations_and_anything_beyond_31_years_is_for_ever() -> None:
@@ -349,3 +352,58 @@ def test_keep_alive_takes_seconds_and_go_durations_and_anything_beyond_31_years_
     for bad in ("soon", "5 m", True):
         with pytest.raises(InvalidField, match="keep_alive must be"):
             keep_alive_seconds(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(240)
+def test_a_request_for_a_model_that_needs_a_busy_one_unloaded_waits_its_turn(catalog: Path) -> None:
+    """Ollama queues such a request: two catalogued models, --max-loaded 1, four clients asking for either at random,
+    60 requests: none refused, each answered by the model it asked for; the loads waited for the busy model to be
+    idle (``wait_idle``) and evicted it then."""
+    busy = {"options": {"token_seconds": 0.02, "parallel": 4}}
+    write_catalog(catalog, ma=busy, mb=busy)
+    with serving("--engine", "debug", "--catalog", str(catalog), "--max-loaded", "1", "--load-wait", "120") as server:
+        rng = random.Random(34)
+        plan = [rng.choice(["ma", "mb"]) for _ in range(60)]
+        answers: list[tuple[str, int, str]] = []
+        lock = threading.Lock()
+
+        def client(mine: list[str]) -> None:
+            for model in mine:
+                response = ask(server, model)
+                model_out = response.json().get("model", "") if response.status_code == 200 else response.text
+                with lock:
+                    answers.append((model, response.status_code, model_out))
+
+        threads = [threading.Thread(target=client, args=(plan[i::4],)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(200)
+        failed = [a for a in answers if a[1] != 200]
+        assert len(answers) == 60 and not failed, failed
+        assert all(model == served for model, _, served in answers), answers
+        swaps = decisions(server)
+        assert any(d["kind"] == "wait_idle" for d in swaps), swaps  # it waited, at least once
+        assert not [d for d in swaps if d["kind"] in ("refuse", "load_failed")], swaps
+        assert len([h for h in server.http.get("/v1/instances").json()["data"]]) <= 1
+
+
+@pytest.mark.timeout(60)
+def test_a_load_waiting_for_a_busy_model_past_load_wait_is_a_503_naming_it(catalog: Path) -> None:
+    write_catalog(catalog, ma={"options": {"token_seconds": 0.05}}, mb={})
+    with serving("--engine", "debug", "--catalog", str(catalog), "--max-loaded", "1", "--load-wait", "2") as server:
+        assert ask(server, "ma").status_code == 200
+        streaming = threading.Thread(target=lambda: ask(server, "ma", max_tokens=200))  # ~10 s busy
+        streaming.start()
+        wait_until(lambda: models(server)["ma"]["busy"], 10, "ma busy")
+        began = time.monotonic()
+        late = ask(server, "mb")
+        took = time.monotonic() - began
+        assert late.status_code == 503 and 1.5 < took < 8, (late.status_code, took, late.text)
+        message = late.json()["error"]["message"]
+        for words in ("mb", "ma busy with 1 request(s)", "--load-wait", "--max-loaded 1"):
+            assert words in message, message
+        assert models(server)["ma"]["state"] == "loaded"  # never evicted under its stream
+        streaming.join(30)
+        again = ask(server, "mb")
+        assert again.status_code == 200, again.text  # ma idle now: evicted at once for mb

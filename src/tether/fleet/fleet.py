@@ -302,6 +302,7 @@ class Fleet:
         self._hosted: dict[str, Hosted] = {}
         self._requests: dict[str, tuple[Hosted, Instance]] = {}  # request id -> its instance and replica, in flight
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
+        self._cancelled: set[str] = set()  # requests in flight whose cancel was requested (a client gone, the route)
         self._tg: TaskGroup | None = None
         self.listeners: Listeners[Hosted] = Listeners("fleet")  # told of every instance added (metrics)
 
@@ -365,7 +366,7 @@ class Fleet:
             )
         admitted = None  # a placer decides (under its node-wide load lock), else the fit check runs now
         if self.placer is None and self.cluster is None:
-            admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force))  # reads a header
+            admitted = await anyio.to_thread.run_sync(partial(fit.admit, spec, override=config.force, sized=True))
         auto = config.ranks == "auto" and self.cluster is not None  # each placement chooses the ranks of a life
         ranks = config.ranks if isinstance(config.ranks, int) else 1  # "auto" on one machine: one runner
         admitted = admitted if ranks == 1 and not auto else None  # the fit of every rank is the placement's
@@ -500,7 +501,10 @@ class Fleet:
                 if handle.final is not None:
                     outcome = handle.final.state.value
                     hosted.tokens_done += handle.final.tokens
+                elif request_id in self._cancelled:  # left before the runner's last word: cancelled, not failed
+                    outcome = "cancelled"
         finally:
+            self._cancelled.discard(request_id)
             hosted.in_flight -= 1
             hosted.serving[replica] -= 1
             self._requests.pop(request_id, None)
@@ -524,7 +528,10 @@ class Fleet:
         if serving is not None:
             sup = serving[1].supervisor
             if sup is not None:
-                return await sup.cancel(request_id)
+                reply = await sup.cancel(request_id)
+                if reply.outcome == "requested" and request_id in self._requests:
+                    self._cancelled.add(request_id)
+                return reply
             return CancelReply(request_id, "runner_gone", "the runner is gone; the request ends with its cause")
         if request_id in self._recent:
             return CancelReply(request_id, "finished", f"already {self._recent[request_id]}: nothing to cancel")

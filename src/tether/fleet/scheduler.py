@@ -19,6 +19,12 @@ number of concurrent requests) and waits for it, bounded; a leased model is busy
   cgroup) is gone, then node memory must have risen by what it held (or the new model fits) within
   ``reclaim_timeout``; a runner that died on its own holds nothing, so its memory is counted free at once (its
   supervisor saw the exit), with no timer.
+- **A load that needs a busy model gone waits its turn**, as Ollama queues it: when only evicting a busy model
+  (by ``--max-loaded`` or by memory) would make room, the load waits (the placement lock released meanwhile) for
+  that model to be idle, woken by an event (a lease ending, a load ending), bounded by ``load_wait``; then it
+  evicts and loads. The busy model's requests in flight finish; requests for it that arrive while a load waits
+  for it wait behind that load (then load it again in their turn), so neither side starves. When ``load_wait``
+  passes, the load is refused (503) naming the busy models, their requests in flight and the limit.
 - **Keep-alive.** An idle model is unloaded ``keep_alive`` seconds after its last request ended (the model's
   default, or the last request's ``keep_alive``; 0: as soon as it is idle; ``inf``: never). A request that arrives
   while its model unloads waits for the unload, then loads it afresh: it is never lost.
@@ -36,7 +42,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Literal
 
@@ -75,7 +81,9 @@ LOAD_BACKSTOP = 3600.0
 RECLAIMED_SHARE = 0.9  # of an evicted runner's footprint, node memory must rise by at least this much
 
 ModelState = Literal["unloaded", "loading", "loaded", "unloading"]
-DecisionKind = Literal["load", "loaded", "load_failed", "evict", "wait_memory", "reclaimed", "unload", "refuse"]
+DecisionKind = Literal[
+    "load", "loaded", "load_failed", "wait_idle", "evict", "wait_memory", "reclaimed", "unload", "refuse"
+]
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -107,6 +115,9 @@ class Slot:
     _loaded: anyio.Event = field(default_factory=anyio.Event)  # set when a load ends, either way
     _unloaded: anyio.Event = field(default_factory=anyio.Event)  # set when an unload ends
     _activity: anyio.Event = field(default_factory=anyio.Event)
+    waiting: str | None = None  # what its load waits for (other models to be idle), while it does
+    wanted_by: str | None = None  # a load waiting for this model to be idle to evict it: new requests wait behind it
+    _released: anyio.Event = field(default_factory=anyio.Event)  # set when ``wanted_by`` is cleared
 
     @property
     def id(self) -> str:
@@ -125,6 +136,27 @@ class Slot:
     def poke(self) -> None:
         self._activity.set()
         self._activity = anyio.Event()
+
+    def want(self, by: str) -> None:
+        """A load (``by``) waits for this model to be idle, to evict it: requests arriving now wait behind it."""
+        if self.wanted_by is None:
+            self.wanted_by = by
+            self._released = anyio.Event()
+
+    def unwant(self, by: str | None = None) -> None:
+        """The load waiting for this model is over (``by``: only if it was that one's): its requests go on."""
+        if self.wanted_by is not None and (by is None or self.wanted_by == by):
+            self.wanted_by = None
+            self._released.set()
+
+
+class _MustWait(Exception):
+    """Internal to placement: evicting these busy models once they are idle would make room (``why``: for what)."""
+
+    def __init__(self, slots: list[Slot], why: str) -> None:
+        super().__init__(why)
+        self.slots = slots
+        self.why = why
 
 
 @contextlib.contextmanager
@@ -206,6 +238,7 @@ class Scheduler:
         self._refused: dict[str, TetherError] = {}  # instance id -> why its placement was refused
         self._tg: TaskGroup | None = None
         self._closed = False
+        self._changed = anyio.Event()  # set (and replaced) when a model may have become idle or loaded
         fleet.placer = self.place
         fleet.listeners.add(self._watch)
 
@@ -292,24 +325,39 @@ class Scheduler:
         """The model's instance, loaded (a catalogued model is loaded now if it is not, waiting at most
         ``load_wait``), kept from unloading and eviction until the block ends. ``keep_alive`` (seconds; None: the
         model's own) is how long it stays loaded once this request is done, as Ollama's per-request keep_alive:
-        the last request to end sets the countdown."""
+        the last request to end sets the countdown. A request for a model that a waiting load will evict once it is
+        idle waits behind that load (it would keep the model busy for ever otherwise), then loads it again."""
         slot = self.slots.get(model_id)
         if slot is None:  # an instance added through POST /v1/instances: it stays until it is deleted
             yield self.fleet.get(model_id)
             return
+        began = time.monotonic()
+        await self._behind_waiting_load(slot, began)
         slot.holds += 1
-        slot.poke()
+        self._poke(slot)
         try:
-            yield await self._ready_instance(slot)
+            yield await self._ready_instance(slot, began)
         finally:
             slot.holds -= 1
             slot.last_used = self.now()
             slot.keep_alive = slot.model.keep_alive if keep_alive is None else keep_alive
-            slot.poke()
+            self._poke(slot)
 
-    async def _ready_instance(self, slot: Slot) -> Hosted:
-        began = time.monotonic()
-        with anyio.move_on_after(self.load_wait):
+    async def _behind_waiting_load(self, slot: Slot, began: float) -> None:
+        """Wait (bounded by ``load_wait`` from ``began``) while a load waits for ``slot`` to be idle to evict it."""
+        with anyio.move_on_after(self.load_wait - (time.monotonic() - began)):
+            while slot.wanted_by is not None and slot.state in ("loaded", "loading"):
+                await slot._released.wait()
+        if slot.wanted_by is not None and slot.state in ("loaded", "loading"):
+            raise Unavailable(
+                f"model {slot.id} is to be unloaded for {slot.wanted_by} (which waits for it to be idle: "
+                f"{self._busy_text([slot])}), and {time.monotonic() - began:.0f} s passed (the longest a request "
+                "waits for a load, --load-wait); retry later, or raise --max-loaded",
+                retry_after=max(slot.load_seconds or 5.0, 1.0),
+            )
+
+    async def _ready_instance(self, slot: Slot, began: float) -> Hosted:
+        with anyio.move_on_after(self.load_wait - (time.monotonic() - began)):
             while True:
                 if slot.state == "loaded" and slot.hosted is not None:
                     return slot.hosted
@@ -323,9 +371,10 @@ class Scheduler:
                 else:
                     self.preload(slot.id, "requested")
         waited = time.monotonic() - began
+        waiting = f": {slot.waiting}" if slot.state == "loading" and slot.waiting else ""
         raise Unavailable(
             f"model {slot.id} is still {slot.state} after {waited:.0f} s (the longest a request waits for a load, "
-            f"--load-wait); retry later, or raise --load-wait",
+            f"--load-wait){waiting}; retry later, or raise --load-wait",
             retry_after=max(slot.load_seconds or 5.0, 1.0),
         )
 
@@ -409,6 +458,7 @@ class Scheduler:
             assert self._tg is not None
             self._tg.start_soon(self._keep_alive, slot, hosted)
             slot._loaded.set()
+            self._notify()
 
     def _load_failed(self, slot: Slot, exc: BaseException, began: float) -> None:
         """A load that did not end ready: its waiters get why (a tether error as it is, anything else wrapped)."""
@@ -419,8 +469,10 @@ class Scheduler:
         )
         slot.hosted = None
         slot.state = "unloaded"
+        slot.unwant()
         self._decide("load_failed", slot.id, str(slot.load_error), seconds=time.monotonic() - began)
         slot._loaded.set()
+        self._notify()
 
     # --- keep-alive and unloading ---------------------------------------------------------------------------
 
@@ -452,8 +504,10 @@ class Scheduler:
     async def _unload(self, slot: Slot, hosted: Hosted, why: str, reason: str) -> None:
         memory = footprint_of(hosted)
         with _unloading(slot):
+            slot.unwant()
             seconds = await self._stop(hosted)
             self._decide("unload", slot.id, f"unloaded {slot.id}: {why}", seconds=seconds, bytes=memory, why=reason)
+        self._notify()
 
     async def _stop(self, hosted: Hosted) -> float:
         """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken)."""
@@ -485,11 +539,12 @@ class Scheduler:
             ):
                 slot.hosted = None
                 slot.state = "unloaded"
+                slot.unwant()
                 why = whole.cause.summary if isinstance(whole, InstanceFailed) else "stopped"
                 self._decide("unload", slot.id, f"{slot.id} is gone: {why}", why="failed")
                 assert self._tg is not None
                 self._tg.start_soon(self.fleet.remove, hosted.id)
-                slot.poke()
+                self._poke(slot)
 
         for replica in hosted.replicas:
             replica.add_state_listener(functools.partial(on_state, replica))
@@ -498,17 +553,17 @@ class Scheduler:
 
     async def place(self, instance: Instance) -> FitResult:
         """The ``Placer`` of every instance's every life: under the node's placement lock, evict what must go and
-        check the fit. The lock stays held until the life is ready or gone (``_watch``)."""
-        await self._placing.acquire()
-        self._holder = instance
+        check the fit. The lock stays held until the life is ready or gone (``_watch``). When only evicting busy
+        models would make room, wait (without the lock, bounded by ``load_wait``) for them to be idle, then again."""
+        deadline = time.monotonic() + self.load_wait
+        wanted: list[Slot] = []  # the busy models this placement waits for
         try:
-            if self.placement is not None:
-                result = await self.placement(instance)
-            else:
-                result = await self._make_room(instance)
+            while True:
+                try:
+                    return await self._place_once(instance)
+                except _MustWait as wait:
+                    await self._wait_idle(instance, wait, deadline, wanted)
         except BaseException as exc:
-            self._holder = None
-            self._placing.release()
             if isinstance(exc, DoesNotFit | Unavailable | InvalidField):
                 if instance.name in self._placed:  # a creation awaits this verdict; a restart's is its own
                     self._refused[instance.name] = exc
@@ -517,10 +572,80 @@ class Scheduler:
                 raise DoesNotFit(FitResult(None, None, "scheduler", False, False, str(exc))) from exc
             raise
         finally:
+            for slot in wanted:
+                slot.unwant(instance.name)
+            waiting = self.slots.get(instance.name)
+            if waiting is not None:
+                waiting.waiting = None
             awaited = self._placed.pop(instance.name, None)
             if awaited is not None:
                 awaited.set()
-        return result
+
+    async def _place_once(self, instance: Instance) -> FitResult:
+        """One try under the placement lock, kept when it succeeds (released by ``_watch``), released otherwise."""
+        await self._placing.acquire()
+        self._holder = instance
+        try:
+            if self.placement is not None:
+                return await self.placement(instance)
+            return await self._make_room(instance)
+        except BaseException:
+            self._holder = None
+            self._placing.release()
+            raise
+
+    async def _wait_idle(self, instance: Instance, wait: _MustWait, deadline: float, wanted: list[Slot]) -> None:
+        """Wait, bounded by ``deadline``, until a model may have become idle (an event, not a poll); mark the busy
+        models ``wait`` names as wanted (their new requests wait behind this load) and release the others."""
+        changed = self._changed  # taken before any await: no wake-up between the verdict and the wait is missed
+        for slot in wanted:
+            if slot not in wait.slots:
+                slot.unwant(instance.name)
+        ids = ", ".join(s.id for s in wait.slots)
+        if [s.id for s in wanted] != [s.id for s in wait.slots]:  # a new verdict: say what was chosen
+            self._decide(
+                "wait_idle",
+                instance.name,
+                f"{instance.name} waits for {ids} to be idle to evict it ({wait.why}; {self._busy_text(wait.slots)}); "
+                f"new requests for {ids} wait behind this load, at most {self.load_wait:g} s (--load-wait)",
+            )
+        wanted[:] = wait.slots
+        for slot in wanted:
+            slot.want(instance.name)
+        waiting = self.slots.get(instance.name)
+        if waiting is not None:
+            waiting.waiting = f"it waits for {ids} to be idle ({wait.why}; {self._busy_text(wait.slots)})"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Unavailable(
+                f"cannot load {instance.name}: {wait.why}, and {ids} stayed busy for {self.load_wait:g} s (--load-wait;"
+                f" {self._busy_text(wait.slots)}); retry when it is idle, or raise --max-loaded or --load-wait",
+                retry_after=1.0,
+            )
+        with anyio.move_on_after(left):
+            await changed.wait()
+
+    def _busy_text(self, slots: list[Slot]) -> str:
+        """``a busy with 2 requests, b loading``: why each of ``slots`` cannot be evicted now."""
+        parts = []
+        for slot in slots:
+            if slot.state == "loading":
+                parts.append(f"{slot.id} loading")
+            else:
+                flying = slot.hosted.in_flight if slot.hosted is not None else 0
+                parts.append(f"{slot.id} busy with {max(slot.holds, flying)} request(s)")
+        return ", ".join(parts)
+
+    def _poke(self, slot: Slot) -> None:
+        """``slot``'s activity changed (a lease began or ended, a load or unload ended): wake its keep-alive timer
+        and every placement waiting for a model to be idle."""
+        slot.poke()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every placement waiting for a model to be idle: it looks again."""
+        self._changed.set()
+        self._changed = anyio.Event()
 
     async def add_instance(self, config: InstanceConfig) -> Hosted:
         """``POST /v1/instances``: start it (evicting idle models if it needs their memory). An engine named by
@@ -547,6 +672,9 @@ class Scheduler:
                 await event.wait()
                 if any(name in self._refused for name in names):
                     break
+        for name in names:  # undecided yet: a later refusal fails the instance's placement, not a later creation
+            if self._placed.get(name) in placed:
+                del self._placed[name]
         refusals = [self._refused.pop(name) for name in names if name in self._refused]
         if refusals:
             await self.fleet.remove(hosted.id)
@@ -583,7 +711,12 @@ class Scheduler:
         source = node.source
         if held_back:
             source += f"; less {format_bytes(held_back)} the loaded models may still grow into, by their estimates"
-        return fit.check_fit(estimate, node.available - held_back, source, override=instance.force)
+        available = node.available - held_back
+        if instance.ranks > 1:
+            return fit.check_fit(estimate, available, source, override=instance.force)
+        sized, estimate, note = fit.size_context(spec, estimate, available)  # n_ctx "auto": what the memory holds
+        result = fit.check_fit(estimate, available, source, override=instance.force)
+        return replace(result, spec=sized, message=f"{result.message}; {note}" if note else result.message)
 
     def _candidates(self, instance: Instance) -> list[Slot]:
         """Idle, unpinned, loaded catalogued models other than ``instance``'s, least recently used first."""
@@ -594,11 +727,25 @@ class Scheduler:
         ]
         return sorted(found, key=lambda s: s.last_used)
 
+    def _busy(self, instance: Instance) -> list[Slot]:
+        """Busy (or loading, once placed) unpinned catalogued models other than ``instance``'s, least recently used
+        first: what a load may wait for, to evict once idle."""
+        found = [
+            s
+            for s in self.slots.values()
+            if s.hosted is not None
+            and not s.model.pinned
+            and s.id != instance.name
+            and ((s.state == "loaded" and not s.idle) or s.state == "loading")
+        ]
+        return sorted(found, key=lambda s: (s.state == "loading", s.last_used))
+
     def _victims(
         self, instance: Instance, estimate: MemoryEstimate | None, node: NodeMemory, reserved: dict[str, int]
     ) -> list[tuple[Slot, str]]:
         """What must be evicted for ``instance`` to fit (by count under ``max_loaded``, then by memory); raise
-        ``DoesNotFit`` with every number when evicting every idle model would not be enough.
+        ``DoesNotFit`` with every number when evicting every idle model would not be enough, or ``_MustWait`` when
+        evicting busy models as well would be (the placement waits for them to be idle).
 
         Each victim (with why: ``max_loaded`` or ``memory``) frees its measured footprint and what was reserved for it
         to grow into (``reserved``)."""
@@ -613,6 +760,10 @@ class Scheduler:
             ]
             excess = len(others) - self.max_loaded + 1
             if excess > len(candidates):
+                waitable = self._busy(instance)
+                if excess <= len(candidates) + len(waitable):
+                    why = f"{len(others)} models are loaded (--max-loaded {self.max_loaded})"
+                    raise _MustWait(waitable[: excess - len(candidates)], why)
                 busy = ", ".join(h.id for h in others)
                 raise Unavailable(
                     f"cannot load {instance.name}: {len(others)} models are loaded (--max-loaded {self.max_loaded}) "
@@ -633,6 +784,14 @@ class Scheduler:
             victims.append((slot, "memory"))
             shortfall -= frees(slot)
         if shortfall > 0 and not instance.force:
+            waiting = []
+            for slot in self._busy(instance):  # would evicting busy ones too make room? then wait for them
+                if shortfall <= 0:
+                    break
+                waiting.append(slot)
+                shortfall -= frees(slot)
+            if waiting and shortfall <= 0:
+                raise _MustWait(waiting, f"it {estimate.describe()}, {format_bytes(node.available)} available")
             raise DoesNotFit(self._refusal(instance, estimate, node, candidates, reserved))
         return victims
 
@@ -674,6 +833,7 @@ class Scheduler:
                 expected += memory
                 stopping.append(slot.hosted)
                 unloading.enter_context(_unloading(slot))
+                slot.unwant()  # its requests waiting behind this load go on: to wait for the unload, then load it
                 self._decide(
                     "evict",
                     slot.id,

@@ -160,7 +160,10 @@ def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Rout
     async def cancel_request(request_id: str) -> Response:
         reply = await fleet.cancel(request_id)
         state = reply.state.value if reply.state is not None else None
-        return json_response(views.CancelOut(id=request_id, outcome=reply.outcome, detail=reply.detail, state=state))
+        cancelled = reply.outcome == "requested"  # an ended request's cancel is no error: a 200 saying so
+        return json_response(
+            views.CancelOut(id=request_id, outcome=reply.outcome, detail=reply.detail, state=state, cancelled=cancelled)
+        )
 
     async def healthz() -> Response:
         return json_response(views.Health(status="ok"))

@@ -70,11 +70,13 @@ def inputs_of(request: EmbeddingRequest) -> list[GenerateParams]:
     return tasks(texts)
 
 
-def tasks(texts: list[str]) -> list[GenerateParams]:
-    """One embedding task per text (at most ``MAX_INPUTS``): what OpenAI's and Ollama's routes send the runner."""
+def tasks(texts: list[str], *, fit_context: bool = False) -> list[GenerateParams]:
+    """One embedding task per text (at most ``MAX_INPUTS``): what OpenAI's and Ollama's routes send the runner.
+    ``fit_context``: a text longer than the instance's context keeps its first ``n_ctx`` tokens (Ollama's
+    ``truncate``) instead of being refused."""
     if len(texts) > MAX_INPUTS:
         raise InvalidField("input", f"input takes at most {MAX_INPUTS} strings per request, got {len(texts)}")
-    return [GenerateParams(prompt=text, max_tokens=1, embed=True) for text in texts]
+    return [GenerateParams(prompt=text, max_tokens=1, embed=True, fit_context=fit_context) for text in texts]
 
 
 def vector(values: tuple[float, ...], encoding: str) -> list[float] | str:

@@ -8,23 +8,34 @@ Ollama's shape, ``{"error": "<message>"}``, with tether's ``code``, ``param`` an
 
 Every field is honoured or refused, as on the OpenAI side (``fields``). The choices Ollama's semantics force:
 
-* Absent sampling options take Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9, min_p 0, ``num_predict``
-  -1: until the model stops or its context is full), except ``repeat_penalty``, which stays the instance's option
-  (1.0: Ollama's 1.1 derails small models). ``seed: -1`` is Ollama's "random".
+* Absent sampling options take Ollama's documented defaults (its Modelfile reference: temperature 0.8, top_k 40,
+  top_p 0.9, min_p 0, repeat_penalty 1.1 over the last 64 tokens, ``num_predict`` -1: until the model stops or its
+  context is full): a client that sends none (Open WebUI, the ``ollama`` client) gets what Ollama would give it,
+  not a penalty-free sampler that rambles. ``seed: -1`` is Ollama's "random".
+* A chat longer than the instance's context keeps its system messages and its latest turns, as Ollama does
+  (``GenerateParams.fit_context``); the final object says how many turns were left out (``truncated_messages``, an
+  extra field Ollama's clients ignore) and the server logs it; ``prompt_eval_count`` is the prompt really read.
 * Load-time options (``num_ctx``, ``num_gpu``, ``num_thread``, ...) are refused, naming the instance option to set
   instead: Ollama loads a model per request's options, tether serves instances started ahead (``POST
-  /v1/instances``). ``keep_alive`` is the scheduler's (``tether.fleet.scheduler``): how long the model stays
-  loaded once idle, 0 to unload it after this request, negative for ever; an empty prompt with ``keep_alive: 0`` is
-  ``ollama stop``.
+  /v1/instances``). ``num_ctx`` included: the context a chat is fitted into is the instance's ``n_ctx`` (the wire
+  has no per-request cap on it).
+* ``/api/embed``'s ``truncate`` (default true, as Ollama's) keeps the first ``n_ctx`` tokens of an input too long
+  for the instance's context; false refuses it (400, with the numbers). ``/api/embeddings`` (no such field) cuts too.
+* ``keep_alive`` is the scheduler's (``tether.fleet.scheduler``): how long the model stays loaded once idle, 0 to
+  unload it after this request, negative for ever; an empty prompt with ``keep_alive: 0`` is ``ollama stop``.
 * A request without a prompt (or messages) is Ollama's "load the model": the model is loaded (waiting for it) and
   the answer is ``done_reason: "load"``; with ``keep_alive: 0`` it is unloaded instead (``done_reason: "unload"``).
 * Durations are measured on the request's timeline (nanoseconds): ``total_duration`` from arrival to the answer,
   ``load_duration`` waiting for the model to load (0 when it was loaded), ``prompt_eval_duration`` from then to the
   first token (queue wait included), ``eval_duration`` from the first token to the last.
-* ``/api/tags`` and ``/api/show`` describe every model a request can name (loaded or not), ``/api/ps`` the loaded
-  ones (``expires_at``: when keep-alive unloads them), from their GGUF headers: the ``digest`` is the sha256 of the
-  file's path, size and mtime (hashing gigabytes per listing would be too slow), and ``/api/ps``'s ``size`` is the
-  runner's footprint plus the weights it maps that are resident.
+* ``/api/tags`` and ``/api/show`` describe every model a request can name (loaded or not), with its
+  ``capabilities`` (an embedding instance's are ``["embedding"]``: clients do not offer it for chat), ``/api/ps``
+  the loaded ones (``expires_at``: when keep-alive unloads them), from their GGUF headers: the ``digest`` is the
+  sha256 of the file's path, size and mtime (hashing gigabytes per listing would be too slow), and ``/api/ps``'s
+  ``size`` is the runner's footprint plus the weights it maps that are resident.
+
+``/api/version`` answers ``OLLAMA_VERSION`` (clients compare it with the Ollama release they need) and tether's own
+version in the ``X-Tether-Version`` header.
 
 Not served: Ollama's model management (pull, push, create, copy, delete, blobs): instances are tether's
 (``/v1/instances``).
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -75,8 +87,22 @@ from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, NDJSON, Route, json_answer, json_response, ref
 from tether.serve.statuses import Answer
 
+log = logging.getLogger("tether.api")
+
 MAX_STOPS = 16  # Ollama sets no limit; model files carry a few stop strings, a bound keeps a request bounded
-DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "num_predict": -1}
+DEFAULTS: dict[str, float | int] = {  # Ollama's documented defaults (docs/modelfile.md, api/types.go)
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "min_p": 0.0,
+    "repeat_penalty": 1.1,
+    "num_predict": -1,
+}
+# What /api/version answers: Open WebUI and the ollama clients compare it against the Ollama release a feature needs
+# (Open WebUI warns below its minimum); tether speaks the API of this release (its fields, its NDJSON, its errors).
+# tether's own version is in the X-Tether-Version header.
+OLLAMA_VERSION = "0.12.6"
+TETHER_VERSION = "X-Tether-Version"
 PENALTY_WINDOW = 64  # the tokens repeat_penalty looks back over (llama.cpp engine), Ollama's repeat_last_n default
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model that stays loaded (pinned, busy, keep-alive forever)
 # Go's time.ParseDuration syntax ("5m", "1h30m", "-1s"), or a number of seconds as text
@@ -159,6 +185,7 @@ class OllamaToolCall(msgspec.Struct, forbid_unknown_fields=True):
     function: OllamaFunctionCall
     id: str | None = None
     type: Annotated[str, documented(enum=["function"])] = "function"
+    index: int | None = None  # Open WebUI sends each call back with its index in the turn: metadata here
 
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -209,9 +236,7 @@ EmbedOptions = Annotated[dict[str, Any], documented(maxProperties=0, description
 class OllamaEmbedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input: str | Annotated[list[str], documented(maxItems=embeddings.MAX_INPUTS)]
     model: str | None = None
-    truncate: Annotated[bool, documented(enum=[False], description="an input too long is a 400, never cut")] | None = (
-        None
-    )
+    truncate: bool | None = None  # None: true, as Ollama's default
     dimensions: Refused = None
     options: EmbedOptions | None = None
     keep_alive: KeepAlive | None = None
@@ -305,7 +330,7 @@ register(
         "min_p": FieldPolicy(H, "default 0"),
         "seed": FieldPolicy(H, "-1: random"),
         "stop": FieldPolicy(H, "up to 16 strings, never emitted"),
-        "repeat_penalty": FieldPolicy(H, "default: the instance's option (1.0)"),
+        "repeat_penalty": FieldPolicy(H, "default 1.1, over the last 64 tokens"),
         "presence_penalty": FieldPolicy(H, "over the tokens generated so far"),
         "frequency_penalty": FieldPolicy(H, "over the tokens generated so far"),
         "repeat_last_n": FieldPolicy(L, "64 only: the window the penalty looks back over"),
@@ -343,14 +368,17 @@ register(
     {
         **_EMBED_POLICY,
         "input": FieldPolicy(H, "a string or a list of strings; unit-length vectors"),
-        "truncate": FieldPolicy(L, "false only: an input longer than the context is a 400, never cut"),
+        "truncate": FieldPolicy(H, "true (default): an input too long keeps its first n_ctx tokens; false: a 400"),
         "dimensions": FieldPolicy(R, "the vector has the model's size"),
     },
 )
 register(
     "POST /api/embeddings",
     OllamaEmbeddingsRequest,
-    {**_EMBED_POLICY, "prompt": FieldPolicy(H, "one string; a unit-length vector (Ollama's is not normalised)")},
+    {
+        **_EMBED_POLICY,
+        "prompt": FieldPolicy(H, "one string; a unit-length vector (Ollama's is not normalised); cut to n_ctx tokens"),
+    },
 )
 register(
     "POST /api/show",
@@ -428,7 +456,7 @@ def sampling(options: OllamaOptions | None) -> dict[str, Any]:
         "min_p": DEFAULTS["min_p"] if o.min_p is None else o.min_p,
         "seed": None if o.seed == -1 else o.seed,
         "stop": tuple(stops),
-        "repeat_penalty": o.repeat_penalty,
+        "repeat_penalty": DEFAULTS["repeat_penalty"] if o.repeat_penalty is None else o.repeat_penalty,
         "presence_penalty": o.presence_penalty or 0.0,
         "frequency_penalty": o.frequency_penalty or 0.0,
     }
@@ -522,7 +550,7 @@ def chat_plan(body: OllamaChatRequest) -> Plan | None:
     messages = chat_messages(body.messages)
     if tools is not None:
         json_schema = tools.apply(messages, json_schema, "format")
-    params = GenerateParams(messages=tuple(messages), json_schema=json_schema, **common)
+    params = GenerateParams(messages=tuple(messages), json_schema=json_schema, fit_context=True, **common)
     keep = keep_alive_seconds(body.keep_alive)
     return Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
 
@@ -550,7 +578,7 @@ def generate_plan(body: OllamaGenerateRequest) -> Plan | None:
     else:
         turns = [ChatMessage(role="system", content=body.system)] if body.system else []
         turns.append(ChatMessage(role="user", content=body.prompt))
-        params = GenerateParams(messages=tuple(turns), json_schema=json_schema, **common)
+        params = GenerateParams(messages=tuple(turns), json_schema=json_schema, fit_context=True, **common)
     keep = keep_alive_seconds(body.keep_alive)
     return Plan(checked(params), body.model, body.stream, False, body.logprobs, keep_alive=keep)
 
@@ -571,14 +599,12 @@ def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRe
             f"options.{name}: no option applies to an embedding (sampling ones do nothing, load-time ones are the "
             "instance's, set when it is started with POST /v1/instances): remove it",
         )
+    cut = True  # Ollama's default: an input too long keeps its first n_ctx tokens
     if isinstance(body, OllamaEmbedRequest):
-        if body.truncate:
-            raise InvalidField(
-                "truncate", "truncate is not supported: an input longer than the context is refused, never cut"
-            )
         if body.dimensions is not None:
             raise InvalidField("dimensions", "dimensions is not supported: the vector has the model's size")
-    return embeddings.tasks(texts)
+        cut = body.truncate is not False
+    return embeddings.tasks(texts, fit_context=cut)
 
 
 def show_model(body: OllamaShowRequest) -> str | None:
@@ -604,25 +630,35 @@ def ns(seconds: float) -> int:
 
 
 class OllamaShaper:
-    """One request's NDJSON lines or whole object, in Ollama's chat or generate shape (see ``generation.Shaper``)."""
+    """One request's NDJSON lines or whole object, in Ollama's chat or generate shape (see ``generation.Shaper``).
+
+    A tool answer streams as it is decided (``toolkit.AnswerStream``): a direct answer's text as content pieces,
+    each call whole in a line of its own once its arguments are complete (as Ollama sends them).
+    """
 
     media_type = NDJSON
     load_seconds = 0.0  # set by the API: how long the request waited for its model to load
 
-    def __init__(self, kind: Literal["chat", "generate"], model: str, plan: Plan, started: float) -> None:
+    def __init__(
+        self, kind: Literal["chat", "generate"], model: str, plan: Plan, started: float, request_id: str = ""
+    ) -> None:
         self.kind = kind
         self.model = model
         self.plan = plan
         self.started = started
+        self.request_id = request_id
+        self.dropped = 0  # the chat's turns left out to fit the context (the final chunk says)
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.first_at: float | None = None
         self.last_at: float | None = None
+        self.answer = plan.tools.stream() if plan.tools is not None else None
 
     def opening(self) -> bytes:
         return b""
 
     def feed(self, chunk: Chunk) -> bytes:
+        self.dropped = chunk.dropped_messages or self.dropped
         now = time.monotonic()
         if self.first_at is None:
             self.first_at = now
@@ -630,21 +666,24 @@ class OllamaShaper:
         self.text.append(chunk.text)
         logprobs = list(chunk.logprobs) if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
-        if self.plan.tools is not None or not (chunk.text or logprobs):
-            return b""  # a tool answer is parsed whole, at the end
+        if self.answer is not None:
+            return self._tool_lines(self.answer.feed(chunk.text))
+        if not (chunk.text or logprobs):
+            return b""
         return self._line(self._object(chunk.text, logprobs=logprobs))
 
     def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         out = b""
-        if self.plan.tools is not None:
-            content, calls = toolkit.parse("".join(self.text))
-            if calls or content:
-                out += self._line(self._object(content or "", calls=calls))
+        if self.answer is not None:
+            out += self._tool_lines(self.answer.finish())
         return out + self._line(self._object("", self._stats(finish, prompt_tokens, completion_tokens)))
 
     def whole(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
-        text = "".join(self.text)
-        content, calls = toolkit.parse(text) if self.plan.tools is not None else (text, [])
+        content: str | None = "".join(self.text)
+        calls: list[toolkit.ToolCall] = []
+        if self.answer is not None:  # a tool answer cut by a limit: what of it was decided, no JSON
+            self.answer.finish()
+            content, calls = self.answer.content, self.answer.calls
         stats = self._stats(finish, prompt_tokens, completion_tokens)
         return _encode(self._object(content or "", stats, calls=calls, logprobs=self.logprobs))
 
@@ -655,10 +694,32 @@ class OllamaShaper:
     def error_body(self, failure: Answer) -> bytes:
         return failure.body("ollama")
 
+    def _tool_lines(self, events: list[toolkit.Event]) -> bytes:
+        """A tool answer's events as lines: its text as content pieces, each call once complete."""
+        out = b""
+        for event in events:
+            if isinstance(event, toolkit.Text):
+                out += self._line(self._object(event.text))
+            elif isinstance(event, toolkit.CallClosed):
+                message = {"role": "assistant", "content": "", "tool_calls": [tool_call_json(event.index, event.call)]}
+                out += self._line({**self._object(""), "message": message})
+        return out
+
     def _stats(self, finish: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         end = time.monotonic()
         first = self.first_at if self.first_at is not None else end
         last = self.last_at if self.last_at is not None else end
+        fitted: dict[str, Any] = {}
+        if self.dropped > 0:  # Ollama drops them silently; here the client and the log are told
+            fitted["truncated_messages"] = self.dropped
+            log.info(
+                "request %s: the chat was longer than %s's context: its %d oldest turn(s) were left out (system "
+                "messages and the latest turns kept, %d prompt tokens read)",
+                self.request_id or "?",
+                self.model,
+                self.dropped,
+                prompt_tokens,
+            )
         return {
             "done_reason": "length" if finish == "length" else "stop",
             "total_duration": ns(end - self.started),
@@ -667,6 +728,7 @@ class OllamaShaper:
             "prompt_eval_duration": ns(max(first - self.started - self.load_seconds, 0.0)),
             "eval_count": completion_tokens,
             "eval_duration": ns(last - first),
+            **fitted,
         }
 
     def _object(
@@ -725,8 +787,6 @@ def parameters_text(item: ListedModel) -> str:
     """Ollama's ``parameters``: the defaults a request without options gets here."""
     options = options_of(item)
     values: dict[str, Any] = {**DEFAULTS}
-    if options.get("repeat_penalty") is not None:
-        values["repeat_penalty"] = options["repeat_penalty"]
     if isinstance(options.get("n_ctx"), int):
         values["num_ctx"] = options["n_ctx"]
     return "\n".join(f"{name:<30} {value}" for name, value in values.items())
@@ -744,6 +804,7 @@ def tag_out(item: ListedModel, f: ModelFacts) -> views.OllamaTag:
         size=f.size,
         digest=f.digest,
         details=details_of(f),
+        capabilities=capabilities(item),
     )
 
 
@@ -815,7 +876,7 @@ def routes(api: Api) -> list[Route]:
                 return Response(_encode(answer) + b"\n", media_type=NDJSON)
             return json_response(answer)
         request_id = new_request_id(f"ollama-{kind}")
-        shaper = OllamaShaper(kind, model_id, plan, started)
+        shaper = OllamaShaper(kind, model_id, plan, started, request_id)
         return await api.respond(model_id, plan, shaper, request_id, endpoint, started)
 
     async def chat(request: Request) -> Response:
@@ -887,7 +948,7 @@ def routes(api: Api) -> list[Route]:
         )
 
     async def version() -> Response:
-        return json_response(views.OllamaVersion(version=tether.__version__))
+        return json_response(views.OllamaVersion(version=OLLAMA_VERSION), headers={TETHER_VERSION: tether.__version__})
 
     errors = GENERATION_ERRORS
     return [
@@ -944,5 +1005,11 @@ def routes(api: Api) -> list[Route]:
             (400, 404, 413),
             OllamaShowRequest,
         ),
-        Route("/api/version", "GET", version, "tether's version", {"200": json_answer(views.OllamaVersion, "it")}),
+        Route(
+            "/api/version",
+            "GET",
+            version,
+            "the Ollama release whose API tether speaks (tether's own version: the X-Tether-Version header)",
+            {"200": json_answer(views.OllamaVersion, "it")},
+        ),
     ]
