@@ -150,7 +150,7 @@ class Slot:
             self._released.set()
 
 
-class _MustWait(Exception):
+class _MustWait(TetherError):
     """Internal to placement: evicting these busy models once they are idle would make room (``why``: for what)."""
 
     def __init__(self, slots: list[Slot], why: str) -> None:
