@@ -163,6 +163,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import socket
 import statistics
@@ -333,6 +334,21 @@ class Setup:
 
     model: Path
     llama_server: Path | None  # the binary, None when that side is skipped
+    threads: int | None = THREADS  # None: each server's own default thread count (--cpu-hog)
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` processes that busy-loop at normal priority until the block ends (killed and reaped then)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    if hogs:
+        print(f"cpu hog: {count} busy-looping process(es) beside the servers", flush=True)
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def free_port() -> int:
@@ -346,13 +362,14 @@ def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
     """The command line and the readiness path of one side (see the module docstring for why each flag)."""
     if side == "tether":
         cmd = [sys.executable, "-m", "tether", "serve", "--port", str(port), "--n-ctx", str(N_CTX)]
-        cmd += ["--threads", str(THREADS)]
+        cmd += ["--threads", str(setup.threads)] if setup.threads else []
         cmd += ["--parallel", str(PARALLEL)]
         return cmd, "/readyz"
     if side == "llama_server":
         assert setup.llama_server is not None
         cmd = [str(setup.llama_server), "-m", str(setup.model), "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["-t", str(THREADS), "-tb", str(THREADS), "-c", str(PARALLEL * N_CTX), "-np", str(PARALLEL)]
+        cmd += ["-t", str(setup.threads), "-tb", str(setup.threads)] if setup.threads else []
+        cmd += ["-c", str(PARALLEL * N_CTX), "-np", str(PARALLEL)]
         cmd += [
             "-b",
             str(N_BATCH),
@@ -368,7 +385,9 @@ def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
         ]
         return cmd, "/health"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(setup.model), "--n_ctx", str(N_CTX)]
-    cmd += ["--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_batch", str(N_BATCH)]
+    if setup.threads:
+        cmd += ["--n_threads", str(setup.threads), "--n_threads_batch", str(setup.threads)]
+    cmd += ["--n_batch", str(N_BATCH)]
     cmd += ["--seed", str(SEED), "--interrupt_requests", "false", "--port", str(port), "--host", "127.0.0.1"]
     return cmd, "/v1/models"
 
@@ -1031,7 +1050,8 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
             "requests_per_side": sum(len(load.requests) for r in by_side["tether"] for load in r.loads.values()),
             "max_tokens": args.max_tokens,
             "model": setup.model.name,
-            "threads": THREADS,
+            "threads": setup.threads,
+            "cpu_hog": args.cpu_hog,
             "n_ctx": N_CTX,
             "wall_s": round(wall_s, 1),
         }
@@ -1140,6 +1160,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-build", action="store_true", help="do not build llama-server when it is missing (skip that side)"
     )
     parser.add_argument(
+        "--cpu-hog",
+        action="store_true",
+        help="a busy-looping process per core beside the servers for the whole run, and every server at its own "
+        "default thread count (a shared machine: what a user gets without tuning)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help=f"1 round, R={QUICK_REQUESTS}, {QUICK_MAX_TOKENS} tokens, no build (CI)"
     )
     args = parser.parse_args(argv)
@@ -1163,8 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(null_result(args, skipped=str(exc))))
         return 0
     binary, llama_skipped = locate_llama_server(args)
-    setup = Setup(model, binary)
-    with private_tether_dirs("tether-bench-serve-"):
+    setup = Setup(model, binary, None if args.cpu_hog else THREADS)
+    with private_tether_dirs("tether-bench-serve-"), cpu_hogs((os.cpu_count() or 1) if args.cpu_hog else 0):
         try:
             result = anyio.run(bench, args, setup, llama_skipped)
         except ServerFailed as exc:

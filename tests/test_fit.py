@@ -193,19 +193,22 @@ def test_each_parallel_sequence_has_a_cache_of_its_own_in_the_estimate(model_pat
     assert "KV cache 360 MiB at n_ctx 2048 x parallel 8" in eight.describe()
     assert "or a smaller --parallel" in eight.advice(eight.total - 1)
     served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp"))  # what `tether serve` asks by default
-    assert served.parallel == PARALLEL_DEFAULT and served.kv_cache == PARALLEL_DEFAULT * one.kv_cache
+    own = estimate_gguf(model_path)  # the model's own context (8192): what n_ctx "auto" gives it
+    assert served.parallel == PARALLEL_DEFAULT and served.kv_cache == PARALLEL_DEFAULT * own.kv_cache == 1440 * MiB
 
 
 def test_the_prompt_caches_ram_budget_is_counted_in_the_estimate(model_path: Path) -> None:
     """The RAM store may fill its whole budget under churn, so the fit check counts all of it: by default ("auto")
     as much again as the KV cache, else the size asked for; nothing without a prompt cache or for embeddings."""
-    served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp"))
+    served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"n_ctx": 2048}))
     assert served.prompt_cache_ram == served.kv_cache == 360 * MiB
     assert served.expected == served.weights + 2 * served.kv_cache + served.runtime + served.outputs
     assert "prompt cache in RAM 360 MiB" in served.describe()
     advice = served.advice(served.total - 100 * MiB)  # fits with 260 MiB of prompt cache, not with 360
     assert advice.startswith("lower --prompt-cache-ram") and "260 MiB or less fits" in advice, advice
-    sized = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache_ram": "64M"}))
+    sized = LlamaCppEngine.estimate_memory(
+        EngineSpec(engine="llama.cpp", options={"n_ctx": 2048, "prompt_cache_ram": "64M"})
+    )
     assert sized.prompt_cache_ram == 64 * MiB and sized.kv_cache == served.kv_cache
     off = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"prompt_cache": False}))
     embed = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"embedding": True}))
@@ -397,3 +400,34 @@ async def test_estimate_bounds_the_ready_runner_at_n_ctx_8192(model_path: Path) 
             static = estimate.weights + estimate.kv_cache + estimate.runtime_base
             assert 0.7 * static <= ready.rss <= estimate.expected, (ready, estimate.describe())
             assert ready.anon >= estimate.kv_cache
+
+
+def test_an_auto_context_is_the_models_own_and_the_fit_check_lowers_it_to_what_memory_holds(model_path: Path) -> None:
+    """n_ctx "auto" (the default) is the context the model was trained for (8192 for the default model); the fit
+    check pins it in the spec it hands on, and on a node that cannot hold it lowers it to the largest that fits and
+    says so with the numbers; a context the user chose is never changed."""
+    from tether.engines.llamacpp_estimate import estimate_for_spec
+    from tether.node import fit
+    from tether.node.memory import NodeMemory
+
+    spec = EngineSpec(engine="llama.cpp", options={})
+    own = estimate_for_spec(spec, LlamaCppEngine.options)
+    assert own.n_ctx == 8192 and own.n_ctx_from_model and own.parallel == PARALLEL_DEFAULT
+    roomy = NodeMemory(available=64 << 30, source="test", host_total=64 << 30, host_available=64 << 30)
+    result = fit.assess(spec, node=roomy, sized=True)
+    assert result.ok and result.spec is not None and result.spec.options["n_ctx"] == 8192
+    assert "lowered" not in result.message
+
+    tight = own.total - (own.total - own.with_n_ctx(2048).total) // 2  # between 2048's need and 8192's
+    small = NodeMemory(available=tight, source="test", host_total=64 << 30, host_available=tight)
+    result = fit.assess(spec, node=small, sized=True)
+    lowered = result.spec.options["n_ctx"] if result.spec is not None else None
+    assert result.ok and isinstance(lowered, int) and 2048 <= lowered < 8192 and lowered % 256 == 0
+    assert result.estimate is not None and result.estimate.total <= tight
+    assert f"n_ctx lowered from 8192 (auto: the model's context) to {lowered}, the most that fits" in result.message
+    assert format_bytes(tight) in result.message
+
+    chosen = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192})  # the user's choice: refused, never lowered
+    result = fit.assess(chosen, node=small, sized=True)
+    assert not result.ok and result.spec is not None and result.spec.options["n_ctx"] == 8192
+    assert "use a smaller --n-ctx" in result.message or "prompt-cache-ram" in result.message

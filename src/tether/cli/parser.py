@@ -290,7 +290,13 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str) ->
     """What ``run`` and ``serve`` both take: the engine and model, its options, and how its runner is supervised."""
     command.add_argument("--engine", default="llama.cpp", help=engine_help)
     command.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
-    command.add_argument("--n-ctx", type=int, default=None, help="context length per sequence (llama.cpp)")
+    command.add_argument(
+        "--n-ctx",
+        type=int,
+        default=None,
+        help="context length per sequence (llama.cpp; default: the model's trained context, at most 8192, lowered "
+        "to what memory holds)",
+    )
     command.add_argument(
         "--parallel",
         type=int,

@@ -119,7 +119,7 @@ async def _run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        admitted = fit.assess(spec, override=args.force)
+        admitted = fit.assess(spec, override=args.force, sized=True)
     except InvalidField as exc:  # a model file the estimate cannot read
         return fail(str(exc))
     if not admitted.ok:
@@ -127,6 +127,7 @@ async def _run(args: argparse.Namespace) -> int:
     if admitted.overridden:
         print(f"tether: --force: {admitted.message}", file=sys.stderr)
     estimate = admitted.estimate
+    spec = admitted.spec or spec  # n_ctx "auto" sized to the memory
     try:
         deadlines = deadlines_from(args)
     except ValueError as exc:
@@ -152,6 +153,8 @@ async def _run(args: argparse.Namespace) -> int:
             final: TaskStatus | None = None
             tokens = 0
             async for event in handle:
+                if isinstance(event, Chunk) and event.is_progress:
+                    continue  # a long prompt's prefill advancing: nothing to show
                 if emit_json:
                     emit(event)
                 if isinstance(event, Chunk):

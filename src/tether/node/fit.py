@@ -13,7 +13,7 @@ The estimate comes from the engine registry, so every name of an engine (aliases
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -39,6 +39,7 @@ class FitResult:
     overridden: bool
     message: str
     nodes: tuple[dict[str, Any], ...] = ()  # on a cluster: every node's verdict (node, fits, needed, available, source)
+    spec: EngineSpec | None = None  # the spec to run, when the check sized it (n_ctx "auto": see ``size_context``)
 
     @property
     def ok(self) -> bool:
@@ -114,23 +115,64 @@ def ranks_estimate(spec: EngineSpec, ranks: int, shares: tuple[float, ...] = ())
     )
 
 
-def assess(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None, ranks: int = 1) -> FitResult:
+def size_context(
+    spec: EngineSpec, estimate: MemoryEstimate, available: int
+) -> tuple[EngineSpec, MemoryEstimate, str | None]:
+    """A spec whose context is the engine's "auto" (llama.cpp: the model's trained context, capped) gets a number
+    here: the one its estimate used when that fits ``available``, else the largest that fits, said in words. Other
+    specs and estimates that know no context come back as they are."""
+    n_ctx = getattr(estimate, "n_ctx", None)
+    largest, resized = getattr(estimate, "max_n_ctx", None), getattr(estimate, "with_n_ctx", None)
+    if spec.options.get("n_ctx", "auto") != "auto" or not isinstance(n_ctx, int) or largest is None or not resized:
+        return spec, estimate, None
+    note = None
+    if estimate.total > available and not getattr(estimate, "embedding", False):
+        best = largest(available)
+        if isinstance(best, int):
+            note = (
+                f"n_ctx lowered from {n_ctx} (auto: the model's context) to {best}, the most that fits: at {n_ctx} it "
+                f"{estimate.describe()}, {format_bytes(available)} available; pass --n-ctx to choose"
+            )
+            estimate, n_ctx = resized(best), best
+    return msgspec.structs.replace(spec, options={**spec.options, "n_ctx": n_ctx}), estimate, note
+
+
+def assess(
+    spec: EngineSpec,
+    *,
+    override: bool = False,
+    node: NodeMemory | None = None,
+    ranks: int = 1,
+    sized: bool = False,
+) -> FitResult:
     """The fit check for a runner of ``spec`` (``ranks`` of them, for a multi-rank instance on this node): the
-    registry's estimate against this node's memory (read now unless ``node`` is given). Reads the model file's
-    header, so call it off the event loop. Raises ``InvalidModel`` for a model file the estimator cannot read and
-    ``UnknownEngine`` for an engine that names none."""
+    registry's estimate against this node's memory (read now unless ``node`` is given). ``sized``: a single runner's
+    "auto" context is sized to the memory (``size_context``) and the result's ``spec`` is the one to run. Reads the
+    model file's header, so call it off the event loop. Raises ``InvalidModel`` for a model file the estimator
+    cannot read and ``UnknownEngine`` for an engine that names none."""
     estimate = ranks_estimate(spec, ranks)
     if estimate is None:
         engine = registry.canonical(spec.engine)
         message = f"no memory estimate for engine {engine!r} (it declares none): admitted without a fit check"
         return FitResult(None, None, "none", True, False, message)
     node = node if node is not None else node_memory()
-    return check_fit(estimate, node.available, node.source, override=override)
+    if not sized or ranks != 1:
+        return check_fit(estimate, node.available, node.source, override=override)
+    spec, estimate, note = size_context(spec, estimate, node.available)
+    result = check_fit(estimate, node.available, node.source, override=override)
+    return replace(result, spec=spec, message=f"{result.message}; {note}" if note else result.message)
 
 
-def admit(spec: EngineSpec, *, override: bool = False, node: NodeMemory | None = None, ranks: int = 1) -> FitResult:
+def admit(
+    spec: EngineSpec,
+    *,
+    override: bool = False,
+    node: NodeMemory | None = None,
+    ranks: int = 1,
+    sized: bool = False,
+) -> FitResult:
     """:func:`assess`, raising :class:`DoesNotFit` when refused."""
-    result = assess(spec, override=override, node=node, ranks=ranks)
+    result = assess(spec, override=override, node=node, ranks=ranks, sized=sized)
     if not result.ok:
         raise DoesNotFit(result)
     return result

@@ -173,6 +173,14 @@ class ProgressWatch:
     def generation_started(self, task_id: str, now: float) -> None:
         self._tasks[task_id] = self._start(now, self.deadlines.first_token, "prefill", "first_token", task_id=task_id)
 
+    def prefilling(self, task_id: str, now: float) -> None:
+        """A long prompt's prefill advanced (a chunk of it is in the cache): the first-token deadline bounds the
+        time without progress, as ``load_stall`` does for a load, not a prompt's whole length beside other
+        streams."""
+        clock = self._tasks.get(task_id)
+        if clock is not None and clock.deadline == "first_token":
+            clock.started = now
+
     def token(self, task_id: str, now: float) -> None:
         clock = self._tasks.get(task_id)
         if clock is None:

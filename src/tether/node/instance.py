@@ -478,8 +478,10 @@ class Instance:
             self.fit = await self._placer(self)
         else:
             self.fit = await anyio.to_thread.run_sync(
-                functools.partial(fit.admit, self.spec, override=self.force, ranks=self.ranks)
+                functools.partial(fit.admit, self.spec, override=self.force, ranks=self.ranks, sized=True)
             )
+        if self.fit.spec is not None:  # the check sized what the engine left to it (n_ctx "auto")
+            self.spec = self.fit.spec
         log.info("instance %s: %s", self.name, self.fit.message)
 
     async def _live(self, sup: RunnerLife, life: int) -> Cause:

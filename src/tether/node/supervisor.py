@@ -590,7 +590,9 @@ class Supervisor(LifeTasks):
             if record is None:
                 log.debug("%s: event for a task it does not track: %r", self.name, event)
                 return
-            if isinstance(event, Chunk):
+            if isinstance(event, Chunk) and event.is_progress:
+                self._progress.prefilling(event.task_id, now)
+            elif isinstance(event, Chunk):
                 record.tokens += event.tokens
                 self._progress.token(event.task_id, now)
             elif isinstance(event, TaskAcknowledged):

@@ -62,6 +62,8 @@ async def next_event(handle: TaskHandle) -> Chunk | TaskStatus | ErrorChunk:
     """A task's next event that matters to a client: a chunk, a request error, or the terminal status."""
     while True:
         event = await handle.__anext__()
+        if isinstance(event, Chunk) and event.is_progress:
+            continue  # a prefill's progress: for the hang deadlines, not the client
         if isinstance(event, Chunk | ErrorChunk):
             return event
         if isinstance(event, TaskStatus) and event.state.terminal:
