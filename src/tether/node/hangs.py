@@ -174,12 +174,14 @@ class ProgressWatch:
         self._tasks[task_id] = self._start(now, self.deadlines.first_token, "prefill", "first_token", task_id=task_id)
 
     def prefilling(self, task_id: str, now: float) -> None:
-        """A long prompt's prefill advanced (a chunk of it is in the cache): the first-token deadline bounds the
-        time without progress, as ``load_stall`` does for a load, not a prompt's whole length beside other
-        streams."""
-        clock = self._tasks.get(task_id)
-        if clock is not None and clock.deadline == "first_token":
-            clock.started = now
+        """A long prompt's prefill advanced (a chunk of ``task_id``'s prompt is in the cache): the first-token
+        deadline bounds the time without progress, as ``load_stall`` does for a load, not a prompt's whole length
+        beside other streams. Every generation still awaiting its first token restarts its clock: the engine
+        prefills one prompt at a time, so the others are queued behind this one, not stuck (a runner that stops
+        stepping still stops these reports, and the heartbeat and token-gap deadlines watch the rest)."""
+        for clock in self._tasks.values():
+            if clock.deadline == "first_token":
+                clock.started = now
 
     def token(self, task_id: str, now: float) -> None:
         clock = self._tasks.get(task_id)
