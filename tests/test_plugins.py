@@ -232,7 +232,7 @@ def test_an_engine_without_an_estimate_is_admitted_with_that_said(tmp_path: Path
 def test_the_registry_resolves_names_aliases_and_classes_named_where_they_are(echo_module: Path) -> None:
     assert [e.name for e in registry.installed()][:2] == ["llama.cpp", "debug"]
     assert registry.resolve("llama").name == "llama.cpp"
-    assert registry.resolve("llama.cpp").options["n_ctx"] == 2048  # the engine's defaults, without loading it
+    assert registry.resolve("llama.cpp").options["n_ctx"] == "auto"  # the engine's defaults, without loading it
     path = echo_module / "echo_engine.py"
     relative = os.path.relpath(path)
     assert registry.canonical(f"{relative}:EchoEngine") == f"{path.resolve()}:EchoEngine"

@@ -396,3 +396,27 @@ def test_a_pydantic_ai_agent_streams_a_tool_round_trip(model_server: Server) -> 
     assert isinstance(result.output, str)
     replies = [m for m in result.all_messages() if m.kind == "response"]
     assert len(replies) == 2 and replies[0].parts[0].tool_name == "add"
+
+
+def test_an_agent_loop_that_repeats_a_call_or_goes_round_too_often_must_answer_in_text() -> None:
+    """Open WebUI's default chat with the 135M model called the same tool 11 times until the context was full: once
+    a call repeats (same name, same arguments, whatever their spacing) or MAX_ROUNDS calls were made since the last
+    user message, an ``auto`` plan's answer is text (its schema the response branch alone); a plan that demands a
+    call is left as it is."""
+    add = toolkit.Tool("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    auto = toolkit.ToolPlan((add,), "auto")
+    assert toolkit.settle(auto, []) is auto
+    assert toolkit.settle(auto, [("add", '{"a": 1}'), ("add", '{"a": 2}')]) is auto
+    settled = toolkit.settle(auto, [("add", '{"a": 1}'), ("add", '{ "a" : 1 }')])
+    assert settled is not None and settled.choice == toolkit.ANSWER
+    assert settled.schema() == {
+        "type": "object",
+        "properties": {"response": {"type": "string"}},
+        "required": ["response"],
+    }
+    assert '"add"' in settled.system_prompt() and "answer directly" in settled.system_prompt()
+    many = [("add", json.dumps({"a": i})) for i in range(toolkit.MAX_ROUNDS)]
+    assert toolkit.settle(auto, many).choice == toolkit.ANSWER  # type: ignore[union-attr]
+    required = toolkit.ToolPlan((add,), "required")
+    assert toolkit.settle(required, [("add", "{}"), ("add", "{}")]) is required
+    assert toolkit.settle(None, [("add", "{}")]) is None

@@ -548,6 +548,13 @@ def chat_plan(body: OllamaChatRequest) -> Plan | None:
             tools.apply([], json_schema, "format")  # and tools beside a format are refused there too
         return None
     messages = chat_messages(body.messages)
+    last_user = max((i for i, m in enumerate(body.messages) if m.role == "user"), default=-1)
+    made = [
+        (call.function.name, json.dumps(call.function.arguments, sort_keys=True))
+        for m in body.messages[last_user + 1 :]
+        for call in m.tool_calls or ()
+    ]
+    tools = toolkit.settle(tools, made)
     if tools is not None:
         json_schema = tools.apply(messages, json_schema, "format")
     params = GenerateParams(messages=tuple(messages), json_schema=json_schema, fit_context=True, **common)

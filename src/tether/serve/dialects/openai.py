@@ -496,6 +496,13 @@ def chat_plan(request: ChatRequest) -> Plan:
         raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
     messages = chat_messages(request.messages)
     tools = toolkit.plan(request.tools or [], request.tool_choice, request.parallel_tool_calls)
+    last_user = max((i for i, m in enumerate(request.messages) if m.role == "user"), default=-1)
+    made = [
+        (call.function.name, call.function.arguments)
+        for m in request.messages[last_user + 1 :]
+        for call in m.tool_calls or ()
+    ]
+    tools = toolkit.settle(tools, made)
     json_schema = response_schema(request.response_format)
     if tools is not None:
         json_schema = tools.apply(messages, json_schema, "response_format")

@@ -60,6 +60,8 @@ class ToolPlan:
                 'To call tools, answer {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}; '
                 'to answer directly, answer {"response": <your answer>}.'
             )
+        elif self.choice == ANSWER:
+            how = 'The tools have answered above: answer directly, {"response": <your answer>}.'
         else:
             how = 'Answer {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}.'
         return f"You can call these tools:\n{json.dumps(specs, ensure_ascii=False)}\nAnswer with one JSON object. {how}"
@@ -82,7 +84,7 @@ class ToolPlan:
         return AnswerStream(self.max_calls)
 
     def offered(self) -> tuple[Tool, ...]:
-        if self.choice in ("auto", "required"):
+        if self.choice in ("auto", "required", ANSWER):
             return self.tools
         return tuple(t for t in self.tools if t.name == self.choice)
 
@@ -96,14 +98,42 @@ class ToolPlan:
             }
             for t in self.offered()
         ]
+        answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
+        if self.choice == ANSWER:
+            return answer
         array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         array["minItems"] = 1
         array["maxItems"] = self.max_calls
         call = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"]}
         if self.choice != "auto":
             return call
-        answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
         return {"anyOf": [call, answer]}
+
+
+ANSWER = "answer"  # a plan's choice once an agent loop has gone round enough: a text answer, no more calls
+MAX_ROUNDS = 8
+"""Calls an agent loop may make for one user message before the model must answer in text (see ``settle``)."""
+
+
+def settle(plan: ToolPlan | None, calls: list[tuple[str, str]]) -> ToolPlan | None:
+    """``plan`` for a conversation whose turns since its last user message made ``calls`` (name, arguments JSON):
+    with ``auto``, once a call was repeated with the same arguments, or :data:`MAX_ROUNDS` calls were made, the
+    answer must be text. A small model otherwise calls the same tool again and again, each result growing the
+    prompt, until the context is full (Open WebUI's default chat did: 11 identical calls, then a 400 at 8,217
+    tokens)."""
+    if plan is None or plan.choice != "auto" or not calls:
+        return plan
+    seen = {(name, _canonical(arguments)) for name, arguments in calls}
+    if len(seen) < len(calls) or len(calls) >= MAX_ROUNDS:
+        return ToolPlan(plan.tools, ANSWER, plan.parallel)
+    return plan
+
+
+def _canonical(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments
 
 
 @dataclass(frozen=True)
