@@ -55,23 +55,28 @@ def test_the_governor_steps_down_under_contention_and_back_up_after_a_doubling_b
     lib = FakeLib()
     governor = ThreadGovernor(lib, object(), 2)
     assert governor.enabled and governor.current == 2
-    clock.window(governor, 0.05)  # ordinary scheduling noise: all threads stay
+    clock.window(governor, 0.1)  # ordinary scheduling noise: all threads stay
+    clock.window(governor, 0.5)  # one contended window alone (a burst of the worker's own work): they stay
+    clock.window(governor, 0.1)
     assert governor.current == 2 and lib.calls == []
-    clock.window(governor, 0.5)  # half the step time waiting for a CPU: one thread
+    clock.window(governor, 0.5)  # half the step time waiting for a CPU, PATIENCE windows in a row: one thread
+    clock.window(governor, 0.5)
     assert governor.current == 1 and lib.calls == [1]
     clock.now += BACKOFF[0] - WINDOW - 0.01
-    clock.window(governor, 0.3)  # the back-off has not passed: still one
+    clock.window(governor, 0.5)  # the back-off has not passed: still one
     assert governor.current == 1
-    clock.window(governor, 0.3)  # it has: all threads again, to see
+    clock.window(governor, 0.1)  # it has: all threads again, to see
     assert governor.current == 2 and lib.calls == [1, 2]
     clock.window(governor, 0.5)  # still contended: one thread, for twice as long
+    clock.window(governor, 0.5)
     assert governor.current == 1
     clock.now += 2 * BACKOFF[0] - 2 * WINDOW
-    clock.window(governor, 0.3)
+    clock.window(governor, 0.1)
     assert governor.current == 1
     clock.window(governor, 0.0)
     assert governor.current == 2
     clock.window(governor, 0.0)  # a window without contention: the next back-off starts short again
+    clock.window(governor, 0.5)
     clock.window(governor, 0.5)
     assert governor.current == 1
     clock.now += BACKOFF[0]
@@ -152,7 +157,7 @@ def test_a_long_prompt_read_beside_a_stream_restarts_its_first_token_deadline_an
         def stream() -> None:
             body = {
                 "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
-                "max_tokens": 1500,
+                "max_tokens": 450,  # a token a step: more than the ~190 steps of the long prompt's prefill
                 "logit_bias": {"0": -100, "2": -100},  # no end-of-text: it streams until the long prompt is in
                 "stream": True,
             }

@@ -8,12 +8,13 @@ sleeps), and a step takes many times longer: measured here, 2 threads on 2 cores
 7-19 tokens/s beside two busy-looping processes, where 1 thread kept 16-22 (and 50 alone). OpenMP's passive wait
 avoids the collapse but costs an idle machine about 40% (48 tokens/s), and a shorter spin was worse on both counts.
 
-So the governor watches for the sign of that contention, the runner's threads waiting for a CPU while a step
-runs (each thread's ``run_delay`` in ``/proc/self/task/*/schedstat``: time runnable but not running), and steps
-down to one thread when that passes :data:`CONTENDED` of the step time; after a back-off (5 s, doubling to 80 s
-while the contention lasts) it tries all its threads again, and keeps them while they run uncontended. Changing
-the thread count between two steps is free (``llama_set_n_threads``) and changes no result: a row's arithmetic
-does not depend on how many threads share it. Where ``schedstat`` cannot be read, the governor does nothing.
+So the governor watches for the sign of that contention, the runner's threads waiting for a CPU while a step runs
+(each thread's ``run_delay`` in ``/proc/self/task/*/schedstat``: time runnable but not running), and steps down to
+one thread when that passes :data:`CONTENDED` of the step time in :data:`PATIENCE` windows in a row; after a back-
+off (5 s, doubling to 80 s while the contention lasts) it tries all its threads again, and keeps them while they run
+uncontended. Changing the thread count between two steps is free (``llama_set_n_threads``) and changes no result: a
+row's arithmetic does not depend on how many threads share it. Where ``schedstat`` cannot be read, the governor does
+nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ WINDOW = 0.25
 GAP = 0.05
 """Seconds between two decodes that start a new window (what happened between them is not the steps')."""
 
-CONTENDED = 0.2
-"""Run delay per thread over step time above which the step's threads are fighting for cores."""
+CONTENDED = 0.3
+"""Run delay per thread over step time above which the step's threads are fighting for cores (beside a busy-looping
+process per core it was 50-60%; beside the HTTP worker and a benchmark's client alone, about 10-20%)."""
+
+PATIENCE = 2
+"""Contended windows in a row before stepping down: one window's spike (a burst of the worker's own work) is not
+another process holding a core."""
 
 BACKOFF = (5.0, 80.0)
 """Seconds on one thread before trying all again: the first back-off, and the longest it doubles to."""
@@ -68,6 +74,7 @@ class ThreadGovernor:
         self._last = 0.0  # monotonic end of the last decode
         self._backoff = BACKOFF[0]
         self._retry_at = 0.0  # monotonic time to try all threads again (while on one)
+        self._contended = 0  # contended windows in a row
         self.switches = 0  # for tests and the log
 
     def before(self) -> None:
@@ -93,7 +100,8 @@ class ThreadGovernor:
         share = (delay - self._delay) / 1e9 / (self._stepped * self.current)
         self._delay, self._stepped = delay, 0.0
         now = time.monotonic()
-        if self.current > 1 and share > CONTENDED:
+        self._contended = self._contended + 1 if share > CONTENDED else 0
+        if self.current > 1 and self._contended >= PATIENCE:
             self._set(1)
             self._retry_at = now + self._backoff
             log.info(
