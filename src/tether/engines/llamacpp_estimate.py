@@ -257,12 +257,14 @@ def estimate_gguf(
     parallel: int = 1,
     embedding: bool = False,
     prompt_cache_ram: int | None = 0,
+    auto_ctx: bool = False,
 ) -> ModelEstimate:
     """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring;
     ``embedding``: for an embedding instance; ``prompt_cache_ram``: the prompt cache's RAM budget, None for the
     KV cache's size).
 
-    ``n_ctx`` None means the model's own context length (``{arch}.context_length``; ``describe`` says so).
+    ``n_ctx`` None means the model's own context length (``{arch}.context_length``; ``describe`` says so), or with
+    ``auto_ctx`` what the engine's n_ctx "auto" makes of it (``auto_context``: capped; the header is read once).
     ``cache_type`` is the KV cache element type (one of :data:`CACHE_TYPES`). Raises :class:`GgufError` for a file
     that is not a readable GGUF model or lacks the metadata needed, and ``ValueError`` for bad arguments.
     """
@@ -294,9 +296,17 @@ def estimate_gguf(
                 input_weights += t.n_bytes
                 embeddings += t.n_bytes if t.name.startswith("token_embd.") else 0
     notes = []
-    if n_ctx is None:
-        if shape.context_length is None:
+    chosen = n_ctx
+    if n_ctx is None:  # the model's own context; with ``auto_ctx``, what the engine's n_ctx "auto" makes of it
+        trained = shape.context_length
+        if auto_ctx:
+            chosen = auto_context(trained, embedding)
+        elif trained is None:
             raise GgufError(f"{gguf.path} does not say its context length ({shape.architecture}.context_length)")
+        else:
+            chosen = trained
+    from_model = n_ctx is None and chosen == shape.context_length
+    if from_model:
         notes.append(f"{_DEFAULT_CTX_NOTE} {shape.context_length}")
     if shape.sliding_window:
         notes.append(
@@ -313,7 +323,7 @@ def estimate_gguf(
         tensor_types=MappingProxyType(dict(sorted(types.items(), key=lambda kv: -kv[1]))),
         n_ctx=0,
         n_ctx_cells=0,
-        n_ctx_from_model=n_ctx is None,
+        n_ctx_from_model=from_model,
         cache_type=cache_type.lower(),
         n_batch=n_batch,
         n_ubatch=0,
@@ -330,8 +340,8 @@ def estimate_gguf(
         input_weights=input_weights,
         tied_output=embeddings if tied else 0,
     )
-    chosen = n_ctx if n_ctx is not None else shape.context_length or 0
-    return _estimate(seed, n_ctx=chosen, n_ctx_from_model=n_ctx is None)
+    assert chosen is not None
+    return _estimate(seed, n_ctx=chosen, n_ctx_from_model=from_model)
 
 
 def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> ModelEstimate:
@@ -508,16 +518,11 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
     so the estimate matches the load). Raises ``GgufError`` for a file that is not a readable GGUF."""
     path = Path(spec.model) if spec.model else default_model_path()
     embedding = bool(options.get("embedding", False))
-    n_ctx: int | None
-    if options["n_ctx"] == "auto":  # the model's own context when that is what "auto" gives (describe says so)
-        trained = _shape(read_gguf(path)).context_length
-        n_ctx = auto_context(trained, embedding)
-        n_ctx = None if n_ctx == trained else n_ctx
-    else:
-        n_ctx = int(options["n_ctx"])
+    auto = options["n_ctx"] == "auto"
     whole = estimate_gguf(
         path,
-        n_ctx=n_ctx,
+        n_ctx=None if auto else int(options["n_ctx"]),
+        auto_ctx=auto,
         n_batch=int(options["n_batch"]),
         parallel=int(options.get("parallel", 1)),
         headroom=headroom,
