@@ -150,9 +150,50 @@ class RunnerArgs:
         return None
 
 
+class MessageCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tool call an earlier assistant turn made, for a chat template that writes calls itself (a model's native
+    tool-call format): its id, function name and arguments (JSON text, as OpenAI carries them)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One turn of a chat. ``tool_calls`` (an assistant's), ``tool_call_id`` and ``name`` (a "tool" turn's: the call
+    it answers) are set only for a model whose template renders tools natively; otherwise the serving side has
+    already written them into ``content`` in the generic format."""
+
     role: str
     content: str
+    tool_calls: tuple[MessageCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ToolSyntax(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Tools in a model's own format: the engine gives ``tools`` to the chat template (which describes them as the
+    model was trained to read them) and constrains the answer to text, or to calls written as
+    ``open (before call after) (separator before call after)* close`` where each call matches ``call_schema``.
+
+    ``max_calls`` bounds the calls (0: the answer must be text); ``text``: a text answer is allowed (it may not start
+    as a call does). The serving side decides all of it from the model's template (``serve/dialects/tools``)."""
+
+    tools: str  # JSON text: a list of OpenAI-shaped tools ({"type": "function", "function": {...}})
+    call_schema: str  # JSON text: the JSON Schema one call's object matches
+    open: str = ""
+    before: str = ""
+    after: str = ""
+    separator: str = ""
+    close: str = ""
+    max_calls: int = 1
+    text: bool = True
+
+    @property
+    def lead(self) -> str:
+        """What every answer of calls starts with, and a text answer must not: the first call's opening (without
+        trailing whitespace), or the "{" of its JSON object when the format writes calls bare."""
+        return (self.open + self.before).rstrip() or "{"
 
 
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # a token count every engine (and the msgpack wire) can carry
@@ -204,6 +245,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fit_context: bool = False  # a chat longer than the context keeps its system messages and latest turns (Ollama)
     tokenizer: Literal["encode", "decode"] | None = None  # a tokenizer request (see the docstring), not a generation
     add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
+    tool_syntax: ToolSyntax | None = None  # tools in the model's native format (a chat): see ``ToolSyntax``
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
     def check(self) -> InvalidField | None:
@@ -211,6 +253,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             return InvalidField(None, f"set exactly one of 'prompt', 'messages' or 'prompt_ids' (got {len(given)})")
+        if self.tool_syntax is not None and (self.messages is None or self.json_schema is not None):
+            return InvalidField("tools", "tools need a chat (messages) and cannot be combined with a json_schema")
+        if self.tool_syntax is not None and not 0 <= self.tool_syntax.max_calls <= 64:
+            return InvalidField("tools", f"a turn makes 0 to 64 tool calls, got {self.tool_syntax.max_calls}")
         if self.tokenizer == "decode" and self.prompt_ids is None:
             return InvalidField("tokens", "a tokenizer 'decode' request needs token ids (prompt_ids)")
         if self.prompt_ids is not None:

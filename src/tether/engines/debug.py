@@ -413,9 +413,9 @@ class DebugEngine:
         problem = params.check()
         if problem is not None:
             raise RequestError(str(problem))
-        if params.json_schema is not None and not params.embed:
+        if (params.json_schema is not None or params.tool_syntax is not None) and not params.embed:
             raise RequestError(
-                "the debug engine does not do structured output (json_schema): use the llama.cpp engine for it"
+                "the debug engine does not do structured output (json_schema, tools): use the llama.cpp engine for it"
             )
         if params.prompt_ids is not None or params.tokenizer is not None:
             raise RequestError(

@@ -73,6 +73,8 @@ import msgspec
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
+from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
+from tether.engines.llamacpp_tools import template_messages, tool_grammar
 from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
 
@@ -397,17 +399,23 @@ class LlamaCppEngine:
             logit_bias=params.logit_bias,
             grammar=grammar,
             logprobs=params.logprobs,
+            grammar_root=TOOLS_ROOT if params.tool_syntax is not None else "root",
+            ends_on_json=params.tool_syntax is None,
+            special_pieces=params.tool_syntax is not None,
         )
         batch.start(seq_id, prompt_tokens, params.max_tokens, stop, sampling, echo=echo)
 
     def _check_sampling(self, params: GenerateParams) -> str | None:
-        """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` (None without)."""
+        """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` or of the tool syntax
+        (None without either)."""
         for token, _ in params.logit_bias:
             if token >= self._n_vocab:
                 raise RequestError(
                     f"logit_bias names token {token}, but {describe_model(self.model_path or '?')} has "
                     f"{self._n_vocab} tokens (n_vocab; ids 0 to {self._n_vocab - 1})"
                 )
+        if params.tool_syntax is not None:
+            return tool_grammar(params.tool_syntax, schema_grammar(params.tool_syntax.call_schema))
         if params.json_schema is None:
             return None
         return schema_grammar(params.json_schema)
@@ -596,14 +604,17 @@ class LlamaCppEngine:
         self, params: GenerateParams, chat: list[ChatMessage] | None = None
     ) -> tuple[list[int], list[str]]:
         """Render the chat (``chat``, else the request's messages) with the model's template and tokenize it,
-        exactly as llama-cpp-python's chat handler does, so the token count is the real one."""
-        messages = [{"role": m.role, "content": m.content} for m in (params.messages or () if chat is None else chat)]
+        exactly as llama-cpp-python's chat handler does, so the token count is the real one. With a tool syntax the
+        template gets the tools (and renders earlier calls and results itself)."""
+        messages = template_messages(params.messages or () if chat is None else chat)
+        syntax = params.tool_syntax
+        tools = json.loads(syntax.tools) if syntax is not None else None
         if self._chat_formatter is None:
             raise RequestError(
                 f"{describe_model(self.model_path or '?')} has no chat template: send a raw 'prompt' instead"
             )
         try:
-            result = self._chat_formatter(messages=messages)
+            result = self._chat_formatter(messages=messages, tools=tools)
         except Exception as exc:  # template errors (e.g. unsupported roles) are the request's fault
             raise RequestError(f"the model's chat template rejected these messages: {exc}") from exc
         tokens = self._model.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)

@@ -124,8 +124,11 @@ class Sampling:
     top_k: int | None = None  # None: TOP_K; 0 keeps every token
     min_p: float | None = None  # None: MIN_P; 0 keeps every token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): the caller has checked the ids are < n_vocab
-    grammar: str | None = None  # GBNF whose root rule is "root" (a json_schema converted)
+    grammar: str | None = None  # GBNF (a json_schema converted, or a tool syntax's: see ``llamacpp_tools``)
     logprobs: int | None = None  # None: none; else how many alternatives beside each chosen token
+    grammar_root: str = "root"  # the grammar's start rule
+    ends_on_json: bool = True  # the grammar's output is one JSON value: the sequence stops once it is complete
+    special_pieces: bool = False  # control tokens' text is output (a native tool format's markers can be such)
 
 
 @dataclass
@@ -148,7 +151,9 @@ class _BatchSequence:
     next_token: int | None = None  # sampled, not yet decoded: goes into the next step's batch
     row: int = -1  # this step: the batch row whose logits it samples from (-1: none)
     logprobs: int | None = None
-    output: bytearray | None = None  # the completion's bytes, for a json_schema sequence (it ends on a whole value)
+    output: bytearray | None = None  # the completion's bytes, for a grammar's sequence (JSON ends on a whole value)
+    ends_on_json: bool = True  # with ``output``: stop once it is one complete JSON value
+    special_pieces: bool = False  # control tokens' pieces are output as text
     plain_greedy: bool = False  # temperature 0 and nothing else in the chain: the allowed argmax is searched for
     placed: bool = False  # its prefix brought into its slot (when its prefill begins: see llamacpp_cache)
     reused: int = 0  # prompt tokens whose cells came from the cache, not prefilled
@@ -303,6 +308,8 @@ class Batch:
             grammar,
             logprobs=sampling.logprobs,
             output=bytearray() if grammar is not None else None,
+            ends_on_json=sampling.ends_on_json,
+            special_pieces=sampling.special_pieces,
             plain_greedy=_plain_greedy(sampling),
             echo=echo,
             echoed=echoed,
@@ -488,7 +495,8 @@ class Batch:
             if token is None:
                 self.drop(seq.seq_id)
                 return RequestError(
-                    f"the json_schema grammar allows no token after {len(seq.output)} bytes of output "
+                    f"the {'json_schema' if seq.ends_on_json else 'tool call'} grammar allows no token after "
+                    f"{len(seq.output)} bytes of output "
                     f"({bytes(seq.output[-40:]).decode('utf-8', 'replace')!r} at its end): the schema cannot be "
                     "completed with this model's vocabulary"
                 )
@@ -504,7 +512,7 @@ class Batch:
         else:
             seq.completion += 1
             tokens = 1
-            piece = self._token_piece(token, special=False)
+            piece = self._token_piece(token, special=seq.special_pieces)
             if seq.logprobs is not None:
                 logprobs = (self._logprob(seq.row, token, piece, seq.logprobs),)
             text, stopped = seq.text.feed(piece)
@@ -512,7 +520,7 @@ class Batch:
                 seq.output += piece
             if stopped:
                 finish = "stop"
-            elif seq.output is not None and _json_done(seq.output, piece):
+            elif seq.output is not None and seq.ends_on_json and _json_done(seq.output, piece):
                 text += seq.text.flush()
                 finish = "stop"
             elif seq.completion >= seq.max_tokens or len(seq.slot.cached) + 1 >= self.n_ctx:
@@ -661,10 +669,12 @@ class Batch:
                     ),
                 )
             if sampling.grammar is not None:
-                grammar = lib.llama_sampler_init_grammar(self.vocab, sampling.grammar.encode("utf-8"), b"root")
+                root = sampling.grammar_root.encode()
+                grammar = lib.llama_sampler_init_grammar(self.vocab, sampling.grammar.encode("utf-8"), root)
                 if not grammar:
+                    what = "this json_schema" if sampling.ends_on_json else "these tools' parameter schemas"
                     raise RequestError(
-                        "llama.cpp could not build a grammar from this json_schema (its parser's reason is in the "
+                        f"llama.cpp could not build a grammar from {what} (its parser's reason is in the "
                         "runner's stderr): simplify the schema"
                     )
             if sampling.temperature <= 0.0:

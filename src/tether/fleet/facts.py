@@ -188,7 +188,7 @@ def capabilities(item: ListedModel) -> list[str]:
         return ["completion", "tools", "embedding"]  # it does both: embeddings are hashes of the text
     if options_of(item).get("embedding"):
         return ["embedding"]
-    return ["completion", "tools"]  # tools in the generic format, for any model
+    return ["completion", "tools"]  # in the model's own tool format where its template has one, else the generic
 
 
 def listed(scheduler: Scheduler) -> list[ListedModel]:

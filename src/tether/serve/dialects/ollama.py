@@ -47,6 +47,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -506,7 +507,7 @@ def _empty(value: list[Any] | None, field: str, why: str) -> None:
         raise InvalidField(field, f"{field} is not supported ({why}): remove it")
 
 
-def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
+def chat_messages(messages: list[OllamaMessage], fmt: toolkit.ToolFormat = toolkit.GENERIC) -> list[ChatMessage]:
     """Ollama's messages as OpenAI's, rendered the one way every dialect renders a conversation."""
     converted = []
     for i, message in enumerate(messages):
@@ -534,20 +535,26 @@ def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
                 tool_call_id=message.tool_call_id,
             )
         )
-    return openai.chat_messages(converted)
+    return openai.chat_messages(converted, fmt=fmt)
 
 
-def chat_plan(body: OllamaChatRequest) -> Plan | None:
-    """The chat's plan; None for a request without messages (Ollama's "load the model")."""
+def uses_tools(body: OllamaChatRequest) -> bool:
+    """Whether the chat declares tools or carries earlier calls or results (its model's tool format matters)."""
+    return bool(body.tools) or any(m.tool_calls or m.role == "tool" for m in body.messages or ())
+
+
+def chat_plan(body: OllamaChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> Plan | None:
+    """The chat's plan (``fmt``: the model's tool format); None for a request without messages (Ollama's "load the
+    model")."""
     common = _common(body)
     json_schema = format_schema(body.format)
-    tools = toolkit.plan(body.tools or [], None, None)
+    tools = toolkit.plan(body.tools or [], None, None, fmt)
     if not body.messages:
         checked(GenerateParams(prompt="", **common))  # a load request's options are checked too
         if tools is not None:
             tools.apply([], json_schema, "format")  # and tools beside a format are refused there too
         return None
-    messages = chat_messages(body.messages)
+    messages = chat_messages(body.messages, fmt)
     last_user = max((i for i, m in enumerate(body.messages) if m.role == "user"), default=-1)
     made = [
         (call.function.name, json.dumps(call.function.arguments, sort_keys=True))
@@ -555,9 +562,12 @@ def chat_plan(body: OllamaChatRequest) -> Plan | None:
         for call in m.tool_calls or ()
     ]
     tools = toolkit.settle(tools, made)
+    syntax = None
     if tools is not None:
-        json_schema = tools.apply(messages, json_schema, "format")
-    params = GenerateParams(messages=tuple(messages), json_schema=json_schema, fit_context=True, **common)
+        json_schema, syntax = tools.apply(messages, json_schema, "format")
+    params = GenerateParams(
+        messages=tuple(messages), json_schema=json_schema, tool_syntax=syntax, fit_context=True, **common
+    )
     keep = keep_alive_seconds(body.keep_alive)
     return Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
 
@@ -866,7 +876,10 @@ def routes(api: Api) -> list[Route]:
         struct = OllamaChatRequest if kind == "chat" else OllamaGenerateRequest
         body = decode(struct, await request.body())
         model_id = scheduler.resolve(body.model)
-        make = functools.partial(chat_plan if kind == "chat" else generate_plan, body)
+        make: Callable[[], Plan | None] = functools.partial(generate_plan, body)
+        if isinstance(body, OllamaChatRequest):
+            fmt = await toolkit.format_for(scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
+            make = functools.partial(chat_plan, body, fmt)
         plan = api.planned(model_id, endpoint, make)
         if plan is None:  # Ollama's "load the model" (or, with keep_alive 0, "unload it": ollama stop)
             keep = keep_alive_seconds(body.keep_alive)

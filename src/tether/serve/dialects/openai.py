@@ -449,9 +449,11 @@ def response_schema(fmt: ResponseFormat | None) -> str | None:
     )
 
 
-def chat_messages(messages: list[MessageIn], field: str = "messages") -> list[ChatMessage]:
+def chat_messages(
+    messages: list[MessageIn], field: str = "messages", fmt: toolkit.ToolFormat = toolkit.GENERIC
+) -> list[ChatMessage]:
     """The conversation as the engine renders it: roles checked, text parts joined, earlier tool calls and tool
-    results written in the generic tool format (``tools``)."""
+    results as the model's tool format ``fmt`` writes them (``toolkit.history_turn``)."""
     if not messages:
         raise InvalidField(field, f"{field} must hold at least one message")
     out = []
@@ -469,23 +471,26 @@ def chat_messages(messages: list[MessageIn], field: str = "messages") -> list[Ch
             if any(part.type != "text" for part in content):
                 raise InvalidField(f"{field}[{i}].content", f"{field}[{i}]: only text content parts are supported")
             content = "".join(part.text or "" for part in content)
+        calls: list[tuple[str, str, str]] = []
         if message.tool_calls:
             if role != "assistant":
                 raise InvalidField(f"{field}[{i}].tool_calls", f"{field}[{i}]: only assistant turns carry tool_calls")
-            for call in message.tool_calls:
-                if call.id:
-                    names[call.id] = call.function.name
-            calls = [toolkit.render_call(c.function.name, c.function.arguments) for c in message.tool_calls]
-            content = toolkit.assistant_turn(calls, content)
-        if role == "tool":
-            call_id = message.tool_call_id
-            content = toolkit.tool_result(call_id, names.get(call_id or "", message.name), content or "")
-            role = "user"  # the generic format: a result is a user turn (templates without a tool role read it)
-        out.append(ChatMessage(role=role, content=content or ""))
+            for j, call in enumerate(message.tool_calls):
+                made = call.id or f"call_{i}_{j}"
+                names[made] = call.function.name
+                calls.append((made, call.function.name, call.function.arguments))
+        answers = message.tool_call_id if role == "tool" else None
+        name = names.get(answers or "", message.name) if role == "tool" else None
+        out.append(toolkit.history_turn(role, content or "", calls, answers, name, fmt))
     return out
 
 
-def chat_plan(request: ChatRequest) -> Plan:
+def uses_tools(request: ChatRequest) -> bool:
+    """Whether the chat declares tools or carries earlier calls or results (its model's tool format matters)."""
+    return bool(request.tools) or any(m.tool_calls or m.role == "tool" for m in request.messages)
+
+
+def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> Plan:
     _refuse_set(request, ("audio", "prediction", "web_search_options", "verbosity", "reasoning_effort"), "text only")
     _refuse_set(request, ("functions", "function_call"), "deprecated by OpenAI: send tools and tool_choice")
     if request.store:
@@ -494,8 +499,8 @@ def chat_plan(request: ChatRequest) -> Plan:
         raise InvalidField("modalities", f'modalities must be ["text"] (text output only), got {request.modalities}')
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
-    messages = chat_messages(request.messages)
-    tools = toolkit.plan(request.tools or [], request.tool_choice, request.parallel_tool_calls)
+    messages = chat_messages(request.messages, fmt=fmt)
+    tools = toolkit.plan(request.tools or [], request.tool_choice, request.parallel_tool_calls, fmt)
     last_user = max((i for i, m in enumerate(request.messages) if m.role == "user"), default=-1)
     made = [
         (call.function.name, call.function.arguments)
@@ -504,13 +509,15 @@ def chat_plan(request: ChatRequest) -> Plan:
     ]
     tools = toolkit.settle(tools, made)
     json_schema = response_schema(request.response_format)
+    syntax = None
     if tools is not None:
-        json_schema = tools.apply(messages, json_schema, "response_format")
+        json_schema, syntax = tools.apply(messages, json_schema, "response_format")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = GenerateParams(
         messages=tuple(messages),
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         json_schema=json_schema,
+        tool_syntax=syntax,
         **sampling(request, max_tokens, DEFAULT_MAX_TOKENS),
     )
     return Plan(
@@ -566,8 +573,8 @@ def completion_plan(request: CompletionRequest) -> Plan:
     )
 
 
-def plan(body: ChatRequest | CompletionRequest) -> Plan:
-    return chat_plan(body) if isinstance(body, ChatRequest) else completion_plan(body)
+def plan(body: ChatRequest | CompletionRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> Plan:
+    return chat_plan(body, fmt) if isinstance(body, ChatRequest) else completion_plan(body)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -839,7 +846,10 @@ def routes(api: Api) -> list[Route]:
         endpoint = "chat" if kind == "chat" else "completions"
         body = decode(kind, await request.body())
         model_id = scheduler.resolve(body.model)
-        planned = api.planned(model_id, endpoint, lambda: plan(body))
+        fmt = toolkit.GENERIC
+        if isinstance(body, ChatRequest) and uses_tools(body):
+            fmt = await toolkit.format_for(scheduler, model_id)
+        planned = api.planned(model_id, endpoint, lambda: plan(body, fmt))
         request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
         shaper = OpenAIShaper(kind, request_id, model_id, planned)
         return await api.respond(model_id, planned, shaper, request_id, endpoint, started)

@@ -299,7 +299,9 @@ def _check_item(item: ResponsesInputItem, at: str) -> None:
         raise InvalidField(f"{at}.role", f"{at}.role must be one of {', '.join(ITEM_ROLES)}, got {item.role!r}")
 
 
-def input_messages(items: str | list[ResponsesInputItem]) -> list[ChatMessage]:
+def input_messages(
+    items: str | list[ResponsesInputItem], fmt: toolkit.ToolFormat = toolkit.GENERIC
+) -> list[ChatMessage]:
     """``input`` as the conversation the engine renders: messages as they are, each run of function calls one
     assistant turn (after the assistant message it follows, if any), each output a tool result (``tools``)."""
     if isinstance(items, str):
@@ -324,7 +326,7 @@ def input_messages(items: str | list[ResponsesInputItem]) -> list[ChatMessage]:
         else:
             assert item.output is not None
             turns.append(openai.MessageIn("tool", _text(item.output, f"{at}.output"), tool_call_id=item.call_id))
-    return openai.chat_messages(turns, "input")
+    return openai.chat_messages(turns, "input", fmt)
 
 
 def text_schema(text: ResponsesTextConfig | None) -> str | None:
@@ -373,10 +375,16 @@ def _refuse(request: ResponsesRequest) -> None:
         raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
 
 
-def plan(request: ResponsesRequest) -> ResponsesPlan:
-    """What the request asks for; every refusal names its field."""
+def uses_tools(request: ResponsesRequest) -> bool:
+    """Whether the request declares tools or its input carries earlier calls or their outputs."""
+    items = request.input
+    return bool(request.tools) or (not isinstance(items, str) and any(i.type != "message" for i in items))
+
+
+def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> ResponsesPlan:
+    """What the request asks for (``fmt``: the model's tool format); every refusal names its field."""
     _refuse(request)
-    messages = input_messages(request.input)
+    messages = input_messages(request.input, fmt)
     if request.instructions is not None:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
     declared = request.tools or []
@@ -395,10 +403,11 @@ def plan(request: ResponsesRequest) -> ResponsesPlan:
         choice = openai.NamedChoice(openai.NamedFunction(choice.name))
     elif choice is not None and choice not in ("none", "auto", "required"):
         raise InvalidField("tool_choice", f"tool_choice must be none, auto, required or a function, got {choice!r}")
-    tools = toolkit.plan(functions, choice, request.parallel_tool_calls)
+    tools = toolkit.plan(functions, choice, request.parallel_tool_calls, fmt)
     json_schema = text_schema(request.text)
+    syntax = None
     if tools is not None:
-        json_schema = tools.apply(messages, json_schema, "text")
+        json_schema, syntax = tools.apply(messages, json_schema, "text")
     logprobs = LOGPROBS in (request.include or ()) or request.top_logprobs is not None
     max_tokens = openai.DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens
     params = GenerateParams(
@@ -408,6 +417,7 @@ def plan(request: ResponsesRequest) -> ResponsesPlan:
         top_p=request.top_p,
         logprobs=(request.top_logprobs or 0) if logprobs else None,
         json_schema=json_schema,
+        tool_syntax=syntax,
     )
     text_format = {"type": "text"}
     if request.text is not None and request.text.format is not None:
@@ -707,7 +717,8 @@ def routes(api: Api) -> list[Route]:
         started = time.monotonic()
         body = decode(await request.body())
         model_id = api.scheduler.resolve(body.model)
-        planned = api.planned(model_id, ENDPOINT, lambda: plan(body))
+        fmt = await toolkit.format_for(api.scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
+        planned = api.planned(model_id, ENDPOINT, lambda: plan(body, fmt))
         response_id = new_id("resp")
         shaper = ResponsesShaper(response_id, model_id, planned)
         return await api.respond(model_id, planned, shaper, response_id, ENDPOINT, started)

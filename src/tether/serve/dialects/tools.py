@@ -14,22 +14,33 @@ its decoded text, each call as soon as its name is known and its arguments as th
 client as text, even when a limit cuts it. The list of calls is bounded (``MAX_PARALLEL_CALLS``, 1 with
 ``parallel_tool_calls: false``) and a call repeating an earlier one in the same answer is dropped.
 
-Not done: a model's native tool-call format (Hermes ``<tool_call>`` tags, Llama 3's ``<|python_tag|>``): those
-models get the generic format too, which they follow under the grammar but were not trained on.
+**Native formats.** A model whose chat template defines its own tool calls gets them instead (``detect`` reads
+the template): the template is given the tools and the earlier calls and results (it describes them as the model
+was trained to read them), and the grammar (``protocol.ToolSyntax``, built by the runner) holds the answer to text
+or to calls in the model's syntax: Hermes/Qwen ``<tool_call>{...}</tool_call>`` blocks, Mistral's
+``[TOOL_CALLS][{...}]`` list, Llama 3's bare ``{"name": ..., "parameters": {...}}`` (one call). ``NativeStream``
+reads such an answer into the same events. A text answer cannot start the way calls do (``ToolSyntax.lead``), and
+text before a call is not allowed: a turn is text or calls. Templates of other formats (Mistral's newer
+``[TOOL_CALLS]name[ARGS]``, functionary's, ...) get the generic format.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import msgspec
 
 from tether.errors import InvalidField
+from tether.fleet.facts import facts, listed
 from tether.fleet.fleet import new_request_id
-from tether.protocol import ChatMessage
+from tether.fleet.scheduler import Scheduler
+from tether.protocol import ChatMessage, MessageCall, ToolSyntax
 
 log = logging.getLogger("tether.api")
 # The most calls one answer may make when parallel calls are allowed: the grammar's maxItems. Small models repeat a
@@ -44,6 +55,68 @@ class Tool:
     description: str
     parameters: dict[str, Any]
 
+    def openai(self) -> dict[str, Any]:
+        """The tool as a chat template receives it (OpenAI's shape)."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes tool calls (see ``protocol.ToolSyntax`` for the pieces); ``generic`` for the JSON answer
+    this module describes in a system message."""
+
+    name: str
+    open: str = ""
+    before: str = ""
+    after: str = ""
+    separator: str = ""
+    close: str = ""
+    arguments_key: str = "arguments"  # the key of a call's arguments object in its JSON
+    max_calls: int = MAX_PARALLEL_CALLS  # the format's own bound on calls in one turn
+    short_ids: bool = False  # the template demands 9-character alphanumeric call ids (Mistral's)
+
+    @property
+    def native(self) -> bool:
+        return self.name != "generic"
+
+    @property
+    def lead(self) -> str:
+        """What an answer of calls starts with (``ToolSyntax.lead``)."""
+        return (self.open + self.before).rstrip() or "{"
+
+
+GENERIC = ToolFormat("generic")
+HERMES = ToolFormat("hermes", before="<tool_call>\n", after="\n</tool_call>", separator="\n")
+MISTRAL = ToolFormat("mistral", open="[TOOL_CALLS][", separator=", ", close="]", short_ids=True)
+LLAMA3 = ToolFormat("llama3", arguments_key="parameters", max_calls=1)
+
+
+@functools.lru_cache(maxsize=32)
+def detect(template: str) -> ToolFormat:
+    """The tool format a chat template (Jinja text) defines: Hermes/Qwen's ``<tool_call>`` tags, Mistral's
+    ``[TOOL_CALLS]`` JSON list (not its newer ``[TOOL_CALLS]name[ARGS]`` form), Llama 3.1+'s JSON with
+    ``parameters``; the generic format for a template that renders no tools."""
+    if "tools" not in template:
+        return GENERIC
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return GENERIC if "[ARGS]" in template else MISTRAL
+    if "<|start_header_id|>" in template and '"parameters"' in template:
+        return LLAMA3
+    return GENERIC
+
+
+async def format_for(scheduler: Scheduler, model_id: str) -> ToolFormat:
+    """The tool format of ``model_id``'s chat template: its model file's, read off the event loop (once per file
+    version: ``facts`` caches it). A model whose file this process cannot read (a plugin's, one on another node
+    only) gets the generic format, and its runner follows what the request says."""
+    item = next((i for i in listed(scheduler) if i.id == model_id), None)
+    if item is None:
+        return GENERIC
+    return detect((await anyio.to_thread.run_sync(facts, item)).template)
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -52,6 +125,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool = True
+    format: ToolFormat = GENERIC
 
     def system_prompt(self) -> str:
         specs = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in self.offered()]
@@ -66,21 +140,45 @@ class ToolPlan:
             how = 'Answer {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}.'
         return f"You can call these tools:\n{json.dumps(specs, ensure_ascii=False)}\nAnswer with one JSON object. {how}"
 
-    def apply(self, messages: list[ChatMessage], json_schema: str | None, field: str) -> str:
-        """Put the tools' description first in ``messages``; return the schema the answer must match (``field``: the
-        request's own structured-output field, which cannot be combined with tools: the answer has this schema)."""
+    def apply(
+        self, messages: list[ChatMessage], json_schema: str | None, field: str
+    ) -> tuple[str | None, ToolSyntax | None]:
+        """What the generation needs for these tools: in the generic format, the tools' description put first in
+        ``messages`` and the schema the answer must match; in a native one, the syntax the engine renders and holds
+        the answer to. ``field``: the request's own structured-output field, which cannot be combined with tools
+        (their answer has a shape of its own)."""
         if json_schema is not None:
             raise InvalidField(field, f"{field} cannot be combined with tools: their answer has a schema of its own")
+        if self.format.native:
+            return None, self.syntax()
         messages.insert(0, ChatMessage(role="system", content=self.system_prompt()))
-        return msgspec.json.encode(self.schema()).decode()
+        return msgspec.json.encode(self.schema()).decode(), None
+
+    def syntax(self) -> ToolSyntax:
+        """The answer's shape in the model's own format: text, calls of the offered tools, or either."""
+        fmt = self.format
+        described = self.tools if self.choice in ("auto", "required", ANSWER) else self.offered()
+        return ToolSyntax(
+            tools=json.dumps([t.openai() for t in described], ensure_ascii=False),
+            call_schema=msgspec.json.encode(self._calls_schema()).decode(),
+            open=fmt.open,
+            before=fmt.before,
+            after=fmt.after,
+            separator=fmt.separator,
+            close=fmt.close,
+            max_calls=0 if self.choice == ANSWER else self.max_calls,
+            text=self.choice in ("auto", ANSWER),
+        )
 
     @property
     def max_calls(self) -> int:
         """The most calls one answer makes (the grammar's bound, and the parser's)."""
-        return MAX_PARALLEL_CALLS if self.parallel else 1
+        return min(MAX_PARALLEL_CALLS if self.parallel else 1, self.format.max_calls)
 
-    def stream(self) -> AnswerStream:
+    def stream(self) -> AnswerStream | NativeStream:
         """A parser for one answer under this plan."""
+        if self.format.native:
+            return NativeStream(self.format, self.max_calls)
         return AnswerStream(self.max_calls)
 
     def offered(self) -> tuple[Tool, ...]:
@@ -88,16 +186,25 @@ class ToolPlan:
             return self.tools
         return tuple(t for t in self.tools if t.name == self.choice)
 
-    def schema(self) -> dict[str, Any]:
-        """The JSON Schema the answer must match."""
-        calls = [
+    def _call_schemas(self) -> list[dict[str, Any]]:
+        key = self.format.arguments_key
+        return [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.name}, key: t.parameters or {"type": "object"}},
+                "required": ["name", key],
             }
             for t in self.offered()
         ]
+
+    def _calls_schema(self) -> dict[str, Any]:
+        """One call of any offered tool."""
+        calls = self._call_schemas()
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema the answer must match (the generic format)."""
+        calls = self._call_schemas()
         answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
         if self.choice == ANSWER:
             return answer
@@ -125,7 +232,7 @@ def settle(plan: ToolPlan | None, calls: list[tuple[str, str]]) -> ToolPlan | No
         return plan
     seen = {(name, _canonical(arguments)) for name, arguments in calls}
     if len(seen) < len(calls) or len(calls) >= MAX_ROUNDS:
-        return ToolPlan(plan.tools, ANSWER, plan.parallel)
+        return ToolPlan(plan.tools, ANSWER, plan.parallel, plan.format)
     return plan
 
 
@@ -146,8 +253,9 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def plan(tools: list[Any], choice: Any, parallel: bool | None) -> ToolPlan | None:
-    """The ``ToolPlan`` for a request's ``tools``/``tool_choice``/``parallel_tool_calls`` (None: no tools in play).
+def plan(tools: list[Any], choice: Any, parallel: bool | None, fmt: ToolFormat = GENERIC) -> ToolPlan | None:
+    """The ``ToolPlan`` for a request's ``tools``/``tool_choice``/``parallel_tool_calls`` (None: no tools in play),
+    in the model's tool format ``fmt``.
 
     ``tools`` are ``FunctionTool`` structs (``openai.FunctionTool``); ``choice`` is "none", "auto", "required" or a
     ``NamedChoice``.
@@ -173,7 +281,40 @@ def plan(tools: list[Any], choice: Any, parallel: bool | None) -> ToolPlan | Non
             names = ", ".join(t.name for t in declared)
             raise InvalidField("tool_choice", f"tool_choice names {name!r}, which is not among the tools ({names})")
         choice = name
-    return ToolPlan(tuple(declared), choice, parallel=True if parallel is None else parallel)
+    return ToolPlan(tuple(declared), choice, parallel=True if parallel is None else parallel, format=fmt)
+
+
+def history_turn(
+    role: str,
+    content: str,
+    calls: list[tuple[str, str, str]],
+    call_id: str | None,
+    name: str | None,
+    fmt: ToolFormat,
+) -> ChatMessage:
+    """One turn of a conversation for the engine: an assistant's ``calls`` (id, name, arguments JSON) and a tool's
+    result (``role`` "tool", answering ``call_id``, a call of ``name``) as the model's template writes them in a
+    native format, or in the generic format's text (a result is then a user turn: templates without tools have
+    no tool role)."""
+    if fmt.native:
+        short = _short_id if fmt.short_ids else str
+        return ChatMessage(
+            role=role,
+            content=content,
+            tool_calls=tuple(MessageCall(short(i), n, a) for i, n, a in calls),
+            tool_call_id=short(call_id) if role == "tool" and call_id is not None else None,
+            name=name if role == "tool" else None,
+        )
+    if calls:
+        content = assistant_turn([render_call(n, a) for _, n, a in calls], content)
+    if role == "tool":
+        return ChatMessage(role="user", content=tool_result(call_id, name, content))
+    return ChatMessage(role=role, content=content)
+
+
+def _short_id(call_id: str) -> str:
+    """A call id as Mistral's templates demand one (9 alphanumeric characters), the same for the same id."""
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def render_call(name: str, arguments: str) -> dict[str, Any]:
@@ -283,8 +424,9 @@ class AnswerStream:
     that does not start as JSON at all is content as written.
     """
 
-    def __init__(self, max_calls: int = MAX_PARALLEL_CALLS) -> None:
+    def __init__(self, max_calls: int = MAX_PARALLEL_CALLS, arguments_key: str = "arguments") -> None:
         self.max_calls = max_calls
+        self.arguments_key = arguments_key  # a call's arguments object (Llama 3 writes "parameters")
         self.branch: str | None = None  # "response", "tool_calls", or "text" (not the generic JSON)
         self.complete = False  # the answer's JSON closed
         self.broken: str | None = None  # why the text stopped parsing (the grammar should make this impossible)
@@ -407,7 +549,7 @@ class AnswerStream:
         if self.branch == "tool_calls" and len(path) >= 2 and path[0] == "tool_calls" and isinstance(path[1], int):
             if len(path) == 2 and c == "{":
                 self._call = _Call()
-            elif len(path) == 3 and path[2] == "arguments" and self._call is not None:
+            elif len(path) == 3 and path[2] == self.arguments_key and self._call is not None:
                 self._capture = len(self._stack) + 1  # the stack's depth once this value has ended, plus one
         self._raw(c, compact=True)
         if c in "{[":
@@ -570,9 +712,126 @@ class AnswerStream:
         return events
 
 
-def parse(text: str, max_calls: int = MAX_PARALLEL_CALLS) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer as (content, complete calls), read as ``AnswerStream`` reads it."""
-    stream = AnswerStream(max_calls)
+class NativeStream:
+    """An answer in a native tool format (``ToolFormat``), parsed as its text arrives, told as ``AnswerStream``'s
+    events: a text answer (one that does not start with the format's lead) as ``Text`` as written; calls as the
+    generic parser reads them (bound, repeats dropped, arguments streamed), fed each call's JSON object as one
+    item of a ``{"tool_calls": [...]}`` list. The format's tags, separators and brackets between calls (the
+    grammar puts them there) are skipped."""
+
+    def __init__(self, fmt: ToolFormat, max_calls: int) -> None:
+        self.lead = fmt.lead
+        self.branch: str | None = None  # "text" or "tool_calls" once decided
+        self._inner = AnswerStream(max_calls, fmt.arguments_key)
+        self._head = ""  # the answer's start, until it decides the branch
+        self._text: list[str] = []
+        self._events: list[Event] = []
+        self._depth = 0  # of the call object being read (0: between calls)
+        self._in_string = False
+        self._escape = False
+        self._items = 0  # call objects begun
+        self._json: list[str] = []  # the generic list's text for the inner parser, fed once per ``feed``
+
+    @property
+    def content(self) -> str | None:
+        if self.branch == "tool_calls":
+            return None
+        return "".join(self._text) if self.branch == "text" else self._head
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._inner.calls
+
+    @property
+    def complete(self) -> bool:
+        return self._inner.complete
+
+    def feed(self, text: str) -> list[Event]:
+        for i, c in enumerate(text):
+            if self.branch == "text":
+                self._say(text[i:])
+                break
+            if self.branch is None:
+                self._decide(c)
+            else:
+                self._call_char(c)
+        self._flush()
+        return self._drain()
+
+    def finish(self) -> list[Event]:
+        if self.branch is None and self._head:
+            self.branch = "text"  # a start of the lead and no more (a limit cut it): text as written
+            self._say(self._head)
+        if self.branch == "tool_calls" and self._depth == 0 and self._items:
+            self._json.append("]}")  # every call object closed: the list is complete
+        if self.branch == "tool_calls":
+            self._flush()
+            self._events += self._inner.finish()
+        return self._drain()
+
+    def finish_reason(self, finish: str) -> str:
+        if self.branch == "tool_calls":
+            return self._inner.finish_reason(finish)
+        return "length" if finish == "length" else "stop"
+
+    def _decide(self, c: str) -> None:
+        self._head += c
+        start = self._head.lstrip()
+        if not start or (self.lead.startswith(start) and start != self.lead):
+            return
+        if start == self.lead:
+            self.branch = "tool_calls"
+            self._json.append('{"tool_calls": [')
+            if self.lead == "{":  # a bare call: the lead is its object's first character
+                self._call_char("{")
+            return
+        self.branch = "text"
+        self._say(self._head)
+
+    def _call_char(self, c: str) -> None:
+        if self._depth == 0:
+            if c != "{":
+                return  # a tag, a separator, a bracket of the list: the format's, not the call's
+            if self._items:
+                self._json.append(",")
+            self._items += 1
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self._in_string = False
+        elif c == '"':
+            self._in_string = True
+        elif c == "{":
+            self._depth += 1
+        elif c == "}":
+            self._depth -= 1
+        self._json.append(c)
+
+    def _flush(self) -> None:
+        if self._json:
+            self._events += self._inner.feed("".join(self._json))
+            self._json = []
+
+    def _say(self, text: str) -> None:
+        self._text.append(text)
+        if self._events and isinstance(self._events[-1], Text):
+            self._events[-1] = Text(self._events[-1].text + text)
+        else:
+            self._events.append(Text(text))
+
+    def _drain(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+
+def parse(
+    text: str, max_calls: int = MAX_PARALLEL_CALLS, fmt: ToolFormat = GENERIC
+) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer as (content, complete calls), read as ``AnswerStream`` (or ``NativeStream``) reads it."""
+    stream: AnswerStream | NativeStream = NativeStream(fmt, max_calls) if fmt.native else AnswerStream(max_calls)
     stream.feed(text)
     stream.finish()
     return stream.content, stream.calls

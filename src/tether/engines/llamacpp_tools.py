@@ -1,0 +1,105 @@
+"""Tools in a model's native format, the runner's half: the chat as the template reads it, and the grammar of a
+``ToolSyntax`` answer.
+
+The serving side decides the syntax from the model's chat template (``serve/dialects/tools``); here the template
+gets the tools and the earlier calls and results as Hugging Face's templates expect them (OpenAI's shapes, each
+call's arguments an object), and the answer is held by a GBNF grammar to either text that does not start as a call
+does, or calls written in the model's syntax, each one's JSON matching its tool's parameter schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from tether.protocol import ChatMessage, ToolSyntax
+
+ROOT = "tether-answer"  # the grammar's start rule (the JSON Schema converter's own rules include "root": a call)
+
+
+def template_messages(messages: tuple[ChatMessage, ...] | list[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat as a Jinja chat template reads it: role and content, an assistant's ``tool_calls`` (OpenAI's shape,
+    arguments as an object where they are JSON, as Hugging Face templates write them with ``tojson``), a tool
+    result's ``tool_call_id`` and ``name``."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            turn["name"] = m.name
+        out.append(turn)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def tool_grammar(syntax: ToolSyntax, call_grammar: str) -> str:
+    """The GBNF of an answer under ``syntax`` (start rule :data:`ROOT`), given ``call_grammar``: the GBNF of one
+    call's JSON Schema, whose start rule is ``root``."""
+    return _wrap(
+        call_grammar, syntax.open, syntax.before, syntax.after, syntax.separator, syntax.close, syntax.max_calls,
+        syntax.text, syntax.lead,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _wrap(
+    call: str, open_: str, before: str, after: str, separator: str, close: str, max_calls: int, text: bool, lead: str
+) -> str:
+    rules = [call.rstrip("\n")]
+    answers = []
+    if max_calls > 0:
+        rules.append(f"{ROOT}-call ::= {_seq(before, 'root', after)}")
+        more = f" ({_seq(separator, ROOT + '-call')}){{0,{max_calls - 1}}}" if max_calls > 1 else ""
+        rules.append(f"{ROOT}-calls ::= {_seq(open_, ROOT + '-call')}{more} {_seq(close)}".rstrip())
+        answers.append(f"{ROOT}-calls")
+    if text or max_calls == 0:
+        rules.append(f"{ROOT}-text ::= {_not_starting_with(lead)}")
+        answers.append(f"{ROOT}-text")
+    rules.append(f"{ROOT} ::= {' | '.join(answers)}")
+    return "\n".join(rules) + "\n"
+
+
+def _not_starting_with(lead: str) -> str:
+    """A GBNF alternative of every text that does not start with ``lead`` (the empty text included): it leaves the
+    lead at some character ``i`` (``lead[:i]``, then any other character, then anything), or ends inside it."""
+    alternatives = []
+    for i, c in enumerate(lead):
+        start = f"{_literal(lead[:i])} " if i else ""
+        alternatives.append(f"{start}[^{_char(c)}] .*")
+        if i:
+            alternatives.append(_literal(lead[:i]))
+    return "( " + " | ".join(alternatives) + " )?"
+
+
+def _seq(*parts: str) -> str:
+    """Literal texts and rule names (``root``, ``tether-answer-*``) in a row; empty texts are left out."""
+    return " ".join(p if p == "root" or p.startswith(ROOT) else _literal(p) for p in parts if p)
+
+
+def _literal(text: str) -> str:
+    return '"' + "".join(_char(c) if not c.isalnum() else c for c in text) + '"'
+
+
+def _char(c: str) -> str:
+    """One character escaped for a GBNF literal or character class (every non-alphanumeric one, to be safe)."""
+    code = ord(c)
+    if c.isascii() and c.isalnum():
+        return c
+    if code < 0x100:
+        return f"\\x{code:02X}"
+    if code < 0x10000:
+        return f"\\u{code:04X}"
+    return f"\\U{code:08X}"
