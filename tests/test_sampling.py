@@ -329,6 +329,17 @@ def test_each_sequence_in_a_batch_keeps_its_own_sampling(llama: Any) -> None:
 
 
 @needs_model
+def test_an_unseeded_request_draws_its_own_seed_and_a_seeded_one_repeats(llama: Any) -> None:
+    """Asking again without a seed (a regenerate button) gets a new sample, as from OpenAI or llama-server; the same
+    seed gets the same text."""
+    sampled = replace(STORY, max_tokens=24, temperature=1.0)
+    unseeded = {run(llama, sampled)[0] for _ in range(4)}
+    assert len(unseeded) > 1, unseeded  # four identical 24-token samples at temperature 1: a fixed seed
+    seeded = {run(llama, replace(sampled, seed=11))[0] for _ in range(3)}
+    assert len(seeded) == 1, seeded
+
+
+@needs_model
 def test_embeddings_are_deterministic_unit_vectors_of_the_models_width(embedder: Any) -> None:
     _, [final] = run(embedder, GenerateParams(prompt="The cat sat on the mat.", embed=True))
     vector = final.embedding

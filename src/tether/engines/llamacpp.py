@@ -63,6 +63,7 @@ import codecs
 import functools
 import json
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -94,7 +95,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "prompt_cache": True,  # reuse a cached prefix from any slot or RAM (faster; a greedy text may then differ, rarely)
     "prompt_cache_ram": "auto",  # bytes of saved sequences kept in RAM (a size: 1G, 512M; 0: none; auto: the KV's)
     "prefill_chunk": 32,  # prompt tokens beside decode rows: a step then ~140 ms, not ~40 (2 CPU threads)
-    "seed": 0,
+    "seed": None,  # for unseeded requests: None draws one per request (as OpenAI, llama-server do); an int fixes it
     "n_gpu_layers": 0,
     "repeat_penalty": 1.0,  # neutral, as in OpenAI's API; llama-cpp-python's 1.1 derails small models
     "verbose": False,
@@ -174,7 +175,7 @@ class LlamaCppEngine:
             self.prefill_chunk = int(options["prefill_chunk"])
             self.prompt_cache = bool(options["prompt_cache"])
             self.prompt_cache_ram = prompt_cache_budget(options)  # None: the KV cache's size, known at load
-            self.seed = int(options["seed"])
+            self.seed: int | None = None if options["seed"] is None else int(options["seed"])
             self.n_gpu_layers = int(options["n_gpu_layers"])
             self.repeat_penalty = float(options["repeat_penalty"])
             self.verbose = bool(options["verbose"])
@@ -387,6 +388,8 @@ class LlamaCppEngine:
                 "it or raise n_ctx"
             )
         seed = params.seed if params.seed is not None else self.seed
+        if seed is None:  # a fresh draw: the same question asked again (a regenerate button) gets a new answer
+            seed = random.getrandbits(32)
         sampling = Sampling(
             params.temperature,
             params.top_p,
