@@ -74,7 +74,8 @@ def test_generate_honours_options_prompt_system_and_raw(debug: Server) -> None:
     ("call", "status", "words"),
     [
         ({"options": {"nonsense": 1}}, 400, ["options.nonsense", "unknown field"]),
-        ({"options": {"num_ctx": 4096}}, 400, ["options.num_ctx", "n_ctx", "POST /v1/instances"]),
+        ({"options": {"num_thread": 4}}, 400, ["options.num_thread", "n_threads", "POST /v1/instances"]),
+        ({"options": {"num_ctx": 0}}, 400, ["options.num_ctx"]),
         ({"options": {"num_predict": -2}}, 400, ["num_predict"]),
         ({"options": {"mirostat": 2}}, 400, ["options.mirostat"]),
         ({"options": {"temperature": 3}}, 400, ["options.temperature must be in [0, 2]"]),

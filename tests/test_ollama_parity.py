@@ -127,6 +127,15 @@ def test_a_chat_longer_than_the_context_keeps_its_system_message_and_latest_turn
     options = {"num_predict": 8, "temperature": 0}
     answer = client(llama).chat(model=model, messages=turns, stream=False, options=options)
     assert answer.done and 0 < (answer.prompt_eval_count or 0) < 512  # the ollama client takes it as it is
+    # num_ctx is the request's own context: the chat is fitted into it and the answer ends when it is full ...
+    small = client(llama).chat(model=model, messages=turns, stream=False, options={**options, "num_ctx": 200})
+    assert 0 < (small.prompt_eval_count or 0) < 200 and (small.prompt_eval_count or 0) < answer.prompt_eval_count
+    counting = "1, 2, 3, 4, 5, 6, 7, 8,"  # raw: the model counts on until its context is full
+    full = client(llama).generate(model=model, prompt=counting, raw=True, options={"num_ctx": 64, "temperature": 0})
+    assert full.done_reason == "length" and (full.prompt_eval_count or 0) + (full.eval_count or 0) == 64, full
+    # ... and one larger than the instance's (512 here) gets the instance's, as a load with it would have
+    large = client(llama).chat(model=model, messages=turns, stream=False, options={**options, "num_ctx": 32768})
+    assert large.done and large.prompt_eval_count == answer.prompt_eval_count
 
 
 # 3. version ----------------------------------------------------------------------------------------------------

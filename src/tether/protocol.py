@@ -243,6 +243,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_ids: tuple[int, ...] | None = None  # a raw prompt given as token ids (OpenAI's legacy completions shape)
     echo: bool = False  # the prompt's own tokens (with their logprobs when asked) lead the answer (completions)
     fit_context: bool = False  # a chat longer than the context keeps its system messages and latest turns (Ollama)
+    context: int | None = None  # tokens prompt and answer may take together (Ollama's num_ctx); at most the n_ctx
     tokenizer: Literal["encode", "decode"] | None = None  # a tokenizer request (see the docstring), not a generation
     add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
     tool_syntax: ToolSyntax | None = None  # tools in the model's native format (a chat): see ``ToolSyntax``
@@ -275,6 +276,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return InvalidField(
                 "max_tokens", f"max_tokens must be in [{fewest}, {MAX_TOKENS_LIMIT}]{hint}, got {self.max_tokens}"
             )
+        if self.context is not None and not 1 <= self.context <= MAX_TOKENS_LIMIT:
+            return InvalidField("context", f"the context must be in [1, {MAX_TOKENS_LIMIT}] tokens, got {self.context}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             return InvalidField("seed", f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}")
         low, high = TEMPERATURE_RANGE

@@ -372,8 +372,9 @@ class LlamaCppEngine:
             return
         grammar = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
         stop = list(params.stop)
+        window = min(params.context or self.n_ctx, self.n_ctx)  # a request's own context (num_ctx) within n_ctx
         if params.messages is not None:
-            prompt_tokens, template_stop = self._fitted_chat(seq_id, params)
+            prompt_tokens, template_stop = self._fitted_chat(seq_id, params, window)
             stop += template_stop
         elif params.prompt_ids is not None:
             prompt_tokens = self._known_ids(params.prompt_ids, "prompt")
@@ -382,11 +383,17 @@ class LlamaCppEngine:
         echo: str | None = None
         if params.echo:  # the prompt as sent: its text, or its token ids written out
             echo = params.prompt if params.prompt is not None else self._detokenize(prompt_tokens)
-        if len(prompt_tokens) >= self.n_ctx:
+        if len(prompt_tokens) >= window:
+            if window < self.n_ctx:
+                raise RequestError(
+                    f"prompt is {len(prompt_tokens)} tokens but the request's context (num_ctx) is {window}: shorten "
+                    f"it or raise num_ctx (this instance's n_ctx is {self.n_ctx})"
+                )
             raise RequestError(
                 f"prompt is {len(prompt_tokens)} tokens but a sequence's context (n_ctx) is {self.n_ctx}: shorten "
                 "it or raise n_ctx"
             )
+        max_tokens = min(params.max_tokens, window - len(prompt_tokens)) if window < self.n_ctx else params.max_tokens
         seed = params.seed if params.seed is not None else self.seed
         if seed is None:  # a fresh draw: the same question asked again (a regenerate button) gets a new answer
             seed = random.getrandbits(32)
@@ -406,7 +413,7 @@ class LlamaCppEngine:
             ends_on_json=params.tool_syntax is None,
             special_pieces=params.tool_syntax is not None,
         )
-        batch.start(seq_id, prompt_tokens, params.max_tokens, stop, sampling, echo=echo)
+        batch.start(seq_id, prompt_tokens, max_tokens, stop, sampling, echo=echo)
 
     def _check_sampling(self, params: GenerateParams) -> str | None:
         """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` or of the tool syntax
@@ -569,14 +576,14 @@ class LlamaCppEngine:
             raise RuntimeError("llama.cpp engine used before load() (or after close())")
         return self._batch
 
-    def _fitted_chat(self, seq_id: str, params: GenerateParams) -> tuple[list[int], list[str]]:
-        """The chat's tokens; with ``fit_context`` (Ollama's routes), a chat too long for the context keeps its system
-        messages and its latest turns, as Ollama does: the fewest oldest turns are left out that leave room for
-        ``min(max_tokens, n_ctx / 4)`` tokens of answer (the latest message always stays: alone too long, it is the
-        usual refusal with the numbers)."""
+    def _fitted_chat(self, seq_id: str, params: GenerateParams, window: int) -> tuple[list[int], list[str]]:
+        """The chat's tokens; with ``fit_context`` (Ollama's routes), a chat too long for its context (``window``
+        tokens) keeps its system messages and its latest turns, as Ollama does: the fewest oldest turns are left out
+        that leave room for ``min(max_tokens, window / 4)`` tokens of answer (the latest message always stays: alone
+        too long, it is the usual refusal with the numbers)."""
         messages = list(params.messages or ())
         tokens, stop = self._render_chat(params, messages)
-        room = self.n_ctx - min(params.max_tokens, self.n_ctx // 4)
+        room = window - min(params.max_tokens, window // 4)
         if not params.fit_context or len(tokens) <= room:
             return tokens, stop
         droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]

@@ -15,10 +15,11 @@ Every field is honoured or refused, as on the OpenAI side (``fields``). The choi
 * A chat longer than the instance's context keeps its system messages and its latest turns, as Ollama does
   (``GenerateParams.fit_context``); the final object says how many turns were left out (``truncated_messages``, an
   extra field Ollama's clients ignore) and the server logs it; ``prompt_eval_count`` is the prompt really read.
-* Load-time options (``num_ctx``, ``num_gpu``, ``num_thread``, ...) are refused, naming the instance option to set
-  instead: Ollama loads a model per request's options, tether serves instances started ahead (``POST
-  /v1/instances``). ``num_ctx`` included: the context a chat is fitted into is the instance's ``n_ctx`` (the wire
-  has no per-request cap on it).
+* ``num_ctx`` is the request's own context: its chat is fitted into ``num_ctx`` tokens and its answer ends when they
+  are full, as with Ollama; one larger than the instance's ``n_ctx`` gets the instance's (Ollama would reload the
+  model with a larger context; tether serves the instance started ahead, whose context ``/api/show`` and
+  ``/api/ps`` report). Other load-time options (``num_gpu``, ``num_thread``, ...) are refused, naming the instance
+  option to set instead (``POST /v1/instances``).
 * ``/api/embed``'s ``truncate`` (default true, as Ollama's) keeps the first ``n_ctx`` tokens of an input too long
   for the instance's context; false refuses it (400, with the numbers). ``/api/embeddings`` (no such field) cuts too.
 * ``keep_alive`` is the scheduler's (``tether.fleet.scheduler``): how long the model stays loaded once idle, 0 to
@@ -141,8 +142,8 @@ class OllamaOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mirostat_eta: float | None = None
     penalize_newline: Annotated[bool, documented(enum=[False])] | None = None
     num_keep: Refused = None
+    num_ctx: Annotated[int, documented(minimum=1, maximum=MAX_TOKENS_LIMIT)] | None = None
     # load-time options: the instance's
-    num_ctx: Refused = None
     num_batch: Refused = None
     num_gpu: Refused = None
     main_gpu: Refused = None
@@ -158,7 +159,6 @@ class OllamaOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 LOAD_TIME = {  # option -> the instance option (llama.cpp engine) that sets it, when there is one
-    "num_ctx": "n_ctx",
     "num_batch": "n_batch",
     "num_gpu": "n_gpu_layers",
     "num_thread": "n_threads",
@@ -299,7 +299,7 @@ register(
     {
         **_GENERATION_POLICY,
         "messages": FieldPolicy(H, "roles system, user, assistant (with `tool_calls`), tool; none: load"),
-        "tools": FieldPolicy(H, "function tools, through a grammar-constrained JSON answer"),
+        "tools": FieldPolicy(H, "function tools: the model's own call format if its template has one, else JSON"),
     },
 )
 register(
@@ -342,6 +342,7 @@ register(
         "mirostat_eta": FieldPolicy(M, "mirostat's: with mirostat 0 it changes nothing, as in Ollama"),
         "penalize_newline": FieldPolicy(L, "false only"),
         "num_keep": FieldPolicy(R, "no context shifting: a generation ends when its context is full"),
+        "num_ctx": FieldPolicy(H, "the request's context (prompt and answer), at most the instance's n_ctx"),
         **{name: _LOAD_TIME_POLICY for name in LOAD_TIME},
     },
 )
@@ -460,6 +461,7 @@ def sampling(options: OllamaOptions | None) -> dict[str, Any]:
         "repeat_penalty": DEFAULTS["repeat_penalty"] if o.repeat_penalty is None else o.repeat_penalty,
         "presence_penalty": o.presence_penalty or 0.0,
         "frequency_penalty": o.frequency_penalty or 0.0,
+        "context": o.num_ctx,
     }
 
 
@@ -488,6 +490,7 @@ _OPTION_OF = {
     "max_tokens": "num_predict",
     **{name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty")},
     **{name: name for name in ("presence_penalty", "frequency_penalty")},
+    "context": "num_ctx",
 }
 
 

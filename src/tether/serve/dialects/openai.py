@@ -316,7 +316,7 @@ register(
         "logprobs": FieldPolicy(H, "the model's log-probabilities (before sampling), with bytes"),
         "top_logprobs": FieldPolicy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
         "response_format": FieldPolicy(H, "`text`, `json_object`, `json_schema`: grammar-constrained, always parses"),
-        "tools": FieldPolicy(H, "function tools, through a grammar-constrained JSON answer"),
+        "tools": FieldPolicy(H, "function tools: the model's own call format if its template has one, else JSON"),
         "tool_choice": FieldPolicy(H, "`none`, `auto`, `required`, a named function"),
         "parallel_tool_calls": FieldPolicy(H, "false: at most one call"),
         "metadata": FieldPolicy(M),

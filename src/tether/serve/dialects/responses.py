@@ -205,7 +205,7 @@ register(
         "text": FieldPolicy(
             H, "`format`: `text`, `json_object`, `json_schema` (grammar-constrained); `verbosity` refused"
         ),
-        "tools": FieldPolicy(H, "function tools, through a grammar-constrained JSON answer: `function_call` items"),
+        "tools": FieldPolicy(H, "function tools (the model's own format or generic JSON): `function_call` items"),
         "tool_choice": FieldPolicy(H, "`none`, `auto`, `required`, a named function"),
         "parallel_tool_calls": FieldPolicy(H, "false: at most one call"),
         "include": FieldPolicy(L, f"`{LOGPROBS}` only"),
