@@ -103,6 +103,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "layer_split": None,  # ranks > 1: each rank's relative share of the layers (None: by placement, else equal)
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
     "adaptive_threads": True,  # one thread while other processes hold the cores (``llamacpp_threads``)
+    "kv_unified": False,  # one cell pool for every sequence: slower here (bench/kv_layout.py), same memory
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -181,6 +182,7 @@ class LlamaCppEngine:
             self.verbose = bool(options["verbose"])
             self.embedding = bool(options["embedding"])
             self.adaptive_threads = bool(options["adaptive_threads"])
+            self.kv_unified = bool(options["kv_unified"])
         except (TypeError, ValueError, OverflowError) as exc:
             raise EngineLoadError(f"invalid llama.cpp engine option in {spec.options!r}: {exc}") from exc
         if not (
@@ -271,6 +273,7 @@ class LlamaCppEngine:
             embedding=self.embedding,
             pooling=_pooling(lib, model) if self.embedding else None,
             adaptive_threads=self.adaptive_threads,
+            unified=self.kv_unified,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model)
         where = ""
