@@ -420,3 +420,16 @@ def test_an_agent_loop_that_repeats_a_call_or_goes_round_too_often_must_answer_i
     required = toolkit.ToolPlan((add,), "required")
     assert toolkit.settle(required, [("add", "{}"), ("add", "{}")]) is required
     assert toolkit.settle(None, [("add", "{}")]) is None
+    # The Responses API's agent loops too: its function_call items since the last user message count.
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "1"}
+    body = {
+        "model": "m",
+        "input": [{"type": "message", "role": "user", "content": "add"}, call, output, call, output],
+        "tools": [{"type": "function", "name": "add", "parameters": add.parameters}],
+    }
+    looping = responses.plan(msgspec.json.decode(json.dumps(body), type=responses.ResponsesRequest))
+    assert looping.tools is not None and looping.tools.choice == toolkit.ANSWER
+    body["input"] = body["input"][:3]  # type: ignore[index]
+    once = responses.plan(msgspec.json.decode(json.dumps(body), type=responses.ResponsesRequest))
+    assert once.tools is not None and once.tools.choice == "auto"

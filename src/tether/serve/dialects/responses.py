@@ -375,6 +375,17 @@ def _refuse(request: ResponsesRequest) -> None:
         raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
 
 
+def calls_made(request: ResponsesRequest) -> list[tuple[str, str]]:
+    """The function calls (name, arguments) in ``input`` since its last user message: an agent loop's calls for it."""
+    items = [] if isinstance(request.input, str) else request.input
+    last_user = max((i for i, item in enumerate(items) if item.type == "message" and item.role == "user"), default=-1)
+    return [
+        (item.name, item.arguments)
+        for item in items[last_user + 1 :]
+        if item.type == "function_call" and item.name is not None and item.arguments is not None
+    ]
+
+
 def uses_tools(request: ResponsesRequest) -> bool:
     """Whether the request declares tools or its input carries earlier calls or their outputs."""
     items = request.input
@@ -403,7 +414,7 @@ def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -
         choice = openai.NamedChoice(openai.NamedFunction(choice.name))
     elif choice is not None and choice not in ("none", "auto", "required"):
         raise InvalidField("tool_choice", f"tool_choice must be none, auto, required or a function, got {choice!r}")
-    tools = toolkit.plan(functions, choice, request.parallel_tool_calls, fmt)
+    tools = toolkit.settle(toolkit.plan(functions, choice, request.parallel_tool_calls, fmt), calls_made(request))
     json_schema = text_schema(request.text)
     syntax = None
     if tools is not None:
