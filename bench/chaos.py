@@ -1,6 +1,7 @@
 """The fault campaign as a benchmark: ``tether chaos`` over N trials of seed S, its JSON summary as the last line.
 
-Usage: ``.venv/bin/python bench/chaos.py --trials 1000 --seed 0`` (the published figure) or ``--quick`` (20 trials).
+Usage: ``.venv/bin/python bench/chaos.py --trials 1000 --seed 0`` (the published figure) or ``--quick`` (20 trials);
+``--target batch|models`` (``--engine llama.cpp`` for batch on the default model) attacks another target.
 The baseline a user would otherwise have is no campaign at all: no peer server publishes one, so this benchmark
 reports tether's own figures (hung, orphans, misclassified, lost requests, leaked fds, worker RSS growth) and how
 long the campaign took, with a table per attack and phase.
@@ -14,7 +15,8 @@ import sys
 
 import anyio
 
-from tether.chaos.campaign import print_progress, run_campaign
+from tether.chaos.campaign import print_progress
+from tether.chaos.targets import TARGETS, campaign
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,9 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 trials (the test suite's check of this script)")
+    parser.add_argument("--target", default="single", choices=tuple(TARGETS), help="what to attack (default single)")
+    parser.add_argument(
+        "--engine",
+        default="debug",
+        choices=("debug", "llama.cpp"),
+        help="the batch target's engine (default debug; llama.cpp: the default model)",
+    )
     args = parser.parse_args(argv)
     trials = 20 if args.quick else args.trials
-    report = anyio.run(lambda: run_campaign(args.seed, trials, progress=print_progress))
+    run = campaign(args.target, args.engine)
+    report = anyio.run(lambda: run(args.seed, trials, progress=print_progress, engine=args.engine))
     for line in report.table():
         print(line)
     summary = report.summary()

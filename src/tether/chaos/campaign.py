@@ -7,10 +7,11 @@ Its fd count and RSS are read after a warm-up trial and again at the end: what t
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ MiB = 1 << 20
 @dataclass
 class Report:
     seed: int
+    target: str = "single"
+    extra: dict[str, Any] = field(default_factory=dict)  # a target's own figures, added to the summary
     results: list[TrialResult] = field(default_factory=list)
     fds_before: int | None = None
     fds_after: int | None = None
@@ -61,14 +64,16 @@ class Report:
             "seed": self.seed,
             "wall_s": round(self.wall_s, 1),
             "trial_p50_s": round(_median([r.seconds for r in results]), 3),
+            "target": self.target,
+            **self.extra,
         }
 
     def table(self) -> list[str]:
         cells: dict[tuple[str, str], list[TrialResult]] = collections.defaultdict(list)
         for r in self.results:
             cells[(r.trial.attack.name, r.trial.phase)].append(r)
-        phases = sorted({p for _, p in cells}, key=_PHASE_ORDER.index)
-        attacks = sorted({a for a, _ in cells}, key=_ATTACK_ORDER.index)
+        phases = sorted({p for _, p in cells}, key=functools.partial(_order, _PHASE_ORDER))
+        attacks = sorted({a for a, _ in cells}, key=functools.partial(_order, _ATTACK_ORDER))
         width = max(len(a) for a in attacks) if attacks else 6
         lines = [f"{'attack':<{width}}  " + "  ".join(f"{p:>10}" for p in phases) + "      ok"]
         for attack in attacks:
@@ -102,8 +107,36 @@ def _median(values: list[float]) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
+def _order(known: list[str], name: str) -> tuple[int, str]:
+    """Known names in their declared order, a target's own after them by name."""
+    return (known.index(name) if name in known else len(known), name)
+
+
 _PHASE_ORDER = list(PHASES)
 _ATTACK_ORDER = [a.name for a in ATTACKS]
+
+
+async def drive(
+    report: Report,
+    target: Target,
+    warm: Trial,
+    trials: list[Trial],
+    run: Callable[[Trial], Awaitable[TrialResult]],
+    progress: Callable[[TrialResult], None] | None = None,
+) -> None:
+    """Every target's loop: a warm-up trial, the shared server's fds and RSS as the baseline, the trials (``run``
+    each), then the figures again. The shared server dying is no trial's failure but the campaign's end."""
+    await run(warm)  # the first instance and streams allocate what later ones reuse
+    report.fds_before, report.rss_before = target.fds(), target.rss()
+    for trial in trials:
+        result = await run(trial)
+        report.results.append(result)
+        if progress is not None:
+            progress(result)
+        if target.proc.poll() is not None:
+            raise RuntimeError(f"the shared server died during trial {trial.index}: {trial.replay()}")
+    report.fds_after = await _settled_fds(target, report.fds_before)
+    report.rss_after = target.rss()
 
 
 async def run_campaign(
@@ -112,29 +145,25 @@ async def run_campaign(
     *,
     only: int | None = None,
     progress: Callable[[TrialResult], None] | None = None,
+    engine: str = "debug",
 ) -> Report:
     """Run the campaign ``seed`` (or only its trial ``only``); every server it starts is stopped before it returns."""
+    if engine != "debug":
+        raise ValueError(f"the single target runs the debug engine only (its faults are injected), not {engine!r}")
     report = Report(seed)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         workdir = Path(tmp)
         target = await anyio.to_thread.run_sync(Target, workdir / "shared")
         try:
-            warm = Trial(seed, -1, WARM_UP, "generating", 8, 1, 0.0, 8)
-            await run_on(target, warm)  # the first instance and streams allocate what later ones reuse
-            report.fds_before, report.rss_before = target.fds(), target.rss()
-            for trial in plan(seed, trials, only):
+
+            async def run(trial: Trial) -> TrialResult:
                 if trial.attack.worker_signal is not None:
-                    result = await run_alone(trial, workdir)
-                else:
-                    result = await run_on(target, trial)
-                report.results.append(result)
-                if progress is not None:
-                    progress(result)
-                if target.proc.poll() is not None:
-                    raise RuntimeError(f"the shared server died during trial {trial.index}: {trial.replay()}")
-            report.fds_after = await _settled_fds(target, report.fds_before)
-            report.rss_after = target.rss()
+                    return await run_alone(trial, workdir)
+                return await run_on(target, trial)
+
+            warm = Trial(seed, -1, WARM_UP, "generating", 8, 1, 0.0, 8)
+            await drive(report, target, warm, plan(seed, trials, only), run, progress)
         finally:
             await anyio.to_thread.run_sync(target.stop)
     report.wall_s = time.monotonic() - began

@@ -87,21 +87,39 @@ class Trial:
     after_tokens: int  # generating: the fault strikes after this many tokens of the stream it hits
     delay: float  # a random moment within the phase, in seconds (idle, loading, outside signals)
     tokens: int  # max_tokens of every stream
+    target: str = "single"  # the campaign's target (``tether.chaos.targets``): part of the trial's seed
+    replay_args: str = ""  # what else the replay command needs (``--engine llama.cpp``)
 
     @property
     def label(self) -> str:
         return f"{self.attack.name}@{self.phase}x{self.streams}"
 
     def replay(self) -> str:
-        return f"tether chaos --seed {self.seed} --only {self.index}"
+        target = f" --target {self.target}" if self.target != "single" else ""
+        extra = f" {self.replay_args}" if self.replay_args else ""
+        return f"tether chaos{target}{extra} --seed {self.seed} --only {self.index}"
 
 
-def draw(seed: int, index: int, attacks: tuple[Attack, ...] = ATTACKS) -> Trial:
-    """Trial ``index`` of the campaign ``seed``."""
-    rng = random.Random(f"{seed}:{index}")
+def trial_rng(seed: int, index: int, target: str = "single") -> random.Random:
+    """The one source of a trial's randomness: ``seed:index`` (and the target's name, but for ``single``, whose
+    trials predate targets and keep their seeds)."""
+    return random.Random(f"{seed}:{index}" if target == "single" else f"{seed}:{index}:{target}")
+
+
+def draw(
+    seed: int,
+    index: int,
+    attacks: tuple[Attack, ...] = ATTACKS,
+    *,
+    target: str = "single",
+    streams_choice: tuple[int, ...] = STREAMS,
+    replay_args: str = "",
+) -> Trial:
+    """Trial ``index`` of the campaign ``seed`` (of ``target``, among ``attacks``)."""
+    rng = trial_rng(seed, index, target)
     attack = rng.choice(attacks)
     phase = rng.choice(attack.phases)
-    streams = rng.choice(STREAMS) if phase in ("generating", "cancel", "stop", "backoff") else 1
+    streams = rng.choice(streams_choice) if phase in ("generating", "cancel", "stop", "backoff") else 1
     if attack.worker_signal is not None and streams == 64:
         streams = 8  # a worker per trial: keep the hard-killed ones cheap
     tokens = rng.randint(24, 64)
@@ -114,6 +132,8 @@ def draw(seed: int, index: int, attacks: tuple[Attack, ...] = ATTACKS) -> Trial:
         after_tokens=rng.randint(1, tokens // 2),
         delay=rng.uniform(0.0, 0.05),
         tokens=tokens,
+        target=target,
+        replay_args=replay_args,
     )
 
 

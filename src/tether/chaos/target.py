@@ -32,13 +32,28 @@ class ServeChild:
         startup: float = 30.0,
         verbose: bool = False,
         cgroup: Path | None = None,
+        reaper: bool = False,
     ) -> None:
+        """``reaper``: give the server a reaper (``_REAPER``) that kills it, and removes ``cgroup``, should this
+        process die without stopping it (the campaign does; a test's own fixtures stop their servers)."""
         argv = [sys.executable, "-m", "tether", *(("-v",) if verbose else ()), "serve", "--port", "0", *args]
         if cgroup is not None:  # the worker joins the memory cgroup before it starts (so do its runners, below it)
             argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+        self._reaper: subprocess.Popen[bytes] | None = None
+        if reaper:  # started first: from the server's first moment, something outlives this process to stop it
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-c", _REAPER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a kill of this process's group must not take it too
+            )
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
+        if self._reaper is not None and self._reaper.stdin is not None:
+            self._reaper.stdin.write(f"{self.proc.pid} {cgroup or ''}\n".encode())
+            self._reaper.stdin.flush()
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -47,11 +62,26 @@ class ServeChild:
         except BaseException:  # it never listened: nothing of it may outlive the failure
             self.proc.kill()
             self.proc.wait()
+            self._release_reaper()
             raise
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def _release_reaper(self) -> None:
+        """The server is gone and the campaign checks what it left: the reaper leaves at once, touching nothing."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None and reaper.stdin is not None:
+            with contextlib.suppress(OSError):
+                reaper.stdin.write(b"done")
+            with contextlib.suppress(OSError):
+                reaper.stdin.close()
+            try:
+                reaper.wait(5)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait()
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
@@ -120,6 +150,7 @@ class ServeChild:
             forced = True
             self.proc.kill()
             self.proc.wait()
+        self._release_reaper()
         deadline = time.monotonic() + gone_bound
         while (left := self.runners()) and time.monotonic() < deadline:
             time.sleep(poll)
@@ -130,10 +161,21 @@ class ServeChild:
 
 
 class Target(ServeChild):
-    """The campaign's server: ``tether serve --engine debug`` with a warm instance, private runtime and log
-    directories (its records and logs are its own), and a bounded stop."""
+    """The campaign's server: ``tether serve --engine debug`` (or ``serve``) with a warm instance, private runtime
+    and log directories (its records and logs are its own), and a bounded stop."""
 
-    def __init__(self, workdir: Path, *, stop_timeout: float = 5.0, startup: float = 30.0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        stop_timeout: float = 5.0,
+        startup: float = 30.0,
+        serve: tuple[str, ...] = ("--engine", "debug", "--name", "warm"),
+        cgroup: Path | None = None,
+        ready: str | None = r"warm ready \(runner pid",
+    ) -> None:
+        """``serve``: the engine, its instance and options (the batch and models targets pass their own);
+        ``ready``: the stderr line that says its first instance is ready (None: do not wait for one)."""
         self.workdir = workdir
         self.runtime_dir = workdir / "runtime"
         self.log_dir = workdir / "logs"
@@ -143,9 +185,16 @@ class Target(ServeChild):
         env = dict(os.environ, TETHER_RUNTIME_DIR=str(self.runtime_dir), TETHER_LOG_DIR=str(self.log_dir))
         env.pop("TETHER_DISABLE_ORPHAN_WATCHDOG", None)
         self.stop_timeout = stop_timeout
-        args = ("--engine", "debug", "--name", "warm", "--stop-timeout", str(stop_timeout))
-        super().__init__(*args, env=env, startup=startup)
-        self.wait_for(r"warm ready \(runner pid", startup)
+        super().__init__(
+            *serve, "--stop-timeout", str(stop_timeout), env=env, startup=startup, cgroup=cgroup, reaper=True
+        )
+        try:
+            if ready is not None:
+                self.wait_for(ready, startup)
+        except BaseException:
+            self.proc.kill()
+            self.wait_exit()
+            raise
 
     def stop(self) -> int | None:
         """SIGTERM, then :meth:`wait_exit`."""
@@ -161,6 +210,41 @@ class Target(ServeChild):
             self.proc.kill()
             self.proc.wait()
             return None
+        finally:
+            self._release_reaper()
+
+
+# A campaign killed outright (SIGKILL, a test's timeout) cannot stop the servers it started: each server has this
+# reaper, reading a pipe only the campaign holds: first the server's pid and cgroup, then EOF. EOF without "done"
+# means the campaign died: it SIGKILLs the worker (through a pidfd taken at start, so never a reused pid; the
+# worker's runners follow it by their lifelines) and removes the worker's memory cgroup once empty.
+_REAPER = """
+import os, signal, sys, time
+from pathlib import Path
+pid, _, cgroup = sys.stdin.buffer.readline().decode().strip().partition(" ")
+if not pid:
+    sys.exit()
+try:
+    fd = os.pidfd_open(int(pid))
+except OSError:
+    fd = None
+if sys.stdin.buffer.read().startswith(b"done"):
+    sys.exit()
+try:
+    if fd is not None:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+except OSError:
+    pass
+root = Path(cgroup) if cgroup else None
+deadline = time.monotonic() + 30
+while root is not None and root.exists() and time.monotonic() < deadline:
+    for path in [*sorted((p for p in root.glob("**/*") if p.is_dir()), reverse=True), root]:
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+    time.sleep(0.05)
+"""
 
 
 def runner_processes(workers: Collection[int]) -> list[int]:

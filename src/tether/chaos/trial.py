@@ -48,6 +48,13 @@ class Outcome:
     status: int | None = None
     detail: str = ""
     retry_after: bool = False
+    prompt: str = ""  # what it asked (the batch target compares its text with the prompt's solo run)
+    text: str = ""  # what it received before it ended
+    finish: str | None = None  # a completed stream's finish reason
+    tokens: int | None = None  # a completed stream's completion tokens (when it asked for usage)
+    index: int = 0  # which stream of the trial it was
+    request_id: str | None = None
+    deltas: int = 0  # content events received
 
 
 @dataclass
@@ -60,6 +67,7 @@ class TrialResult:
     misclassified: int = 0
     lost: int = 0
     seconds: float = 0.0
+    missed: bool = False  # the attack's moment never came (a race the trial lost): it kept its promises unattacked
 
     @property
     def ok(self) -> bool:
@@ -70,47 +78,118 @@ class TrialResult:
         self.problems.append(problem)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a target's trials run on: the engine and options of every instance a trial creates, the prompts of its
+    streams (stream ``i`` asks ``prompts[i % len]``), fields every stream adds (greedy sampling, a seed), and the
+    solo texts its streams must reproduce (None: texts are not compared). The default is the single target's."""
+
+    engine: str = "debug"
+    options: dict[str, Any] = field(default_factory=lambda: dict(OPTIONS))
+    deadlines: dict[str, float] = field(default_factory=lambda: dict(DEADLINES))
+    prompts: tuple[str, ...] = ("chaos",)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    solo: Solo | None = None
+    refused_prompt: str = ""  # a prompt the engine refuses alone (longer than the context): a per-sequence error
+    request_bound: float = REQUEST_BOUND  # what a request may take: a real engine's 16 streams take longer
+
+
+class Solo:
+    """Each prompt's text when run alone (greedy, fixed seed) on an instance nothing else uses, asked once and
+    cached: the text every stream of that prompt in a batch must reproduce (a prefix of it, when cut short)."""
+
+    def __init__(self, url: str, model: str, tokens: int, sampling: dict[str, Any]) -> None:
+        self.url, self.model, self.tokens, self.sampling = url, model, tokens, sampling
+        self.texts: dict[str, Outcome] = {}
+
+    async def text(self, prompt: str) -> Outcome:
+        if prompt not in self.texts:
+            async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+                streams = Streams(client, self.model, self.tokens, prompts=(prompt,), sampling=self.sampling)
+                await streams.one()
+            if streams.outcomes[0].kind != "complete":
+                raise RuntimeError(f"the solo run of {prompt!r} did not complete: {_show(streams.outcomes[0])}")
+            self.texts[prompt] = streams.outcomes[0]
+        return self.texts[prompt]
+
+
 class Streams:
     """The trial's streaming requests: their outcomes, the ids they got, and an event at the first token."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str, tokens: int) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        model: str,
+        tokens: int,
+        *,
+        prompts: tuple[str, ...] = ("chaos",),
+        sampling: dict[str, Any] | None = None,
+        bound: float = REQUEST_BOUND,
+    ) -> None:
         self.client = client
+        self.bound = bound
         self.model = model
         self.tokens = tokens
+        self.prompts = prompts
+        self.sampling = sampling or {}
         self.outcomes: list[Outcome] = []
         self.first = anyio.Event()
         self.ids: list[str] = []
+        self.deltas: dict[str, int] = {}  # request id -> content events received so far
 
-    async def one(self, *, disconnect: bool = False, on_start: Any = None) -> None:
-        body = {"model": self.model, "prompt": "chaos", "max_tokens": self.tokens, "stream": True}
+    async def one(
+        self, *, disconnect: bool = False, on_start: Any = None, index: int = 0, prompt: str | None = None
+    ) -> None:
+        prompt = prompt if prompt is not None else self.prompts[index % len(self.prompts)]
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.tokens, "stream": True, **self.sampling}
         outcome: Outcome
+        text: list[str] = []
         try:
-            with anyio.fail_after(REQUEST_BOUND):
+            with anyio.fail_after(self.bound):
                 async with self.client.stream("POST", "/v1/completions", json=body) as response:
                     if response.status_code != 200:
                         outcome = _refused(response.status_code, await response.aread(), response.headers)
                     else:
-                        outcome = await self._read(response, disconnect, on_start)
+                        outcome = await self._read(response, disconnect, on_start, text)
         except TimeoutError:
-            outcome = Outcome("hung", detail=f"no end within {REQUEST_BOUND:g} s")
+            outcome = Outcome("hung", detail=f"no end within {self.bound:g} s")
         except httpx.TransportError as exc:
             outcome = Outcome("cut", detail=f"{type(exc).__name__}: {exc}")
+        outcome.prompt, outcome.text, outcome.index = prompt, "".join(text), index
+        rid = outcome.request_id
+        if rid is not None:
+            outcome.deltas = self.deltas.get(rid, 0)
         self.outcomes.append(outcome)
 
-    async def _read(self, response: httpx.Response, disconnect: bool, on_start: Any) -> Outcome:
+    def outcomes_of(self, index: int) -> list[Outcome]:
+        return [o for o in self.outcomes if o.index == index]
+
+    async def _read(self, response: httpx.Response, disconnect: bool, on_start: Any, text: list[str]) -> Outcome:
         seen = False
+        finish: str | None = None
+        tokens: int | None = None
+        rid: str | None = None
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
             data = line[len("data: ") :]
             if data == "[DONE]":
-                return Outcome("complete", status=200)
+                return Outcome("complete", status=200, finish=finish, tokens=tokens, request_id=rid)
             event = json.loads(data)
             if "error" in event:
                 code = event["error"].get("code")
                 if code == "cancelled":
-                    return Outcome("cancelled", status=200)
-                return Outcome("failed", cause=code, status=200, detail=event["error"].get("message", ""))
+                    return Outcome("cancelled", status=200, request_id=rid)
+                detail = event["error"].get("message", "")
+                return Outcome("failed", cause=code, status=200, detail=detail, request_id=rid)
+            rid = event.get("id", rid)
+            for choice in event.get("choices") or ():
+                text.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+                if rid is not None:
+                    self.deltas[rid] = self.deltas.get(rid, 0) + 1
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens")
             if not seen:
                 seen = True
                 self.ids.append(event["id"])
@@ -118,13 +197,20 @@ class Streams:
                 if on_start is not None:
                     await on_start(event["id"])
                 if disconnect:
-                    return Outcome("disconnected", status=200)
+                    return Outcome("disconnected", status=200, request_id=rid)
         return Outcome("lost", status=200, detail="the stream ended with neither [DONE] nor an error event")
 
-    async def run(self, n: int, *, disconnect: set[int] | None = None, on_start: Any = None) -> None:
+    async def run(
+        self, n: int, *, disconnect: set[int] | None = None, on_start: Any = None, starters: set[int] | None = None
+    ) -> None:
+        """``n`` streams at once (stream ``i`` asks prompt ``i``); those in ``disconnect`` leave at their first
+        token, and ``on_start(request_id)`` runs at the first token of every stream (or of those in ``starters``)."""
         async with anyio.create_task_group() as tg:
             for i in range(n):
-                tg.start_soon(functools.partial(self.one, disconnect=i in (disconnect or set()), on_start=on_start))
+                start = on_start if starters is None or i in starters else None
+                tg.start_soon(
+                    functools.partial(self.one, disconnect=i in (disconnect or set()), on_start=start, index=i)
+                )
 
 
 def _refused(status: int, body: bytes, headers: httpx.Headers) -> Outcome:
@@ -134,11 +220,15 @@ def _refused(status: int, body: bytes, headers: httpx.Headers) -> Outcome:
         return Outcome("unexpected", status=status, detail=body[:200].decode(errors="replace"))
     code = error.get("code")
     if status == 503:
-        return Outcome("rejected", status=status, detail=error.get("message", ""), retry_after="retry-after" in headers)
+        cause = (error.get("cause") or {}).get("kind") if isinstance(error.get("cause"), dict) else None
+        detail = error.get("message", "")
+        return Outcome("rejected", cause=cause, status=status, detail=detail, retry_after="retry-after" in headers)
     if status == 409 and code == "cancelled":
         return Outcome("cancelled", status=status)
     if status == 500 and isinstance(error.get("cause"), dict):
         return Outcome("failed", cause=code, status=status, detail=error.get("message", ""))
+    if status == 400 and code == "engine_refused":  # the engine refused this request alone (its context, ...)
+        return Outcome("refused", cause=code, status=status, detail=error.get("message", ""))
     return Outcome("unexpected", status=status, detail=f"{code}: {error.get('message', '')}")
 
 
@@ -170,7 +260,7 @@ def _kill(pid: int | None, name: str | None) -> None:
             os.kill(pid, getattr(signal, name))
 
 
-def _config(trial: Trial, iid: str) -> dict[str, Any]:
+def _config(trial: Trial, iid: str, setup: Setup | None = None) -> dict[str, Any]:
     attack, phase = trial.attack, trial.phase
     faults = []
     if attack.engine_fault is not None:
@@ -194,32 +284,37 @@ def _config(trial: Trial, iid: str) -> dict[str, Any]:
         "jitter": 0.0,
         "crash_loop_failures": 100,
     }
+    setup = setup or Setup()
     config: dict[str, Any] = {
         "id": iid,
-        "engine": "debug",
-        "options": {**OPTIONS, **attack.options},
-        "faults": faults,
+        "engine": setup.engine,
+        "options": {**setup.options, **attack.options},
         "restart": restart,
-        "deadlines": DEADLINES,
+        "deadlines": setup.deadlines,
         "max_queue": 256,
     }
+    if faults:
+        config["faults"] = faults
     if attack.memory_limit is not None:
         config["memory_limit"] = attack.memory_limit
     return config
 
 
-async def run_on(target: Target, trial: Trial) -> TrialResult:
+async def run_on(target: Target, trial: Trial, setup: Setup | None = None) -> TrialResult:
     """A trial against the campaign's shared server: its own instance, created, attacked, checked, deleted."""
+    setup = setup or Setup()
     result = TrialResult(trial)
     began = time.monotonic()
     iid = f"t{trial.index}"
     attack, phase = trial.attack, trial.phase
-    async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
-        created = await client.post("/v1/instances", json=_config(trial, iid))
+    async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(setup.request_bound)) as client:
+        created = await client.post("/v1/instances", json=_config(trial, iid, setup))
         if created.status_code != 201:
             result.broke("misclassified", f"the instance was refused: {created.status_code} {created.text[:200]}")
             return result
-        streams = Streams(client, iid, trial.tokens)
+        bound = setup.request_bound
+        streams = Streams(client, iid, trial.tokens, prompts=setup.prompts, sampling=setup.sampling, bound=bound)
+        refused = Streams(client, iid, trial.tokens, sampling=setup.sampling, bound=bound)  # seq_error's request
         expect = attack.expect.value if attack.expect is not None else None
         rng = random.Random(f"{trial.seed}:{trial.index}:moments")
         deleted = False
@@ -256,9 +351,12 @@ async def run_on(target: Target, trial: Trial) -> TrialResult:
                 await anyio.sleep(trial.delay)
                 _kill(pid, attack.outside_signal)
 
+            cancelled_at: dict[str, int] = {}  # request id -> its content events when its cancel was answered
+
             async def cancel(request_id: str) -> None:
                 for _ in range(rng.randint(1, 3)):  # a storm: duplicates too
                     await client.post(f"/v1/requests/{request_id}/cancel")
+                cancelled_at[request_id] = streams.deltas.get(request_id, 0)
 
             async def delete() -> None:
                 nonlocal deleted
@@ -280,20 +378,41 @@ async def run_on(target: Target, trial: Trial) -> TrialResult:
                 final = await _wait_instance(client, iid, lambda i: i["ready"], STATE_BOUND)
                 _expect_instance(result, final, expect)
             else:
-                on_start = cancel if attack.client == "cancel_storm" or phase == "cancel" else None
+                on_start = cancel if attack.client in ("cancel_storm", "seq_cancel") or phase == "cancel" else None
+                victim = rng.randrange(trial.streams)  # the one stream a per-sequence fault hits
                 disconnect = (
                     set(rng.sample(range(trial.streams), max(1, trial.streams // 2)))
                     if attack.client == "disconnect"
+                    else {victim}
+                    if attack.client == "seq_disconnect"
                     else None
                 )
+
+                async def refuse() -> None:  # one request the engine refuses alone, while the batch runs
+                    await streams.first.wait()
+                    await anyio.sleep(trial.delay)
+                    await refused.one(prompt=setup.refused_prompt)
+
                 async with anyio.create_task_group() as tg:
                     if attack.outside_signal is not None:
                         tg.start_soon(strike)
                     if phase == "stop":
                         tg.start_soon(delete)
-                    await streams.run(trial.streams, disconnect=disconnect, on_start=on_start)
+                    if attack.client == "seq_error":
+                        tg.start_soon(refuse)
+                    starters = {victim} if attack.client == "seq_cancel" else None
+                    await streams.run(trial.streams, disconnect=disconnect, on_start=on_start, starters=starters)
                 allowed = _allowed(trial)
-                _expect_outcomes(result, streams.outcomes, allowed, expect)
+                if attack.client in ("seq_cancel", "seq_disconnect"):
+                    hit = streams.outcomes_of(victim)
+                    others = [o for o in streams.outcomes if o.index != victim]
+                    _expect_outcomes(result, others, {"complete"}, None)
+                    _expect_outcomes(result, hit, allowed, None)
+                    if attack.client == "seq_cancel":
+                        _expect_cancel_heeded(result, hit, cancelled_at, trial.tokens)
+                else:
+                    _expect_outcomes(result, streams.outcomes, allowed, expect)
+                _expect_outcomes(result, refused.outcomes, {"refused", "failed"}, None)
                 if not deleted:
                     if attack.client is not None:  # the runner must be free again: nothing left in flight
                         idle = await _wait_instance(
@@ -315,7 +434,9 @@ async def run_on(target: Target, trial: Trial) -> TrialResult:
             await client.delete(f"/v1/instances/{iid}")
         else:
             pids = sorted(set(pids) | set(_pids_from_records(target, iid)))
-        result.outcomes = streams.outcomes
+        result.outcomes = streams.outcomes + refused.outcomes
+    if setup.solo is not None:
+        await expect_solo_texts(result, streams.outcomes, setup.solo, trial.tokens)
     _check_gone(result, target, iid, pids)
     result.seconds = time.monotonic() - began
     return result
@@ -334,6 +455,12 @@ def _pids_from_records(target: Target, iid: str) -> list[int]:
 
 def _allowed(trial: Trial) -> set[str]:
     attack, phase = trial.attack, trial.phase
+    if attack.client == "seq_cancel":  # the victim's: a cancel may lose the race with its last token
+        return {"complete", "cancelled"}
+    if attack.client == "seq_disconnect":
+        return {"disconnected"}
+    if attack.client == "seq_error":
+        return {"complete"}
     if attack.client == "disconnect":
         return {"complete", "disconnected"}
     if attack.client == "cancel_storm":
@@ -350,6 +477,46 @@ def _allowed(trial: Trial) -> set[str]:
     if attack.engine_fault is not None:
         return {"failed", "rejected"}
     return {"complete", "failed", "rejected"}
+
+
+def _expect_cancel_heeded(
+    result: TrialResult, outcomes: list[Outcome], cancelled_at: dict[str, int], tokens: int
+) -> None:
+    """A stream whose cancel was answered may finish the tokens already on their way, not the rest of its budget:
+    one that completes more than half its budget after the answer was never cancelled."""
+    slack = max(8, tokens // 2)
+    for outcome in outcomes:
+        at = cancelled_at.get(outcome.request_id or "")
+        if outcome.kind == "complete" and at is not None and outcome.deltas - at > slack:
+            result.broke(
+                "hung",
+                f"stream {outcome.index} completed {outcome.deltas - at} tokens after its cancel was answered "
+                f"(at most {slack} may be on their way): the cancel was not heeded",
+            )
+
+
+async def expect_solo_texts(result: TrialResult, outcomes: list[Outcome], solo: Solo, tokens: int) -> None:
+    """Every stream's text is its prompt's solo text: whole when it completed (as many tokens as asked, or the
+    solo's own end), a prefix of it when it was cut short (failed, cancelled, disconnected): no sequence of a
+    batch may see another's tokens, or lose or repeat its own, whatever struck its neighbours."""
+    for outcome in outcomes:
+        if not outcome.prompt or outcome.kind in ("rejected", "hung", "unexpected"):
+            continue
+        alone = await solo.text(outcome.prompt)
+        if outcome.kind != "complete":
+            wrong = not alone.text.startswith(outcome.text)
+        elif alone.finish != "length" and (alone.tokens or 0) <= tokens:  # it ends on its own before the budget
+            wrong = outcome.text != alone.text
+        else:
+            wrong = not alone.text.startswith(outcome.text) or outcome.finish != "length"
+            wrong = wrong or (outcome.tokens is not None and outcome.tokens != tokens)
+        if wrong:
+            result.broke(
+                "misclassified",
+                f"stream {outcome.index} ({outcome.kind}, {outcome.tokens} tokens, {outcome.finish}) differs from its "
+                f"solo run ({alone.tokens} tokens, {alone.finish}): got {outcome.text[:80]!r}, alone "
+                f"{alone.text[:80]!r}",
+            )
 
 
 def _show(outcome: Outcome) -> str:
@@ -431,23 +598,32 @@ def _check_gone(result: TrialResult, target: Target, iid: str, pids: list[int], 
         result.problems.append(f"runner records left after the trial: {records}")
 
 
-async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
+async def run_alone(
+    trial: Trial,
+    workdir: Path,
+    setup: Setup | None = None,
+    serve: tuple[str, ...] = ("--engine", "debug", "--name", "warm"),
+) -> TrialResult:
     """A worker attack: a server of its own, killed (or stopped) by the signal, then everything checked."""
+    setup = setup or Setup()
     result = TrialResult(trial)
     began = time.monotonic()
     attack, phase = trial.attack, trial.phase
     sig = getattr(signal, attack.worker_signal or "SIGKILL")
     with tempfile.TemporaryDirectory(dir=workdir, prefix=f"worker-{trial.index}-") as tmp:
-        target = await anyio.to_thread.run_sync(Target, Path(tmp))
+        target = await anyio.to_thread.run_sync(functools.partial(Target, Path(tmp), serve=serve, startup=60.0))
         runners: list[int] = target.runners()
         struck = False
         try:
-            async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
-                streams = Streams(client, "warm", trial.tokens)
+            bound = setup.request_bound
+            async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(bound)) as client:
+                streams = Streams(
+                    client, "warm", trial.tokens, prompts=setup.prompts, sampling=setup.sampling, bound=bound
+                )
                 iid = "warm"
                 if phase == "loading":
                     iid = f"t{trial.index}"
-                    config = _config(trial, iid)
+                    config = _config(trial, iid, setup)
                     config["options"]["load_steps"] = 50  # a load of 0.5 s: the signal lands in it
                     await client.post("/v1/instances", json=config)
                     await _wait_instance(client, iid, lambda i: (i.get("runner") or {}).get("status") == "loading", 10)
@@ -468,6 +644,8 @@ async def run_alone(trial: Trial, workdir: Path) -> TrialResult:
                 allowed = {"complete", "cut"} if sig == signal.SIGKILL else {"complete", "cut", "failed", "cancelled"}
                 _expect_outcomes(result, streams.outcomes, allowed, None)
                 result.outcomes = streams.outcomes
+                if setup.solo is not None:
+                    await expect_solo_texts(result, streams.outcomes, setup.solo, trial.tokens)
         finally:
             if not struck:  # the trial broke off before its strike: make it now, then wait
                 target.signal(sig)

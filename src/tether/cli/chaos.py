@@ -1,5 +1,6 @@
 """``tether chaos``: the randomized fault campaign against a ``tether serve`` it starts itself (see
-``tether.chaos``). Exit status 0 when every trial kept every promise, 1 when one broke (each with its replay)."""
+``tether.chaos``), on the target ``--target`` names. Exit status 0 when every trial kept every promise, 1 when one
+broke (each with its replay), 2 when the target cannot run as asked."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import sys
 
 import anyio
 
-from tether.chaos.campaign import print_progress, run_campaign
+from tether.chaos.campaign import print_progress
+from tether.chaos.targets import TargetUnavailable, campaign
 
 
 def command(args: argparse.Namespace) -> int:
-    report = anyio.run(lambda: run_campaign(args.seed, args.trials, only=args.only, progress=print_progress))
+    try:
+        run = campaign(args.target, args.engine)
+    except TargetUnavailable as exc:
+        print(f"tether chaos: {exc}", file=sys.stderr)
+        return 2
+    report = anyio.run(lambda: run(args.seed, args.trials, only=args.only, progress=print_progress, engine=args.engine))
     summary = report.summary()
     if not args.json:
         for line in report.table():
             print(line)
         print(
-            f"{summary['trials']} trials ({summary['requests']} requests) in {summary['wall_s']:.1f} s: "
+            f"{args.target}: {summary['trials']} trials ({summary['requests']} requests) in {summary['wall_s']:.1f} s: "
             f"{summary['failed_trials']} broke a promise; hung {summary['hung']}, orphans {summary['orphans']}, "
             f"misclassified {summary['misclassified']}, lost requests {summary['lost_requests']}, leaked fds "
             f"{summary['leaked_fds']}, worker RSS growth {summary['worker_rss_growth_mib']:.1f} MiB"

@@ -271,6 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--seed", type=int, default=0, help="the campaign's seed (default 0): same seed, same trials")
     chaos.add_argument("--only", type=int, default=None, metavar="K", help="run only trial K of the seed (replay)")
     chaos.add_argument("--json", action="store_true", help="only the JSON summary")
+    chaos.add_argument(
+        "--target",
+        default="single",
+        metavar="NAME",
+        help="what to attack (default single: one stream or queue per instance; batch: 8 sequences decoded at once, "
+        "16 in flight, with per-sequence faults; models: 3 catalogued models in a memory cgroup that holds 2; "
+        "cluster, ranks: where this version has them)",
+    )
+    chaos.add_argument(
+        "--engine",
+        default="debug",
+        choices=("debug", "llama.cpp"),
+        help="the engine the batch target's servers run (default debug; llama.cpp: the default model, attacked "
+        "with what needs no injected fault); the other targets run the debug engine",
+    )
 
     orph = sub.add_parser(
         "orphans",
