@@ -244,15 +244,11 @@ def _cgroup_dirs() -> list[Path]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the batch campaign on llama.cpp (trial 10 of seed 0): on SIGTERM uvicorn's graceful-shutdown "
-    "timeout cancels requests still waiting for a batch slot, which then end in a plain-text 500 (an unhandled "
-    "CancelledError), not a JSON error; the fix belongs in cli/serve.py (see the chaos report)",
-)
 def test_a_sigterm_with_requests_waiting_for_a_slot_ends_each_with_an_error_not_a_plain_500(tmp_path: Path) -> None:
-    """One sequence decodes (parallel 1, 50 ms a token), three wait; SIGTERM lands after the first token. Each
-    request must end exactly once in a form the API documents: completed, an error event, a JSON error, or cut."""
+    """Found by the batch campaign on llama.cpp (trial 10 of seed 0): on SIGTERM uvicorn's graceful shutdown ran out
+    and cancelled the requests still waiting for a batch slot, which ended in the web server's plain-text 500. One
+    sequence decodes (parallel 1, 50 ms a token), three wait; SIGTERM lands after the first token. Each request must
+    end exactly once in a form the API documents: completed, an error event, a JSON error, or cut."""
     target = Target(tmp_path, serve=("--engine", "debug", "--name", "warm"))
     config = {"id": "slow", "engine": "debug", "options": {"token_seconds": 0.05, "parallel": 1}, "max_queue": 8}
 
@@ -281,3 +277,10 @@ def test_a_sigterm_with_requests_waiting_for_a_slot_ends_each_with_an_error_not_
     assert len(outcomes) == 4
     plain = [o for o in outcomes if o.kind == "unexpected"]
     assert not plain, [f"{o.status} {o.detail}" for o in plain]
+    stopped = [o for o in outcomes if "shutting down" in o.detail]  # those the shutdown's bound ended say so
+    assert stopped and all(o.kind in ("complete", "cut") for o in outcomes if o not in stopped), outcomes
+    for o in stopped:  # before their answer started: a 503 to retry; mid-stream: the stream's error event
+        assert (o.kind, o.status, o.retry_after) == ("rejected", 503, True) or (o.kind, o.cause) == (
+            "failed",
+            "shutting_down",
+        ), o

@@ -77,6 +77,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening now, not when uvicorn starts serving: "listening on" is printed before that, and a client acting
+        # on it was refused (over a second with --ray); its connection now waits in the backlog instead.
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise

@@ -105,6 +105,8 @@ class GenerationResponse(Response):
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.first_token_at: float | None = None
+        self.response_started = False
+        self.response_complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -119,6 +121,14 @@ class GenerationResponse(Response):
                 tg.start_soon(watch_client)
                 await self._respond(send)
                 tg.cancel_scope.cancel()
+        except anyio.get_cancelled_exc_class():
+            # Cancelled from outside (the client's leaving cancels only the group above): the server is stopping and
+            # its graceful shutdown ran out while this request waited or streamed. It ends with an error in its
+            # API's shape, not the web server's bare "500 Internal Server Error" or a stream that just stops.
+            if self.disconnected or self.response_complete:
+                raise
+            with anyio.CancelScope(shield=True):
+                await self._stopping(send)
         finally:
             with anyio.CancelScope(shield=True):
                 if self.handle.final is None:  # the client left (or we failed to send): stop generating for it
@@ -181,17 +191,42 @@ class GenerationResponse(Response):
                 await self._whole(send, failure.status, shaper.error_body(failure))
             return
 
-    async def _start(self, send: Send, status: int, media_type: str) -> None:
+    async def _stopping(self, send: Send) -> None:
+        """End the request with "the server is stopping": a 503 with Retry-After before its response started, the
+        stream's error event after. The runner's task is cancelled after this (``__call__``'s ``finally``)."""
+        answer = Answer(
+            503,
+            "server_error",
+            "shutting_down",
+            "the server is shutting down (SIGTERM or SIGINT) and its graceful shutdown ended before this request: "
+            "retry it against a running server",
+            retry_after=1.0,
+            extra={"completion_tokens": self.completion_tokens},
+            outcome="cancelled",
+        )
+        self.outcome = answer.outcome
+        try:
+            if self.response_started:
+                await self._body(send, self.shaper.stream_error(answer), more=False)
+            else:
+                await self._whole(send, 503, self.shaper.error_body(answer), answer.headers())
+        except OSError:  # the connection went with the server: nothing left to tell
+            pass
+
+    async def _start(self, send: Send, status: int, media_type: str, extra: dict[str, str] | None = None) -> None:
         headers = [(b"content-type", media_type.encode()), (b"x-request-id", self.handle.task_id.encode())]
         if media_type != "application/json":  # a stream (SSE, NDJSON): no cache, and no proxy buffering it
             headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
+        self.response_started = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, send: Send, data: bytes, more: bool = True) -> None:
+        self.response_complete = not more
         await send({"type": "http.response.body", "body": data, "more_body": more})
 
-    async def _whole(self, send: Send, status: int, body: bytes) -> None:
-        await self._start(send, status, "application/json")
+    async def _whole(self, send: Send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        await self._start(send, status, "application/json", headers)
         await self._body(send, body, more=False)
 
     def _record(self) -> None:

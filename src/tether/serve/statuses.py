@@ -46,7 +46,7 @@ WHEN = {
     409: "the request was cancelled (by the cancel route), or the instance id is taken",
     413: "the body is over --max-body",
     500: "the model runner failed: ``cause`` says why, with evidence",
-    503: "the instance cannot take requests now (loading, restarting, queue full): when to retry",
+    503: "the instance cannot take requests now (loading, restarting, queue full, the server stopping): when to retry",
     507: "the model does not fit the memory available (the numbers are in the message)",
 }
 
