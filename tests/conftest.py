@@ -29,10 +29,11 @@ from tether.chaos.target import ServeChild
 from tether.fleet.fleet import Hosted
 from tether.kernel.cgroups import create_child_cgroup, remove_cgroup
 from tether.kernel.pids import alive, live_processes
+from tether.kernel.ports import RankPorts
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node.instance import Instance, InstanceReady
 from tether.node.orphans import sweep_stale_cgroups
-from tether.node.ranks import RankGroup, RankPorts
+from tether.node.ranks import RankGroup
 from tether.protocol import EngineSpec, Fault, GenerateParams
 
 if TYPE_CHECKING:

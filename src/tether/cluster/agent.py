@@ -118,6 +118,7 @@ class _Life:
     start_error: Cause | None = None
     imposed: Cause | None = None  # the cause the agent itself gave (fenced)
     not_gone: str | None = None
+    cancelled: set[str] = field(default_factory=set)  # tasks the coordinator asked to cancel (a user's cancel)
 
 
 class NodeAgent:
@@ -370,6 +371,7 @@ class NodeAgent:
                 if streaming and handle.final is None and wait > 0:
                     await anyio.sleep(wait)
                     batch += handle.ready_now()
+                batch = [_imposed_end(life, e) for e in batch]
                 streaming = streaming or any(isinstance(e, Chunk) for e in batch)
                 yield _events.encode(batch)
                 last = time.monotonic()
@@ -380,6 +382,7 @@ class NodeAgent:
         life = self._lives.get(runner_id)
         if life is None:
             return msgspec.msgpack.encode(CancelAnswer("runner_gone", f"no runner {runner_id!r} here"))
+        life.cancelled.add(task_id)
         reply = await life.sup.cancel(task_id)
         return msgspec.msgpack.encode(CancelAnswer(reply.outcome, reply.detail, reply.state))
 
@@ -407,6 +410,21 @@ class NodeAgent:
     async def runners(self) -> list[int]:
         """The pids of the runners alive here (tests and ``tether status`` check them against ``ps``)."""
         return [life.sup.pid for life in self._lives.values() if life.sup.pid is not None and life.sup.alive]
+
+
+def _imposed_end(life: _Life, event: Any) -> Any:
+    """A task this agent's own stop ended (it fenced itself) fails with the fence's cause: the runner's stop reports
+    it cancelled, but nobody asked for that, so the client must not be told it was cancelled."""
+    if (
+        isinstance(event, TaskStatus)
+        and event.state is TaskState.CANCELLED
+        and life.imposed is not None
+        and event.task_id not in life.cancelled
+    ):
+        return TaskStatus(
+            event.task_id, TaskState.FAILED, error=life.imposed.summary, cause=life.imposed, tokens=event.tokens
+        )
+    return event
 
 
 def _node_ip() -> str | None:

@@ -308,16 +308,20 @@ class Cluster:
         link.last_seen = time.monotonic()
         link.connected.set()
         ended: BaseException | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._send_beats, link, stream)
-            try:
-                while True:
-                    self._received(link, await reader.receive())
-            except _GONE as exc:
-                ended = exc
-            tg.cancel_scope.cancel()
-        if link.lost is None:
-            await self._lose(link, f"its heartbeat connection closed ({type(ended).__name__})", ask_ray=True)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._send_beats, link, stream)
+                try:
+                    while True:
+                        self._received(link, await reader.receive())
+                except _GONE as exc:
+                    ended = exc
+                tg.cancel_scope.cancel()
+            if link.lost is None:
+                await self._lose(link, f"its heartbeat connection closed ({type(ended).__name__})", ask_ray=True)
+        finally:
+            with anyio.CancelScope(shield=True):  # the accepted socket is this handler's: a lost agent's must close
+                await stream.aclose()
 
     async def _send_beats(self, link: AgentLink, stream: SocketStream) -> None:
         seq = 0

@@ -14,8 +14,8 @@ the seed's missing guarantee:
   the agent is dead or the time by which a partitioned agent has fenced itself. The restart loop awaits it before
   the next life, so a replacement never competes with a predecessor for a port, a device or memory.
 
-Every life of the instance gets the same ports (``RankPorts``: one block per instance), as engines with fixed
-ports expect; what changes between lives is only where each rank runs.
+Every life of the instance gets the same ports (``kernel.ports.RankPorts``: one block per instance), as engines with
+fixed ports expect; what changes between lives is only where each rank runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from tether.errors import InvalidField, TetherError
+from tether.errors import InvalidField
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
 from tether.node.life import LifeTasks, RunnerLife
@@ -63,8 +62,6 @@ from tether.protocol import (
 
 log = logging.getLogger("tether.node.ranks")
 MAX_RANKS = 16
-PORT_BASE = 25100  # below Linux's ephemeral range (32768+), so no outgoing connection takes a rank's port first
-PORT_SPAN = 2000
 CONSEQUENCES = frozenset({CauseKind.PEER_LOST, CauseKind.STOP_ESCALATED})  # what another rank's failure brings
 
 
@@ -75,53 +72,6 @@ class Site:
     host: str
     factory: Callable[..., RunnerLife]  # (spec, *, runner_id, deadlines) -> the rank's life
     share: float | None = None  # this rank's share of a split model (its node's free memory when placed)
-
-
-class RankPorts:
-    """The ports of every multi-rank instance of one worker: a block per instance, kept for all its lives."""
-
-    def __init__(self, base: int = PORT_BASE, span: int = PORT_SPAN) -> None:
-        self.base = base
-        self.span = span
-        self._taken: dict[str, tuple[int, ...]] = {}
-
-    def allocate(self, instance_id: str, n: int, pinned: Sequence[int] | None = None) -> tuple[int, ...]:
-        """``pinned`` (checked against the other instances' ports), else the first ``n`` ports from ``base`` that no
-        instance holds and that nothing on this machine listens on now."""
-        held = {port for ports in self._taken.values() for port in ports}
-        if pinned is not None:
-            clash = sorted(held.intersection(pinned))
-            if clash:
-                raise InvalidField("ports", f"ports {clash} belong to another multi-rank instance of this worker")
-            ports = tuple(pinned)
-        else:
-            found: list[int] = []
-            for port in range(self.base, self.base + self.span):
-                if port not in held and _free(port):
-                    found.append(port)
-                    if len(found) == n:
-                        break
-            if len(found) < n:
-                raise TetherError(
-                    f"no {n} free ports for the ranks of {instance_id} in {self.base}..{self.base + self.span - 1}: "
-                    "free some, or pin the instance's own ('ports')"
-                )
-            ports = tuple(found)
-        self._taken[instance_id] = ports
-        return ports
-
-    def release(self, instance_id: str) -> None:
-        self._taken.pop(instance_id, None)
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _sum(memories: Sequence[ProcessMemory | None]) -> ProcessMemory | None:

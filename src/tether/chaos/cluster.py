@@ -1,0 +1,498 @@
+"""The cluster target: a local Ray cluster (a head without CPUs and 3 nodes, all on this machine) under a
+``tether serve --ray`` coordinator, an instance of 2 replicas streaming while a node or the coordinator is struck.
+
+Attacks, each mid-stream, on the node of a replica that serves a stream (drawn at random): its agent SIGKILLed; its
+agent SIGSTOPped past ``--lost-after`` but within the lease, or past the lease (then SIGCONT); the node removed from
+Ray (and a fresh one added); its raylet SIGKILLed (the node then replaced). And the coordinator: SIGSTOPped past the
+lease then SIGCONT (its agents must fence their runners themselves), or SIGKILLed (a coordinator of its own: every
+agent and runner it owned must go).
+
+Beside the usual checks (every request ended once within its bound, in an allowed outcome), each trial checks:
+
+- **node loss is told within ``--lost-after`` + 0.5 s**: each request on the struck replica fails ``node_lost``
+  naming its node that soon after the strike (a raylet's death reaches tether only through Ray: no bound but the
+  request's); the other replica's requests complete;
+- **no stale replica after recovery**: once 3 nodes are live and every replica ready again, the runners that live on
+  every node (from /proc: children of the live agents) are exactly those the API shows, and nothing runs for an
+  agent that is gone (a dead agent's runners or guards); a fenced runner is gone;
+- **nothing left**: the instance deleted, every runner it ever had is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import random
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from tether.chaos.campaign import Report, drive
+from tether.chaos.plan import Attack, Trial, draw
+from tether.chaos.target import Target, runner_processes
+from tether.chaos.trial import REQUEST_BOUND, Streams, TrialResult, _expect_outcomes, _show
+from tether.kernel.pids import alive, live_processes
+from tether.protocol import CauseKind
+
+NAME = "cluster"
+NODES = 3
+MiB = 1 << 20
+LOST_AFTER = 1.0
+LEASE = 2.5
+LOSS_BOUND = LOST_AFTER + 0.5  # seconds from a node's loss to its requests' failure
+RECOVERY_BOUND = 90.0  # seconds for 3 live agents and every replica ready again (a fresh Ray node included)
+GONE_BOUND = 10.0  # seconds for runners to be gone (a group guard waits up to 5 s for its cgroup)
+COORDINATOR_GONE = 30.0  # seconds for a SIGKILLed coordinator's agents and runners to be gone (Ray's own cleanup)
+TOKENS = 150  # at 0.02 s a token: 3 s of streaming, longer than any loss takes to be told
+OPTIONS = {"token_seconds": 0.02, "parallel": 2}
+STREAMS = (2, 4)
+POLL = 0.02
+NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * MiB}
+
+LOST = CauseKind.NODE_LOST
+CLUSTER_ATTACKS: tuple[Attack, ...] = (
+    Attack("agent_sigkill", LOST, ("generating",), outside_signal="SIGKILL"),
+    Attack("agent_sigstop_short", LOST, ("generating",), outside_signal="SIGSTOP"),  # past lost_after, within lease
+    Attack("agent_sigstop_long", LOST, ("generating",), outside_signal="SIGSTOP"),  # past the lease: it fences
+    Attack("remove_node", LOST, ("generating",)),
+    Attack("raylet_sigkill", LOST, ("generating",), outside_signal="SIGKILL"),
+    Attack("coordinator_sigstop", None, ("generating",), outside_signal="SIGSTOP"),
+    Attack("coordinator_sigkill", None, ("generating",), worker_signal="SIGKILL"),
+)
+STOPPED_FOR = {"agent_sigstop_short": LOST_AFTER + 0.6, "agent_sigstop_long": LEASE + 1.5}
+TOLD_FAST = frozenset({"agent_sigkill", "agent_sigstop_short", "agent_sigstop_long", "remove_node"})
+
+
+def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
+    pick = functools.partial(draw, attacks=CLUSTER_ATTACKS, target=NAME, streams_choice=STREAMS)
+    return [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Ray cluster and its coordinators
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RayCluster:
+    """``ray.cluster_utils.Cluster``: a head with no CPUs (nothing of tether's runs there) and ``NODES`` nodes."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        from ray.cluster_utils import Cluster
+
+        made: Any = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "object_store_memory": 80 * MiB, "include_dashboard": False},
+            shutdown_at_exit=False,  # made in a worker thread (Ray's hooks need the main one): the campaign stops it
+        )
+        self.cluster: Any = made
+        try:
+            self.ensure()
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def nodes(self) -> list[Any]:
+        return list(self.cluster.worker_nodes)
+
+    def node(self, node_id: str) -> Any | None:
+        return next((n for n in self.nodes() if n.node_id == node_id), None)
+
+    def ensure(self) -> None:
+        """``NODES`` worker nodes again (a removed or broken one replaced)."""
+        while len(self.nodes()) < NODES:
+            self.cluster.add_node(**NODE_ARGS)
+        self.cluster.wait_for_nodes()
+
+    def remove(self, node: Any) -> None:
+        with contextlib.suppress(Exception):  # a node whose raylet is dead already: its other processes still go
+            self.cluster.remove_node(node, allow_graceful=False)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+def raylet_pid(node: Any) -> int | None:
+    from ray._private import ray_constants
+
+    infos = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET) or []
+    return int(infos[0].process.pid) if infos else None
+
+
+def coordinator(workdir: Path, address: str) -> Target:
+    """``tether serve --ray`` with its own debug instance (``debug``), the loss and lease bounds of this campaign."""
+    serve: tuple[str, ...] = ("--ray", address, "--engine", "debug", "--name", "debug")
+    serve += ("--lost-after", str(LOST_AFTER), "--lease", str(LEASE))
+    return Target(workdir, serve=serve, startup=120.0, stop_timeout=10.0, ready=None)
+
+
+async def view(client: httpx.AsyncClient) -> dict[str, Any]:
+    response = await client.get("/v1/instances")
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def live_agents(data: dict[str, Any]) -> dict[str, int]:
+    """node id -> agent pid, of the live nodes."""
+    return {n["node"]: int(n["agent_pid"]) for n in data["cluster"]["nodes"] if n["state"] == "live" and n["agent_pid"]}
+
+
+def shown_pids(data: dict[str, Any]) -> set[int]:
+    """Every runner the API says runs: each replica's of each instance."""
+    pids = set()
+    for inst in data["data"]:
+        for replica in inst.get("replicas") or ():
+            if isinstance(replica.get("pid"), int):
+                pids.add(replica["pid"])
+    return pids
+
+
+def settled(data: dict[str, Any]) -> bool:
+    """3 live agents and every replica of every instance ready."""
+    replicas = [r for inst in data["data"] for r in inst.get("replicas") or ()]
+    return len(live_agents(data)) == NODES and all(r["state"] == "ready" for r in replicas)
+
+
+async def wait_view(
+    client: httpx.AsyncClient, done: Callable[[dict[str, Any]], bool], bound: float
+) -> dict[str, Any] | None:
+    with anyio.move_on_after(bound):
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                data = await view(client)
+                if done(data):
+                    return data
+            await anyio.sleep(POLL)
+    return None
+
+
+def strays(data: dict[str, Any], agents_ever: set[int]) -> list[str]:
+    """What runs on the nodes but the API does not show: runners of the live agents (their children) beyond the
+    API's, the API's that do not run, and any runner process of an agent no longer live."""
+    live = set(live_agents(data).values())
+    shown = shown_pids(data)
+    parents = {p.pid: p.ppid for p in live_processes()}
+    found = runner_processes(agents_ever | live)
+    running = {pid for pid in found if parents.get(pid) in live}
+    problems = [f"runner {pid} runs but is not shown" for pid in sorted(running - shown)]
+    problems += [f"runner {pid} is shown but does not run" for pid in sorted(shown - running)]
+    dead = agents_ever - live
+    orphaned = runner_processes(dead) if dead else []
+    problems += [f"process {pid} of a gone agent lives on" for pid in orphaned]
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One trial
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterFigures:
+    detections: list[float] = field(default_factory=list)  # strike -> a struck request's failure, s
+    recoveries: list[float] = field(default_factory=list)  # strike -> every replica ready again on 3 nodes, s
+    agents: set[int] = field(default_factory=set)  # every agent the shared coordinator had
+
+
+class TimedStreams(Streams):
+    """Streams that also note when each ended (monotonic), by index."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended: dict[int, float] = {}
+
+    async def timed(self, index: int) -> None:
+        await self.one(index=index)
+        self.ended[index] = time.monotonic()
+
+
+def _instance_config(iid: str) -> dict[str, Any]:
+    restart = {"initial_backoff": 0.1, "max_backoff": 1.0, "jitter": 0.0, "crash_loop_failures": 100}
+    return {"id": iid, "engine": "debug", "replicas": 2, "options": OPTIONS, "restart": restart}
+
+
+async def _start(client: httpx.AsyncClient, result: TrialResult, iid: str) -> dict[str, Any] | None:
+    created = await client.post("/v1/instances", json=_instance_config(iid))
+    if created.status_code != 201:
+        result.broke("misclassified", f"the instance was refused: {created.status_code} {created.text[:300]}")
+        return None
+    data = await wait_view(client, settled, RECOVERY_BOUND)
+    if data is None:
+        result.broke("hung", f"the 2 replicas were not ready within {RECOVERY_BOUND:g} s")
+    return data
+
+
+def _replicas(data: dict[str, Any], iid: str) -> list[dict[str, Any]]:
+    return next((list(i.get("replicas") or []) for i in data["data"] if i["id"] == iid), [])
+
+
+async def run_trial(target: Target, ray: RayCluster, trial: Trial, figures: ClusterFigures) -> TrialResult:
+    """A node or coordinator attack on the shared coordinator, then every check."""
+    result = TrialResult(trial)
+    began = time.monotonic()
+    attack = trial.attack
+    iid = f"c{trial.index}"
+    rng = random.Random(f"{trial.seed}:{trial.index}:{NAME}:moments")
+    async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+        before = await wait_view(client, settled, RECOVERY_BOUND)
+        if before is None:
+            result.broke("hung", "the cluster was not settled (3 live agents, replicas ready) before the trial")
+            return result
+        since = time.time()
+        data = await _start(client, result, iid)
+        if data is None:
+            await client.delete(f"/v1/instances/{iid}")
+            return result
+        figures.agents |= set(live_agents(data).values())
+        seen: set[int] = {r["pid"] for r in _replicas(data, iid) if isinstance(r.get("pid"), int)}
+        streams = TimedStreams(client, iid, TOKENS)
+        struck: dict[str, Any] = {}
+
+        async def strike() -> None:
+            with anyio.move_on_after(REQUEST_BOUND):
+                while len(streams.ids) < trial.streams:  # every stream under way on its replica
+                    await anyio.sleep(POLL)
+            await anyio.sleep(trial.delay)
+            now = await view(client)
+            replicas = _replicas(now, iid)
+            serving = [r for r in replicas if r.get("serving")] or replicas
+            victim = rng.choice(serving)
+            agents = live_agents(now)
+            struck.update(victim=victim, at=time.monotonic(), node=victim["node"], agent=agents.get(victim["node"]))
+            await _strike(attack, victim, agents, ray, target)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(strike)
+            for i in range(trial.streams):
+                tg.start_soon(streams.timed, i)
+        result.outcomes = list(streams.outcomes)
+        if not struck:
+            result.broke("hung", "the strike never came (the streams did not all start)")
+        else:
+            _check_outcomes(result, attack, streams, struck, figures)
+        if attack.name in ("remove_node", "raylet_sigkill"):  # a fresh node takes the lost one's place
+            node = ray.node(struck.get("node", ""))
+            if node is not None:
+                await anyio.to_thread.run_sync(ray.remove, node)
+            await anyio.to_thread.run_sync(ray.ensure)
+        after = await wait_view(client, settled, RECOVERY_BOUND)
+        if after is None:
+            result.broke("hung", f"3 live agents and every replica ready again: not within {RECOVERY_BOUND:g} s")
+        else:
+            if struck:
+                figures.recoveries.append(time.monotonic() - struck["at"])
+            figures.agents |= set(live_agents(after).values())
+            seen |= {r["pid"] for r in _replicas(after, iid) if isinstance(r.get("pid"), int)}
+            await _check_no_stale(result, client, figures, struck, iid)
+            events = [e for e in after["cluster"]["events"] if e["at"] >= since]
+            if attack.name == "coordinator_sigstop":
+                if not any(e["kind"] == "fenced" for e in events):
+                    result.broke("misclassified", f"no agent fenced itself while its coordinator was stopped: {events}")
+                if any(e["kind"] == "lost" for e in events):
+                    result.broke("misclassified", f"the coordinator's own pause blamed a node: {events}")
+        await client.delete(f"/v1/instances/{iid}")
+    left = await _gone(sorted(seen), GONE_BOUND)
+    if left:
+        result.broke("orphans", f"runners of the deleted instance left: {left}")
+    result.seconds = time.monotonic() - began
+    return result
+
+
+async def _strike(
+    attack: Attack, victim: dict[str, Any], agents: dict[str, int], ray: RayCluster, target: Target
+) -> None:
+    name = attack.name
+    agent = agents.get(victim["node"])
+    if name == "agent_sigkill" and agent is not None:
+        _kill(agent, signal.SIGKILL)
+    elif name in STOPPED_FOR and agent is not None:
+        _kill(agent, signal.SIGSTOP)
+        try:
+            await anyio.sleep(STOPPED_FOR[name])
+        finally:
+            _kill(agent, signal.SIGCONT)
+    elif name == "remove_node":
+        node = ray.node(victim["node"])
+        if node is not None:
+            await anyio.to_thread.run_sync(ray.remove, node)
+    elif name == "raylet_sigkill":
+        node = ray.node(victim["node"])
+        pid = raylet_pid(node) if node is not None else None
+        if pid is not None:
+            _kill(pid, signal.SIGKILL)
+    elif name == "coordinator_sigstop":
+        target.signal(signal.SIGSTOP)
+        try:
+            await anyio.sleep(LEASE + 1.0)
+        finally:
+            target.signal(signal.SIGCONT)
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _check_outcomes(
+    result: TrialResult, attack: Attack, streams: TimedStreams, struck: dict[str, Any], figures: ClusterFigures
+) -> None:
+    outcomes = streams.outcomes
+    if attack.expect is None:  # the coordinator's pause: a stream may end failed once its runner was fenced
+        _expect_outcomes(result, outcomes, {"complete", "failed", "rejected"}, None)
+        return
+    expect = attack.expect.value
+    _expect_outcomes(result, outcomes, {"complete", "failed"}, expect)
+    victim = struck["victim"]
+    node = str(victim["node"])
+    failed = [o for o in outcomes if o.kind == "failed"]
+    wanted = int(victim.get("serving") or 0)
+    if attack.name != "raylet_sigkill" and len(failed) != wanted:
+        shown = ", ".join(_show(o) for o in outcomes)
+        result.broke("misclassified", f"{wanted} streams on the struck replica, {len(failed)} failed: {shown}")
+    for outcome in failed:
+        if node[:8] not in outcome.detail:
+            result.broke("misclassified", f"a request failed without naming node {node[:8]}: {_show(outcome)}")
+        took = streams.ended.get(outcome.index, time.monotonic()) - struck["at"]
+        figures.detections.append(took)
+        if attack.name in TOLD_FAST and took > LOSS_BOUND:
+            result.broke(
+                "hung", f"a request on the lost node failed {took:.2f} s after its loss (bound {LOSS_BOUND} s)"
+            )
+
+
+async def _check_no_stale(
+    result: TrialResult, client: httpx.AsyncClient, figures: ClusterFigures, struck: dict[str, Any], iid: str
+) -> None:
+    """Once recovered: what the API shows is what runs on every node, nothing runs for a gone agent, and the struck
+    replica's old runner is no longer shown or alive."""
+    problems: list[str] = []
+    with anyio.move_on_after(GONE_BOUND):
+        while True:
+            data = await view(client)
+            problems = await anyio.to_thread.run_sync(strays, data, set(figures.agents))
+            old = (struck.get("victim") or {}).get("pid")
+            if isinstance(old, int):
+                if old in shown_pids(data):
+                    problems.append(f"the struck replica's runner {old} is still shown")
+                if alive(old):
+                    problems.append(f"the struck replica's runner {old} still lives")
+            if not problems:
+                return
+            await anyio.sleep(0.1)
+    for problem in problems:
+        result.broke("orphans", f"after recovery: {problem}")
+
+
+async def _gone(pids: list[int], bound: float) -> list[int]:
+    with anyio.move_on_after(bound):
+        while any(alive(pid) for pid in pids):
+            await anyio.sleep(POLL)
+    return [pid for pid in pids if alive(pid)]
+
+
+async def run_coordinator_kill(ray: RayCluster, trial: Trial, workdir: Path) -> TrialResult:
+    """A coordinator of its own, SIGKILLed mid-stream: its streams end (cut or complete) and every agent and
+    runner it owned, on every node, is gone within ``COORDINATOR_GONE`` s."""
+    result = TrialResult(trial)
+    began = time.monotonic()
+    iid = f"c{trial.index}"
+    with tempfile.TemporaryDirectory(dir=workdir, prefix=f"coordinator-{trial.index}-") as tmp:
+        target = await anyio.to_thread.run_sync(coordinator, Path(tmp), ray.address)
+        agents: set[int] = set()
+        try:
+            async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+                ready = await wait_view(client, settled, RECOVERY_BOUND)  # its agents joined, its debug instance up
+                data = await _start(client, result, iid) if ready is not None else None
+                if ready is None:
+                    result.broke("hung", f"a new coordinator was not settled within {RECOVERY_BOUND:g} s")
+                if data is not None:
+                    agents = set(live_agents(data).values())
+                    streams = TimedStreams(client, iid, TOKENS)
+
+                    async def strike() -> None:
+                        await streams.first.wait()
+                        await anyio.sleep(trial.delay)
+                        target.signal(signal.SIGKILL)
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(strike)
+                        for i in range(trial.streams):
+                            tg.start_soon(streams.timed, i)
+                    result.outcomes = list(streams.outcomes)
+                    _expect_outcomes(result, streams.outcomes, {"complete", "cut"}, None)
+        finally:
+            target.signal(signal.SIGKILL)
+            await anyio.to_thread.run_sync(target.wait_exit)
+        runners = runner_processes(agents)
+        left = await _gone(sorted(agents | set(runners)), COORDINATOR_GONE)
+        if left:
+            result.broke("orphans", f"the SIGKILLed coordinator's agents or runners outlived it: {left}")
+    result.seconds = time.monotonic() - began
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The campaign
+# --------------------------------------------------------------------------------------------------------------
+
+
+async def run_campaign(
+    seed: int,
+    trials: int,
+    *,
+    only: int | None = None,
+    progress: Callable[[TrialResult], None] | None = None,
+    engine: str = "debug",
+) -> Report:
+    """The cluster campaign ``seed`` (or only its trial ``only``): its Ray cluster and coordinators are gone when
+    it returns."""
+    if engine != "debug":
+        raise ValueError(f"the cluster target runs the debug engine only, not {engine!r}")
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("the cluster target needs Ray: pip install 'tether[ray]'")
+    report = Report(seed, NAME, {"engine": engine, "nodes": NODES, "lost_after_s": LOST_AFTER, "lease_s": LEASE})
+    began = time.monotonic()
+    figures = ClusterFigures()
+    with tempfile.TemporaryDirectory(prefix="tether-chaos-cluster-") as tmp:
+        workdir = Path(tmp)
+        ray = await anyio.to_thread.run_sync(RayCluster)
+        try:
+            target = await anyio.to_thread.run_sync(coordinator, workdir / "shared", ray.address)
+            try:
+
+                async def run(trial: Trial) -> TrialResult:
+                    if trial.attack.worker_signal is not None:
+                        return await run_coordinator_kill(ray, trial, workdir)
+                    return await run_trial(target, ray, trial, figures)
+
+                # the warm-up: an agent SIGKILLed, so the fresh agent's first start is not a trial's
+                warm = Trial(seed, -1, CLUSTER_ATTACKS[0], "generating", 2, 1, 0.0, TOKENS, NAME)
+                await drive(report, target, warm, plan(seed, trials, only), run, progress)
+            finally:
+                await anyio.to_thread.run_sync(target.stop)
+        finally:
+            await anyio.to_thread.run_sync(ray.shutdown)
+    detections = sorted(figures.detections)
+    recoveries = sorted(figures.recoveries)
+    report.extra.update(
+        node_loss_p50_s=round(detections[len(detections) // 2], 3) if detections else None,
+        node_loss_max_s=round(detections[-1], 3) if detections else None,
+        recovery_p50_s=round(recoveries[len(recoveries) // 2], 2) if recoveries else None,
+        recovery_max_s=round(recoveries[-1], 2) if recoveries else None,
+    )
+    report.wall_s = time.monotonic() - began
+    return report

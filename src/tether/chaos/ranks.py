@@ -1,0 +1,544 @@
+"""The ranks target: 2- and 3-rank debug rings on one machine, one rank struck mid-stream.
+
+Attacks, each on a rank drawn at random while the trial's streams run: SIGKILL, SIGSTOP (left stopped, past the
+hang deadlines: tether must find and kill it), an OOM kill (a debug ``oom`` fault of that rank in its own 96 MiB
+runner cgroup), and a held port (a SIGKILL, then the campaign itself binds one rank's port, drawn at random, between
+the failure and the replacement, and lets it go once a replacement was refused).
+
+Beside the single campaign's checks (every request ended once within its bound in an allowed outcome; nothing of
+the instance left: runners, guards, helpers, cgroups, records; the worker's fds and RSS against the baseline), each
+trial checks what README's "Multi-rank instances" promises:
+
+- **one failure, one cause**: the attack's life failed once, its cause naming the struck rank (``rank``,
+  ``rank K of N failed: ...``, the right kind), the other ranks listed as consequences, and every request that
+  failed carries it;
+- **a replacement only once every rank is gone**: a watcher thread tracks every process of the instance from /proc
+  (each rank's runner, its guard and its helpers); no replacement rank may have started (its start time, to a clock
+  tick) before the last moment a process of an earlier life was seen alive;
+- **the same ports**: the replacement's ranks have the old addresses and really listen on them; while a stranger
+  holds one, each refused life fails with an ordinary, retried cause naming that rank, the port and the holder's pid
+  (README: "A held port is an ordinary, retried load error naming its holder"), and once it lets go the instance
+  serves again on the same ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import re
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from tether.chaos.campaign import Report, drive
+from tether.chaos.plan import WARM_UP, Attack, Trial, draw
+from tether.chaos.target import Target
+from tether.chaos.trial import (
+    DEADLINES,
+    REQUEST_BOUND,
+    Streams,
+    TrialResult,
+    _check_gone,
+    _expect_outcomes,
+    _instance,
+    _show,
+    _wait_instance,
+)
+from tether.kernel.pids import holds_listener, proc_stat
+from tether.kernel.ports import RankPorts
+from tether.protocol import CauseKind, RunnerArgs
+
+NAME = "ranks"
+WORLDS = (2, 3)
+STREAMS = (1, 2, 4)  # parallel 2: with 4, two wait in rank 0's queue
+STATE_BOUND = 40.0  # seconds for a ring of 3 to start again on two shared cores
+POLL = 0.005  # the watcher's period
+MEMORY_LIMIT = 96 << 20  # each rank's own cgroup: the oom fault fills it
+PORT_BASE = 30000  # pinned ports, apart from the tests' 26000-29999 and below the ephemeral range (32768)
+OPTIONS = {"load_steps": 3, "load_step_seconds": 0.01, "token_seconds": 0.01, "parallel": 2, "helpers": 1}
+HELPER_KINDS = ("exec", "setsid")  # setsid: out of the rank's process group, only its cgroup holds the helper
+# A stopped rank must be found by its own heartbeat, before rank 0's token_gap sees the ring stall: token_gap is
+# longer than the heartbeat deadline, so the cause is the stopped rank's.
+RANK_DEADLINES = {**DEADLINES, "warmup": 20.0, "load_stall": 10.0, "first_token": 6.0, "token_gap": 4.0}
+
+RANK_ATTACKS: tuple[Attack, ...] = (
+    Attack("sigkill", CauseKind.SIGNAL, ("generating",), outside_signal="SIGKILL"),
+    Attack("sigstop", CauseKind.HANG, ("generating",), outside_signal="SIGSTOP"),
+    Attack("oom", CauseKind.OUT_OF_MEMORY, ("generating",), engine_fault={"kind": "oom"}, memory_limit=MEMORY_LIMIT),
+    Attack("held_port", CauseKind.SIGNAL, ("generating",), outside_signal="SIGKILL"),
+)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A trial's own choices beside the plan's: how many ranks, which one is struck, whose port is held, and the
+    kind of its ranks' helper."""
+
+    world: int
+    victim: int
+    held: int
+    helper_kind: str
+
+
+def draws(trial: Trial) -> Draw:
+    rng = random.Random(f"{trial.seed}:{trial.index}:{NAME}:ranks")
+    world = rng.choice(WORLDS)
+    return Draw(world, rng.randrange(world), rng.randrange(world), rng.choice(HELPER_KINDS))
+
+
+def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
+    pick = functools.partial(draw, attacks=RANK_ATTACKS, target=NAME, streams_choice=STREAMS)
+    return [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The watcher: every process of the instance, from /proc
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+_TICK = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Seen:
+    """One process of the instance: a rank's runner, its guard (a fork sharing its command line) or a helper."""
+
+    pid: int
+    role: str  # runner | guard | helper
+    runner_id: str  # the rank's runner id, ``<iid>-<life>.rank<k>`` (a helper's: its runner's)
+    life: int
+    rank: int
+    start_ticks: int
+    started: float  # seconds since boot (to a clock tick, rounded down)
+    last_alive: float  # the last moment (seconds since boot) it was seen alive: it was alive then or later
+    gone: float | None = None
+
+
+_RUNNER_ID = re.compile(r"^(?P<iid>.+)-(?P<life>\d+)\.rank(?P<rank>\d+)$")
+
+
+class Watcher(threading.Thread):
+    """Polls /proc every ``POLL`` s for the processes of instance ``iid`` of ``worker``: each rank's runner (by its
+    command line), its guard, and its helpers (children of a runner, or members of its cgroup); records when each
+    started and the last moment it was alive."""
+
+    def __init__(self, worker: int, iid: str) -> None:
+        super().__init__(daemon=True, name=f"chaos-ranks-{iid}")
+        self.worker = worker
+        self.iid = iid
+        self.seen: dict[int, Seen] = {}
+        self._ignored: set[int] = set()
+        self._pending: dict[int, float] = {}  # forked, not yet exec'd (or not yet in its cgroup): looked at again
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._cgroup = re.compile(rf"tether-(?P<runner>{re.escape(iid)}-\d+\.rank\d+)-{worker}\b")
+        self._ignored.update(int(e) for e in os.listdir("/proc") if e.isdigit())  # what ran before the trial
+
+    def run(self) -> None:
+        while not self._halt.wait(POLL):
+            self.poll()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+        self.poll()
+
+    def processes(self) -> list[Seen]:
+        with self._lock:
+            return list(self.seen.values())
+
+    def poll(self) -> None:
+        with self._lock:
+            for seen in self.seen.values():
+                if seen.gone is None:
+                    now = _boottime()  # taken before the read: if alive, it was alive at ``now`` or later
+                    stat = proc_stat(seen.pid)
+                    if stat is not None and stat.start_ticks == seen.start_ticks and stat.state not in ("Z", "X"):
+                        seen.last_alive = now
+                    else:
+                        seen.gone = now
+            fresh = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+            for pid in fresh:
+                if pid not in self.seen and pid not in self._ignored:
+                    self._classify(pid)
+
+    def _classify(self, pid: int) -> None:
+        now = _boottime()
+        stat = proc_stat(pid)
+        if stat is None or stat.state in ("Z", "X"):
+            self._pending.pop(pid, None)
+            self._ignored.add(pid)
+            return
+        args = _cmdline(pid)
+        runner = RunnerArgs.from_cmdline(args) if args else None
+        owner: str | None = None
+        role = "helper"
+        if runner is not None and runner.worker_pid == self.worker and _RUNNER_ID.match(runner.runner_id):
+            match = _RUNNER_ID.match(runner.runner_id)
+            if match is not None and match["iid"] == self.iid:
+                leads = stat.pgid == pid and stat.ppid == self.worker  # a fork of it (its guard) shares its args
+                owner, role = runner.runner_id, "runner" if leads else "guard"
+        elif runner is None:
+            parent = self.seen.get(stat.ppid)
+            if parent is not None:
+                owner = parent.runner_id
+            elif (match := self._cgroup.search(_read(f"/proc/{pid}/cgroup"))) is not None:
+                owner = match["runner"]
+        if owner is None:
+            young = stat.ppid == self.worker or stat.ppid in self.seen
+            first = self._pending.setdefault(pid, now)
+            if not young or now - first > 2.0:
+                self._pending.pop(pid, None)
+                self._ignored.add(pid)
+            return
+        self._pending.pop(pid, None)
+        m = _RUNNER_ID.match(owner)
+        assert m is not None
+        started = stat.started_since_boot
+        self.seen[pid] = Seen(pid, role, owner, int(m["life"]), int(m["rank"]), stat.start_ticks, started, now)
+
+    def early_starts(self) -> list[str]:
+        """Every replacement rank that started before a process of an earlier life was last seen alive."""
+        found = []
+        procs = self.processes()
+        for new in procs:
+            if new.role != "runner":
+                continue
+            started_by = new.started + _TICK  # its start, rounded up: it started at this moment or before
+            for old in procs:
+                if old.life < new.life and old.last_alive > started_by:
+                    found.append(
+                        f"rank {new.rank} of life {new.life} (pid {new.pid}) started {old.last_alive - new.started:.3f}"
+                        f" s before {old.role} pid {old.pid} of rank {old.rank}, life {old.life}, was last seen alive"
+                    )
+        return found
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    raw = _read(f"/proc/{pid}/cmdline")
+    return raw.removesuffix("\0").split("\0") if raw else None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One trial
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankFigures:
+    """What the campaign counts over its trials, beside the invariants."""
+
+    replacements: int = 0  # replacement lives whose start was checked against their predecessors' end
+    held_refusals: int = 0  # lives refused while the campaign held a port
+    held_missed: int = 0  # held_port trials where the campaign could not take the port in time (no check made)
+    detections: list[float] = field(default_factory=list)  # failure detection, s (the history's detected_in)
+
+
+def _config(trial: Trial, iid: str, d: Draw, ports: tuple[int, ...]) -> dict[str, Any]:
+    attack = trial.attack
+    held = attack.name == "held_port"
+    config: dict[str, Any] = {
+        "id": iid,
+        "engine": "debug",
+        "ranks": d.world,
+        "ports": list(ports),
+        "options": {**OPTIONS, "helper_kind": d.helper_kind},
+        "restart": {
+            "initial_backoff": 1.0 if held else 0.05,  # held: time to take the port between failure and restart
+            "max_backoff": 1.0,
+            "jitter": 0.0,
+            "crash_loop_failures": 100,
+        },
+        "deadlines": RANK_DEADLINES,
+        "max_queue": 64,
+    }
+    if attack.engine_fault is not None:  # every life's requests reach it: the follow-up asks fewer tokens
+        fault = {**attack.engine_fault, "phase": "generate", "after_tokens": trial.after_tokens, "rank": d.victim}
+        config["faults"] = [fault]
+    if attack.memory_limit is not None:
+        config["memory_limit"] = attack.memory_limit
+    return config
+
+
+class Stranger:
+    """A listening socket of the campaign's on a rank's port: what a stray process does to a replacement."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sock: socket.socket | None = None
+
+    def take(self) -> bool:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT left by the ring must not stop it
+        try:
+            sock.bind(("127.0.0.1", self.port))
+            sock.listen(1)
+        except OSError:
+            sock.close()
+            return False
+        self.sock = sock
+        return True
+
+    def release(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+async def run_trial(target: Target, trial: Trial, ports: RankPorts, figures: RankFigures) -> TrialResult:
+    """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone."""
+    result = TrialResult(trial)
+    began = time.monotonic()
+    d = draws(trial)
+    iid = f"r{trial.index}"
+    pinned = ports.allocate(iid, d.world)
+    watcher = Watcher(target.pid, iid)
+    watcher.start()
+    stranger = Stranger(pinned[d.held])
+    try:
+        async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+            created = await client.post("/v1/instances", json=_config(trial, iid, d, pinned))
+            if created.status_code != 201:
+                result.broke("misclassified", f"the instance was refused: {created.status_code} {created.text[:300]}")
+                return result
+            first = await _wait_instance(client, iid, lambda i: i["ready"], STATE_BOUND)
+            if first is None:
+                result.broke("hung", f"the {d.world}-rank instance was not ready within {STATE_BOUND:g} s")
+            else:
+                await _attack(result, client, trial, d, first, stranger, figures)
+            inst = await _instance(client, iid)
+            asked = time.monotonic()
+            await client.delete(f"/v1/instances/{iid}")
+            stopped_in = time.monotonic() - asked
+        if stopped_in > 2 * target.stop_timeout + 2.0:  # rank 0 within its stop bound, then the others at once
+            result.broke("hung", f"deleting the {d.world}-rank instance took {stopped_in:.1f} s")
+        pids = sorted({s.pid for s in watcher.processes()} | set((inst or {}).get("pids", [])))
+        await anyio.to_thread.run_sync(_check_gone, result, target, iid, pids)
+    finally:
+        stranger.release()
+        await anyio.to_thread.run_sync(watcher.stop)
+        ports.release(iid)
+    for problem in watcher.early_starts():
+        result.broke("orphans", f"a replacement started before the old life was gone: {problem}")
+    figures.replacements += len({(s.life, s.rank) for s in watcher.processes() if s.role == "runner" and s.life > 1})
+    result.seconds = time.monotonic() - began
+    return result
+
+
+async def _attack(
+    result: TrialResult,
+    client: httpx.AsyncClient,
+    trial: Trial,
+    d: Draw,
+    first: dict[str, Any],
+    stranger: Stranger,
+    figures: RankFigures,
+) -> None:
+    """Strike rank ``d.victim`` mid-stream, then check the failure, the replacement, its ports and its service."""
+    attack = trial.attack
+    iid = first["id"]
+    expect = attack.expect.value if attack.expect is not None else None
+    ranks = first["ranks"] or []
+    addresses = [r["address"] for r in ranks]
+    old = {r["pid"] for r in ranks}
+    victim = ranks[d.victim]["pid"] if len(ranks) == d.world else None
+    if victim is None or len(addresses) != d.world:
+        result.broke("misclassified", f"the instance shows {len(ranks)} ranks, not {d.world}: {ranks}")
+        return
+    streams = Streams(client, iid, trial.tokens)
+    if attack.expect is None:  # the warm-up: no fault, every stream completes on the ring
+        await streams.run(trial.streams)
+        _expect_outcomes(result, streams.outcomes, {"complete"}, None)
+        result.outcomes = streams.outcomes
+        return
+
+    async def strike() -> None:
+        await streams.first.wait()
+        await anyio.sleep(trial.delay)
+        if attack.outside_signal is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, getattr(signal, attack.outside_signal))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(strike)
+        await streams.run(trial.streams)
+    result.outcomes = streams.outcomes  # counted even when a later check ends the trial early
+    _expect_outcomes(result, streams.outcomes, {"complete", "failed", "rejected"}, expect)
+    named = f"rank {d.victim} of {d.world}"
+    for outcome in streams.outcomes:
+        if outcome.kind == "failed" and named not in outcome.detail:
+            result.broke("misclassified", f"a request failed without naming {named}: {_show(outcome)}")
+        if outcome.kind == "rejected" and outcome.cause not in (expect, None):
+            result.broke("misclassified", f"a request was refused with {outcome.cause}, not {expect}: {_show(outcome)}")
+    if not any(o.kind == "failed" for o in streams.outcomes) and attack.engine_fault is not None:
+        result.broke("misclassified", f"the {attack.name} fault of {named} failed no request: {_outcomes(streams)}")
+
+    port = int(addresses[d.held].rpartition(":")[2])
+    refusals = 0
+    if attack.name == "held_port":
+        failed = await _wait_instance(client, iid, lambda i: bool(i["history"]), STATE_BOUND)
+        if failed is None:
+            result.broke("hung", f"the struck life did not end within {STATE_BOUND:g} s")
+            return
+        taken = False
+        with anyio.move_on_after(STATE_BOUND):  # the old rank's listener goes with it: then the port is free
+            while not (taken := stranger.take()):
+                inst = await _instance(client, iid)
+                if inst is not None and inst["ready"]:
+                    break
+                await anyio.sleep(0.005)
+        if not taken:
+            figures.held_missed += 1  # the replacement listened before the campaign could take the port
+        else:
+            refused = await _wait_instance(client, iid, lambda i: len(i["history"]) > 1 or i["ready"], STATE_BOUND)
+            if refused is None:
+                result.broke("hung", f"with port {port} held, no replacement was refused within {STATE_BOUND:g} s")
+            elif refused["ready"] and len(refused["history"]) == 1:
+                result.broke("misclassified", f"a replacement became ready while port {port} was held by another")
+            refusals = 1
+        stranger.release()
+
+    final = await _wait_instance(
+        client, iid, lambda i: (i["ready"] and bool(i["history"])) or i["state"] == "failed", STATE_BOUND
+    )
+    if final is None:
+        result.broke("hung", f"the instance did not serve again within {STATE_BOUND:g} s of the failure")
+        return
+    if final["state"] == "failed":
+        result.broke("misclassified", f"the instance gave up: {final.get('reason')}")
+        return
+    history = final["history"]
+    _expect_cause(result, history[0]["cause"], d.victim, d.world, expect, attack)
+    if history[0].get("detected_in") is not None:
+        figures.detections.append(float(history[0]["detected_in"]))
+    later = history[1:]
+    if attack.name != "held_port" and later:
+        causes = "; ".join(h["cause"]["summary"][:120] for h in later)
+        result.broke("misclassified", f"one failure, {len(history)} failed lives: {causes}")
+    for life in later:  # each a life refused while the port was held (and only those)
+        _expect_held(result, life["cause"], d.held, d.world, port, os.getpid())
+    figures.held_refusals += len(later) if refusals else 0
+    if sum(final["failures"].values()) != len(history):
+        result.problems.append(f"failures by kind {final['failures']} do not add up to the {len(history)} in history")
+    now = final["ranks"] or []
+    if [r["address"] for r in now] != addresses:
+        result.broke("misclassified", f"the replacement's ranks moved: {addresses} -> {[r['address'] for r in now]}")
+    stale = sorted(old.intersection(r["pid"] for r in now))
+    if stale:
+        result.broke("orphans", f"ranks of the struck life still serve in the replacement: pids {stale}")
+    for r in now:
+        at = int(r["address"].rpartition(":")[2])
+        if not await anyio.to_thread.run_sync(holds_listener, r["pid"], at):
+            result.problems.append(f"rank {r['rank']} (pid {r['pid']}) of the replacement does not listen on {at}")
+    follow = Streams(client, iid, min(trial.after_tokens, 4) if attack.engine_fault else 4)
+    await follow.one()
+    _expect_outcomes(result, follow.outcomes, {"complete"}, None)
+    result.outcomes = streams.outcomes + follow.outcomes
+
+
+def _outcomes(streams: Streams) -> str:
+    return ", ".join(_show(o) for o in streams.outcomes)
+
+
+def _expect_cause(
+    result: TrialResult, cause: dict[str, Any], rank: int, world: int, expect: str | None, attack: Attack
+) -> None:
+    """The struck life's one cause: the struck rank's, of the attack's kind, the others its consequences."""
+    named = f"rank {rank} of {world}"
+    wrong = []
+    if cause.get("rank") != rank:
+        wrong.append(f"rank {cause.get('rank')}")
+    if cause.get("kind") != expect:
+        wrong.append(f"kind {cause.get('kind')}")
+    if not cause.get("summary", "").startswith(named):
+        wrong.append("a summary not starting with it")
+    if attack.outside_signal == "SIGKILL" and cause.get("signal") != "SIGKILL":
+        wrong.append(f"signal {cause.get('signal')}")
+    consequences = [e for e in cause.get("evidence", []) if e.startswith("rank ") and "(a consequence)" in e]
+    if len(consequences) != world - 1:
+        wrong.append(f"{len(consequences)} other ranks as consequences, not {world - 1}")
+    if wrong:
+        result.broke(
+            "misclassified",
+            f"the {attack.name} of {named} failed the instance with {', '.join(wrong)}: "
+            f"{cause.get('summary', '')[:240]}",
+        )
+
+
+def _expect_held(result: TrialResult, cause: dict[str, Any], rank: int, world: int, port: int, holder: int) -> None:
+    """A life refused by a held port: an ordinary (retried) failure of that rank naming the port and its holder."""
+    summary = cause.get("summary", "")
+    wanted = (f"rank {rank} of {world}", f":{port}", "Address already in use", f"pid {holder}")
+    missing = [w for w in wanted if w not in summary]
+    if cause.get("rank") != rank or missing:
+        result.broke(
+            "misclassified",
+            f"with port {port} held by pid {holder}, a life failed as rank {cause.get('rank')}"
+            f"{' without ' + ', '.join(repr(m) for m in missing) if missing else ''}: {summary[:300]}",
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The campaign
+# --------------------------------------------------------------------------------------------------------------
+
+
+async def run_campaign(
+    seed: int,
+    trials: int,
+    *,
+    only: int | None = None,
+    progress: Callable[[TrialResult], None] | None = None,
+    engine: str = "debug",
+) -> Report:
+    """The ranks campaign ``seed`` (or only its trial ``only``); its server is stopped before it returns."""
+    if engine != "debug":
+        raise ValueError(f"the ranks target runs the debug engine's ring only, not {engine!r}")
+    report = Report(seed, NAME, {"engine": engine})
+    began = time.monotonic()
+    figures = RankFigures()
+    ports = RankPorts(base=PORT_BASE + (os.getpid() % 700) * 3, span=600)
+    with tempfile.TemporaryDirectory(prefix="tether-chaos-ranks-") as tmp:
+        target = await anyio.to_thread.run_sync(functools.partial(Target, Path(tmp) / "shared", startup=60.0))
+        try:
+
+            async def run(trial: Trial) -> TrialResult:
+                return await run_trial(target, trial, ports, figures)
+
+            warm = Trial(seed, -1, WARM_UP, "generating", 2, 1, 0.0, 8, NAME)  # a ring, no fault
+            await drive(report, target, warm, plan(seed, trials, only), run, progress)
+        finally:
+            await anyio.to_thread.run_sync(target.stop)
+    detections = sorted(figures.detections)
+    report.extra.update(
+        replacements_checked=figures.replacements,
+        held_port_refusals=figures.held_refusals,
+        held_port_missed=figures.held_missed,
+        detection_p50_s=round(detections[len(detections) // 2], 3) if detections else None,
+        detection_max_s=round(detections[-1], 3) if detections else None,
+    )
+    report.wall_s = time.monotonic() - began
+    return report

@@ -1,0 +1,56 @@
+"""The cluster target (``tether chaos --target cluster``): a short fixed-seed campaign on a local Ray cluster (a head
+without CPUs and 3 nodes) keeps every promise under each of its attacks, and its checks are the ones it claims."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import TETHER
+from tether.chaos import cluster
+
+pytest.importorskip("ray", reason="the cluster target needs Ray: pip install 'tether[ray]'")
+COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "failed_trials", "other_problems")
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(160)
+def test_a_short_cluster_campaign_keeps_every_promise() -> None:
+    """7 trials of seed 239 (~85 s here, the cluster's start included), one of each attack: an agent SIGKILLed, an
+    agent SIGSTOPped past --lost-after and past the lease, a node removed and a fresh one added, a raylet
+    SIGKILLed, the coordinator SIGSTOPped past the lease and one SIGKILLed, each while 2 replicas stream."""
+    assert {t.attack.name for t in cluster.plan(239, 7)} == {a.name for a in cluster.CLUSTER_ATTACKS}
+    out = subprocess.run(
+        [*TETHER, "chaos", "--target", "cluster", "--trials", "7", "--seed", "239", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    summary = json.loads(lines[-1])
+    assert summary["target"] == "cluster" and summary["trials"] == 7, summary
+    assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), (summary, out.stderr[-3000:])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["node_loss_max_s"] is not None and summary["node_loss_max_s"] <= cluster.LOSS_BOUND, summary
+
+
+def test_a_cluster_trial_is_the_same_alone() -> None:
+    whole = cluster.plan(239, 7)
+    assert [cluster.plan(239, 0, only=k)[0] for k in range(7)] == whole
+    assert whole[0].replay() == "tether chaos --target cluster --seed 239 --only 0"
+
+
+def test_what_runs_on_the_nodes_must_be_what_the_api_shows() -> None:
+    """``strays`` against a made-up view: this test process poses as a live agent with no runner, so any runner the
+    API shows there does not run, and an agent that is gone must leave nothing."""
+    view = {
+        "cluster": {"nodes": [{"node": "n1", "state": "live", "agent_pid": 1}]},
+        "data": [{"id": "x", "replicas": [{"pid": 999_999_999}]}],
+    }
+    assert cluster.strays(view, {1}) == ["runner 999999999 is shown but does not run"]
+    view["data"] = []
+    assert cluster.strays(view, {1}) == []

@@ -1,0 +1,108 @@
+"""The ranks target (``tether chaos --target ranks``): a short fixed-seed campaign against 2- and 3-rank debug rings
+keeps every promise, and the target's own checks fail when their invariant breaks (fed a broken case directly)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import pytest
+
+from conftest import TETHER
+from tether.chaos import ranks
+from tether.chaos.plan import Trial
+from tether.chaos.trial import TrialResult
+
+COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "failed_trials", "other_problems")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(100)
+def test_a_short_ranks_campaign_keeps_every_promise() -> None:
+    """10 trials of seed 51 (~30 s here): SIGKILL, SIGSTOP and an OOM kill of rank 0 and of a later rank mid-stream,
+    and ports held between failure and replacement, on rings of 2 and 3."""
+    trials = ranks.plan(51, 10)
+    struck = {(t.attack.name, ranks.draws(t).victim > 0) for t in trials}
+    assert struck >= {("sigstop", True), ("sigstop", False), ("oom", True), ("oom", False), ("sigkill", True)}
+    assert {t.attack.name for t in trials} >= {"held_port"} and {ranks.draws(t).world for t in trials} == {2, 3}
+    out = subprocess.run(
+        [*TETHER, "chaos", "--target", "ranks", "--trials", "10", "--seed", "51", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=95,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    summary = json.loads(lines[-1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["target"] == "ranks" and summary["trials"] == 10
+    assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stderr[-3000:]
+    assert summary["replacements_checked"] >= 20, summary  # every rank of every replacement life was watched
+    assert summary["held_port_refusals"] + summary["held_port_missed"] >= 1, summary
+
+
+def test_a_ranks_trial_is_the_same_alone() -> None:
+    whole = ranks.plan(51, 10)
+    assert [ranks.plan(51, 0, only=k)[0] for k in range(10)] == whole
+    assert all(t.replay() == f"tether chaos --target ranks --seed 51 --only {t.index}" for t in whole)
+
+
+def _seen(pid: int, role: str, life: int, rank: int, started: float, last_alive: float) -> ranks.Seen:
+    return ranks.Seen(pid, role, f"r0-{life}.rank{rank}", life, rank, 0, started, last_alive)
+
+
+def test_a_replacement_that_starts_before_an_old_process_is_gone_is_caught() -> None:
+    watcher = ranks.Watcher(worker=1, iid="r0")
+    watcher.seen = {
+        10: _seen(10, "runner", 1, 0, 100.0, 105.0),
+        11: _seen(11, "helper", 1, 0, 100.1, 105.5),  # rank 0's helper outlived the replacement's start
+        20: _seen(20, "runner", 2, 0, 105.2, 110.0),
+        21: _seen(21, "runner", 2, 1, 105.6, 110.0),
+    }
+    early = watcher.early_starts()
+    assert len(early) == 1 and "rank 0 of life 2 (pid 20)" in early[0] and "helper pid 11" in early[0], early
+    watcher.seen[11].last_alive = 105.0
+    assert watcher.early_starts() == [], "a start after every old process was last seen alive is fine"
+
+
+def _cause(**fields: Any) -> dict[str, Any]:
+    base = {
+        "kind": "signal",
+        "rank": 1,
+        "signal": "SIGKILL",
+        "summary": "rank 1 of 3 failed: runner r0-1.rank1 (debug) was killed by SIGKILL",
+        "evidence": ["the other ranks:", "rank 0: PeerLost (a consequence)", "rank 2: PeerLost (a consequence)"],
+    }
+    return {**base, **fields}
+
+
+def test_a_cause_naming_the_wrong_rank_or_not_one_cause_is_caught() -> None:
+    trial = Trial(51, 0, ranks.RANK_ATTACKS[0], "generating", 1, 1, 0.0, 8, ranks.NAME)
+
+    def check(cause: dict[str, Any]) -> list[str]:
+        result = TrialResult(trial)
+        ranks._expect_cause(result, cause, 1, 3, "signal", trial.attack)
+        return result.problems
+
+    assert check(_cause()) == []
+    assert "rank 0" in check(_cause(rank=0))[0]
+    assert "a summary not starting with it" in check(_cause(summary="rank 0 of 3 failed: ..."))[0]
+    assert "1 other ranks as consequences, not 2" in check(_cause(evidence=["rank 0: x (a consequence)"]))[0]
+    assert "kind hang" in check(_cause(kind="hang"))[0]
+
+
+def test_a_held_port_refusal_must_name_its_rank_port_and_holder() -> None:
+    summary = (
+        "rank 2 of 3 failed: runner r0-2.rank2 raised RuntimeError while loading: rank 2 of 3 cannot listen on "
+        "127.0.0.1:30002: [Errno 98] Address already in use: pid 4242 (python) holds the port"
+    )
+
+    def check(cause: dict[str, Any]) -> list[str]:
+        result = TrialResult(Trial(51, 0, ranks.RANK_ATTACKS[3], "generating", 1, 1, 0.0, 8, ranks.NAME))
+        ranks._expect_held(result, cause, 2, 3, 30002, 4242)
+        return result.problems
+
+    assert check({"rank": 2, "summary": summary}) == []
+    assert "'pid 4242'" in check({"rank": 2, "summary": summary.replace("pid 4242", "another process")})[0]
+    assert "as rank 0" in check({"rank": 0, "summary": summary})[0]
