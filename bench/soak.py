@@ -28,13 +28,14 @@ within the bound), ``misclassified`` (any other failure or code) or ``rejected_w
 the end, and after SIGTERM the server must exit 0 with no runner left (``ServeChild.runners()``, re-read for 5 s:
 ``leftover_runners``).
 
-Resources: every ``SAMPLE_INTERVAL`` (2 s) the worker's (the ``tether serve`` process) RSS (``VmRSS``, MiB) and
-open fds (``/proc/PID/fd``; the benchmark holds at most 10 connections to it: 8 clients, the disconnecting stream,
-one admin connection), and the runner processes alive (``max_runner_processes``: a runner and its lifeline guard
-are 2). Slopes by least squares (``statistics.linear_regression``) over the samples after the first window
-(warm-up), in MiB/hour and fds/hour; ``rss_start_mib``/``fds_start`` are the first of those samples, ``*_end`` the
-last (``*_initial``: the very first, before the clients connected). Flat means ~0; a short run extrapolates a few
-MiB of allocator warm-up to a steep hourly figure (the published figure is ``--minutes 30``).
+Resources: every ``SAMPLE_INTERVAL`` (2 s) the worker's (the ``tether serve`` process) RSS (``VmRSS``, MiB) and open
+fds (``/proc/PID/fd``; the benchmark holds at most 11 connections to it: 8 clients, the disconnecting stream, one
+admin connection, one for snapshots), and the runner processes alive (``max_runner_processes``: a runner and its
+lifeline guard are 2). Slopes by least squares (``statistics.linear_regression``) over the samples after the first
+window (warm-up), in MiB/hour and fds/hour; ``rss_start_mib``/``fds_start`` are the first of those samples,
+``*_end`` the last (``*_initial``: the very first, before the clients connected). Flat means ~0; a short run
+extrapolates a few MiB of allocator warm-up to a steep hourly figure (the published figure is ``--target batch
+--minutes 120``).
 
 Windows: ``window_s`` = min(300 s, M/3), so at least three windows; an outcome belongs to the window in which it
 ended (those ending after the last window, while the load drains, to the last). Per window: outcomes, faults, and
@@ -42,11 +43,37 @@ p50/p99 of the completed requests' end-to-end latency (send -> ``[DONE]``; ``sta
 method="inclusive")``, ``benchstats.percentile``). The control: ``p99_ratio_last_first`` (p99 of the last window /
 p99 of the first) should be ~1, like the slopes ~0.
 
+Allocations (``--tracemalloc``, on by default, off with ``--quick``): the worker starts with
+``TETHER_TRACEMALLOC=1`` (it traces its allocations 12 frames deep and serves ``POST /v1/debug/tracemalloc``, behind
+the guard like every admin route) and the benchmark asks it for a snapshot at the end of every window but the last,
+and once more after the load drained: the first is the baseline, each later answer lists the tracebacks that grew
+most since it. A forked copy of the worker takes each (the worker pays only the fork): it reads glibc malloc's heap
+(``mallinfo2``) and pymalloc's arenas as they were at the fork, collects the cycles the worker's collector had not
+reached yet (garbage, not growth: counted, and placed by where they were allocated), then snapshots what is
+reachable. The worker itself counts its event-loop tasks by where each waits (a task that never ends keeps all it
+references). In the JSON: ``top_growth`` (the last answer's top ``TOP_SITES`` sites, short: KiB, blocks, the
+allocating line and the first line of tether's own code on the way), ``traced_mib_growth`` (reachable MiB at the end
+less at the baseline), ``garbage_sites`` (the snapshot with the most garbage: where it was allocated),
+``task_sites``; per window ``rss_mib_end``/``rss_mib_max`` (the worker's RSS at the window's last sample, its
+highest) and, at its snapshot, ``tasks``, ``traced_mib_end``, ``garbage_objects``, ``traced_mib_with_garbage``,
+``malloc_in_use_mib``, ``malloc_free_mib``, ``pymalloc_mib`` (arenas) and ``pymalloc_in_blocks_mib``. Tracing costs
+the worker CPU and ~20 MiB of RSS (its tables grow with every new traceback): ``--no-tracemalloc`` gives the bare
+RSS figures.
+
+Targets (``--target``): ``debug`` (the default: all of the above); ``batch``: the default model
+(``tether.models.default_model_path()``) on llama.cpp with ``parallel`` 8 (one batch holds every client's stream),
+``n_ctx`` 2048 per sequence, 2 threads, the same restart policy, the engine's default hang deadlines, and the faults
+a real engine can take: ``SIGKILL``, ``disconnect``, ``cancel_storm`` (SIGSEGV, SIGABRT and SIGSTOP rehearse the
+debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 6 s) so the model
+serves between its reloads; requests may take ``BATCH_HUNG_BOUND`` (60 s) and a reload ``BATCH_STATE_BOUND`` (60 s).
+The published run: ``--target batch --minutes 120``.
+
 Baseline: none. No server a user would pick instead survives these faults: llama_cpp.server runs its model in its
 own process, so killing the process that generates kills the server, and every client with it (a supervisor such
 as systemd would restart it, after every connection was cut).
 
-Run: ``.venv/bin/python bench/soak.py [--minutes M] [--fault-interval S] [--quick]`` (default 30 min, 5 s;
+Run: ``.venv/bin/python bench/soak.py [--target debug|batch] [--minutes M] [--fault-interval S] [--quick]
+[--no-tracemalloc]`` (default 30 min, 5 s (batch: 10 s);
 ``--quick``: 0.5 min, a fault every 4 s, so each kind at least once). The last line printed is one JSON object.
 """
 
@@ -63,16 +90,19 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 from anyio.abc import TaskGroup
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from load import Attempt, DebugServer, ServerFailed, attempt, pool, retry_delay, rounded
 from serve import PROMPTS, chat_body
 from tether.chaos.trial import DEADLINES
+from tether.models import default_model_path
+from tether.serve.tracing import TRACE_TIMEOUT, TRACEMALLOC
 
 INSTANCE = "soak"
 CLIENTS = 8
@@ -97,11 +127,65 @@ FAULTS: dict[str, str | None] = {  # fault -> the cause code its failed requests
 }
 HUNG_BOUND = 20.0  # seconds any request may take, whatever the fault
 STATE_BOUND = 20.0  # seconds for the instance to be ready again after a fault
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the soak runs: the instance's config, the faults made in turn, and the bounds that fit its engine."""
+
+    name: str
+    config: dict[str, Any]
+    faults: tuple[str, ...]
+    hung_bound: float
+    state_bound: float
+
+
+def debug_target() -> Target:
+    config = {
+        "id": INSTANCE,
+        "engine": "debug",
+        "options": OPTIONS,
+        "restart": RESTART,
+        "deadlines": DEADLINES,
+        "max_queue": MAX_QUEUE,
+    }
+    return Target("debug", config, tuple(FAULTS), HUNG_BOUND, STATE_BOUND)
+
+
+BATCH_PARALLEL = 8  # one batch holds every client's stream
+BATCH_N_CTX = 2048  # per sequence, as bench/serve.py and bench/load.py
+BATCH_THREADS = 2
+BATCH_FAULTS = ("SIGKILL", "disconnect", "cancel_storm")  # SIGSEGV/SIGABRT/SIGSTOP are the debug engine's rehearsal
+# A SIGKILL every 3 faults: at 5 s the model would spend most of the run reloading (a reload took ~2-10 s on the
+# shared 2-core machine); at 10 s it serves between them.
+BATCH_FAULT_INTERVAL = 10.0
+BATCH_QUICK_FAULT_INTERVAL = 6.0  # 4 faults in 30 s: each kind at least once
+BATCH_HUNG_BOUND = 60.0  # 8 streams of 32 tokens on 2 shared cores, behind a reload: seconds, not tens
+BATCH_STATE_BOUND = 60.0  # a reload of the model after a SIGKILL (~1 s alone, more beside the load)
+
+
+def batch_target() -> Target:
+    """The default model on llama.cpp, ``parallel`` 8 (its default deadlines: no SIGSTOP here to find)."""
+    config = {
+        "id": INSTANCE,
+        "engine": "llama.cpp",
+        "model": str(default_model_path()),
+        "options": {"n_ctx": BATCH_N_CTX, "n_threads": BATCH_THREADS, "parallel": BATCH_PARALLEL},
+        "restart": RESTART,
+        "max_queue": MAX_QUEUE,
+    }
+    return Target("batch", config, BATCH_FAULTS, BATCH_HUNG_BOUND, BATCH_STATE_BOUND)
+
+
 SAMPLE_INTERVAL = 2.0
 MAX_WINDOW = 300.0
 QUICK_MINUTES = 0.5
 QUICK_FAULT_INTERVAL = 4.0  # 7 faults in 30 s: each kind at least once
 POLL = 0.05
+TRACE_TOP = 40  # growth entries each snapshot answers
+TOP_SITES = 12  # and the report lists
+TOP_TASK_SITES = 6  # places the worker's tasks wait, most first
+PYMALLOC_ARENA = 1 << 20  # bytes per pymalloc arena (CPython 3.10+ on 64-bit Linux)
 STORM_SECONDS = 1.0  # a cancel storm cancels every request that starts streaming within this
 BASELINE = (
     "none: no server a user would pick instead survives these faults (llama_cpp.server generates in its own "
@@ -144,8 +228,11 @@ class Ended:
 class Soak:
     """The run: its load, its faults and its samples, and every request's end."""
 
-    def __init__(self, server: DebugServer, duration: float, interval: float) -> None:
+    def __init__(self, server: DebugServer, duration: float, interval: float, target: Target | None = None) -> None:
         self.server = server
+        self.target = target if target is not None else debug_target()
+        self.hung_bound = self.target.hung_bound
+        self.state_bound = self.target.state_bound
         self.duration = duration
         self.interval = interval
         self.began = time.perf_counter()
@@ -156,8 +243,12 @@ class Soak:
         self.cancelled: set[str] = set()  # request ids a cancel storm named
         self.storm: Fault | None = None  # the cancel storm blowing now
         self.stopping = False
+        self.tracing = False  # the worker traces its allocations: snapshot it at the end of every window
+        self.window_s = duration
+        self.traces: list[dict[str, Any]] = []  # the worker's answers to POST /v1/debug/tracemalloc, in order
         self._load: httpx.AsyncClient | None = None
         self._admin: httpx.AsyncClient | None = None
+        self._tracer: httpx.AsyncClient | None = None  # its own connection: a snapshot takes seconds
         self._tg: TaskGroup | None = None
 
     @property
@@ -181,7 +272,7 @@ class Soak:
     # --- load ---------------------------------------------------------------------------------------------------
 
     async def one(self, i: int, k: int, *, disconnect: bool = False) -> Attempt:
-        """Request ``k`` of client ``i``, bounded by ``HUNG_BOUND``."""
+        """Request ``k`` of client ``i``, bounded by the target's ``hung_bound``."""
         body = chat_body(PROMPTS[(i + k) % len(PROMPTS)], MAX_TOKENS, INSTANCE)
         ids: list[str] = []
 
@@ -193,10 +284,10 @@ class Soak:
 
         sent = time.perf_counter()
         try:
-            with anyio.fail_after(HUNG_BOUND):
+            with anyio.fail_after(self.hung_bound):
                 got = await attempt(self.load, body, on_start=started, disconnect=disconnect)
         except TimeoutError:
-            got = Attempt("hung", sent, time.perf_counter(), detail=f"no end within {HUNG_BOUND:g} s")
+            got = Attempt("hung", sent, time.perf_counter(), detail=f"no end within {self.hung_bound:g} s")
             got.request_id = ids[0] if ids else None
         for request_id in ids:
             self.active.pop(request_id, None)
@@ -222,7 +313,7 @@ class Soak:
 
     async def ready_runner(self, other_than: int | None = None) -> int | None:
         """The pid of the instance's runner once it is ready (and not ``other_than``); None after the bound."""
-        with anyio.move_on_after(STATE_BOUND):
+        with anyio.move_on_after(self.state_bound):
             while True:
                 inst = await self.instance()
                 pid = ((inst or {}).get("runner") or {}).get("pid")
@@ -252,18 +343,18 @@ class Soak:
         fault.pid = await self.ready_runner()
         fault.at = time.perf_counter()
         if fault.pid is None:
-            fault.detail = f"the instance was not ready within {STATE_BOUND:g} s: no signal sent"
+            fault.detail = f"the instance was not ready within {self.state_bound:g} s: no signal sent"
             return fault
         with contextlib.suppress(ProcessLookupError):
             os.kill(fault.pid, getattr(signal, kind))
         if await self.ready_runner(other_than=fault.pid) is not None:
             fault.recovered_s = time.perf_counter() - fault.at
         else:
-            fault.detail = f"not ready again with a new runner within {STATE_BOUND:g} s"
+            fault.detail = f"not ready again with a new runner within {self.state_bound:g} s"
         return fault
 
     async def fault_loop(self) -> None:
-        kinds = list(FAULTS)
+        kinds = list(self.target.faults)
         k = 1
         while (when := k * self.interval) < self.duration:
             await anyio.sleep(max(0.0, when - self.elapsed()))
@@ -283,19 +374,39 @@ class Soak:
             k += 1
             await anyio.sleep(max(0.0, k * SAMPLE_INTERVAL - self.elapsed()))
 
+    async def snapshot(self, rebase: bool) -> None:
+        """The worker's traced allocations now (``rebase``: the baseline later snapshots are compared with)."""
+        at = self.elapsed()
+        assert self._tracer is not None
+        reply = await self._tracer.post("/v1/debug/tracemalloc", params={"top": TRACE_TOP, "rebase": int(rebase)})
+        got: dict[str, Any] = reply.json() if reply.status_code == 200 else {"error": reply.text[:300]}
+        self.traces.append({"t": at, "took_s": self.elapsed() - at, **got})  # the answer's took_s: the fork's
+
+    async def trace_loop(self) -> None:
+        """A snapshot at the end of every window but the last (the first: the baseline, after the warm-up); the
+        last is taken once the load has drained (``run``)."""
+        w = 1
+        while (when := w * self.window_s) < self.duration - 1.0:
+            await anyio.sleep(max(0.0, when - self.elapsed()))
+            await self.snapshot(rebase=w == 1)
+            w += 1
+
     async def run(self) -> dict[str, Any] | None:
         """The load, the faults and the sampling for ``duration`` s, then the load drains; the instance at the end
-        (None when it is not ready again within ``STATE_BOUND``)."""
+        (None when it is not ready again within the target's ``state_bound``)."""
         limits = pool(CLIENTS + 4)
-        timeout = httpx.Timeout(HUNG_BOUND)
+        timeout = httpx.Timeout(self.hung_bound)
         async with (
             httpx.AsyncClient(base_url=self.server.url, timeout=timeout, limits=limits) as self._load,
             # one admin connection: the worker's fd count must not move with how many cancels run at once
             httpx.AsyncClient(base_url=self.server.url, timeout=timeout, limits=pool(1)) as self._admin,
+            httpx.AsyncClient(base_url=self.server.url, timeout=TRACE_TIMEOUT + 10.0, limits=pool(1)) as self._tracer,
         ):
             self.began = time.perf_counter()
             async with anyio.create_task_group() as outer:
                 outer.start_soon(self.sample_loop)
+                if self.tracing:
+                    outer.start_soon(self.trace_loop)
                 async with anyio.create_task_group() as self._tg:
                     for i in range(CLIENTS):
                         self.tg.start_soon(self.client_loop, i)
@@ -303,6 +414,8 @@ class Soak:
                     await anyio.sleep(self.duration)
                     self.stopping = True  # the clients end their current request, then stop
                 outer.cancel_scope.cancel()
+            if self.tracing:
+                await self.snapshot(rebase=not self.traces)
             final = await self.ready_runner()
             return await self.instance() if final is not None else None
 
@@ -310,6 +423,13 @@ class Soak:
 # --------------------------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------------------------
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception in words; a group's members named, not just counted."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe_error(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def judge(soak: Soak) -> None:
@@ -355,6 +475,8 @@ def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
             return lo <= t < hi or (w == n - 1 and t >= hi)
 
         ended = [e for e in soak.ended if inside(e.attempt.ended - soak.began)]
+        rss = [x.rss_mib for x in soak.samples if inside(x.t) and x.rss_mib is not None]
+        snap = soak.traces[w] if w < len(soak.traces) else {}  # one at each window's end (the last: after the drain)
         e2e = [e.attempt.e2e * 1000.0 for e in ended if e.attempt.kind == "complete"]
         out.append(
             {
@@ -367,9 +489,81 @@ def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
                 "faults": dict(Counter(f.kind for f in soak.faults if inside(f.at - soak.began))),
                 "p50_ms": ms(percentile(e2e, 50)),
                 "p99_ms": ms(percentile(e2e, 99)),
+                "rss_mib_end": rounded(rss[-1], 1) if rss else None,  # the worker's RSS at the window's last sample
+                "rss_mib_max": rounded(max(rss), 1) if rss else None,
+                **allocator_figures(snap),
             }
         )
     return out
+
+
+def allocator_figures(snap: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot's memory figures in MiB: traced (tracemalloc), glibc malloc's in use and free (held, not in use),
+    pymalloc's arenas (``None`` where the answer has none)."""
+
+    def mib(value: Any) -> float | None:
+        return round(value / (1 << 20), 2) if isinstance(value, int) else None
+
+    malloc, pymalloc = snap.get("malloc") or {}, snap.get("pymalloc") or {}
+    arenas = pymalloc.get("arenas_allocated_current")
+    return {
+        "tasks": snap.get("tasks"),  # the worker's event-loop tasks at the snapshot
+        "traced_mib_end": mib(snap.get("traced_bytes")),  # reachable: the copy collected the garbage first
+        "garbage_objects": snap.get("gc_unreachable"),  # cycles the worker's collector had not reached yet
+        "traced_mib_with_garbage": mib(snap.get("traced_bytes_with_garbage")),
+        "malloc_in_use_mib": mib(malloc.get("in_use_bytes")),
+        "malloc_free_mib": mib(malloc.get("free_bytes")),
+        "pymalloc_mib": mib(arenas * PYMALLOC_ARENA) if isinstance(arenas, int) else None,
+        "pymalloc_in_blocks_mib": mib(pymalloc.get("bytes_in_allocated_blocks")),
+    }
+
+
+def short_frame(frame: str) -> str:
+    """``.../site-packages/anyio/_core/x.py:12`` -> ``anyio/_core/x.py:12``, ``.../src/tether/a.py:3`` ->
+    ``tether/a.py:3``, ``/usr/lib/python3.11/asyncio/x.py:5`` -> ``asyncio/x.py:5``."""
+    for marker in ("/site-packages/", "/src/"):
+        if marker in frame:
+            return frame.rsplit(marker, 1)[1]
+    _, sep, tail = frame.partition("/lib/python3")
+    return tail.partition("/")[2] if sep else frame
+
+
+def growth_sites(traces: list[dict[str, Any]], top: int, key: str = "growth") -> list[dict[str, Any]]:
+    """The last snapshot's growth since the baseline (the first window's end), short: KiB, blocks, the allocating
+    line, and the innermost line of tether's own code on the way (``via``) when that is another. ``key="garbage"``:
+    the cycles the worker's collector had not reached yet, by where they were allocated (the snapshot with most)."""
+    if key == "garbage":
+        last = max(traces, key=lambda t: t.get("gc_unreachable") or 0, default=None)
+    else:
+        last = next((t for t in reversed(traces) if t.get(key)), None)
+    out = []
+    for g in (last or {}).get(key, [])[:top]:
+        frames = [short_frame(f) for f in g["traceback"]]
+        via = next((f for f in frames if f.startswith("tether/")), None)
+        out.append(
+            {
+                "kib": round(g["size_diff"] / 1024, 1),
+                "blocks": g["count_diff"],
+                "site": frames[0] if frames else "?",
+                **({"via": via} if via and via != frames[0] else {}),
+            }
+        )
+    return out
+
+
+def task_sites(traces: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+    """Where the worker's tasks wait at the last snapshot, most first (short frames, innermost first)."""
+    last = next((t for t in reversed(traces) if t.get("task_sites")), None)
+    return [
+        {"tasks": site["tasks"], "stack": [short_frame(f) for f in site["stack"][:3]]}
+        for site in (last or {}).get("task_sites", [])[:top]
+    ]
+
+
+def traced_growth(traces: list[dict[str, Any]]) -> float | None:
+    """MiB tracemalloc counts more at the last snapshot than at the baseline."""
+    sized = [t["traced_bytes"] for t in traces if "traced_bytes" in t]
+    return round((sized[-1] - sized[0]) / (1 << 20), 2) if len(sized) >= 2 else None
 
 
 def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, window_s: float) -> dict[str, Any]:
@@ -383,7 +577,7 @@ def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, 
     struck = [f for f in runner_faults if f.pid is not None]
     recovery = {
         kind: [f.recovered_s * 1000.0 for f in struck if f.kind == kind and f.recovered_s is not None]
-        for kind in FAULTS
+        for kind in soak.target.faults
         if FAULTS[kind] is not None
     }
     all_recovery = [v for values in recovery.values() for v in values]
@@ -395,6 +589,10 @@ def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, 
     warm_fds = [s.fds for s in warm if s.fds is not None]
     return {
         "bench": "soak",
+        "target": soak.target.name,
+        "engine": soak.target.config["engine"],
+        "model": Path(soak.target.config["model"]).name if soak.target.config.get("model") else None,
+        "parallel": soak.target.config["options"].get("parallel", 1),
         "quick": bool(args.quick),
         "ok": False,  # set by the caller
         "minutes": args.minutes,
@@ -435,6 +633,12 @@ def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, 
         "fds_end": warm_fds[-1] if warm_fds else None,
         "samples": len(samples),
         "max_runner_processes": max((s.runners for s in samples), default=None),
+        "tracemalloc": soak.tracing,
+        "traced_mib_growth": traced_growth(soak.traces),
+        "top_growth": growth_sites(soak.traces, TOP_SITES),
+        "garbage_sites": growth_sites(soak.traces, TOP_TASK_SITES, "garbage"),
+        "task_sites": task_sites(soak.traces, TOP_TASK_SITES),
+        "snapshot_s_max": round(max((t["took_s"] for t in soak.traces), default=0.0), 2) if soak.traces else None,
         "windows": wins,
         "baseline": BASELINE,
         "percentile": PERCENTILE,
@@ -487,7 +691,8 @@ def print_tables(result: dict[str, Any], soak: Soak) -> None:
         )
     print_rows(headers, rows)
     frows = []
-    for kind, code in FAULTS.items():
+    for kind in soak.target.faults:
+        code = FAULTS[kind]
         made = [f for f in soak.faults if f.kind == kind]
         rec = [f.recovered_s * 1000.0 for f in made if f.recovered_s is not None]
         failed = sum(
@@ -513,38 +718,62 @@ def print_tables(result: dict[str, Any], soak: Soak) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="how long (default 30, the published figure)")
-    parser.add_argument("--fault-interval", type=float, default=FAULT_INTERVAL, help="seconds between faults (5)")
+    parser.add_argument(
+        "--fault-interval",
+        type=float,
+        default=None,
+        help=f"seconds between faults (debug {FAULT_INTERVAL:g}, batch {BATCH_FAULT_INTERVAL:g})",
+    )
     parser.add_argument("--quick", action="store_true", help="0.5 min, a fault every 4 s (CI)")
+    parser.add_argument(
+        "--target",
+        choices=("debug", "batch"),
+        default="debug",
+        help="debug: the debug engine, every fault (default); batch: the default model on llama.cpp, parallel 8",
+    )
+    parser.add_argument(
+        "--tracemalloc",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"the worker traces its allocations ({TRACEMALLOC}=1), snapshot at every window's end (default: on, "
+        "off with --quick: each snapshot takes seconds of a core)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.minutes, args.fault_interval = QUICK_MINUTES, QUICK_FAULT_INTERVAL
+        quick_interval = BATCH_QUICK_FAULT_INTERVAL if args.target == "batch" else QUICK_FAULT_INTERVAL
+        args.minutes, args.fault_interval = QUICK_MINUTES, quick_interval
+    if args.tracemalloc is None:
+        args.tracemalloc = not args.quick
+    if args.fault_interval is None:
+        args.fault_interval = BATCH_FAULT_INTERVAL if args.target == "batch" else FAULT_INTERVAL
     if args.minutes <= 0 or args.fault_interval <= 0:
         parser.error("--minutes and --fault-interval must be positive")
     duration = args.minutes * 60.0
     window_s = min(MAX_WINDOW, duration / 3)
-    config = {
-        "id": INSTANCE,
-        "engine": "debug",
-        "options": OPTIONS,
-        "restart": RESTART,
-        "deadlines": DEADLINES,
-        "max_queue": MAX_QUEUE,
-    }
+    head = {"bench": "soak", "target": args.target, "quick": bool(args.quick), "ok": False}
+    if args.target == "batch" and (skipped := llama_unavailable()) is not None:
+        print(f"FAILURE: --target batch needs the default model on llama.cpp: {skipped}")
+        print(json.dumps({**head, "error": skipped[:500]}))
+        return 1
+    target = batch_target() if args.target == "batch" else debug_target()
     began = time.monotonic()
+    if args.tracemalloc:
+        os.environ[TRACEMALLOC] = "1"  # the worker reads it; its runners do not
     with private_tether_dirs("tether-bench-soak-"):
         try:
-            server = DebugServer(config)
+            server = DebugServer(target.config)
         except (ServerFailed, AssertionError) as exc:
             print(f"FAILURE: {exc}")
-            print(json.dumps({"bench": "soak", "quick": bool(args.quick), "ok": False, "error": str(exc)[:500]}))
+            print(json.dumps({**head, "error": str(exc)[:500]}))
             return 1
-        soak = Soak(server, duration, args.fault_interval)
+        soak = Soak(server, duration, args.fault_interval, target)
+        soak.tracing, soak.window_s = args.tracemalloc, window_s
         final: dict[str, Any] | None = None
         error = None
         try:
             final = anyio.run(soak.run)
         except Exception as exc:  # the API itself failed (an admin call, a reply that is no JSON): say so, in JSON
-            error = f"{type(exc).__name__}: {exc}"
+            error = describe_error(exc)
         finally:
             server.stop()
     result = figures(soak, final, args, window_s)
@@ -561,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     result["ok"] = not found
     print(
         f"soak: {args.minutes:g} min, {CLIENTS} streaming clients, a fault every {args.fault_interval:g} s "
-        f"({', '.join(FAULTS)}), windows of {window_s:g} s{' (quick)' if args.quick else ''}"
+        f"({', '.join(target.faults)}) on the {target.name} target, windows of {window_s:g} s"
+        f"{' (quick)' if args.quick else ''}"
     )
     print_tables(result, soak)
     print(

@@ -17,6 +17,7 @@ LOG_DIR = "TETHER_LOG_DIR"  # where runner output logs go (default $XDG_STATE_HO
 API_KEY = "TETHER_API_KEY"  # the bearer key `tether serve` requires and `tether status` sends
 ALLOWED_HOSTS = "TETHER_ALLOWED_HOSTS"  # more names `tether serve` answers to (comma-separated; see --allowed-hosts)
 CORS_ORIGINS = "TETHER_CORS_ORIGINS"  # web origins whose pages may call `tether serve` (comma-separated)
+TRACEMALLOC = "TETHER_TRACEMALLOC"  # 1: the worker traces its allocations, POST /v1/debug/tracemalloc (bench/soak.py)
 
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})

@@ -53,6 +53,7 @@ from tether.node.fit import DoesNotFit
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.serve.app import create_app
 from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns
+from tether.serve.tracing import TRACEMALLOC, start_tracing, tracing_wanted
 
 if TYPE_CHECKING:
     from tether.cluster.coordinator import Cluster  # only with --ray: single-node tether never imports Ray
@@ -124,6 +125,9 @@ def build_catalog(args: argparse.Namespace, first: InstanceConfig) -> Catalog:
 
 
 def command(args: argparse.Namespace) -> int:
+    if tracing_wanted():  # TETHER_TRACEMALLOC=1: trace from the start, so a snapshot sees every allocation kept
+        start_tracing()
+        print(f"tether: tracing allocations ({TRACEMALLOC}=1): POST /v1/debug/tracemalloc", file=sys.stderr)
     reap_at_start(args)
     return anyio.run(serve, args)
 

@@ -74,7 +74,7 @@ from tether.units import format_bytes
 
 log = logging.getLogger("tether.fleet.scheduler")
 
-DECISIONS = 256  # decisions kept for GET /v1/instances and tether status
+DECISIONS = 256  # decisions kept for GET /v1/instances and tether status (every one is also logged and counted)
 # A load is bounded by its runner's own deadlines (load progress, warmup: ``tether.node.hangs``), however long the
 # requests that started it wait (``load_wait``); this backstop bounds a runner that keeps reporting progress.
 LOAD_BACKSTOP = 3600.0

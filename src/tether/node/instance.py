@@ -30,7 +30,8 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Literal, Protocol
 
@@ -45,12 +46,18 @@ from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
 from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
+from tether.node.output import DEFAULT_BACKUPS
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, documented, phase_of
 
 log = logging.getLogger("tether.node.instance")
-HISTORY_LIMIT = 64  # failed lives (and runner pids) an instance remembers; ``failures`` counts them all
+# Failed lives (and runner pids) an instance remembers, with their evidence and their runner log files (a life that
+# falls out of the history takes its log with it: a runner killed every 5 s for a week left 120,000 files, none of
+# them readable through the API); ``failures`` counts them all. 64 lives: the last five minutes of a fast crash loop.
+HISTORY_LIMIT = 64
+
+LOG_BACKUPS_LIMIT = max(DEFAULT_BACKUPS, 16)  # rotated backups looked for beside a forgotten life's log
 
 RestartMode = Literal["never", "on-failure"]
 
@@ -112,6 +119,23 @@ class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return None
 
 
+def remove_logs(paths: Iterable[str | None]) -> None:
+    """Delete runner log files (and their rotated ``.1`` ... backups) of lives no longer remembered; a file already
+    gone, or on another node, is no error."""
+    for path in paths:
+        if not path:
+            continue
+        base = Path(path)
+        for candidate in (base, *(base.with_name(f"{base.name}.{i}") for i in range(1, LOG_BACKUPS_LIMIT + 1))):
+            try:
+                candidate.unlink()
+            except FileNotFoundError:
+                if candidate is not base:
+                    break  # backups are numbered without gaps
+            except OSError as exc:
+                log.warning("cannot remove the runner log %s of a forgotten life: %s", candidate, exc)
+
+
 class Backoff:
     """The restart schedule of one instance: consecutive failures, their delays, and the crash-loop window.
 
@@ -123,7 +147,8 @@ class Backoff:
         self.policy = policy
         self.rng = rng if rng is not None else random.Random()
         self.attempt = 0  # consecutive failures since the last healthy period
-        self._failures: collections.deque[float] = collections.deque()
+        # Failure times within the crash-loop window; no more than the limit matter (``crash_looping``).
+        self._failures: collections.deque[float] = collections.deque(maxlen=policy.crash_loop_failures)
 
     def base_delay(self, attempt: int) -> float:
         """The delay before restart number ``attempt`` (1-based) of a streak, without jitter, capped."""
@@ -436,7 +461,9 @@ class Instance:
             detected = sup.detection_seconds if sup is not None else None
             logged = str(sup.output_log) if sup is not None and sup.output_log is not None else None
             self.history.append(Failure(time.time(), cause, life, pid, detected, logged))
+            forgotten = self.history[:-HISTORY_LIMIT]
             del self.history[:-HISTORY_LIMIT]
+            remove_logs(f.log for f in forgotten)
             self.failures[cause.kind] += 1
             now = self._clock()
             attempt = self.backoff.record_failure(now)

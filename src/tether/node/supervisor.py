@@ -105,6 +105,8 @@ from tether.runner import lifeline
 log = logging.getLogger("tether.node.supervisor")
 
 
+# Task ids this life finished, so a duplicate submit is refused and a late cancel answers "finished": one life's
+# recent traffic (~150 bytes each, 1.5 MB when full), gone with the life.
 RECENT_FINISHED = 10_000
 OUTPUT_READS_PER_WAKE = 4  # 64 KiB reads of runner output per event-loop turn (see _read_output)
 OUTPUT_DRAIN_READS = 64  # after the exit: all a pipe can hold, bounded should a surviving helper keep writing

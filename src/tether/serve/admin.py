@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import stat
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from tether import env
 from tether.errors import InvalidField, TetherError
 from tether.fleet.fleet import Hosted, InstanceConfig
 from tether.protocol import tag_of
@@ -24,6 +26,7 @@ from tether.serve.generation import Api
 from tether.serve.metrics import CONTENT_TYPE
 from tether.serve.routes import Route, json_answer, json_response, path_parameter, text_answer
 from tether.serve.statuses import Answer
+from tether.serve.tracing import TRACE_TOP, TRACE_TOP_LIMIT, TraceSnapshots, tracing_wanted
 
 log = logging.getLogger("tether.api")
 
@@ -176,6 +179,24 @@ def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Rout
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    traces = TraceSnapshots(logs / "tracemalloc")
+
+    async def tracemalloc_snapshot(request: Request) -> Response:
+        """Snapshot the traced allocations (the first, or ``rebase=1``: the baseline) and answer the ``top``
+        tracebacks that grew most since the baseline. The files go where this worker writes its logs, never where
+        a request says."""
+        query = request.query_params
+        raw = query.get("top", str(TRACE_TOP))
+        try:
+            top = int(raw)
+        except ValueError:
+            return _bad("top", f"top must be an integer, got {raw!r}")
+        if not 1 <= top <= TRACE_TOP_LIMIT:
+            return _bad("top", f"top must be in [1, {TRACE_TOP_LIMIT}], got {top}")
+        return Response(
+            msgspec.json.encode(await traces.take(top, env.flag("rebase", False, query))), media_type="application/json"
+        )
+
     instance = (path_parameter("instance_id"),)
     log_query: tuple[dict[str, Any], ...] = (
         *instance,
@@ -187,7 +208,21 @@ def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Rout
             "schema": {"type": "integer", "minimum": 1, "maximum": LOG_LINES, "default": 200},
         },
     )
+    debug: list[Route] = []
+    if tracing_wanted() and tracemalloc.is_tracing():  # off by default: no route, no cost
+        debug.append(
+            Route(
+                "/v1/debug/tracemalloc",
+                "POST",
+                tracemalloc_snapshot,
+                "snapshot the worker's traced allocations; what grew since the baseline, by traceback",
+                {"200": {"description": "the snapshot and the top growth"}},
+                (400,),
+                documented=False,  # a debugging aid the operator turns on (TETHER_TRACEMALLOC=1), not the API
+            )
+        )
     return [
+        *debug,
         Route(
             "/v1/instances",
             "POST",

@@ -7,7 +7,9 @@ as they happen. One registry per app (not the process-global one), so tests can 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +24,11 @@ from tether.protocol import tag_of
 STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
 MODEL_STATES = ("unloaded", "loading", "loaded", "unloading")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Instances added through POST /v1/instances (and deleted) each leave label sets on the counters below: a worker
+# whose operator (or a test campaign) adds and deletes instances all day would grow without bound, and so would every
+# scrape. The series of the latest GONE_IDS ids that are gone stay (a scrape after a delete still sees their final
+# counts); older ones are dropped. Prometheus reads a series that disappears as ended, not as a counter reset.
+GONE_IDS = 32
 
 
 class _FleetCollector(Collector):
@@ -194,6 +201,9 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self._fleet = fleet
+        self._scheduler = scheduler
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()  # ids labelled, oldest first
         fleet.listeners.add(self.watch)
         if scheduler is not None:
             self.registry.register(_SchedulerCollector(scheduler))
@@ -216,9 +226,44 @@ class Metrics:
         elif d.kind in ("refuse", "wait_memory"):
             self.refusals.labels(d.model).inc()
 
-    def watch(self, hosted: Hosted) -> None:
-        """Observe each failed life's detection latency as it is recorded."""
+    def by_id(self) -> list[Any]:
+        """The metrics whose first label is an instance or model id."""
+        return [
+            self.requests,
+            self.tokens,
+            self.ttft,
+            self.duration,
+            self.loads,
+            self.load_seconds,
+            self.load_wait,
+            self.evictions,
+            self.refusals,
+        ]
 
+    def labelled_ids(self) -> set[str]:
+        """Every instance or model id some metric has a label set for."""
+        return {key[0] for metric in self.by_id() for key in list(_label_sets(metric))}
+
+    def forget_gone(self) -> None:
+        """Drop the label sets of ids neither served nor catalogued any more, but the latest ``GONE_IDS``."""
+        live = {h.id for h in self._fleet.list()}
+        if self._scheduler is not None:
+            live |= set(self._scheduler.slots)
+        for seen in self.labelled_ids() - set(self._ids):  # labelled before its instance was watched
+            self._ids[seen] = None
+        gone = [i for i in self._ids if i not in live]
+        for old in gone[: max(0, len(gone) - GONE_IDS)]:
+            del self._ids[old]
+            for metric in self.by_id():
+                for key in [k for k in list(_label_sets(metric)) if k[0] == old]:
+                    metric.remove(*key)
+
+    def watch(self, hosted: Hosted) -> None:
+        """Observe each failed life's detection latency as it is recorded (and forget the oldest gone ids' label
+        sets: an instance added is when one may have gone)."""
+        self._ids.pop(hosted.id, None)
+        self._ids[hosted.id] = None
+        self.forget_gone()
         inst = hosted.instance
         observed = inst.failures.total()
 
@@ -236,3 +281,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label_sets(metric: Any) -> dict[tuple[str, ...], Any]:
+    """A labelled metric's children by label values (prometheus_client keeps them in ``_metrics``; its public API
+    removes one but cannot list them)."""
+    found: dict[tuple[str, ...], Any] = getattr(metric, "_metrics", {})
+    return found
