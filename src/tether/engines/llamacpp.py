@@ -103,7 +103,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "layer_split": None,  # ranks > 1: each rank's relative share of the layers (None: by placement, else equal)
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
     "adaptive_threads": True,  # one thread while other processes hold the cores (``llamacpp_threads``)
-    "kv_unified": False,  # one cell pool for every sequence: slower here (bench/kv_layout.py), same memory
+    "kv_unified": False,  # one cell pool for every sequence: c8 0.78x here (bench/kv_layout.py), same memory
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
