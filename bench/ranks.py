@@ -92,9 +92,10 @@ from tether import env
 from tether.chaos.target import ServeChild, runner_processes
 from tether.fleet.fleet import Fleet, InstanceConfig
 from tether.kernel.pids import alive, group_members, holds_listener, iter_exits, open_pidfd, proc_stat
+from tether.kernel.ports import RankPorts
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceReady, RestartPolicy
-from tether.node.ranks import RankGroup, RankPorts
+from tether.node.ranks import RankGroup
 from tether.protocol import CauseKind, ChatMessage, Chunk, GenerateParams, TaskState
 
 ROUNDS = 20
