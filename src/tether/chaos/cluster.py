@@ -35,6 +35,7 @@ from typing import Any
 
 import anyio
 import httpx
+import psutil
 
 from tether.chaos.campaign import Report, drive
 from tether.chaos.plan import Attack, Trial, draw
@@ -132,11 +133,38 @@ def raylet_pid(node: Any) -> int | None:
     return int(infos[0].process.pid) if infos else None
 
 
+class Coordinator(Target):
+    """The coordinator under attack. Its fd count is tether's part only: every fd that is not a socket, the sockets
+    it listens on, and every connection it accepted (an agent's heartbeat, a client's request) whoever is at the
+    other end and whether or not it is still there. Left out: connections it opened itself, which in a Ray driver
+    are Ray's (gRPC channels to the GCS, raylets and workers, over TCP and unix sockets), opened and closed as Ray
+    sees fit: a replaced node churned the count by one either way, trial after trial."""
+
+    def fds(self) -> int | None:
+        try:
+            return tether_fds(self.pid)
+        except (psutil.Error, OSError):
+            return super().fds()
+
+
+def tether_fds(pid: int) -> int:
+    """Process ``pid``'s fds but the connections it opened (see ``Coordinator``)."""
+    directory = f"/proc/{pid}/fd"
+    links = {}
+    for name in os.listdir(directory):
+        with contextlib.suppress(OSError):
+            links[int(name)] = os.readlink(f"{directory}/{name}")
+    connections = psutil.Process(pid).net_connections("tcp")
+    listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+    served = {c.fd for c in connections if c.status == psutil.CONN_LISTEN or c.laddr.port in listening}
+    return sum(1 for fd, link in links.items() if not link.startswith("socket:") or fd in served)
+
+
 def coordinator(workdir: Path, address: str) -> Target:
     """``tether serve --ray`` with its own debug instance (``debug``), the loss and lease bounds of this campaign."""
     serve: tuple[str, ...] = ("--ray", address, "--engine", "debug", "--name", "debug")
     serve += ("--lost-after", str(LOST_AFTER), "--lease", str(LEASE))
-    return Target(workdir, serve=serve, startup=120.0, stop_timeout=10.0, ready=None)
+    return Coordinator(workdir, serve=serve, startup=120.0, stop_timeout=10.0, ready=None)
 
 
 async def view(client: httpx.AsyncClient) -> dict[str, Any]:
