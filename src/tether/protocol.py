@@ -171,6 +171,13 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str | None = None
 
 
+def call_lead(open_: str, before: str) -> str:
+    """What an answer of tool calls starts with, so a text answer may not: the first call's opening without trailing
+    whitespace, or the "{" of its JSON object when calls are written bare. The runner's grammar and the serving
+    side's parser both ask this one function, so they cannot disagree."""
+    return (open_ + before).rstrip() or "{"
+
+
 class ToolSyntax(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Tools in a model's own format: the engine gives ``tools`` to the chat template (which describes them as the
     model was trained to read them) and constrains the answer to text, or to calls written as
@@ -193,7 +200,7 @@ class ToolSyntax(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def lead(self) -> str:
         """What every answer of calls starts with, and a text answer must not: the first call's opening (without
         trailing whitespace), or the "{" of its JSON object when the format writes calls bare."""
-        return (self.open + self.before).rstrip() or "{"
+        return call_lead(self.open, self.before)
 
 
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # a token count every engine (and the msgpack wire) can carry

@@ -142,7 +142,6 @@ class GenerationResponse(Response):
         shaper = self.shaper
         finish: str | None = None
         request_error: str | None = None
-        started_stream = False
         while True:
             try:
                 event = await next_event(self.handle)
@@ -163,9 +162,8 @@ class GenerationResponse(Response):
                 piece = shaper.feed(event)
                 if not self.stream:
                     continue
-                if not started_stream:  # the status is decided: the first token is out
+                if not self.response_started:  # the status is decided: the first token is out
                     await self._start(send, 200, shaper.media_type)
-                    started_stream = True
                     await self._body(send, shaper.opening())
                 if piece:
                     await self._body(send, piece)
@@ -175,7 +173,7 @@ class GenerationResponse(Response):
             if event.state is TaskState.COMPLETE:
                 reason = "length" if finish == "length" else "stop"
                 if self.stream:
-                    if not started_stream:
+                    if not self.response_started:
                         await self._start(send, 200, shaper.media_type)
                         await self._body(send, shaper.opening())
                     await self._body(send, shaper.closing(reason, self.prompt_tokens, self.completion_tokens), False)
@@ -185,7 +183,7 @@ class GenerationResponse(Response):
                 return
             failure = failure_of(event, request_error, self.completion_tokens)
             self.outcome = failure.outcome
-            if started_stream:
+            if self.response_started:
                 await self._body(send, shaper.stream_error(failure), more=False)
             else:
                 await self._whole(send, failure.status, shaper.error_body(failure))

@@ -40,7 +40,7 @@ from tether.errors import InvalidField
 from tether.fleet.facts import facts, listed
 from tether.fleet.fleet import new_request_id
 from tether.fleet.scheduler import Scheduler
-from tether.protocol import ChatMessage, MessageCall, ToolSyntax
+from tether.protocol import ChatMessage, MessageCall, ToolSyntax, call_lead
 
 log = logging.getLogger("tether.api")
 # The most calls one answer may make when parallel calls are allowed: the grammar's maxItems. Small models repeat a
@@ -83,7 +83,7 @@ class ToolFormat:
     @property
     def lead(self) -> str:
         """What an answer of calls starts with (``ToolSyntax.lead``)."""
-        return (self.open + self.before).rstrip() or "{"
+        return call_lead(self.open, self.before)
 
 
 GENERIC = ToolFormat("generic")
