@@ -101,8 +101,11 @@ from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print
 from load import Attempt, DebugServer, ServerFailed, attempt, pool, retry_delay, rounded
 from serve import PROMPTS, chat_body
 from tether.chaos.trial import DEADLINES
+from tether.env import GC_INTERVAL
 from tether.models import default_model_path
 from tether.serve.tracing import TRACE_TIMEOUT, TRACEMALLOC
+from tether.serve.upkeep import GC_INTERVAL as DEFAULT_GC_INTERVAL
+from tether.serve.upkeep import interval_from_env
 
 INSTANCE = "soak"
 CLIENTS = 8
@@ -625,6 +628,8 @@ def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, 
         "recovery_ms_p50_by_fault": {k: ms(percentile(v, 50)) for k, v in recovery.items()},
         "rss_slope_mib_per_h": slope_per_hour(samples, "rss_mib", window_s),
         "fd_slope_per_h": slope_per_hour(samples, "fds", window_s),
+        "rss_slope_second_half_mib_per_h": slope_per_hour(samples, "rss_mib", soak.duration / 2),
+        "gc_interval_s": args.gc_interval,
         "rss_initial_mib": rounded(rss[0], 1) if rss else None,
         "rss_start_mib": rounded(warm_rss[0], 1) if warm_rss else None,
         "rss_end_mib": rounded(warm_rss[-1], 1) if warm_rss else None,
@@ -738,7 +743,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the worker traces its allocations ({TRACEMALLOC}=1), snapshot at every window's end (default: on, "
         "off with --quick: each snapshot takes seconds of a core)",
     )
+    parser.add_argument(
+        "--gc-interval",
+        type=float,
+        default=None,
+        help=f"seconds between the worker's full garbage collections ({GC_INTERVAL}; default: the worker's own, "
+        f"{DEFAULT_GC_INTERVAL:g}; 0: CPython's thresholds only, as before the worker's upkeep)",
+    )
     args = parser.parse_args(argv)
+    if args.gc_interval is not None and args.gc_interval < 0:
+        parser.error("--gc-interval must be >= 0")
     if args.quick:
         quick_interval = BATCH_QUICK_FAULT_INTERVAL if args.target == "batch" else QUICK_FAULT_INTERVAL
         args.minutes, args.fault_interval = QUICK_MINUTES, quick_interval
@@ -759,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     if args.tracemalloc:
         os.environ[TRACEMALLOC] = "1"  # the worker reads it; its runners do not
+    if args.gc_interval is not None:
+        os.environ[GC_INTERVAL] = f"{args.gc_interval:g}"
+    args.gc_interval = interval_from_env()
     with private_tether_dirs("tether-bench-soak-"):
         try:
             server = DebugServer(target.config)

@@ -4,6 +4,8 @@ without CPUs and 3 nodes) keeps every promise under each of its attacks, and its
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import warnings
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 
 from conftest import TETHER
 from tether.chaos import cluster
+from tether.chaos.campaign import gained
 
 pytest.importorskip("ray", reason="the cluster target needs Ray: pip install 'tether[ray]'")
 COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "failed_trials", "other_problems")
@@ -72,3 +75,22 @@ def test_what_runs_on_the_nodes_must_be_what_the_api_shows() -> None:
     assert cluster.strays(view, {1}) == ["runner 999999999 is shown but does not run"]
     view["data"] = []
     assert cluster.strays(view, {1}) == []
+
+
+def test_the_coordinators_fds_count_what_it_serves_not_what_it_dials_and_a_gain_names_itself() -> None:
+    """``tether_fds`` on this very process: a listening socket and the connection it accepted count (an agent's
+    heartbeat left open is such a leak), the connection it dialled itself does not (Ray's driver dials its own), and
+    ``gained`` names each fd above a baseline by what it is."""
+    before = cluster.tether_fds(os.getpid())
+    assert before is not None
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as dialled:
+        accepted, _ = server.accept()
+        with accepted:
+            after = cluster.tether_fds(os.getpid())
+            assert after is not None
+            port, theirs = server.getsockname()[1], dialled.getsockname()[1]
+            listening, served = server.fileno(), accepted.fileno()
+            new = gained(before, after)
+    assert len(new) == 2, new
+    assert f"{listening}: tcp 127.0.0.1:{port} <- -:- LISTEN" in new, new
+    assert f"{served}: tcp 127.0.0.1:{port} <- 127.0.0.1:{theirs} ESTABLISHED" in new, new

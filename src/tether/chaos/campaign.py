@@ -33,6 +33,7 @@ class Report:
     results: list[TrialResult] = field(default_factory=list)
     fds_before: int | None = None
     fds_after: int | None = None
+    fds_gained: list[str] = field(default_factory=list)  # what each fd above the baseline is: the leak, named
     rss_before: int | None = None
     rss_after: int | None = None
     wall_s: float = 0.0
@@ -60,6 +61,7 @@ class Report:
             "leaked_fds": leaked,
             "worker_fds_before": self.fds_before,
             "worker_fds_after": self.fds_after,
+            **({"fds_gained": self.fds_gained} if leaked else {}),
             "worker_rss_growth_mib": round(growth, 2),
             "seed": self.seed,
             "wall_s": round(self.wall_s, 1),
@@ -90,13 +92,18 @@ class Report:
         return lines
 
 
-async def _settled_fds(target: Target, baseline: int | None, bound: float = 5.0) -> int | None:
-    """The server's fd count once the campaign's own connections are closed on its side too (within ``bound`` s):
-    what stays above the baseline after that is leaked."""
+async def _settled_fds(target: Target, baseline: dict[int, str] | None, bound: float = 5.0) -> dict[int, str] | None:
+    """The server's fds once the campaign's own connections are closed on its side too (within ``bound`` s): what
+    stays above the baseline after that is leaked."""
     with anyio.move_on_after(bound):
-        while (fds := target.fds()) is not None and baseline is not None and fds > baseline:
+        while (now := target.fd_links()) is not None and baseline is not None and len(now) > len(baseline):
             await anyio.sleep(0.05)
-    return target.fds()
+    return target.fd_links()
+
+
+def gained(before: dict[int, str], after: dict[int, str]) -> list[str]:
+    """The fds in ``after`` that ``before`` did not have (or had as something else), each as ``fd: what``."""
+    return [f"{fd}: {link}" for fd, link in sorted(after.items()) if before.get(fd) != link]
 
 
 def _median(values: list[float]) -> float:
@@ -127,7 +134,8 @@ async def drive(
     """Every target's loop: a warm-up trial, the shared server's fds and RSS as the baseline, the trials (``run``
     each), then the figures again. The shared server dying is no trial's failure but the campaign's end."""
     await run(warm)  # the first instance and streams allocate what later ones reuse
-    report.fds_before, report.rss_before = target.fds(), target.rss()
+    before = target.fd_links()
+    report.fds_before, report.rss_before = (None if before is None else len(before)), target.rss()
     for trial in trials:
         result = await run(trial)
         report.results.append(result)
@@ -135,7 +143,10 @@ async def drive(
             progress(result)
         if target.proc.poll() is not None:
             raise RuntimeError(f"the shared server died during trial {trial.index}: {trial.replay()}")
-    report.fds_after = await _settled_fds(target, report.fds_before)
+    after = await _settled_fds(target, before)
+    report.fds_after = None if after is None else len(after)
+    if before is not None and after is not None and len(after) > len(before):
+        report.fds_gained = gained(before, after)
     report.rss_after = target.rss()
 
 

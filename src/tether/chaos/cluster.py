@@ -39,7 +39,7 @@ import psutil
 
 from tether.chaos.campaign import Report, drive
 from tether.chaos.plan import Attack, Trial, draw
-from tether.chaos.target import Target, runner_processes
+from tether.chaos.target import Target, fd_links, runner_processes
 from tether.chaos.trial import REQUEST_BOUND, Streams, TrialResult, _expect_outcomes, _show
 from tether.kernel.pids import alive, live_processes
 from tether.protocol import CauseKind
@@ -140,24 +140,27 @@ class Coordinator(Target):
     are Ray's (gRPC channels to the GCS, raylets and workers, over TCP and unix sockets), opened and closed as Ray
     sees fit: a replaced node churned the count by one either way, trial after trial."""
 
-    def fds(self) -> int | None:
+    def fd_links(self) -> dict[int, str] | None:
         try:
             return tether_fds(self.pid)
         except (psutil.Error, OSError):
-            return super().fds()
+            return super().fd_links()
 
 
-def tether_fds(pid: int) -> int:
-    """Process ``pid``'s fds but the connections it opened (see ``Coordinator``)."""
-    directory = f"/proc/{pid}/fd"
-    links = {}
-    for name in os.listdir(directory):
-        with contextlib.suppress(OSError):
-            links[int(name)] = os.readlink(f"{directory}/{name}")
+def tether_fds(pid: int) -> dict[int, str] | None:
+    """Process ``pid``'s fds but the connections it opened (see ``Coordinator``), each socket named by its ends."""
+    links = fd_links(pid)
+    if links is None:
+        return None
     connections = psutil.Process(pid).net_connections("tcp")
     listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
-    served = {c.fd for c in connections if c.status == psutil.CONN_LISTEN or c.laddr.port in listening}
-    return sum(1 for fd, link in links.items() if not link.startswith("socket:") or fd in served)
+    served = {
+        c.fd: f"tcp {c.laddr.ip}:{c.laddr.port} <- {c.raddr.ip if c.raddr else '-'}:{c.raddr.port if c.raddr else '-'} "
+        f"{c.status}"
+        for c in connections
+        if c.status == psutil.CONN_LISTEN or c.laddr.port in listening
+    }
+    return {fd: served.get(fd, link) for fd, link in links.items() if not link.startswith("socket:") or fd in served}
 
 
 def coordinator(workdir: Path, address: str) -> Target:

@@ -116,10 +116,13 @@ class ServeChild:
                 return list(self.seen)
 
     def fds(self) -> int | None:
-        try:
-            return len(os.listdir(f"/proc/{self.pid}/fd"))
-        except OSError:
-            return None
+        links = self.fd_links()
+        return None if links is None else len(links)
+
+    def fd_links(self) -> dict[int, str] | None:
+        """The server's fds and what each is (``/proc/PID/fd``'s links), or None once it is gone: a campaign that
+        ends with more than its baseline names the ones it gained."""
+        return fd_links(self.pid)
 
     def rss(self) -> int | None:
         try:
@@ -257,3 +260,17 @@ def runner_processes(workers: Collection[int]) -> list[int]:
         if runner is not None and runner.worker_pid in workers:
             found.append(stat.pid)
     return found
+
+
+def fd_links(pid: int) -> dict[int, str] | None:
+    """Process ``pid``'s fds -> their ``/proc`` links (``pipe:[N]``, ``socket:[N]``, a path), None once it is gone."""
+    directory = f"/proc/{pid}/fd"
+    links = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    for name in names:
+        with contextlib.suppress(OSError):
+            links[int(name)] = os.readlink(f"{directory}/{name}")
+    return links

@@ -54,6 +54,7 @@ from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarti
 from tether.serve.app import create_app
 from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns
 from tether.serve.tracing import TRACEMALLOC, start_tracing, tracing_wanted
+from tether.serve.upkeep import Upkeep, interval_from_env
 
 if TYPE_CHECKING:
     from tether.cluster.coordinator import Cluster  # only with --ray: single-node tether never imports Ray
@@ -144,6 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
         config = instance_config(args)
         hosts = [check_host_pattern(h) for h in patterns(args.allowed_hosts, os.environ.get(env.ALLOWED_HOSTS))]
         origins = [check_origin_pattern(o) for o in patterns(args.cors_origins, os.environ.get(env.CORS_ORIGINS))]
+        upkeep = Upkeep(interval_from_env())
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
     problem = config.check()
@@ -189,7 +191,7 @@ async def serve(args: argparse.Namespace) -> int:
                 return fail(str(exc), EXIT_FAILED)
             nodes = ", ".join(f"{link.short} ({link.host})" for link in cluster.links.values())
             print(f"tether: Ray cluster: node agents on {nodes}", file=sys.stderr, flush=True)
-        return await _serve(args, sock, catalog, config, url, began, policy, cluster)
+        return await _serve(args, sock, catalog, config, url, began, policy, cluster, upkeep)
 
 
 class _RefusalReport:
@@ -242,6 +244,7 @@ async def _serve(
     began: float,
     policy: Policy,
     cluster: Cluster | None,
+    upkeep: Upkeep,
 ) -> int:
     fleet = Fleet(stop_timeout=args.stop_timeout, cluster=cluster)
     scheduler = Scheduler(
@@ -312,6 +315,9 @@ async def _serve(
                         return
 
             tg.start_soon(watch_signals)
+            if upkeep.interval > 0:
+                upkeep.freeze()  # what exists now lives as long as the worker: collections walk only what requests make
+                tg.start_soon(upkeep.run)
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
     now = time.monotonic()
