@@ -1,7 +1,8 @@
 """The fault campaign as a benchmark: ``tether chaos`` over N trials of seed S, its JSON summary as the last line.
 
 Usage: ``.venv/bin/python bench/chaos.py --trials 1000 --seed 0`` (the published figure) or ``--quick`` (20 trials);
-``--target batch|models`` (``--engine llama.cpp`` for batch on the default model) attacks another target.
+``--target batch|models|ranks|cluster`` attacks another target (``--engine llama.cpp``: batch, or ranks, on the default
+model).
 The baseline a user would otherwise have is no campaign at all: no peer server publishes one, so this benchmark
 reports tether's own figures (hung, orphans, misclassified, lost requests, leaked fds, worker RSS growth) and how
 long the campaign took, with a table per attack and phase.
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "--engine",
         default="debug",
         choices=("debug", "llama.cpp"),
-        help="the batch target's engine (default debug; llama.cpp: the default model)",
+        help="the batch or ranks target's engine (default debug; llama.cpp: the default model)",
     )
     args = parser.parse_args(argv)
     trials = 20 if args.quick else args.trials

@@ -60,6 +60,12 @@ highest) and, at its snapshot, ``tasks``, ``traced_mib_end``, ``garbage_objects`
 the worker CPU and ~20 MiB of RSS (its tables grow with every new traceback): ``--no-tracemalloc`` gives the bare
 RSS figures.
 
+Garbage collection: the worker runs a full collection every ``TETHER_GC_INTERVAL`` seconds (``serve/upkeep``, 5 s
+by default); ``--gc-interval S`` sets it for the run (``0``: CPython's own thresholds only, the worker before it had
+that upkeep: the A/B). ``rss_slope_second_half_mib_per_h`` is the slope over the run's second half only: bounded
+stores that fill during the first (the 10,000 ended-request ids, ~2 MiB full) weigh on the whole-run slope, not on
+that one.
+
 Targets (``--target``): ``debug`` (the default: all of the above); ``batch``: the default model
 (``tether.models.default_model_path()``) on llama.cpp with ``parallel`` 8 (one batch holds every client's stream),
 ``n_ctx`` 2048 per sequence, 2 threads, the same restart policy, the engine's default hang deadlines, and the faults
@@ -73,7 +79,7 @@ own process, so killing the process that generates kills the server, and every c
 as systemd would restart it, after every connection was cut).
 
 Run: ``.venv/bin/python bench/soak.py [--target debug|batch] [--minutes M] [--fault-interval S] [--quick]
-[--no-tracemalloc]`` (default 30 min, 5 s (batch: 10 s);
+[--no-tracemalloc] [--gc-interval S]`` (default 30 min, 5 s (batch: 10 s);
 ``--quick``: 0.5 min, a fault every 4 s, so each kind at least once). The last line printed is one JSON object.
 """
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -228,6 +230,14 @@ class Document:
 # --------------------------------------------------------------------------------------------------------------
 
 TETHER = [sys.executable, "-m", "tether"]
+
+
+def chaos(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``tether chaos ARGS --json`` run to its end: the process, and the summary its last line printed."""
+    out = subprocess.run([*TETHER, "chaos", *args, "--json"], capture_output=True, text=True, timeout=timeout)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    return out, json.loads(lines[-1])
 
 
 class Server(ServeChild):

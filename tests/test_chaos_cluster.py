@@ -3,7 +3,6 @@ without CPUs and 3 nodes) keeps every promise under each of its attacks, and its
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import TETHER
+from conftest import chaos
 from tether.chaos import cluster
 from tether.chaos.campaign import gained
 
@@ -21,15 +20,7 @@ COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "
 
 
 def campaign() -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
-    out = subprocess.run(
-        [*TETHER, "chaos", "--target", "cluster", "--trials", "7", "--seed", "239", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    lines = out.stdout.strip().splitlines()
-    assert lines, out.stderr[-3000:]
-    summary: dict[str, Any] = json.loads(lines[-1])
+    out, summary = chaos("--target", "cluster", "--trials", "7", "--seed", "239", timeout=150)
     return summary, out
 
 

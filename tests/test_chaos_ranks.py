@@ -3,13 +3,11 @@ keeps every promise, and the target's own checks fail when their invariant break
 
 from __future__ import annotations
 
-import json
-import subprocess
 from typing import Any
 
 import pytest
 
-from conftest import TETHER
+from conftest import chaos, model_missing
 from tether.chaos import ranks
 from tether.chaos.plan import Trial
 from tether.chaos.trial import TrialResult
@@ -26,20 +24,36 @@ def test_a_short_ranks_campaign_keeps_every_promise() -> None:
     struck = {(t.attack.name, ranks.draws(t).victim > 0) for t in trials}
     assert struck >= {("sigstop", True), ("sigstop", False), ("oom", True), ("oom", False), ("sigkill", True)}
     assert {t.attack.name for t in trials} >= {"held_port"} and {ranks.draws(t).world for t in trials} == {2, 3}
-    out = subprocess.run(
-        [*TETHER, "chaos", "--target", "ranks", "--trials", "10", "--seed", "51", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=95,
-    )
-    lines = out.stdout.strip().splitlines()
-    assert lines, out.stderr[-3000:]
-    summary = json.loads(lines[-1])
+    out, summary = chaos("--target", "ranks", "--trials", "10", "--seed", "51", timeout=95)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["target"] == "ranks" and summary["trials"] == 10
     assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stderr[-3000:]
     assert summary["replacements_checked"] >= 20, summary  # every rank of every replacement life was watched
     assert summary["held_port_refusals"] + summary["held_port_missed"] >= 1, summary
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(240)
+def test_a_short_ranks_campaign_on_the_default_model_split_by_llama_cpp_keeps_every_promise() -> None:
+    """3 trials of seed 17 on llama.cpp (the default model's layers over 2 and 3 rank processes, ggml RPC between
+    them): rank 1 of 2 SIGKILLed, rank 1 of 3 SIGSTOPped, rank 0 of 3's port held by a stranger before its
+    replacement; each with one cause naming that rank, no replacement before every old rank is gone, the same ports."""
+    missing = model_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    trials = ranks.plan(17, 3, engine="llama.cpp")
+    assert [(t.attack.name, ranks.draws(t).world, ranks.draws(t).victim) for t in trials] == [
+        ("sigkill", 2, 1),
+        ("sigstop", 3, 1),
+        ("held_port", 3, 0),
+    ]
+    assert all(t.replay().startswith("tether chaos --target ranks --engine llama.cpp --seed 17") for t in trials)
+    out, summary = chaos("--target", "ranks", "--engine", "llama.cpp", "--trials", "3", "--seed", "17", timeout=220)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["target"] == "ranks" and summary["engine"] == "llama.cpp" and summary["trials"] == 3
+    assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stderr[-3000:]
+    assert summary["replacements_checked"] >= 7, summary  # 2 + 3 + 3 ranks replaced, the held one's at least once
 
 
 def test_a_ranks_trial_is_the_same_alone() -> None:

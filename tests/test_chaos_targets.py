@@ -8,7 +8,6 @@ directly, without a server.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ import anyio
 import httpx
 import pytest
 
-from conftest import TETHER, model_missing
+from conftest import TETHER, chaos, model_missing
 from tether.chaos import batch, models
 from tether.chaos.plan import BY_NAME, Trial, draw
 from tether.chaos.target import Target, runner_processes
@@ -32,13 +31,6 @@ from tether.kernel.cgroups import MemoryCgroup
 from tether.kernel.pids import alive
 
 COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "failed_trials", "other_problems")
-
-
-def chaos(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    out = subprocess.run([*TETHER, "chaos", *args, "--json"], capture_output=True, text=True, timeout=timeout)
-    lines = out.stdout.strip().splitlines()
-    assert lines, out.stderr[-3000:]
-    return out, json.loads(lines[-1])
 
 
 @pytest.mark.slow

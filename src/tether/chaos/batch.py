@@ -24,7 +24,7 @@ import anyio
 import httpx
 
 from tether.chaos.campaign import Report, drive
-from tether.chaos.plan import ATTACKS, WARM_UP, Attack, Trial, draw
+from tether.chaos.plan import ATTACKS, WARM_UP, Attack, Trial, engine_plan
 from tether.chaos.target import Target
 from tether.chaos.trial import DEADLINES, OPTIONS, Setup, Solo, TrialResult, run_alone, run_on
 
@@ -111,15 +111,9 @@ def serve_args(engine: str) -> tuple[str, ...]:
 
 def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug") -> list[Trial]:
     attacks = DEBUG_ATTACKS if engine == "debug" else REAL_ATTACKS
-    extra = "" if engine == "debug" else f"--engine {engine}"
-    pick = functools.partial(draw, attacks=attacks, target=NAME, streams_choice=STREAMS, replay_args=extra)
-    drawn = [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
-    if engine == "debug":
-        return drawn
-    return [
-        dataclasses.replace(t, tokens=min(t.tokens, REAL_TOKENS), after_tokens=min(t.after_tokens, REAL_TOKENS // 2))
-        for t in drawn
-    ]
+    return engine_plan(
+        seed, trials, only, target=NAME, attacks=attacks, streams_choice=STREAMS, engine=engine, real_tokens=REAL_TOKENS
+    )
 
 
 async def _create_solo(url: str, trial_setup: Setup) -> None:

@@ -6,6 +6,8 @@ whether the campaign runs 1 or 1,000 of them: a failure replays with ``tether ch
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,3 +141,28 @@ def draw(
 
 def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
     return [draw(seed, only)] if only is not None else [draw(seed, i) for i in range(trials)]
+
+
+def engine_plan(
+    seed: int,
+    trials: int,
+    only: int | None,
+    *,
+    target: str,
+    attacks: tuple[Attack, ...],
+    streams_choice: tuple[int, ...],
+    engine: str = "debug",
+    real_tokens: int = 0,
+) -> list[Trial]:
+    """A target's trials on ``engine`` (or only trial ``only``): on a real engine, its replay names the engine and
+    each stream asks at most ``real_tokens`` (a real token costs ~10 debug ones here); ``attacks`` are the ones that
+    engine can take."""
+    extra = "" if engine == "debug" else f"--engine {engine}"
+    pick = functools.partial(draw, attacks=attacks, target=target, streams_choice=streams_choice, replay_args=extra)
+    drawn = [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+    if engine == "debug":
+        return drawn
+    return [
+        dataclasses.replace(t, tokens=min(t.tokens, real_tokens), after_tokens=min(t.after_tokens, real_tokens // 2))
+        for t in drawn
+    ]

@@ -1,9 +1,12 @@
-"""The ranks target: 2- and 3-rank debug rings on one machine, one rank struck mid-stream.
+"""The ranks target: 2- and 3-rank instances on one machine, one rank struck mid-stream: debug rings, or the default
+model split over ranks on llama.cpp (``--engine llama.cpp``: ggml's RPC backend between the rank processes).
 
 Attacks, each on a rank drawn at random while the trial's streams run: SIGKILL, SIGSTOP (left stopped, past the
 hang deadlines: tether must find and kill it), an OOM kill (a debug ``oom`` fault of that rank in its own 96 MiB
 runner cgroup), and a held port (a SIGKILL, then the campaign itself binds one rank's port, drawn at random, between
-the failure and the replacement, and lets it go once a replacement was refused).
+the failure and the replacement, and lets it go once a replacement was refused). On llama.cpp the OOM kill is left
+out: the debug engine's ``oom`` fault strikes the chosen rank mid-stream, while a real rank runs out of memory only
+on a prompt long enough for its layers' scratch (``tests/test_llamacpp_ranks.py`` proves that case).
 
 Beside the single campaign's checks (every request ended once within its bound in an allowed outcome; nothing of
 the instance left: runners, guards, helpers, cgroups, records; the worker's fds and RSS against the baseline), each
@@ -42,7 +45,7 @@ import anyio
 import httpx
 
 from tether.chaos.campaign import Report, drive
-from tether.chaos.plan import WARM_UP, Attack, Trial, draw
+from tether.chaos.plan import WARM_UP, Attack, Trial, engine_plan
 from tether.chaos.target import Target
 from tether.chaos.trial import (
     DEADLINES,
@@ -60,6 +63,7 @@ from tether.kernel.ports import RankPorts
 from tether.protocol import CauseKind, RunnerArgs
 
 NAME = "ranks"
+ENGINES = ("debug", "llama.cpp")
 WORLDS = (2, 3)
 STREAMS = (1, 2, 4)  # parallel 2: with 4, two wait in rank 0's queue
 STATE_BOUND = 40.0  # seconds for a ring of 3 to start again on two shared cores
@@ -78,6 +82,12 @@ RANK_ATTACKS: tuple[Attack, ...] = (
     Attack("oom", CauseKind.OUT_OF_MEMORY, ("generating",), engine_fault={"kind": "oom"}, memory_limit=MEMORY_LIMIT),
     Attack("held_port", CauseKind.SIGNAL, ("generating",), outside_signal="SIGKILL"),
 )
+REAL_ATTACKS = tuple(a for a in RANK_ATTACKS if a.engine_fault is None)  # the real engine takes no injected fault
+# The default model over 2 or 3 ranks sharing two cores: one thread each, greedy, short answers (a real token is
+# ~10x a debug one here); deadlines as the ring's, with time for a first token behind a queue of 2.
+REAL_OPTIONS = {"n_ctx": 1024, "parallel": 2, "n_threads": 1, "prompt_cache": False}
+REAL_TOKENS = 24
+REAL_DEADLINES = {**RANK_DEADLINES, "load_stall": 20.0, "first_token": 10.0, "token_gap": 5.0}
 
 
 @dataclass(frozen=True)
@@ -97,9 +107,11 @@ def draws(trial: Trial) -> Draw:
     return Draw(world, rng.randrange(world), rng.randrange(world), rng.choice(HELPER_KINDS))
 
 
-def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
-    pick = functools.partial(draw, attacks=RANK_ATTACKS, target=NAME, streams_choice=STREAMS)
-    return [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug") -> list[Trial]:
+    attacks = RANK_ATTACKS if engine == "debug" else REAL_ATTACKS
+    return engine_plan(
+        seed, trials, only, target=NAME, attacks=attacks, streams_choice=STREAMS, engine=engine, real_tokens=REAL_TOKENS
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -257,22 +269,23 @@ class RankFigures:
     detections: list[float] = field(default_factory=list)  # failure detection, s (the history's detected_in)
 
 
-def _config(trial: Trial, iid: str, d: Draw, ports: tuple[int, ...]) -> dict[str, Any]:
+def _config(trial: Trial, iid: str, d: Draw, ports: tuple[int, ...], engine: str) -> dict[str, Any]:
     attack = trial.attack
     held = attack.name == "held_port"
+    real = engine != "debug"
     config: dict[str, Any] = {
         "id": iid,
-        "engine": "debug",
+        "engine": engine,
         "ranks": d.world,
         "ports": list(ports),
-        "options": {**OPTIONS, "helper_kind": d.helper_kind},
+        "options": dict(REAL_OPTIONS) if real else {**OPTIONS, "helper_kind": d.helper_kind},
         "restart": {
             "initial_backoff": 1.0 if held else 0.05,  # held: time to take the port between failure and restart
             "max_backoff": 1.0,
             "jitter": 0.0,
             "crash_loop_failures": 100,
         },
-        "deadlines": RANK_DEADLINES,
+        "deadlines": REAL_DEADLINES if real else RANK_DEADLINES,
         "max_queue": 64,
     }
     if attack.engine_fault is not None:  # every life's requests reach it: the follow-up asks fewer tokens
@@ -308,7 +321,9 @@ class Stranger:
             self.sock = None
 
 
-async def run_trial(target: Target, trial: Trial, ports: RankPorts, figures: RankFigures) -> TrialResult:
+async def run_trial(
+    target: Target, trial: Trial, ports: RankPorts, figures: RankFigures, engine: str = "debug"
+) -> TrialResult:
     """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone."""
     result = TrialResult(trial)
     began = time.monotonic()
@@ -320,7 +335,7 @@ async def run_trial(target: Target, trial: Trial, ports: RankPorts, figures: Ran
     stranger = Stranger(pinned[d.held])
     try:
         async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
-            created = await client.post("/v1/instances", json=_config(trial, iid, d, pinned))
+            created = await client.post("/v1/instances", json=_config(trial, iid, d, pinned, engine))
             if created.status_code != 201:
                 result.broke("misclassified", f"the instance was refused: {created.status_code} {created.text[:300]}")
                 return result
@@ -328,7 +343,7 @@ async def run_trial(target: Target, trial: Trial, ports: RankPorts, figures: Ran
             if first is None:
                 result.broke("hung", f"the {d.world}-rank instance was not ready within {STATE_BOUND:g} s")
             else:
-                await _attack(result, client, trial, d, first, stranger, figures)
+                await _attack(result, client, trial, d, first, stranger, figures, engine)
             inst = await _instance(client, iid)
             asked = time.monotonic()
             await client.delete(f"/v1/instances/{iid}")
@@ -356,6 +371,7 @@ async def _attack(
     first: dict[str, Any],
     stranger: Stranger,
     figures: RankFigures,
+    engine: str = "debug",
 ) -> None:
     """Strike rank ``d.victim`` mid-stream, then check the failure, the replacement, its ports and its service."""
     attack = trial.attack
@@ -449,7 +465,9 @@ async def _attack(
     stale = sorted(old.intersection(r["pid"] for r in now))
     if stale:
         result.broke("orphans", f"ranks of the struck life still serve in the replacement: pids {stale}")
-    for r in now:
+    # Every rank of a ring listens (the ring's links); on llama.cpp only the RPC servers, ranks 1.. (rank 0 dials
+    # them: its address is reserved, checked free before a life starts, and not listened on)
+    for r in now if engine == "debug" else now[1:]:
         at = int(r["address"].rpartition(":")[2])
         if not await anyio.to_thread.run_sync(holds_listener, r["pid"], at):
             result.problems.append(f"rank {r['rank']} (pid {r['pid']}) of the replacement does not listen on {at}")
@@ -515,8 +533,8 @@ async def run_campaign(
     engine: str = "debug",
 ) -> Report:
     """The ranks campaign ``seed`` (or only its trial ``only``); its server is stopped before it returns."""
-    if engine != "debug":
-        raise ValueError(f"the ranks target runs the debug engine's ring only, not {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"the ranks target runs the {' or '.join(ENGINES)} engine, not {engine!r}")
     report = Report(seed, NAME, {"engine": engine})
     began = time.monotonic()
     figures = RankFigures()
@@ -526,10 +544,10 @@ async def run_campaign(
         try:
 
             async def run(trial: Trial) -> TrialResult:
-                return await run_trial(target, trial, ports, figures)
+                return await run_trial(target, trial, ports, figures, engine)
 
             warm = Trial(seed, -1, WARM_UP, "generating", 2, 1, 0.0, 8, NAME)  # a ring, no fault
-            await drive(report, target, warm, plan(seed, trials, only), run, progress)
+            await drive(report, target, warm, plan(seed, trials, only, engine), run, progress)
         finally:
             await anyio.to_thread.run_sync(target.stop)
     detections = sorted(figures.detections)

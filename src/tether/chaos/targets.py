@@ -39,7 +39,12 @@ TARGETS: dict[str, TargetKind] = {
         ),
         TargetKind("models", "tether.chaos.models", "3 catalogued models in a memory cgroup that holds 2"),
         TargetKind("cluster", "tether.chaos.cluster", "nodes of a Ray cluster"),
-        TargetKind("ranks", "tether.chaos.ranks", "the ranks of one multi-rank instance"),
+        TargetKind(
+            "ranks",
+            "tether.chaos.ranks",
+            "the ranks of one multi-rank instance (debug rings; the default model over ggml RPC with llama.cpp)",
+            ("debug", "llama.cpp"),
+        ),
     )
 }
 

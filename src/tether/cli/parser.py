@@ -283,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         default="debug",
         choices=("debug", "llama.cpp"),
-        help="the engine the batch target's servers run (default debug; llama.cpp: the default model, attacked "
-        "with what needs no injected fault); the other targets run the debug engine",
+        help="the engine the batch and ranks targets run (default debug; llama.cpp: the default model, split over "
+        "ranks by ggml RPC for ranks, attacked with what needs no injected fault); the other targets run the debug "
+        "engine",
     )
 
     orph = sub.add_parser(
