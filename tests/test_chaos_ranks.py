@@ -37,17 +37,20 @@ def test_a_short_ranks_campaign_keeps_every_promise() -> None:
 @pytest.mark.timeout(240)
 def test_a_short_ranks_campaign_on_the_default_model_split_by_llama_cpp_keeps_every_promise() -> None:
     """3 trials of seed 17 on llama.cpp (the default model's layers over 2 and 3 rank processes, ggml RPC between
-    them): rank 1 of 2 SIGKILLed, rank 1 of 3 SIGSTOPped, rank 0 of 3's port held by a stranger before its
-    replacement; each with one cause naming that rank, no replacement before every old rank is gone, the same ports."""
+    them): rank 1 of 2 SIGKILLed, rank 1 of 3 SIGSTOPped, rank 0 of 3 SIGKILLed and rank 2's port held by a
+    stranger before the replacement; each with one cause naming the struck rank, no replacement before every old
+    rank is gone, the same ports."""
     missing = model_missing()
     if missing is not None:
         pytest.skip(missing)
     trials = ranks.plan(17, 3, engine="llama.cpp")
-    assert [(t.attack.name, ranks.draws(t).world, ranks.draws(t).victim) for t in trials] == [
+    drawn = [(t.attack.name, ranks.draws(t, "llama.cpp")) for t in trials]
+    assert [(name, d.world, d.victim) for name, d in drawn] == [
         ("sigkill", 2, 1),
         ("sigstop", 3, 1),
         ("held_port", 3, 0),
     ]
+    assert drawn[2][1].held == 2  # an RPC server's port: rank 0 listens on none
     assert all(t.replay().startswith("tether chaos --target ranks --engine llama.cpp --seed 17") for t in trials)
     out, summary = chaos("--target", "ranks", "--engine", "llama.cpp", "--trials", "3", "--seed", "17", timeout=220)
     assert out.returncode == 0, out.stderr[-3000:]

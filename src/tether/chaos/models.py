@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tether.chaos.campaign import Report, drive
 from tether.chaos.plan import Attack, Trial, draw
@@ -471,8 +472,7 @@ async def run_campaign(
             warm = Trial(seed, -1, MODEL_ATTACKS[0], "requests", 3, 1, 0.0, 8, NAME)
             await drive(report, server.target, warm, plan(seed, trials, only), run, progress)
             report.extra["missed_strikes"] = sum(r.missed for r in report.results)
-            report.extra["evictions"] = _count(server, "evict")
-            report.extra["unloads"] = _count(server, "unload")
+            report.extra.update(_counts(server))
         finally:
             await anyio.to_thread.run_sync(server.target.stop)
             if server.cgroup is not None:
@@ -481,10 +481,23 @@ async def run_campaign(
     return report
 
 
-def _count(server: ModelsServer, kind: str) -> int:
-    """Decisions of ``kind`` the shared server made (its last ``DECISIONS``, enough for a short campaign)."""
+def _counts(server: ModelsServer) -> dict[str, int]:
+    """What the shared server's scheduler did over the whole campaign (its ``/metrics`` counters; the API's
+    decisions are its latest 256 only): evictions (for memory or the model count), keep-alive unloads, loads."""
     try:
-        data = httpx.get(f"{server.target.url}/v1/instances", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
-        return -1
-    return sum(d["kind"] == kind for d in data["scheduler"]["decisions"])
+        text = httpx.get(f"{server.target.url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {"evictions": -1, "unloads": -1, "loads": -1}
+    counts = {"evictions": 0, "unloads": 0, "loads": 0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tether_model_evictions_total":
+                reason = sample.labels.get("reason")
+                key = "evictions" if reason in ("memory", "max_loaded") else "unloads" if reason == "keep_alive" else ""
+            elif sample.name == "tether_model_loads_total" and sample.labels.get("outcome") == "loaded":
+                key = "loads"
+            else:
+                continue
+            if key:
+                counts[key] += int(sample.value)
+    return counts

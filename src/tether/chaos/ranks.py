@@ -101,10 +101,14 @@ class Draw:
     helper_kind: str
 
 
-def draws(trial: Trial) -> Draw:
+def draws(trial: Trial, engine: str = "debug") -> Draw:
+    """The trial's ranks, victim, held port and helper kind. On llama.cpp the held port is one of an RPC server's
+    (ranks 1..): rank 0 dials them and listens on nothing, so a stranger on its address stops no life."""
     rng = random.Random(f"{trial.seed}:{trial.index}:{NAME}:ranks")
     world = rng.choice(WORLDS)
-    return Draw(world, rng.randrange(world), rng.randrange(world), rng.choice(HELPER_KINDS))
+    victim = rng.randrange(world)
+    held = rng.randrange(world) if engine == "debug" else rng.randrange(1, world)
+    return Draw(world, victim, held, rng.choice(HELPER_KINDS))
 
 
 def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug") -> list[Trial]:
@@ -327,7 +331,7 @@ async def run_trial(
     """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone."""
     result = TrialResult(trial)
     began = time.monotonic()
-    d = draws(trial)
+    d = draws(trial, engine)
     iid = f"r{trial.index}"
     pinned = ports.allocate(iid, d.world)
     watcher = Watcher(target.pid, iid)
