@@ -470,7 +470,7 @@ async def _attack(
     if stale:
         result.broke("orphans", f"ranks of the struck life still serve in the replacement: pids {stale}")
     # Every rank of a ring listens (the ring's links); on llama.cpp only the RPC servers, ranks 1.. (rank 0 dials
-    # them: its address is reserved, checked free before a life starts, and not listened on)
+    # them: its address is shown but nothing listens on it)
     for r in now if engine == "debug" else now[1:]:
         at = int(r["address"].rpartition(":")[2])
         if not await anyio.to_thread.run_sync(holds_listener, r["pid"], at):
