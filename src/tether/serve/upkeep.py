@@ -104,13 +104,3 @@ class Upkeep:
         while True:
             await anyio.sleep(self.interval)
             self.collect()
-
-    def stats(self) -> dict[str, float | int]:
-        return {
-            "interval_s": self.interval,
-            "collections": self.collections,
-            "collected": self.collected,
-            "last_pause_s": round(self.last_pause_s, 6),
-            "max_pause_s": round(self.max_pause_s, 6),
-            "frozen": gc.get_freeze_count(),
-        }
