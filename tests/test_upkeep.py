@@ -10,11 +10,18 @@ import subprocess
 import weakref
 
 import anyio
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TETHER
 from tether import env
 from tether.cli.common import EXIT_USAGE
+from tether.fleet.catalog import Catalog
+from tether.fleet.fleet import Fleet
+from tether.fleet.scheduler import Scheduler
+from tether.node.memory import process_status_memory
+from tether.serve.app import create_app
 from tether.serve.upkeep import GC_INTERVAL, Upkeep, interval_from_env
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,3 +98,39 @@ def test_serve_refuses_a_gc_interval_that_is_not_one_before_it_loads_anything() 
     )
     assert out.returncode == EXIT_USAGE, out.stderr
     assert "TETHER_GC_INTERVAL='often' is not a number of seconds >= 0" in out.stderr, out.stderr
+
+
+def test_metrics_show_each_collections_pause_and_catch_and_the_workers_own_memory_and_fds() -> None:
+    upkeep = Upkeep(interval=60.0)
+    app = create_app(Scheduler(Fleet(), Catalog()), upkeep=upkeep)
+
+    async def scrape() -> dict[str, float]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000", timeout=20) as client:
+            reply = await client.get("/metrics")
+            fds = len(os.listdir("/proc/self/fd"))  # as the scrape saw them (each count includes its own listing)
+        assert reply.status_code == 200, reply.text
+        found = {s.name: s.value for f in text_string_to_metric_families(reply.text) for s in f.samples if not s.labels}
+        return {**found, "fds_now": fds}
+
+    before = anyio.run(scrape)
+    assert before["tether_worker_gc_pause_seconds_count"] == 0
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gone = [_cycle() for _ in range(50)]
+        found = upkeep.collect()
+        upkeep.collect()
+    finally:
+        if was:
+            gc.enable()
+    assert all(ref() is None for ref in gone) and found >= 100
+    after = anyio.run(scrape)
+    assert after["tether_worker_gc_pause_seconds_count"] == 2
+    assert 0 < after["tether_worker_gc_pause_seconds_sum"] < 10
+    assert after["tether_worker_gc_collected_objects_total"] >= found
+    mine = process_status_memory(os.getpid())
+    assert mine is not None
+    rss = mine.rss
+    assert abs(after["process_resident_memory_bytes"] - rss) < max(64 << 20, rss // 4)
+    assert after["process_open_fds"] == after["fds_now"]

@@ -288,7 +288,7 @@ async def _serve(
 
         hosted.instance.add_state_listener(report)
         print(f"tether: listening on {url} (loading {hosted.id})", file=sys.stderr, flush=True)
-        app = create_app(scheduler, policy, cluster=cluster)
+        app = create_app(scheduler, policy, cluster=cluster, upkeep=upkeep)
         app.listeners.add(_RefusalReport())
         server = _Server(
             uvicorn.Config(

@@ -23,6 +23,7 @@ from tether.serve.guard import Guard, Policy
 from tether.serve.metrics import Metrics
 from tether.serve.routes import Route
 from tether.serve.statuses import Answer, answer_for
+from tether.serve.upkeep import Upkeep
 
 log = logging.getLogger("tether.api")
 _CODES = {404: "not_found", 405: "method_not_allowed"}
@@ -47,10 +48,12 @@ def create_app(
     *,
     cluster: views.ClusterView | None = None,
     log_dir: Path | None = None,
+    upkeep: Upkeep | None = None,
 ) -> Guard:
     """The ASGI app for ``scheduler`` and its fleet (which the caller owns: the app starts and stops instances only
     when asked, or when the scheduler loads, unloads and evicts models), behind the guard of ``policy`` (default:
     a loopback listener's, no key). Runner logs are read from ``log_dir`` (default: this worker's) and nowhere else.
+    ``upkeep``'s collections, when given, are observed in ``/metrics``.
     """
     policy = policy if policy is not None else Policy()
     logs = (log_dir if log_dir is not None else default_log_dir()).resolve()
@@ -59,6 +62,8 @@ def create_app(
     metrics = Metrics(fleet, scheduler)
     for hosted in fleet.list():  # instances added before the app existed
         metrics.watch(hosted)
+    if upkeep is not None:
+        metrics.watch_upkeep(upkeep)
     app.state.metrics = metrics
     api = Api(scheduler, metrics)
 

@@ -3,6 +3,8 @@
 Instance states, restarts, failures by cause, queue depths and footprints are read from the fleet when scraped, so
 they can never drift from the truth; requests, tokens, latencies and failure-detection times are counted by the API
 as they happen. One registry per app (not the process-global one), so tests can run several apps side by side.
+The worker's own process is there too (``process_resident_memory_bytes``, ``process_open_fds``, CPU seconds: what
+the soak watches for growth) with its clocked garbage collections' pauses (``serve/upkeep``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import collections
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -20,6 +22,7 @@ from tether.fleet.fleet import Fleet, Hosted
 from tether.fleet.scheduler import Decision, Scheduler
 from tether.node.instance import InstanceFailed, InstanceRestarting, InstanceState
 from tether.protocol import tag_of
+from tether.serve.upkeep import Upkeep
 
 STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
 MODEL_STATES = ("unloaded", "loading", "loaded", "unloading")
@@ -120,6 +123,18 @@ class Metrics:
     def __init__(self, fleet: Fleet, scheduler: Scheduler | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_FleetCollector(fleet))
+        ProcessCollector(registry=self.registry)  # this worker's RSS, fds and CPU, read from /proc at each scrape
+        self.gc_pause = Histogram(
+            "tether_worker_gc_pause_seconds",
+            "How long each of the worker's clocked full garbage collections held its event loop (TETHER_GC_INTERVAL)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
+        self.gc_collected = Counter(
+            "tether_worker_gc_collected_objects",
+            "Unreachable objects the worker's clocked collections freed (reference cycles requests left)",
+            registry=self.registry,
+        )
         self.requests = Counter(
             "tether_requests",
             "Generation requests by endpoint and outcome (complete, cancelled, failed, rejected, bad_request)",
@@ -208,6 +223,15 @@ class Metrics:
         if scheduler is not None:
             self.registry.register(_SchedulerCollector(scheduler))
             scheduler.listeners.add(self.decided)
+
+    def watch_upkeep(self, upkeep: Upkeep) -> None:
+        """Observe each of the worker's clocked collections."""
+
+        def collected(pause: float, found: int) -> None:
+            self.gc_pause.observe(pause)
+            self.gc_collected.inc(found)
+
+        upkeep.listeners.append(collected)
 
     def decided(self, d: Decision) -> None:
         """Count one scheduler decision."""

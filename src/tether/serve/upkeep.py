@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -68,6 +68,8 @@ class Upkeep:
     collected: int = 0  # unreachable objects found, over every collection
     last_pause_s: float = 0.0
     max_pause_s: float = 0.0
+    # Told (pause in seconds, objects found) after each collection: /metrics observes them.
+    listeners: list[Callable[[float, int], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._trim = _malloc_trim()
@@ -88,6 +90,8 @@ class Upkeep:
         self.collected += found
         self.last_pause_s = pause
         self.max_pause_s = max(self.max_pause_s, pause)
+        for listener in self.listeners:
+            listener(pause, found)
         if pause > SLOW_PAUSE_S:
             print(
                 f"tether: a full garbage collection held the worker {pause * 1000:.0f} ms ({found} objects freed); "
