@@ -63,6 +63,7 @@ def test_a_short_models_campaign_keeps_every_promise() -> None:
     if summary["memory_limit_mib"] is not None:
         assert summary["evictions"] > 0, summary
     assert summary["unloads"] > 0, summary
+    assert summary["missed_strikes"] == 0, summary  # a moment the drawn requests missed is made again
 
 
 @pytest.mark.slow
@@ -157,12 +158,7 @@ def test_a_runner_started_while_an_evicted_one_lives_is_caught() -> None:
         watcher = models.ModelWatcher(None, _trial("race"))  # type: ignore[arg-type]
         now = time.time()
 
-        def snapshot(decisions: list[dict[str, Any]], states: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
-            return {
-                "scheduler": {"models": {m: {"state": s} for m, s in states.items()}, "decisions": decisions},
-                "data": [{"id": m, "runner": {"pid": p, "status": "ready"}} for m, p in pids.items()],
-            }
-
+        snapshot = _models_snapshot
         evict = {"at": now, "kind": "evict", "model": "m0", "why": "memory"}
         watcher._see(snapshot([], {"m0": "loaded"}, {"m0": evicted.pid}))
         watcher._see(snapshot([evict], {"m0": "unloading"}, {"m0": evicted.pid}))
@@ -172,6 +168,37 @@ def test_a_runner_started_while_an_evicted_one_lives_is_caught() -> None:
     finally:
         evicted.kill()
         evicted.wait()
+
+
+def _models_snapshot(decisions: list[dict[str, Any]], states: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
+    """What ``GET /v1/instances`` answers, cut to what the models target's watcher reads."""
+    return {
+        "scheduler": {"models": {m: {"state": s} for m, s in states.items()}, "decisions": decisions},
+        "data": [{"id": m, "runner": {"pid": p, "status": "ready"}} for m, p in pids.items()],
+    }
+
+
+def test_the_unload_strike_finds_its_moment_though_the_unload_is_decided_only_once_it_is_done() -> None:
+    """Regression: the watcher waited for an ``unload`` decision while the model was unloading, but the scheduler
+    records it only after the runner is gone, so no ``unload`` trial ever struck (the 1,000-trial campaign's 112
+    ``missed_strikes``). An unloading model whose last decision is no eviction is the unload's moment; one whose last
+    decision is an eviction is the eviction's, and only that."""
+    now = time.time()
+    loaded = {"at": now, "kind": "loaded", "model": "m1", "why": None}
+    evict = {"at": now + 1, "kind": "evict", "model": "m1", "why": "memory"}
+    for moment, decisions, strikes in (
+        ("unload", [loaded], True),
+        ("unload", [loaded, evict], False),
+        ("evict", [loaded], False),
+        ("evict", [loaded, evict], True),
+    ):
+        struck: list[tuple[str, int]] = []
+        watcher = models.ModelWatcher(None, _trial("sigkill"), moment=moment)  # type: ignore[arg-type]
+        watcher.strike = lambda model, pid, struck=struck: struck.append((model, pid))
+        watcher._see(_models_snapshot([loaded], {"m1": "loaded"}, {"m1": 4242}))
+        assert not struck
+        watcher._see(_models_snapshot(decisions, {"m1": "unloading"}, {"m1": 4242}))
+        assert struck == ([("m1", 4242)] if strikes else []), (moment, decisions, struck)
 
 
 @pytest.mark.slow

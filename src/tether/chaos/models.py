@@ -14,6 +14,9 @@ baseline), each trial checks:
 - **API state == reality**: once settled, the models the API calls loaded are exactly those with a live runner,
   and no runner process, runner cgroup or record exists for another.
 
+A strike waits for its moment; when a trial's drawn requests end without it, the trial asks again in an order
+that makes it come (``strikes_remade`` in the summary); ``missed_strikes`` counts the trials whose moment never came.
+
 Cgroup v1 at ``/sys/fs/cgroup/memory`` is needed for the memory limit: without it the campaign runs with
 ``--max-loaded 3`` (the command line's model and two of three), says so in its summary, and eviction is by count.
 """
@@ -71,6 +74,7 @@ KEEP_ALIVE = 0.6  # seconds: idle models unload while the trial's requests still
 STOP_TIMEOUT = 2.0  # a SIGSTOPped runner being stopped is SIGKILLed after this
 REQUESTS = (3, 5, 8)
 POLL = 0.01
+MOMENT_ROUNDS = 3  # rounds of requests a trial makes again when its drawn ones never made its moment come
 
 MODEL_ATTACKS: tuple[Attack, ...] = (
     Attack("race", None, ("requests",)),  # no fault: loads, evictions and unloads racing the requests alone
@@ -233,8 +237,10 @@ class ModelWatcher:
             if self.moment == "load":
                 ok = state == "loading" and isinstance(pid, int) and runner.get("status") in ("starting", "loading")
             elif self.moment in ("evict", "unload"):
-                kind = "evict" if self.moment == "evict" else "unload"
-                ok = state == "unloading" and last.get(model, {}).get("kind") == kind
+                # The scheduler decides "evict" before it stops the runner, "unload" only once it is gone: an
+                # unloading model whose last decision is no eviction is being unloaded (its keep-alive ran out).
+                evicting = last.get(model, {}).get("kind") == "evict"
+                ok = state == "unloading" and evicting == (self.moment == "evict")
                 pid = max(self.pids.get(model, {0}))
             else:
                 ok = False
@@ -264,6 +270,33 @@ async def _ask(client: httpx.AsyncClient, model: str, after: float, tokens: int,
     outcome = streams.outcomes[0]
     outcome.prompt = model  # which model it asked, for the checks
     out.append(outcome)
+
+
+async def _await_unload(watcher: ModelWatcher) -> None:
+    """For an ``unload`` strike: wait (bounded) for the models just used to unload after their keep-alive."""
+    if watcher.moment != "unload" or watcher.strike is None:
+        return
+    with anyio.move_on_after(KEEP_ALIVE + 3.0):
+        while watcher.struck is None:
+            await anyio.sleep(POLL)
+
+
+async def _make_moment(client: httpx.AsyncClient, watcher: ModelWatcher, out: list[Outcome]) -> int:
+    """When the drawn requests ended without the trial's moment (a load, an eviction, an unload: the scheduler
+    raced them another way), ask again until it comes, at most ``MOMENT_ROUNDS`` rounds: the models loaded now
+    first, then the others one by one, so one of them loads, and with two loaded the third evicts one; then the
+    keep-alive unloads them. Every request it makes is checked like the drawn ones. The rounds it took."""
+    rounds = 0
+    while watcher.strike is not None and watcher.struck is None and rounds < MOMENT_ROUNDS:
+        rounds += 1
+        models = watcher.snapshot.get("scheduler", {}).get("models", {})
+        loaded = sorted(m for m in MODELS if models.get(m, {}).get("state") == "loaded")
+        for model in loaded + sorted(m for m in MODELS if m not in loaded):
+            if watcher.struck is not None:
+                break
+            await _ask(client, model, 0.0, 6, out)
+        await _await_unload(watcher)
+    return rounds
 
 
 def _allowed_for(trial: Trial, model: str) -> tuple[set[str], str | None]:
@@ -300,10 +333,8 @@ async def run_trial(server: ModelsServer, trial: Trial) -> TrialResult:
             async with anyio.create_task_group() as asks:
                 for model, after, tokens in _draws(trial):
                     asks.start_soon(_ask, client, model, after, tokens, outcomes)
-            if trial.phase == "unload" and watcher.strike is not None:
-                with anyio.move_on_after(KEEP_ALIVE + 3.0):  # the models just used unload after their keep-alive
-                    while watcher.struck is None:
-                        await anyio.sleep(POLL)
+            await _await_unload(watcher)
+            result.remade = await _make_moment(client, watcher, outcomes)
             settled = await _settle(watcher)
             tg.cancel_scope.cancel()
         if not settled:
@@ -411,6 +442,7 @@ async def run_worker_trial(trial: Trial, workdir: Path) -> TrialResult:
                     async with anyio.create_task_group() as asks:
                         for model, after, tokens in _draws(trial):
                             asks.start_soon(_ask, client, model, after, tokens, outcomes)
+                    result.remade = await _make_moment(client, watcher, outcomes)
                     tg.cancel_scope.cancel()
                 seen |= {p for pids in watcher.pids.values() for p in pids}
                 result.missed = watcher.struck is None
@@ -472,6 +504,7 @@ async def run_campaign(
             warm = Trial(seed, -1, MODEL_ATTACKS[0], "requests", 3, 1, 0.0, 8, NAME)
             await drive(report, server.target, warm, plan(seed, trials, only), run, progress)
             report.extra["missed_strikes"] = sum(r.missed for r in report.results)
+            report.extra["strikes_remade"] = sum(1 for r in report.results if r.remade and not r.missed)
             report.extra.update(_counts(server))
         finally:
             await anyio.to_thread.run_sync(server.target.stop)

@@ -68,6 +68,7 @@ class TrialResult:
     lost: int = 0
     seconds: float = 0.0
     missed: bool = False  # the attack's moment never came (a race the trial lost): it kept its promises unattacked
+    remade: int = 0  # rounds of extra requests the trial made for a moment that had not come (models target)
 
     @property
     def ok(self) -> bool:
