@@ -85,3 +85,25 @@ def test_the_coordinators_fds_count_what_it_serves_not_what_it_dials_and_a_gain_
     assert len(new) == 2, new
     assert f"{listening}: tcp 127.0.0.1:{port} <- -:- LISTEN" in new, new
     assert f"{served}: tcp 127.0.0.1:{port} <- 127.0.0.1:{theirs} ESTABLISHED" in new, new
+
+
+def test_the_coordinators_fds_leave_out_what_others_dial_on_a_listener_that_is_not_tethers() -> None:
+    """Ray's core worker listens too, and Ray's other workers dial it when they see fit: with tether's ports named,
+    only those listeners and what they accepted count (the ranks campaign on the cluster gained one such connection
+    per agent it used first)."""
+    with socket.create_server(("127.0.0.1", 0)) as ours, socket.create_server(("127.0.0.1", 0)) as rays:
+        port = ours.getsockname()[1]
+        before = cluster.tether_fds(os.getpid(), {port})
+        assert before is not None
+        with (
+            socket.create_connection(ours.getsockname()),
+            socket.create_connection(rays.getsockname()),
+        ):
+            served, _ = ours.accept()
+            dialled, _ = rays.accept()
+            with served, dialled:
+                after = cluster.tether_fds(os.getpid(), {port})
+                assert after is not None
+                new = gained(before, after)
+                mine = served.fileno()
+    assert len(new) == 1 and new[0].startswith(f"{mine}: tcp 127.0.0.1:{port} <- "), new

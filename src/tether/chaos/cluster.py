@@ -28,7 +28,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,31 +134,46 @@ def raylet_pid(node: Any) -> int | None:
 
 
 class Coordinator(Target):
-    """The coordinator under attack. Its fd count is tether's part only: every fd that is not a socket, the sockets
-    it listens on, and every connection it accepted (an agent's heartbeat, a client's request) whoever is at the
-    other end and whether or not it is still there. Left out: connections it opened itself, which in a Ray driver
-    are Ray's (gRPC channels to the GCS, raylets and workers, over TCP and unix sockets), opened and closed as Ray
-    sees fit: a replaced node churned the count by one either way, trial after trial."""
+    """The coordinator under attack. Its fd count is tether's part only: every fd that is not a socket, tether's two
+    listeners (the API's and the agents' heartbeat listener, the cluster's ``address``), and every connection they
+    accepted (an agent's heartbeat, a client's request) whoever is at the other end and whether or not it is still
+    there. Left out: Ray's, opened and closed as Ray sees fit: the connections the driver opened itself (gRPC
+    channels to the GCS, raylets and workers, over TCP and unix sockets: a replaced node churned the count by one
+    either way, trial after trial), and those other Ray workers opened to its core worker's own gRPC listener (an
+    agent dials it the first time it hands the driver a result: the ranks campaign on the cluster gained one per
+    agent first used)."""
+
+    _heartbeat: int | None = None
 
     def fd_links(self) -> dict[int, str] | None:
         try:
-            return tether_fds(self.pid)
-        except (psutil.Error, OSError):
+            return tether_fds(self.pid, self.tether_ports())
+        except (psutil.Error, OSError, httpx.HTTPError, KeyError, ValueError):
             return super().fd_links()
 
+    def tether_ports(self) -> set[int]:
+        """The ports tether listens on: the API's and the heartbeat listener's (read once from the API)."""
+        if self._heartbeat is None:
+            data = httpx.get(f"{self.url}/v1/instances", timeout=10).json()
+            self._heartbeat = int(str(data["cluster"]["address"]).rpartition(":")[2])
+        return {int(self.url.rpartition(":")[2]), self._heartbeat}
 
-def tether_fds(pid: int) -> dict[int, str] | None:
-    """Process ``pid``'s fds but the connections it opened (see ``Coordinator``), each socket named by its ends."""
+
+def tether_fds(pid: int, ports: Collection[int] | None = None) -> dict[int, str] | None:
+    """Process ``pid``'s fds but the connections it opened (see ``Coordinator``), each socket named by its ends;
+    of the sockets it listens on, those on ``ports`` only (default: all) and what they accepted."""
     links = fd_links(pid)
     if links is None:
         return None
     connections = psutil.Process(pid).net_connections("tcp")
     listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+    if ports is not None:
+        listening &= set(ports)
     served = {
         c.fd: f"tcp {c.laddr.ip}:{c.laddr.port} <- {c.raddr.ip if c.raddr else '-'}:{c.raddr.port if c.raddr else '-'} "
         f"{c.status}"
         for c in connections
-        if c.status == psutil.CONN_LISTEN or c.laddr.port in listening
+        if c.laddr.port in listening
     }
     return {fd: served.get(fd, link) for fd, link in links.items() if not link.startswith("socket:") or fd in served}
 

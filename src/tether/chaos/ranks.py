@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import random
 import re
@@ -36,7 +37,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import anyio
 import httpx
 
+from tether.chaos import cluster
 from tether.chaos.campaign import Report, drive
 from tether.chaos.plan import WARM_UP, Attack, Trial, engine_plan
 from tether.chaos.target import Target
@@ -60,9 +62,11 @@ from tether.chaos.trial import (
 )
 from tether.kernel.pids import holds_listener, proc_stat
 from tether.kernel.ports import RankPorts
+from tether.node import registry
 from tether.protocol import CauseKind, RunnerArgs
 
 NAME = "ranks"
+CLUSTER_NAME = "cluster-ranks"  # the same trials with each rank on its own node of a Ray cluster
 ENGINES = ("debug", "llama.cpp")
 WORLDS = (2, 3)
 STREAMS = (1, 2, 4)  # parallel 2: with 4, two wait in rank 0's queue
@@ -111,10 +115,18 @@ def draws(trial: Trial, engine: str = "debug") -> Draw:
     return Draw(world, victim, held, rng.choice(HELPER_KINDS))
 
 
-def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug") -> list[Trial]:
+def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug", target: str = NAME) -> list[Trial]:
+    """The trials of ``target`` (``ranks``, or ``cluster-ranks``: the same attacks, their own draws and replay)."""
     attacks = RANK_ATTACKS if engine == "debug" else REAL_ATTACKS
     return engine_plan(
-        seed, trials, only, target=NAME, attacks=attacks, streams_choice=STREAMS, engine=engine, real_tokens=REAL_TOKENS
+        seed,
+        trials,
+        only,
+        target=target,
+        attacks=attacks,
+        streams_choice=STREAMS,
+        engine=engine,
+        real_tokens=REAL_TOKENS,
     )
 
 
@@ -149,20 +161,22 @@ _RUNNER_ID = re.compile(r"^(?P<iid>.+)-(?P<life>\d+)\.rank(?P<rank>\d+)$")
 
 
 class Watcher(threading.Thread):
-    """Polls /proc every ``POLL`` s for the processes of instance ``iid`` of ``worker``: each rank's runner (by its
-    command line), its guard, and its helpers (children of a runner, or members of its cgroup); records when each
-    started and the last moment it was alive."""
+    """Polls /proc every ``POLL`` s for the processes of instance ``iid`` of ``workers`` (the worker, or on a
+    cluster every node agent: each spawns its node's ranks): each rank's runner (by its command line), its guard,
+    and its helpers (children of a runner, or members of its cgroup); records when each started and the last moment
+    it was alive."""
 
-    def __init__(self, worker: int, iid: str) -> None:
+    def __init__(self, workers: Collection[int], iid: str) -> None:
         super().__init__(daemon=True, name=f"chaos-ranks-{iid}")
-        self.worker = worker
+        self.workers = frozenset(workers)
         self.iid = iid
         self.seen: dict[int, Seen] = {}
         self._ignored: set[int] = set()
         self._pending: dict[int, float] = {}  # forked, not yet exec'd (or not yet in its cgroup): looked at again
         self._halt = threading.Event()
         self._lock = threading.Lock()
-        self._cgroup = re.compile(rf"tether-(?P<runner>{re.escape(iid)}-\d+\.rank\d+)-{worker}\b")
+        owners = "|".join(str(w) for w in sorted(self.workers))
+        self._cgroup = re.compile(rf"tether-(?P<runner>{re.escape(iid)}-\d+\.rank\d+)-(?:{owners})\b")
         self._ignored.update(int(e) for e in os.listdir("/proc") if e.isdigit())  # what ran before the trial
 
     def run(self) -> None:
@@ -204,10 +218,10 @@ class Watcher(threading.Thread):
         runner = RunnerArgs.from_cmdline(args) if args else None
         owner: str | None = None
         role = "helper"
-        if runner is not None and runner.worker_pid == self.worker and _RUNNER_ID.match(runner.runner_id):
+        if runner is not None and runner.worker_pid in self.workers and _RUNNER_ID.match(runner.runner_id):
             match = _RUNNER_ID.match(runner.runner_id)
             if match is not None and match["iid"] == self.iid:
-                leads = stat.pgid == pid and stat.ppid == self.worker  # a fork of it (its guard) shares its args
+                leads = stat.pgid == pid and stat.ppid in self.workers  # a fork of it (its guard) shares its args
                 owner, role = runner.runner_id, "runner" if leads else "guard"
         elif runner is None:
             parent = self.seen.get(stat.ppid)
@@ -216,7 +230,7 @@ class Watcher(threading.Thread):
             elif (match := self._cgroup.search(_read(f"/proc/{pid}/cgroup"))) is not None:
                 owner = match["runner"]
         if owner is None:
-            young = stat.ppid == self.worker or stat.ppid in self.seen
+            young = stat.ppid in self.workers or stat.ppid in self.seen
             first = self._pending.setdefault(pid, now)
             if not young or now - first > 2.0:
                 self._pending.pop(pid, None)
@@ -303,15 +317,16 @@ def _config(trial: Trial, iid: str, d: Draw, ports: tuple[int, ...], engine: str
 class Stranger:
     """A listening socket of the campaign's on a rank's port: what a stray process does to a replacement."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.port = port
+        self.host = host  # the rank's own address (on a cluster, its node's)
         self.sock: socket.socket | None = None
 
     def take(self) -> bool:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT left by the ring must not stop it
         try:
-            sock.bind(("127.0.0.1", self.port))
+            sock.bind((self.host, self.port))
             sock.listen(1)
         except OSError:
             sock.close()
@@ -326,19 +341,33 @@ class Stranger:
 
 
 async def run_trial(
-    target: Target, trial: Trial, ports: RankPorts, figures: RankFigures, engine: str = "debug"
+    target: Target,
+    trial: Trial,
+    ports: RankPorts,
+    figures: RankFigures,
+    engine: str = "debug",
+    *,
+    on_cluster: bool = False,
 ) -> TrialResult:
-    """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone."""
+    """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone. On a
+    cluster (``on_cluster``: ``target`` is a ``tether serve --ray`` coordinator) its ranks run on distinct nodes,
+    each a child of that node's agent, and once deleted nothing may run on any node that the API does not show."""
     result = TrialResult(trial)
     began = time.monotonic()
     d = draws(trial, engine)
     iid = f"r{trial.index}"
     pinned = ports.allocate(iid, d.world)
-    watcher = Watcher(target.pid, iid)
-    watcher.start()
     stranger = Stranger(pinned[d.held])
+    watcher: Watcher | None = None
     try:
         async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
+            owners = await _owners(client, target, on_cluster)
+            if owners is None:
+                result.broke("hung", f"the cluster did not have {cluster.NODES} live nodes within {STATE_BOUND:g} s")
+                return result
+            workers, records = owners
+            watcher = Watcher(workers, iid)
+            watcher.start()
             created = await client.post("/v1/instances", json=_config(trial, iid, d, pinned, engine))
             if created.status_code != 201:
                 result.broke("misclassified", f"the instance was refused: {created.status_code} {created.text[:300]}")
@@ -352,19 +381,37 @@ async def run_trial(
             asked = time.monotonic()
             await client.delete(f"/v1/instances/{iid}")
             stopped_in = time.monotonic() - asked
-        if stopped_in > 2 * target.stop_timeout + 2.0:  # rank 0 within its stop bound, then the others at once
-            result.broke("hung", f"deleting the {d.world}-rank instance took {stopped_in:.1f} s")
-        pids = sorted({s.pid for s in watcher.processes()} | set((inst or {}).get("pids", [])))
-        await anyio.to_thread.run_sync(_check_gone, result, target, iid, pids)
+            if stopped_in > 2 * target.stop_timeout + 2.0:  # rank 0 within its stop bound, then the others at once
+                result.broke("hung", f"deleting the {d.world}-rank instance took {stopped_in:.1f} s")
+            pids = sorted({s.pid for s in watcher.processes()} | set((inst or {}).get("pids", [])))
+            gone = functools.partial(_check_gone, result, target, iid, pids, workers=workers, records=records)
+            await anyio.to_thread.run_sync(gone)
+            if on_cluster:  # what runs on every node is what the API shows (the coordinator's own instance)
+                after = await cluster.view(client)
+                result.problems += [f"after the trial: {problem}" for problem in cluster.strays(after, set(workers))]
     finally:
         stranger.release()
-        await anyio.to_thread.run_sync(watcher.stop)
+        if watcher is not None:
+            await anyio.to_thread.run_sync(watcher.stop)
         ports.release(iid)
+    assert watcher is not None  # made before anything that returns early without it
     for problem in watcher.early_starts():
         result.broke("orphans", f"a replacement started before the old life was gone: {problem}")
     figures.replacements += len({(s.life, s.rank) for s in watcher.processes() if s.role == "runner" and s.life > 1})
     result.seconds = time.monotonic() - began
     return result
+
+
+async def _owners(client: httpx.AsyncClient, target: Target, on_cluster: bool) -> tuple[frozenset[int], Path] | None:
+    """Whose children the ranks are and where their records are kept: the worker's own, or on a cluster every live
+    node agent's, keeping records where this process would (the Ray nodes inherited its environment). None when the
+    cluster has not its nodes back within ``STATE_BOUND``."""
+    if not on_cluster:
+        return frozenset({target.pid}), target.runtime_dir
+    data = await cluster.wait_view(client, cluster.settled, STATE_BOUND)
+    if data is None:
+        return None
+    return frozenset(cluster.live_agents(data).values()), registry.runtime_dir()
 
 
 async def _attack(
@@ -416,7 +463,9 @@ async def _attack(
     if not any(o.kind == "failed" for o in streams.outcomes) and attack.engine_fault is not None:
         result.broke("misclassified", f"the {attack.name} fault of {named} failed no request: {_outcomes(streams)}")
 
-    port = int(addresses[d.held].rpartition(":")[2])
+    host, _, held_at = addresses[d.held].rpartition(":")
+    port = int(held_at)
+    stranger.host = host
     refusals = 0
     if attack.name == "held_port":
         failed = await _wait_instance(client, iid, lambda i: bool(i["history"]), STATE_BOUND)
@@ -535,25 +584,41 @@ async def run_campaign(
     only: int | None = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
+    on_cluster: bool = False,
 ) -> Report:
-    """The ranks campaign ``seed`` (or only its trial ``only``); its server is stopped before it returns."""
+    """The ranks campaign ``seed`` (or only its trial ``only``); its server (and cluster) are stopped before it
+    returns. ``on_cluster``: the same trials on a local Ray cluster (``chaos.cluster.RayCluster``: 3 nodes) under a
+    ``tether serve --ray`` coordinator, each rank on its own node."""
     if engine not in ENGINES:
         raise ValueError(f"the ranks target runs the {' or '.join(ENGINES)} engine, not {engine!r}")
-    report = Report(seed, NAME, {"engine": engine})
+    if on_cluster and importlib.util.find_spec("ray") is None:
+        raise ValueError(f"the {CLUSTER_NAME} target needs Ray: pip install 'tether[ray]'")
+    where = {"nodes": cluster.NODES} if on_cluster else {}
+    name = CLUSTER_NAME if on_cluster else NAME
+    report = Report(seed, name, {"engine": engine, **where})
     began = time.monotonic()
     figures = RankFigures()
     ports = RankPorts(base=PORT_BASE + (os.getpid() % 700) * 3, span=600)
     with tempfile.TemporaryDirectory(prefix="tether-chaos-ranks-") as tmp:
-        target = await anyio.to_thread.run_sync(functools.partial(Target, Path(tmp) / "shared", startup=60.0))
+        shared = Path(tmp) / "shared"
+        ray = await anyio.to_thread.run_sync(cluster.RayCluster) if on_cluster else None
         try:
+            if ray is not None:
+                target = await anyio.to_thread.run_sync(cluster.coordinator, shared, ray.address)
+            else:
+                target = await anyio.to_thread.run_sync(functools.partial(Target, shared, startup=60.0))
+            try:
 
-            async def run(trial: Trial) -> TrialResult:
-                return await run_trial(target, trial, ports, figures, engine)
+                async def run(trial: Trial) -> TrialResult:
+                    return await run_trial(target, trial, ports, figures, engine, on_cluster=on_cluster)
 
-            warm = Trial(seed, -1, WARM_UP, "generating", 2, 1, 0.0, 8, NAME)  # a ring, no fault
-            await drive(report, target, warm, plan(seed, trials, only, engine), run, progress)
+                warm = Trial(seed, -1, WARM_UP, "generating", 2, 1, 0.0, 8, name)  # a ring, no fault
+                await drive(report, target, warm, plan(seed, trials, only, engine, name), run, progress)
+            finally:
+                await anyio.to_thread.run_sync(target.stop)
         finally:
-            await anyio.to_thread.run_sync(target.stop)
+            if ray is not None:
+                await anyio.to_thread.run_sync(ray.shutdown)
     detections = sorted(figures.detections)
     report.extra.update(
         replacements_checked=figures.replacements,

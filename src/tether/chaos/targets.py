@@ -9,6 +9,7 @@ yet is listed and refused with a message, never an ImportError.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ class TargetKind:
     module: str  # exposes run_campaign
     help: str
     engines: tuple[str, ...] = ("debug",)  # the engines its servers can run
+    options: tuple[tuple[str, Any], ...] = ()  # keyword arguments its module's run_campaign takes for this target
 
 
 TARGETS: dict[str, TargetKind] = {
@@ -44,6 +46,13 @@ TARGETS: dict[str, TargetKind] = {
             "tether.chaos.ranks",
             "the ranks of one multi-rank instance (debug rings; the default model over ggml RPC with llama.cpp)",
             ("debug", "llama.cpp"),
+        ),
+        TargetKind(
+            "cluster-ranks",
+            "tether.chaos.ranks",
+            "the ranks target's trials on a Ray cluster of 3 nodes, each rank on its own node",
+            ("debug", "llama.cpp"),
+            (("on_cluster", True),),
         ),
     )
 }
@@ -75,7 +84,7 @@ def campaign(name: str, engine: str = "debug") -> Campaign:
             f"{', '.join(n for n, k in TARGETS.items() if _present(k))}"
         ) from None
     fn: Campaign = module.run_campaign
-    return fn
+    return functools.partial(fn, **dict(kind.options)) if kind.options else fn
 
 
 def _present(kind: TargetKind) -> bool:

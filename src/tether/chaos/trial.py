@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -563,12 +564,16 @@ def _expect_instance(
         result.broke("misclassified", f"the instance failed with {got}, not {expect}: {history[0]['cause']['summary']}")
 
 
-def _cgroups_of(worker: int, prefix: str) -> list[RunnerCgroup]:
-    """The runner cgroups of ``worker`` whose runner id starts with ``prefix``."""
-    return [c for c in runner_cgroups() if c.worker_pid == worker and c.runner_id.startswith(prefix)]
+def _cgroups_of(worker: int | Collection[int], prefix: str) -> list[RunnerCgroup]:
+    """The runner cgroups of ``worker`` (a pid, or several: a cluster's node agents) whose runner id starts with
+    ``prefix``."""
+    workers = {worker} if isinstance(worker, int) else set(worker)
+    return [c for c in runner_cgroups() if c.worker_pid in workers and c.runner_id.startswith(prefix)]
 
 
-def _still_there(pids: list[int], worker: int, prefix: str, bound: float) -> tuple[list[int], list[int]]:
+def _still_there(
+    pids: list[int], worker: int | Collection[int], prefix: str, bound: float
+) -> tuple[list[int], list[int]]:
     """(runners of ``pids`` still alive, processes still in their cgroups) once every one is gone or ``bound``
     seconds have passed: a process may take a moment to exit after its SIGKILL, never longer than that."""
     deadline = time.monotonic() + bound
@@ -580,23 +585,35 @@ def _still_there(pids: list[int], worker: int, prefix: str, bound: float) -> tup
         time.sleep(0.01)
 
 
-def _check_gone(result: TrialResult, target: Target, iid: str, pids: list[int], bound: float = GONE_BOUND) -> None:
+def _check_gone(
+    result: TrialResult,
+    target: Target,
+    iid: str,
+    pids: list[int],
+    bound: float = GONE_BOUND,
+    *,
+    workers: Collection[int] | None = None,
+    records: Path | None = None,
+) -> None:
     """No process of the trial left (its runners, and in their cgroups their helpers), nor a record of them, once
-    ``bound`` seconds have passed for the last ones to exit."""
+    ``bound`` seconds have passed for the last ones to exit. Whose runners they were: ``target``'s worker, unless
+    ``workers`` (a cluster's node agents) and ``records`` (the directory they keep records in) say otherwise."""
     deadline = time.monotonic() + bound
-    left, held = _still_there(pids, target.pid, f"{iid}-", bound)
+    owners: Collection[int] = workers if workers is not None else (target.pid,)
+    kept = records if records is not None else target.runtime_dir
+    left, held = _still_there(pids, owners, f"{iid}-", bound)
     while True:  # then the cgroups themselves and the records, within what is left of the same bound
-        cgroups = _cgroups_of(target.pid, f"{iid}-")
-        records = [pid for pid in pids if (target.runtime_dir / f"runner-{pid}.json").exists()]
-        if not (cgroups or records) or time.monotonic() > deadline:
+        cgroups = _cgroups_of(owners, f"{iid}-")
+        on_file = [pid for pid in pids if (kept / f"runner-{pid}.json").exists()]
+        if not (cgroups or on_file) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
     if left or held:
         result.broke("orphans", f"processes left after the trial: runners {left}, in their cgroups {held}")
     elif cgroups:
         result.problems.append(f"runner cgroups left after the trial: {[str(c.cgroup.path) for c in cgroups]}")
-    if records:
-        result.problems.append(f"runner records left after the trial: {records}")
+    if on_file:
+        result.problems.append(f"runner records left after the trial: {on_file}")
 
 
 async def run_alone(

@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="what to attack (default single: one stream or queue per instance; batch: 8 sequences decoded at once, "
         "16 in flight, with per-sequence faults; models: 3 catalogued models in a memory cgroup that holds 2; "
-        "cluster, ranks: where this version has them)",
+        "cluster: nodes of a local Ray cluster; ranks: the ranks of a multi-rank instance; cluster-ranks: the same "
+        "with each rank on its own node)",
     )
     chaos.add_argument(
         "--engine",
