@@ -11,6 +11,7 @@ import pytest
 
 from conftest import MakeCgroup
 from tether.kernel.cgroups import MemoryCgroup
+from tether.node.hangs import Deadlines
 from tether.node.memory import node_memory
 from tether.node.oom import OomEvidence
 from tether.node.supervisor import Supervisor
@@ -85,6 +86,35 @@ async def test_a_runner_in_its_own_limited_cgroup_killed_by_the_oom_killer_is_re
     assert "cgroup limit 128 MiB" in cause.summary
     counter = [line for line in cause.evidence if "oom_kill 0 -> 1" in line]
     assert counter and "shared" not in counter[0]  # its own cgroup: the counter alone is certain evidence
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("own_cgroups")
+async def test_a_runner_stalled_at_its_memory_limit_is_out_of_memory_not_a_deadlock() -> None:
+    """Regression (the cluster-ranks campaign on a loaded machine): a rank filling its 96 MiB cgroup went 1.5 s
+    without a heartbeat while the kernel reclaimed for it, before any OOM kill, and tether reported a deadlock
+    ("hang ... blocked in native code holding the GIL"). A runner that goes silent with its cgroup full is out of
+    memory, with how full; the same native hang with room to spare is still a hang."""
+    limits = Deadlines(heartbeat=1.0, stacks=0.5)
+    causes = {}
+    for kind in ("stall_at_limit", "hang_gil"):
+        params = GenerateParams(prompt="x", max_tokens=50, faults=(Fault(kind=kind, after_tokens=2),))
+        with anyio.fail_after(45):
+            async with Supervisor(
+                EngineSpec(engine="debug"), memory_limit=128 * MiB, deadlines=limits, heartbeat_interval=0.25
+            ) as sup:
+                await sup.ready()
+                final = await (await sup.generate(params)).wait()
+        assert final.state is TaskState.FAILED and final.cause == sup.cause
+        causes[kind] = sup.cause
+    stalled, hung = causes["stall_at_limit"], causes["hang_gil"]
+    assert stalled is not None and stalled.kind is CauseKind.OUT_OF_MEMORY, stalled
+    assert "stalled at its memory limit in decode for 1." in stalled.summary, stalled.summary
+    assert "of the 128 MiB limit, no heartbeat; the kernel was reclaiming" in stalled.summary, stalled.summary
+    assert any(line.startswith("what to do: raise the memory limit (now 128 MiB)") for line in stalled.evidence)
+    assert any("in _stall_at_limit" in line for line in stalled.evidence), stalled.evidence  # its stacks are kept
+    assert hung is not None and hung.kind is CauseKind.HANG and "memory" not in hung.summary, hung
 
 
 def test_the_counter_of_an_unshared_cgroup_is_enough_without_the_kernel_log() -> None:

@@ -38,6 +38,7 @@ FaultKind = Literal[
     "oom",  # allocate and touch memory until the kernel kills the process
     "hang",  # loop forever in Python (GIL released between bytecodes: heartbeat keeps going)
     "hang_gil",  # block forever in native code holding the GIL (heartbeat stops too)
+    "stall_at_limit",  # fill its memory cgroup to just under its limit, then block as hang_gil: a stall at the limit
     "slow",  # sleep `seconds` before every token / load step
     "stderr_flood",  # write `lines` lines to stderr
     "ignore_sigterm",  # ignore SIGTERM from now on (to prove stop escalates to SIGKILL)

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from tether.kernel.cgroups import MemoryCgroup
 from tether.kernel.pids import proc_stat
 
+# A hung runner whose memory cgroup holds this share of the limit that binds it, beyond the file cache the kernel could
+# drop, is stalled at its limit: each allocation waits on reclaim, and the OOM killer may come seconds later or never.
+AT_LIMIT_SHARE = 0.9
+
 _KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)")
 
 
@@ -117,6 +121,25 @@ class OomWatch:
     def _holds_others(self, cgroup: MemoryCgroup) -> bool:
         return any(_pgid(pid) != self.pid for pid in cgroup.pids())
 
+    def at_limit(self) -> LimitStall | None:
+        """Whether the runner's memory cgroup (or the ancestor whose limit binds it) is as full as the kernel lets it
+        be now: what it holds beyond droppable file cache at ``AT_LIMIT_SHARE`` of the limit or more. None when not,
+        or without a cgroup or a limit."""
+        if self.cgroup is None:
+            return None
+        binding = self.cgroup.binding_limit()
+        if binding is None:
+            return None
+        limit, where = binding
+        bound = self.cgroup if where == self.cgroup.path else MemoryCgroup.at(where)
+        usage = bound.usage()
+        if usage is None:
+            return None
+        held = usage - bound.reclaimable()
+        if held < AT_LIMIT_SHARE * limit:
+            return None
+        return LimitStall(held, limit, str(where), own=where == self.cgroup.path)
+
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""
         ev = OomEvidence(
@@ -135,6 +158,16 @@ class OomWatch:
             ev.peak = self.cgroup.peak()
             ev.shared_cgroup = self.shared
         return ev
+
+
+@dataclass(frozen=True)
+class LimitStall:
+    """A memory cgroup found full when its runner went silent (``OomWatch.at_limit``)."""
+
+    held: int  # bytes charged to it that the kernel cannot drop (usage less inactive file cache)
+    limit: int  # the limit that binds it
+    cgroup: str  # where that limit is set
+    own: bool  # set on the runner's own cgroup (else an ancestor's: the worker's, a container's)
 
 
 @dataclass

@@ -43,7 +43,7 @@ from tether.kernel.cgroups import (
     remove_cgroup,
 )
 from tether.node.containment import group_memory, make_own_cgroup, remove_when_empty
-from tether.node.diagnosis import Evidence, diagnose
+from tether.node.diagnosis import Evidence, diagnose, stall_cause
 from tether.node.gone import wait_runner_gone
 from tether.node.hangs import (
     STACK_SIGNAL_NAME,
@@ -54,7 +54,7 @@ from tether.node.hangs import (
 from tether.node.life import LifeTasks
 from tether.node.listeners import Listeners
 from tether.node.memory import ProcessMemory, process_memory
-from tether.node.oom import OomWatch
+from tether.node.oom import LimitStall, OomWatch
 from tether.node.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
 from tether.node.registry import Registry, record_for
 from tether.node.spawn import ExitStatus, RunnerProcess, start_runner
@@ -553,10 +553,11 @@ class Supervisor(LifeTasks):
         self.hang = hang
         self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
+        stall = self._oom.at_limit() if self._oom is not None else None  # its memory as it went silent
         log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
         assert self.process is not None
         stacks, note = await self._stacks.collect(self.process, self.deadlines.stacks, self._exited)
-        cause = self._hang_cause(hang, ((note,) if note else ()) + tuple(stacks))
+        cause = self._hang_cause(hang, ((note,) if note else ()) + tuple(stacks), stall)
         self._force_kill(cause.kind, cause.summary, cause.evidence, cause.phase)
 
     def _phase_words(self, phase: str | None) -> str | None:
@@ -567,7 +568,10 @@ class Supervisor(LifeTasks):
             return f"following rank 0's steps (rank {rank.rank} of {rank.world_size})"
         return phase
 
-    def _hang_cause(self, hang: Hang, evidence: tuple[str, ...] = ()) -> Cause:
+    def _hang_cause(self, hang: Hang, evidence: tuple[str, ...] = (), stall: LimitStall | None = None) -> Cause:
+        """The hang, or, when its memory cgroup was full as it went silent, the memory stall it really was."""
+        if stall is not None:
+            return stall_cause(self.name, hang.phase, hang.seconds, hang.detail, stall, evidence)
         return Cause(
             kind=CauseKind.HANG, summary=hang.summary(self.name), evidence=(*evidence, hang.hint()), phase=hang.phase
         )

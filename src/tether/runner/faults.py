@@ -7,7 +7,7 @@ production.
 
 ``trigger`` performs one fault; ``faults_for`` decides which faults of a spec or request fire at a given
 point; ``fire`` does both. Several faults never return: ``exit``, ``segv``, ``abort``, ``oom``, ``hang``,
-``hang_gil``.
+``hang_gil``, ``stall_at_limit``.
 """
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ from collections.abc import Iterable
 
 import msgspec
 
+from tether.kernel.cgroups import MemoryCgroup
 from tether.protocol import Fault, FaultPhase
 
 events_fd: int | None = None  # the runner's events pipe, set at bootstrap (for "garbage")
 OOM_CHUNK_BYTES = 64 << 20  # allocation step for "oom": big enough to be quick, small enough to overshoot little
+STALL_CHUNK_BYTES = 1 << 20  # allocation step for "stall_at_limit"
+STALL_MARGIN_BYTES = 2 << 20  # "stall_at_limit" stops this far under the limit (the kernel never OOM-kills it)
 
 # Faults after which the process is gone or never makes progress again.
-FATAL_KINDS = frozenset({"raise", "exit", "segv", "abort", "sigkill", "memory_error", "oom", "hang", "hang_gil"})
+FATAL_KINDS = frozenset(
+    {"raise", "exit", "segv", "abort", "sigkill", "memory_error", "oom", "hang", "hang_gil", "stall_at_limit"}
+)
 
 
 def faults_for(faults: Iterable[Fault], phase: FaultPhase, tokens_done: int = 0) -> list[Fault]:
@@ -138,6 +143,22 @@ def _oom(fault: Fault) -> None:
         hog.append(b"\x01" * OOM_CHUNK_BYTES)
 
 
+def _stall_at_limit(fault: Fault) -> None:
+    """Fill this process's memory cgroup with resident memory to just under the limit that binds it, then block
+    holding the GIL: what a runner the kernel keeps reclaiming for looks like from outside (its cgroup full, no
+    heartbeat) while the OOM killer is slow to come, as a loaded machine showed on the cluster. Needs a limit."""
+    cgroup = MemoryCgroup.of_pid(os.getpid())
+    binding = cgroup.binding_limit() if cgroup is not None else None
+    if binding is None:
+        raise RuntimeError("injected fault 'stall_at_limit' needs a memory limit on the runner's cgroup")
+    limit, where = binding
+    bound = MemoryCgroup.at(where)
+    hog: list[bytes] = []
+    while (bound.usage() or limit) < limit - STALL_MARGIN_BYTES:
+        hog.append(b"\x01" * STALL_CHUNK_BYTES)  # memset: resident, not lazily mapped zero pages
+    _hang_gil(fault)
+
+
 def _hang(fault: Fault) -> None:
     """Loop forever in Python. The GIL is released between iterations, so other threads (the heartbeat) keep
     running: only a progress deadline can catch this hang. Sleeps instead of spinning to spare the CPU."""
@@ -232,6 +253,7 @@ _HANDLERS = {
     "oom": _oom,
     "hang": _hang,
     "hang_gil": _hang_gil,
+    "stall_at_limit": _stall_at_limit,
     "slow": _slow,
     "stderr_flood": _stderr_flood,
     "ignore_sigterm": _ignore_sigterm,
