@@ -16,6 +16,9 @@ import anyio
 import pytest
 
 from tether.cli.serve import _RefusalReport
+from tether.cluster import coordinator as coordinator_module
+from tether.cluster.coordinator import Cluster, ClusterSettings
+from tether.cluster.link import AgentLink
 from tether.fleet import fleet as fleet_module
 from tether.fleet import scheduler as scheduler_module
 from tether.fleet.catalog import Catalog
@@ -218,3 +221,41 @@ def test_refusals_are_reported_once_each_for_at_most_LIMIT_kinds(capsys: pytest.
         report(Refusal("origin", f"http://evil-{i}.example", "refused"))
     assert len(report.seen) == _RefusalReport.LIMIT
     assert len(capsys.readouterr().err.splitlines()) == _RefusalReport.LIMIT
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The cluster: lost agents
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _DeadAgent:
+    """An agent actor Ray reports dead: its held call fails, as ``Cluster._watch_actor`` sees a dead actor's."""
+
+    class hold:  # named as Ray's call syntax wants: actor.hold.remote()
+        @staticmethod
+        async def remote() -> None:
+            raise RuntimeError("The actor died unexpectedly before finishing this task")
+
+
+def test_the_cluster_keeps_the_latest_GONE_NODES_lost_agents_and_every_live_one() -> None:
+    """Each removed node comes back, if ever, under a new id: its lost agent's link must not stay for the
+    coordinator's life (nor be listed by every GET /v1/instances)."""
+    bound = coordinator_module.GONE_NODES
+
+    async def main() -> Cluster:
+        cluster = Cluster(ClusterSettings())
+        live = AgentLink("live" + "0" * 36, _DeadAgent(), 1.0)
+        cluster.links[live.node_id] = live
+        for i in range(bound + 10):
+            link = AgentLink(f"{i:040x}", _DeadAgent(), 1.0)
+            cluster.links[link.node_id] = link
+            await cluster._lose(link, "its node was removed", ask_ray=False)
+            await cluster._watch_actor(link)  # Ray's word: dead
+        return cluster
+
+    cluster = anyio.run(main)
+    lost = [link for link in cluster.links.values() if link.lost is not None]
+    assert len(lost) == bound, len(lost)
+    assert sorted(link.node_id for link in lost) == [f"{i:040x}" for i in range(10, bound + 10)]  # the latest
+    assert "live" + "0" * 36 in cluster.links
+    assert len(cluster.view()["nodes"]) == bound + 1

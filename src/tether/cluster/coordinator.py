@@ -59,6 +59,10 @@ from tether.units import format_bytes
 log = logging.getLogger("tether.cluster.coordinator")
 Spread = Literal["SPREAD", "STRICT_SPREAD", "PACK"]
 EventKind = Literal["joined", "lost", "fenced", "ray"]
+# Lost agents whose death Ray confirmed stay in the cluster's view (and in ``links``), the latest GONE_NODES of them:
+# a node removed from Ray comes back, if ever, under a new id, so without a bound every removed node's agent (its Ray
+# actor handle, its record) would be kept for the coordinator's whole life, and listed by every GET /v1/instances.
+GONE_NODES = 16
 RAY_WORDS_WAIT = 0.3  # how long a closed connection waits for Ray's account of the death before failing requests
 ASSESS_TIMEOUT = 10.0
 _GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ValueError)
@@ -288,6 +292,16 @@ class Cluster:
             # Ray's account came after tether's verdict (a removed node: ~2 s): the record gets it, with the lag.
             lag = time.monotonic() - link.lost_at
             self._event(link.node_id, "ray", f"Ray reported it {lag:.2f} s after tether did: {_ray_words(link.death)}")
+        self._forget_gone()
+
+    def _forget_gone(self) -> None:
+        """Drop all but the latest ``GONE_NODES`` agents both lost (tether's verdict) and dead (Ray's word): nothing
+        waits on them any more (a life on a lost node ends with the verdict; a replacement waits for Ray's word)."""
+        gone = [link for link in self.links.values() if link.lost is not None and link.died.is_set()]
+        gone.sort(key=lambda link: link.lost_at or 0.0)
+        for link in gone[: max(0, len(gone) - GONE_NODES)]:
+            if self.links.get(link.node_id) is link:
+                del self.links[link.node_id]
 
     # --- heartbeats ----------------------------------------------------------------------------------------
 
@@ -404,6 +418,7 @@ class Cluster:
         self._event(link.node_id, "lost", summary)
         with contextlib.suppress(Exception):  # a live but silent agent dies now; its runners by their lifeline
             self._ray.kill(link.actor, no_restart=True)
+        self._forget_gone()
 
     def _event(self, node_id: str, kind: EventKind, why: str) -> None:
         event = NodeEvent(time.time(), node_id, kind, why)
