@@ -48,7 +48,7 @@ import httpx
 from tether.chaos import cluster
 from tether.chaos.campaign import Report, drive
 from tether.chaos.plan import WARM_UP, Attack, Trial, engine_plan
-from tether.chaos.target import Target
+from tether.chaos.target import Target, fd_links, rss
 from tether.chaos.trial import (
     DEADLINES,
     REQUEST_BOUND,
@@ -73,6 +73,7 @@ STREAMS = (1, 2, 4)  # parallel 2: with 4, two wait in rank 0's queue
 STATE_BOUND = 40.0  # seconds for a ring of 3 to start again on two shared cores
 POLL = 0.005  # the watcher's period
 MEMORY_LIMIT = 96 << 20  # each rank's own cgroup: the oom fault fills it
+MiB = 1 << 20
 PORT_BASE = 30000  # pinned ports, apart from the tests' 26000-29999 and below the ephemeral range (32768)
 OPTIONS = {"load_steps": 3, "load_step_seconds": 0.01, "token_seconds": 0.01, "parallel": 2, "helpers": 1}
 HELPER_KINDS = ("exec", "setsid")  # setsid: out of the rank's process group, only its cgroup holds the helper
@@ -402,6 +403,32 @@ async def run_trial(
     return result
 
 
+def _agents_now(target: Target) -> dict[int, tuple[int | None, int | None]]:
+    """Each live node agent's RSS (bytes) and open fds now, by pid."""
+    data = httpx.get(f"{target.url}/v1/instances", timeout=10).json()
+    now = {}
+    for pid in cluster.live_agents(data).values():
+        links = fd_links(pid)
+        now[pid] = (rss(pid), None if links is None else len(links))
+    return now
+
+
+def _agent_growth(
+    before: dict[int, tuple[int | None, int | None]], after: dict[int, tuple[int | None, int | None]]
+) -> dict[str, Any]:
+    """The node agents' growth over the trials, each against itself (the most any grew): a figure, not a check,
+    since an agent is a Ray worker whose own connections come and go as Ray sees fit."""
+    rss_growth = [(a[0] - b[0]) / MiB for p, b in before.items() if (a := after.get(p)) and a[0] and b[0]]
+    fd_growth = [
+        a[1] - b[1] for p, b in before.items() if (a := after.get(p)) and a[1] is not None and b[1] is not None
+    ]
+    return {
+        "agents": len(before),
+        "agent_rss_growth_max_mib": round(max(rss_growth), 2) if rss_growth else None,
+        "agent_fds_growth_max": max(fd_growth) if fd_growth else None,
+    }
+
+
 async def _owners(client: httpx.AsyncClient, target: Target, on_cluster: bool) -> tuple[frozenset[int], Path] | None:
     """Whose children the ranks are and where their records are kept: the worker's own, or on a cluster every live
     node agent's, keeping records where this process would (the Ray nodes inherited its environment). None when the
@@ -607,13 +634,18 @@ async def run_campaign(
                 target = await anyio.to_thread.run_sync(cluster.coordinator, shared, ray.address)
             else:
                 target = await anyio.to_thread.run_sync(functools.partial(Target, shared, startup=60.0))
+            agents: dict[int, tuple[int | None, int | None]] = {}  # on a cluster: agent pid -> (RSS, fds) after warm-up
             try:
 
                 async def run(trial: Trial) -> TrialResult:
+                    if on_cluster and trial.index >= 0 and not agents:
+                        agents.update(await anyio.to_thread.run_sync(_agents_now, target))
                     return await run_trial(target, trial, ports, figures, engine, on_cluster=on_cluster)
 
                 warm = Trial(seed, -1, WARM_UP, "generating", 2, 1, 0.0, 8, name)  # a ring, no fault
                 await drive(report, target, warm, plan(seed, trials, only, engine, name), run, progress)
+                if agents:
+                    report.extra.update(_agent_growth(agents, await anyio.to_thread.run_sync(_agents_now, target)))
             finally:
                 await anyio.to_thread.run_sync(target.stop)
         finally:

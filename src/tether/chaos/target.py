@@ -16,6 +16,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from tether.kernel.pids import cmdline, live_processes
+from tether.node.memory import process_status_memory
 from tether.protocol import RunnerArgs
 
 
@@ -125,13 +126,7 @@ class ServeChild:
         return fd_links(self.pid)
 
     def rss(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        return rss(self.pid)
 
     def runners(self) -> list[int]:
         """Live processes whose command line is a runner's naming this server as its worker, from /proc."""
@@ -260,6 +255,12 @@ def runner_processes(workers: Collection[int]) -> list[int]:
         if runner is not None and runner.worker_pid in workers:
             found.append(stat.pid)
     return found
+
+
+def rss(pid: int) -> int | None:
+    """Process ``pid``'s resident memory in bytes (``VmRSS``), None once it is gone."""
+    memory = process_status_memory(pid)
+    return memory.rss if memory is not None else None
 
 
 def fd_links(pid: int) -> dict[int, str] | None:
