@@ -70,7 +70,7 @@ def _seen(pid: int, role: str, life: int, rank: int, started: float, last_alive:
 
 
 def test_a_replacement_that_starts_before_an_old_process_is_gone_is_caught() -> None:
-    watcher = ranks.Watcher(worker=1, iid="r0")
+    watcher = ranks.Watcher(workers={1}, iid="r0")
     watcher.seen = {
         10: _seen(10, "runner", 1, 0, 100.0, 105.0),
         11: _seen(11, "helper", 1, 0, 100.1, 105.5),  # rank 0's helper outlived the replacement's start
