@@ -28,7 +28,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import anyio
 import httpx
 import psutil
 
+from tether import env
 from tether.chaos.campaign import Report, drive
 from tether.chaos.plan import Attack, Trial, draw
 from tether.chaos.target import Target, fd_links, runner_processes
@@ -86,9 +87,13 @@ def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
 class RayCluster:
     """``ray.cluster_utils.Cluster``: a head with no CPUs (nothing of tether's runs there) and ``NODES`` nodes."""
 
-    def __init__(self) -> None:
+    def __init__(self, runtime_dir: Path | None = None) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from ray.cluster_utils import Cluster
+
+        # Where the nodes' agents keep their runners' records (TETHER_RUNTIME_DIR, given to each node as it starts:
+        # its agent inherits the raylet's environment), for the campaign to check; None: wherever they would.
+        self.runtime_dir = runtime_dir
 
         made: Any = Cluster(
             initialize_head=True,
@@ -115,7 +120,8 @@ class RayCluster:
     def ensure(self) -> None:
         """``NODES`` worker nodes again (a removed or broken one replaced)."""
         while len(self.nodes()) < NODES:
-            self.cluster.add_node(**NODE_ARGS)
+            with _environment({env.RUNTIME_DIR: str(self.runtime_dir)} if self.runtime_dir is not None else {}):
+                self.cluster.add_node(**NODE_ARGS)
         self.cluster.wait_for_nodes()
 
     def remove(self, node: Any) -> None:
@@ -124,6 +130,21 @@ class RayCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """This process's environment with ``values`` set, for the processes started inside (a Ray node's)."""
+    was = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in was.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def raylet_pid(node: Any) -> int | None:

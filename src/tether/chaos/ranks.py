@@ -62,7 +62,6 @@ from tether.chaos.trial import (
 )
 from tether.kernel.pids import holds_listener, proc_stat
 from tether.kernel.ports import RankPorts
-from tether.node import registry
 from tether.protocol import CauseKind, RunnerArgs
 
 NAME = "ranks"
@@ -348,10 +347,11 @@ async def run_trial(
     figures: RankFigures,
     engine: str = "debug",
     *,
-    on_cluster: bool = False,
+    agents_dir: Path | None = None,
 ) -> TrialResult:
     """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone. On a
-    cluster (``on_cluster``: ``target`` is a ``tether serve --ray`` coordinator) its ranks run on distinct nodes,
+    cluster (``agents_dir``: where its node agents keep records; ``target`` is a ``tether serve --ray`` coordinator)
+    its ranks run on distinct nodes,
     each a child of that node's agent, and once deleted nothing may run on any node that the API does not show."""
     result = TrialResult(trial)
     began = time.monotonic()
@@ -362,7 +362,7 @@ async def run_trial(
     watcher: Watcher | None = None
     try:
         async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(REQUEST_BOUND)) as client:
-            owners = await _owners(client, target, on_cluster)
+            owners = await _owners(client, target, agents_dir)
             if owners is None:
                 result.broke("hung", f"the cluster did not have {cluster.NODES} live nodes within {STATE_BOUND:g} s")
                 return result
@@ -387,7 +387,7 @@ async def run_trial(
             pids = sorted({s.pid for s in watcher.processes()} | set((inst or {}).get("pids", [])))
             gone = functools.partial(_check_gone, result, target, iid, pids, workers=workers, records=records)
             await anyio.to_thread.run_sync(gone)
-            if on_cluster:  # what runs on every node is what the API shows (the coordinator's own instance)
+            if agents_dir is not None:  # what runs on every node is what the API shows (the coordinator's own instance)
                 after = await cluster.view(client)
                 result.problems += [f"after the trial: {problem}" for problem in cluster.strays(after, set(workers))]
     finally:
@@ -429,16 +429,18 @@ def _agent_growth(
     }
 
 
-async def _owners(client: httpx.AsyncClient, target: Target, on_cluster: bool) -> tuple[frozenset[int], Path] | None:
+async def _owners(
+    client: httpx.AsyncClient, target: Target, agents_dir: Path | None
+) -> tuple[frozenset[int], Path] | None:
     """Whose children the ranks are and where their records are kept: the worker's own, or on a cluster every live
-    node agent's, keeping records where this process would (the Ray nodes inherited its environment). None when the
-    cluster has not its nodes back within ``STATE_BOUND``."""
-    if not on_cluster:
+    node agent's, keeping records in ``agents_dir`` (each node was started with it as ``TETHER_RUNTIME_DIR``). None
+    when the cluster has not its nodes back within ``STATE_BOUND``."""
+    if agents_dir is None:
         return frozenset({target.pid}), target.runtime_dir
     data = await cluster.wait_view(client, cluster.settled, STATE_BOUND)
     if data is None:
         return None
-    return frozenset(cluster.live_agents(data).values()), registry.runtime_dir()
+    return frozenset(cluster.live_agents(data).values()), agents_dir
 
 
 async def _attack(
@@ -628,7 +630,8 @@ async def run_campaign(
     ports = RankPorts(base=PORT_BASE + (os.getpid() % 700) * 3, span=600)
     with tempfile.TemporaryDirectory(prefix="tether-chaos-ranks-") as tmp:
         shared = Path(tmp) / "shared"
-        ray = await anyio.to_thread.run_sync(cluster.RayCluster) if on_cluster else None
+        agents_dir = Path(tmp) / "agents-runtime" if on_cluster else None  # the node agents' records
+        ray = await anyio.to_thread.run_sync(cluster.RayCluster, agents_dir) if on_cluster else None
         try:
             if ray is not None:
                 target = await anyio.to_thread.run_sync(cluster.coordinator, shared, ray.address)
@@ -640,7 +643,7 @@ async def run_campaign(
                 async def run(trial: Trial) -> TrialResult:
                     if on_cluster and trial.index >= 0 and not agents:
                         agents.update(await anyio.to_thread.run_sync(_agents_now, target))
-                    return await run_trial(target, trial, ports, figures, engine, on_cluster=on_cluster)
+                    return await run_trial(target, trial, ports, figures, engine, agents_dir=agents_dir)
 
                 warm = Trial(seed, -1, WARM_UP, "generating", 2, 1, 0.0, 8, name)  # a ring, no fault
                 await drive(report, target, warm, plan(seed, trials, only, engine, name), run, progress)

@@ -16,7 +16,6 @@ from collections.abc import Collection
 from pathlib import Path
 
 from tether.kernel.pids import cmdline, live_processes
-from tether.node.memory import process_status_memory
 from tether.protocol import RunnerArgs
 
 
@@ -259,8 +258,13 @@ def runner_processes(workers: Collection[int]) -> list[int]:
 
 def rss(pid: int) -> int | None:
     """Process ``pid``'s resident memory in bytes (``VmRSS``), None once it is gone."""
-    memory = process_status_memory(pid)
-    return memory.rss if memory is not None else None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def fd_links(pid: int) -> dict[int, str] | None:
