@@ -60,7 +60,7 @@ highest) and, at its snapshot, ``tasks``, ``traced_mib_end``, ``garbage_objects`
 the worker CPU and ~20 MiB of RSS (its tables grow with every new traceback): ``--no-tracemalloc`` gives the bare
 RSS figures.
 
-Garbage collection: the worker runs a full collection every ``TETHER_GC_INTERVAL`` seconds (``serve/upkeep``, 5 s
+Garbage collection: the worker runs a full collection every ``TETHER_GC_INTERVAL`` seconds (``node/upkeep``, 5 s
 by default); ``--gc-interval S`` sets it for the run (``0``: CPython's own thresholds only, the worker before it had
 that upkeep: the A/B). ``rss_slope_second_half_mib_per_h`` is the slope over the run's second half only: bounded
 stores that fill during the first (the 10,000 ended-request ids, ~2 MiB full) weigh on the whole-run slope, not on
@@ -109,9 +109,9 @@ from serve import PROMPTS, chat_body
 from tether.chaos.trial import DEADLINES
 from tether.env import GC_INTERVAL
 from tether.models import default_model_path
+from tether.node.upkeep import GC_INTERVAL as DEFAULT_GC_INTERVAL
+from tether.node.upkeep import interval_from_env
 from tether.serve.tracing import TRACE_TIMEOUT, TRACEMALLOC
-from tether.serve.upkeep import GC_INTERVAL as DEFAULT_GC_INTERVAL
-from tether.serve.upkeep import interval_from_env
 
 INSTANCE = "soak"
 CLIENTS = 8

@@ -1,4 +1,4 @@
-"""The worker's memory upkeep (``serve/upkeep``): full collections on a clock free the reference cycles requests leave,
+"""The worker's memory upkeep (``node/upkeep``): full collections on a clock free the reference cycles requests leave,
 with the heap trimmed after; ``TETHER_GC_INTERVAL`` sets the clock, and a value that is no interval stops
 ``tether serve`` at once with a usage error."""
 
@@ -21,8 +21,8 @@ from tether.fleet.catalog import Catalog
 from tether.fleet.fleet import Fleet
 from tether.fleet.scheduler import Scheduler
 from tether.node.memory import process_status_memory
+from tether.node.upkeep import GC_INTERVAL, Upkeep, interval_from_env
 from tether.serve.app import create_app
-from tether.serve.upkeep import GC_INTERVAL, Upkeep, interval_from_env
 
 pytestmark = pytest.mark.timeout(30)
 

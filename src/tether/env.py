@@ -18,7 +18,7 @@ API_KEY = "TETHER_API_KEY"  # the bearer key `tether serve` requires and `tether
 ALLOWED_HOSTS = "TETHER_ALLOWED_HOSTS"  # more names `tether serve` answers to (comma-separated; see --allowed-hosts)
 CORS_ORIGINS = "TETHER_CORS_ORIGINS"  # web origins whose pages may call `tether serve` (comma-separated)
 TRACEMALLOC = "TETHER_TRACEMALLOC"  # 1: the worker traces its allocations, POST /v1/debug/tracemalloc (bench/soak.py)
-GC_INTERVAL = "TETHER_GC_INTERVAL"  # seconds between the worker's full collections (0: CPython's; serve/upkeep)
+GC_INTERVAL = "TETHER_GC_INTERVAL"  # seconds between the worker's full collections (0: CPython's; node/upkeep)
 
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})

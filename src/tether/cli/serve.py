@@ -51,10 +51,10 @@ from tether.fleet.fleet import Fleet, InstanceConfig, Unavailable
 from tether.fleet.scheduler import Scheduler
 from tether.node.fit import DoesNotFit
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
+from tether.node.upkeep import Upkeep, interval_from_env
 from tether.serve.app import create_app
 from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns
 from tether.serve.tracing import TRACEMALLOC, start_tracing, tracing_wanted
-from tether.serve.upkeep import Upkeep, interval_from_env
 
 if TYPE_CHECKING:
     from tether.cluster.coordinator import Cluster  # only with --ray: single-node tether never imports Ray

@@ -43,6 +43,7 @@ from tether.node.hangs import Deadlines
 from tether.node.memory import NodeMemory, node_memory
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
+from tether.node.upkeep import GC_INTERVAL, Upkeep, interval_from_env
 from tether.protocol import Cause, CauseKind, Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus, phase_of
 
 log = logging.getLogger("tether.cluster.agent")
@@ -144,7 +145,21 @@ class NodeAgent:
             self._join_cgroup(limit)
         stream = await self._connect()
         self._spawn(self._beat(stream))
+        self._start_upkeep()
         return {"pid": os.getpid(), "node_id": self.settings.node_id, "host": socket.gethostname(), "ip": _node_ip()}
+
+    def _start_upkeep(self) -> None:
+        """The worker's clocked collections here too (``node/upkeep``): an agent relays every generation of its
+        node's runners, and lives as long as the coordinator."""
+        try:
+            interval = interval_from_env()
+        except ValueError as exc:
+            log.warning("%s; collecting every %g s", exc, GC_INTERVAL)
+            interval = GC_INTERVAL
+        upkeep = Upkeep(interval)
+        if upkeep.interval > 0:
+            upkeep.freeze()  # Ray's and tether's start-up: collections walk only what the calls make
+            self._spawn(upkeep.run())
 
     def _join_cgroup(self, limit: int) -> None:
         self._parent_cgroup = MemoryCgroup.of_pid(os.getpid())

@@ -16,6 +16,7 @@ from starlette.routing import Match
 from tether.errors import TetherError
 from tether.fleet.scheduler import Scheduler
 from tether.node.output import default_log_dir
+from tether.node.upkeep import Upkeep
 from tether.serve import admin, dashboard, schema, views
 from tether.serve.dialects import embeddings, ollama, openai, responses, tokenizer
 from tether.serve.generation import Api
@@ -23,7 +24,6 @@ from tether.serve.guard import Guard, Policy
 from tether.serve.metrics import Metrics
 from tether.serve.routes import Route
 from tether.serve.statuses import Answer, answer_for
-from tether.serve.upkeep import Upkeep
 
 log = logging.getLogger("tether.api")
 _CODES = {404: "not_found", 405: "method_not_allowed"}

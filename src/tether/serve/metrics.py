@@ -4,7 +4,7 @@ Instance states, restarts, failures by cause, queue depths and footprints are re
 they can never drift from the truth; requests, tokens, latencies and failure-detection times are counted by the API
 as they happen. One registry per app (not the process-global one), so tests can run several apps side by side.
 The worker's own process is there too (``process_resident_memory_bytes``, ``process_open_fds``, CPU seconds: what
-the soak watches for growth) with its clocked garbage collections' pauses (``serve/upkeep``).
+the soak watches for growth) with its clocked garbage collections' pauses (``node/upkeep``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from prometheus_client.registry import Collector
 from tether.fleet.fleet import Fleet, Hosted
 from tether.fleet.scheduler import Decision, Scheduler
 from tether.node.instance import InstanceFailed, InstanceRestarting, InstanceState
+from tether.node.upkeep import Upkeep
 from tether.protocol import tag_of
-from tether.serve.upkeep import Upkeep
 
 STATES = ("starting", "ready", "restarting", "failed", "stopping", "stopped")
 MODEL_STATES = ("unloaded", "loading", "loaded", "unloading")

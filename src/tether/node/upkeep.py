@@ -1,4 +1,5 @@
-"""The worker's memory upkeep: a full garbage collection on a clock, then glibc's free heap handed back.
+"""The memory upkeep of the long-lived processes that host runners (the worker, and each node agent of a cluster): a
+full garbage collection on a clock, then glibc's free heap handed back.
 
 Why: each request leaves reference cycles in the web server's objects (uvicorn's per-connection events, FastAPI's
 and Starlette's exit stacks, an exception's traceback when a client leaves), which only a full collection frees.
