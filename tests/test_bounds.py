@@ -29,6 +29,7 @@ from tether.node import supervisor as supervisor_module
 from tether.node.instance import Backoff, RestartPolicy, remove_logs
 from tether.node.listeners import Listeners
 from tether.node.output import OutputCapture
+from tether.node.recent import Recent
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, InFlight, TaskHandle
 from tether.protocol import EngineSpec, GenerateParams, TaskState, TaskStatus
@@ -83,6 +84,24 @@ async def test_the_fleet_remembers_at_most_RECENT_REQUESTS_ended_ids_and_nothing
     assert hosted.in_flight == 0 and set(hosted.serving.values()) == {0} and len(hosted.serving) == 1
     assert (await fleet.cancel(f"req-{n - 1}")).outcome == "finished"
     assert (await fleet.cancel("req-0")).outcome == "unknown", "the oldest ended id was forgotten"
+
+
+def test_ended_ids_are_also_forgotten_once_older_than_RECENT_SECONDS() -> None:
+    """The count bounds the store at high request rates; age keeps it at its steady state after a few minutes of
+    traffic at any lower rate (a soak's RSS then stops rising once that much has passed, not after 10,000 ids)."""
+    now = [0.0]
+    recent: Recent[str] = Recent(limit=100, seconds=fleet_module.RECENT_SECONDS, clock=lambda: now[0])
+    for i in range(50):
+        now[0] = i * 10.0  # one id every 10 s: 30 fit in the window
+        recent.add(f"req-{i}", "complete")
+    assert len(recent) == int(fleet_module.RECENT_SECONDS / 10) + 1
+    assert recent.get("req-49") == "complete" and "req-18" not in recent and "req-19" in recent
+    now[0] += fleet_module.RECENT_SECONDS + 1
+    assert len(recent) == 0 and recent.get("req-49") is None
+    for i in range(150):  # a burst: the count bounds it
+        recent.add(f"burst-{i}", "failed")
+    assert len(recent) == 100 and "burst-49" not in recent and "burst-50" in recent
+    assert fleet_module.RECENT_SECONDS == supervisor_module.RECENT_SECONDS
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ in N s" instead of letting latency grow without bound.
 from __future__ import annotations
 
 import builtins
-import collections
 import contextlib
 import logging
 import re
@@ -52,6 +51,7 @@ from tether.node.instance import (
 from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
 from tether.node.ranks import MAX_RANKS, RankGroup, Site, check_ports
+from tether.node.recent import Recent
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
 from tether.protocol import Cause, EngineSpec, Fault, GenerateParams, documented
@@ -62,7 +62,8 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Ended request ids (and their outcomes) remembered so a late cancel answers "finished", not "unknown": minutes of
 # traffic at hundreds of requests a second, ~170 bytes each (1.7 MB when full; bench/soak.py's worker fills it in
 # about 15 minutes, then it stays flat). Requests in flight and their cancels are kept only while they run.
-RECENT_REQUESTS = 10_000
+RECENT_REQUESTS = 10_000  # ended request ids kept for a late cancel's answer, at most
+RECENT_SECONDS = 300.0  # and none older (a cancel that late answers "unknown": a no-op either way)
 MAX_QUEUE_LIMIT = 1 << 20
 MIN_MEMORY_LIMIT = 16 << 20  # below this a runner cannot even start Python
 MAX_REPLICAS = 64
@@ -305,7 +306,7 @@ class Fleet:
         self._auto_ports: dict[str, dict[int, tuple[int, ...]]] = {}  # a ranks "auto" instance's ports, by rank count
         self._hosted: dict[str, Hosted] = {}
         self._requests: dict[str, tuple[Hosted, Instance]] = {}  # request id -> its instance and replica, in flight
-        self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # ended request id -> outcome
+        self._recent: Recent[str] = Recent(RECENT_REQUESTS, RECENT_SECONDS)  # ended request id -> outcome
         self._cancelled: set[str] = set()  # requests in flight whose cancel was requested (a client gone, the route)
         self._tg: TaskGroup | None = None
         self.listeners: Listeners[Hosted] = Listeners("fleet")  # told of every instance added (metrics)
@@ -512,9 +513,7 @@ class Fleet:
             hosted.in_flight -= 1
             hosted.serving[replica] -= 1
             self._requests.pop(request_id, None)
-            self._recent[request_id] = outcome
-            if len(self._recent) > RECENT_REQUESTS:
-                self._recent.popitem(last=False)
+            self._recent.add(request_id, outcome)
 
     def in_flight(self, hosted: Hosted) -> builtins.list[dict[str, Any]]:
         """The requests ``hosted`` serves now: id, replica and tokens so far (the dashboard cancels one by id)."""
@@ -537,8 +536,9 @@ class Fleet:
                     self._cancelled.add(request_id)
                 return reply
             return CancelReply(request_id, "runner_gone", "the runner is gone; the request ends with its cause")
-        if request_id in self._recent:
-            return CancelReply(request_id, "finished", f"already {self._recent[request_id]}: nothing to cancel")
+        ended = self._recent.get(request_id)
+        if ended is not None:
+            return CancelReply(request_id, "finished", f"already {ended}: nothing to cancel")
         return CancelReply(request_id, "unknown", f"no request {request_id!r}: nothing to cancel")
 
 

@@ -19,7 +19,6 @@ collection of a hung runner in ``stacks``, its cgroup and memory sampling in ``c
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -56,6 +55,7 @@ from tether.node.listeners import Listeners
 from tether.node.memory import ProcessMemory, process_memory
 from tether.node.oom import LimitStall, OomWatch
 from tether.node.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
+from tether.node.recent import Recent
 from tether.node.registry import Registry, record_for
 from tether.node.spawn import ExitStatus, RunnerProcess, start_runner
 from tether.node.stacks import StackCollector
@@ -107,7 +107,8 @@ log = logging.getLogger("tether.node.supervisor")
 
 # Task ids this life finished, so a duplicate submit is refused and a late cancel answers "finished": one life's
 # recent traffic (~150 bytes each, 1.5 MB when full), gone with the life.
-RECENT_FINISHED = 10_000
+RECENT_FINISHED = 10_000  # a life's finished task ids kept for a late cancel's answer, at most
+RECENT_SECONDS = 300.0  # and none older
 OUTPUT_READS_PER_WAKE = 4  # 64 KiB reads of runner output per event-loop turn (see _read_output)
 OUTPUT_DRAIN_READS = 64  # after the exit: all a pipe can hold, bounded should a surviving helper keep writing
 
@@ -189,7 +190,7 @@ class Supervisor(LifeTasks):
             backups=log_backups,
         )
         self._stacks = StackCollector(self._output)
-        self._finished: collections.OrderedDict[str, TaskState] = collections.OrderedDict()
+        self._finished: Recent[TaskState] = Recent(RECENT_FINISHED, RECENT_SECONDS)
         self._listeners: Listeners[RunnerStatus] = Listeners("status")
         self._changed = anyio.Event()
         self._events_done = anyio.Event()
@@ -416,8 +417,8 @@ class Supervisor(LifeTasks):
             except (BrokenPipeError, RunnerUnavailable):
                 return CancelReply(task_id, "runner_gone", "the runner is gone or stuck; the task ends with its cause")
             return CancelReply(task_id, "requested", "cancel requested: the task ends cancelled within one token")
-        if task_id in self._finished:
-            state = self._finished[task_id]
+        state = self._finished.get(task_id)
+        if state is not None:
             return CancelReply(task_id, "finished", f"already {state.value}: nothing to cancel", state)
         return CancelReply(task_id, "unknown", f"no task {task_id!r} on {self.name}: nothing to cancel")
 
@@ -638,9 +639,7 @@ class Supervisor(LifeTasks):
         record = self._inflight.pop(task_id)
         self._progress.ended(task_id)
         record.send.close()
-        self._finished[task_id] = state
-        if len(self._finished) > RECENT_FINISHED:
-            self._finished.popitem(last=False)
+        self._finished.add(task_id, state)
 
     async def _pump_events(self) -> None:
         assert self._receiver is not None
