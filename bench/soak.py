@@ -63,8 +63,8 @@ RSS figures.
 Garbage collection: the worker runs a full collection every ``TETHER_GC_INTERVAL`` seconds (``node/upkeep``, 5 s
 by default); ``--gc-interval S`` sets it for the run (``0``: CPython's own thresholds only, the worker before it had
 that upkeep: the A/B). ``rss_slope_second_half_mib_per_h`` is the slope over the run's second half only: bounded
-stores that fill during the first (the 10,000 ended-request ids, ~2 MiB full) weigh on the whole-run slope, not on
-that one.
+stores that fill during the first (the 64 failed lives kept with their stacks, one per 30 s on the batch target)
+weigh on the whole-run slope, not on that one. The ended-request ids are kept 5 minutes: full within the warm-up.
 
 Targets (``--target``): ``debug`` (the default: all of the above); ``batch``: the default model
 (``tether.models.default_model_path()``) on llama.cpp with ``parallel`` 8 (one batch holds every client's stream),
