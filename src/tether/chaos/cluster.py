@@ -28,10 +28,11 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import anyio
 import httpx
@@ -120,7 +121,7 @@ class RayCluster:
     def ensure(self) -> None:
         """``NODES`` worker nodes again (a removed or broken one replaced)."""
         while len(self.nodes()) < NODES:
-            with _environment({env.RUNTIME_DIR: str(self.runtime_dir)} if self.runtime_dir is not None else {}):
+            with mock.patch.dict(os.environ, {env.RUNTIME_DIR: str(self.runtime_dir)} if self.runtime_dir else {}):
                 self.cluster.add_node(**NODE_ARGS)
         self.cluster.wait_for_nodes()
 
@@ -130,21 +131,6 @@ class RayCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """This process's environment with ``values`` set, for the processes started inside (a Ray node's)."""
-    was = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in was.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def raylet_pid(node: Any) -> int | None:
