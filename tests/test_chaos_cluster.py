@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import chaos
+from conftest import chaos, model_missing
 from tether.chaos import cluster, ranks
 from tether.chaos.campaign import gained
 
@@ -69,6 +69,26 @@ def test_a_short_cluster_ranks_campaign_keeps_every_promise() -> None:
     assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), (summary, out.stderr[-3000:])
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["replacements_checked"] >= 6 and summary["held_port_refusals"] >= 1, summary
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.model
+@pytest.mark.timeout(400)
+def test_a_short_cluster_ranks_campaign_on_the_default_model_split_by_llama_cpp_keeps_every_promise() -> None:
+    """3 trials of seed 0 (~75 s here with the machine loaded): the default model's layers over 2 or 3 nodes' ranks
+    (ggml RPC between the nodes' addresses), a rank SIGSTOPped mid-stream, then an RPC server's port held by a
+    stranger on its node's address; the ring's checks, with every node's agent as the ranks' parent."""
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    out, summary = chaos(
+        "--target", "cluster-ranks", "--engine", "llama.cpp", "--trials", "3", "--seed", "0", timeout=360
+    )
+    assert summary["target"] == "cluster-ranks" and summary["engine"] == "llama.cpp", summary
+    assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), (summary, out.stderr[-3000:])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["held_port_refusals"] >= 1 and summary["replacements_checked"] >= 3, summary
 
 
 def test_a_cluster_trial_is_the_same_alone() -> None:
