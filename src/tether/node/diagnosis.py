@@ -172,24 +172,22 @@ def diagnose(ev: Evidence) -> Cause:
 def stall_cause(
     runner: str, phase: str, seconds: float, detail: str, stall: LimitStall, evidence: Sequence[str] = ()
 ) -> Cause:
-    """A runner that went silent with its memory cgroup full: out of memory, not a deadlock. Each allocation it made
-    waited on the kernel's reclaim, which holds the GIL with it, so the heartbeat stopped before (or instead of) an
-    OOM kill; the supervisor then killed it."""
+    """A runner that went silent with its own memory cgroup full: out of memory, not a deadlock. Each allocation it
+    made waited on the kernel's reclaim, which holds the GIL with it, so the heartbeat stopped before (or instead of)
+    an OOM kill; the supervisor then killed it."""
     silence = detail.partition(":")[0]  # "no heartbeat", without the deadlock it would otherwise suggest
-    whose = "its" if stall.own else "the enclosing"
-    where = "" if stall.own else f" (set on {stall.cgroup})"
     return Cause(
         kind=CauseKind.OUT_OF_MEMORY,
         summary=(
-            f"{runner} stalled at {whose} memory limit in {phase} for {seconds:.1f} s: it holds "
-            f"{format_bytes(stall.held)} of the {format_bytes(stall.limit)} limit{where}, {silence}; the kernel "
+            f"{runner} stalled at its memory limit in {phase} for {seconds:.1f} s: it holds "
+            f"{format_bytes(stall.held)} of the {format_bytes(stall.limit)} limit, {silence}; the kernel "
             "was reclaiming memory for it before an out-of-memory kill, and tether killed it"
         ),
         evidence=(
             *evidence,
             f"memory cgroup {stall.cgroup}: {format_bytes(stall.held)} held beyond droppable file cache, limit "
             f"{format_bytes(stall.limit)}",
-            f"what to do: raise the memory limit (now {format_bytes(stall.limit)}{where}), or ask it to hold less "
+            f"what to do: raise the memory limit (now {format_bytes(stall.limit)}), or ask it to hold less "
             "(a shorter context, fewer parallel sequences, a smaller model)",
         ),
         phase=phase,

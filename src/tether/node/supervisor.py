@@ -49,6 +49,7 @@ from tether.node.hangs import (
     Deadlines,
     Hang,
     ProgressWatch,
+    process_state,
 )
 from tether.node.life import LifeTasks
 from tether.node.listeners import Listeners
@@ -554,7 +555,7 @@ class Supervisor(LifeTasks):
         self.hang = hang
         self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
-        stall = self._oom.at_limit() if self._oom is not None else None  # its memory as it went silent
+        stall = self._memory_stall()  # its memory as it went silent
         log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
         assert self.process is not None
         stacks, note = await self._stacks.collect(self.process, self.deadlines.stacks, self._exited)
@@ -568,6 +569,15 @@ class Supervisor(LifeTasks):
         if phase == "idle" and rank is not None and rank.rank > 0:
             return f"following rank 0's steps (rank {rank.rank} of {rank.world_size})"
         return phase
+
+    def _memory_stall(self) -> LimitStall | None:
+        """The runner's own memory cgroup full as it went silent, the runner not stopped (a stopped process is not
+        waiting on reclaim): the memory stall its hang really is. A full enclosing cgroup (the worker's) is shared:
+        a runner deadlocked beside siblings that fill it is not out of memory, so that stays a hang."""
+        stall = self._oom.at_limit() if self._oom is not None else None
+        if stall is None or not stall.own or self.process is None:
+            return None
+        return None if process_state(self.process.pid) in ("T", "t") else stall
 
     def _hang_cause(self, hang: Hang, evidence: tuple[str, ...] = (), stall: LimitStall | None = None) -> Cause:
         """The hang, or, when its memory cgroup was full as it went silent, the memory stall it really was."""
