@@ -351,8 +351,8 @@ async def run_trial(
 ) -> TrialResult:
     """A trial on the shared server: its ring created, struck, checked, deleted, and everything of it gone. On a
     cluster (``agents_dir``: where its node agents keep records; ``target`` is a ``tether serve --ray`` coordinator)
-    its ranks run on distinct nodes,
-    each a child of that node's agent, and once deleted nothing may run on any node that the API does not show."""
+    its ranks run on distinct nodes, each a child of that node's agent, and once the ring is deleted nothing may run
+    on any node that the API does not show."""
     result = TrialResult(trial)
     began = time.monotonic()
     d = draws(trial, engine)
