@@ -106,10 +106,10 @@ from tether.runner import lifeline
 log = logging.getLogger("tether.node.supervisor")
 
 
-# Task ids this life finished, so a duplicate submit is refused and a late cancel answers "finished": one life's
-# recent traffic (~150 bytes each, 1.5 MB when full), gone with the life.
-RECENT_FINISHED = 10_000  # a life's finished task ids kept for a late cancel's answer, at most
-RECENT_SECONDS = 300.0  # and none older
+# Task ids this life finished, so a duplicate submit is refused and a late cancel answers "finished": the last
+# RECENT_SECONDS of one life's traffic, at most RECENT_FINISHED (~150 bytes each, 1.5 MB when full), gone with it.
+RECENT_FINISHED = 10_000
+RECENT_SECONDS = 300.0
 OUTPUT_READS_PER_WAKE = 4  # 64 KiB reads of runner output per event-loop turn (see _read_output)
 OUTPUT_DRAIN_READS = 64  # after the exit: all a pipe can hold, bounded should a surviving helper keep writing
 
