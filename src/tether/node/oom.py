@@ -122,23 +122,20 @@ class OomWatch:
         return any(_pgid(pid) != self.pid for pid in cgroup.pids())
 
     def at_limit(self) -> LimitStall | None:
-        """Whether the runner's memory cgroup (or the ancestor whose limit binds it) is as full as the kernel lets it
-        be now: what it holds beyond droppable file cache at ``AT_LIMIT_SHARE`` of the limit or more. None when not,
-        or without a cgroup or a limit."""
-        if self.cgroup is None:
+        """Whether the runner's own memory cgroup, limited and not shared, is as full as the kernel lets it be now:
+        what it holds beyond droppable file cache at ``AT_LIMIT_SHARE`` of its limit or more. None when not, or
+        without such a cgroup. A full enclosing cgroup (the worker's) is shared: a runner deadlocked beside siblings
+        that fill it is not out of memory."""
+        if self.cgroup is None or self.shared:
             return None
-        binding = self.cgroup.binding_limit()
-        if binding is None:
+        limit = self.cgroup.limit()
+        usage = self.cgroup.usage()
+        if limit is None or usage is None:
             return None
-        limit, where = binding
-        bound = self.cgroup if where == self.cgroup.path else MemoryCgroup.at(where)
-        usage = bound.usage()
-        if usage is None:
-            return None
-        held = usage - bound.reclaimable()
+        held = usage - self.cgroup.reclaimable()
         if held < AT_LIMIT_SHARE * limit:
             return None
-        return LimitStall(held, limit, str(where), own=where == self.cgroup.path)
+        return LimitStall(held, limit, str(self.cgroup.path))
 
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""
@@ -165,9 +162,8 @@ class LimitStall:
     """A memory cgroup found full when its runner went silent (``OomWatch.at_limit``)."""
 
     held: int  # bytes charged to it that the kernel cannot drop (usage less inactive file cache)
-    limit: int  # the limit that binds it
-    cgroup: str  # where that limit is set
-    own: bool  # set on the runner's own cgroup (else an ancestor's: the worker's, a container's)
+    limit: int  # its limit
+    cgroup: str  # its path
 
 
 @dataclass

@@ -571,11 +571,10 @@ class Supervisor(LifeTasks):
         return phase
 
     def _memory_stall(self) -> LimitStall | None:
-        """The runner's own memory cgroup full as it went silent, the runner not stopped (a stopped process is not
-        waiting on reclaim): the memory stall its hang really is. A full enclosing cgroup (the worker's) is shared:
-        a runner deadlocked beside siblings that fill it is not out of memory, so that stays a hang."""
+        """The runner's own memory cgroup full as it went silent (``OomWatch.at_limit``), the runner not stopped (a
+        stopped process is not waiting on reclaim): the memory stall its hang really is."""
         stall = self._oom.at_limit() if self._oom is not None else None
-        if stall is None or not stall.own or self.process is None:
+        if stall is None or self.process is None:
             return None
         return None if process_state(self.process.pid) in ("T", "t") else stall
 
