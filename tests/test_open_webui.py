@@ -253,6 +253,10 @@ def open_webui_env(data_dir: Path, backend: str) -> dict[str, str]:
         OPENAI_API_BASE_URL=f"{backend}/v1",
         OPENAI_API_KEY="none",
         OPENAI_API_CONFIGS=json.dumps({"0": {"prefix_id": OPENAI_PREFIX}}),
+        # Greedy, as a user pins a model's sampling in its Advanced Params: sampled at Open WebUI's default, the
+        # 135M model now and then calls its tools in a loop until the prompt outgrows n_ctx (a clear 400 from
+        # tether, as from llama-server), so what a run tests would be the dice's, not tether's.
+        DEFAULT_MODEL_PARAMS=json.dumps({"temperature": 0}),
     )
     return env
 
