@@ -32,6 +32,9 @@ def read_text(path: Path) -> str | None:
         return None
 
 
+REFAULT_KEYS = ("workingset_refault_file", "workingset_refault_anon")  # memory.stat's thrashing counters
+
+
 @dataclass(frozen=True)
 class MemoryCgroup:
     """A memory cgroup directory (v1 or v2)."""
@@ -120,6 +123,13 @@ class MemoryCgroup:
                 break
             path = path.parent
         return best
+
+    def refaults(self) -> int:
+        """Pages the kernel dropped from this cgroup to make room under its limit and then had to read back
+        (``workingset_refault_file`` + ``_anon`` in memory.stat, v1 and v2): what rises while it thrashes at its
+        limit, and stays flat while it deadlocks or merely sits full. 0 where the kernel does not say."""
+        stat = self.stat()
+        return sum(stat.get(f"total_{key}", stat.get(key, 0)) for key in REFAULT_KEYS)
 
     def reclaimable(self) -> int:
         """File cache the kernel can drop under pressure (inactive file pages), which "usage" counts as used."""

@@ -176,17 +176,19 @@ def stall_cause(
     made waited on the kernel's reclaim, which holds the GIL with it, so the heartbeat stopped before (or instead of)
     an OOM kill; the supervisor then killed it."""
     silence = detail.partition(":")[0]  # "no heartbeat", without the deadlock it would otherwise suggest
+    thrash = f", {stall.refaults:,} pages dropped and read back while it was silent" if stall.refaults else ""
     return Cause(
         kind=CauseKind.OUT_OF_MEMORY,
         summary=(
             f"{runner} stalled at its memory limit in {phase} for {seconds:.1f} s: it holds "
-            f"{format_bytes(stall.held)} of the {format_bytes(stall.limit)} limit, {silence}; the kernel "
+            f"{format_bytes(stall.usage)} of the {format_bytes(stall.limit)} limit{thrash}, {silence}; the kernel "
             "was reclaiming memory for it before an out-of-memory kill, and tether killed it"
         ),
         evidence=(
             *evidence,
-            f"memory cgroup {stall.cgroup}: {format_bytes(stall.held)} held beyond droppable file cache, limit "
-            f"{format_bytes(stall.limit)}",
+            f"memory cgroup {stall.cgroup}: {format_bytes(stall.usage)} charged, {format_bytes(stall.held)} of it "
+            f"beyond droppable file cache, limit {format_bytes(stall.limit)}; {stall.refaults:,} pages dropped and "
+            "read back (workingset refaults) since the last heartbeat",
             f"what to do: raise the memory limit (now {format_bytes(stall.limit)}), or ask it to hold less "
             "(a shorter context, fewer parallel sequences, a smaller model)",
         ),

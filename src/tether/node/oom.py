@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from tether.kernel.cgroups import MemoryCgroup
 from tether.kernel.pids import proc_stat
 
-# A hung runner whose memory cgroup holds this share of the limit that binds it, beyond the file cache the kernel could
-# drop, is stalled at its limit: each allocation waits on reclaim, and the OOM killer may come seconds later or never.
+# A hung runner whose own memory cgroup holds this share of its limit beyond the file cache the kernel could drop, or
+# is this full and thrashing (``STALL_REFAULTS`` pages dropped and read back while the runner was silent), is
+# stalled at its limit: each allocation waits on reclaim, and the OOM killer may come seconds later or never.
 AT_LIMIT_SHARE = 0.9
+STALL_REFAULTS = 256  # 1 MiB of 4 KiB pages: more than a deadlocked runner's stray threads could read back
 
 _KMSG_OOM = re.compile(r"(Killed process (?P<a>\d+) )|(oom-kill:.*\bpid=(?P<b>\d+)\b)")
 
@@ -91,6 +93,7 @@ class OomWatch:
     shared: bool = True  # the cgroup holds processes outside the runner's group: its counter is weaker evidence
     last_rss: int | None = None
     last_anon: int | None = None
+    refaults_at_beat: int | None = None  # the own cgroup's ``MemoryCgroup.refaults`` at the last heartbeat
 
     def __post_init__(self) -> None:
         stat = proc_stat(self.pid)
@@ -112,20 +115,24 @@ class OomWatch:
         if self._given:
             if not self.own and self.cgroup is not None and self.pid in self.cgroup.pids():
                 self.shared = self._holds_others(self.cgroup)
-            return
-        cgroup = MemoryCgroup.of_pid(self.pid)
-        if cgroup is not None and cgroup != self.cgroup:
-            self.cgroup, self.baseline = cgroup, cgroup.oom_kills()
-            self.shared = self._holds_others(cgroup)
+        else:
+            cgroup = MemoryCgroup.of_pid(self.pid)
+            if cgroup is not None and cgroup != self.cgroup:
+                self.cgroup, self.baseline = cgroup, cgroup.oom_kills()
+                self.shared = self._holds_others(cgroup)
+        if self.cgroup is not None and not self.shared:
+            self.refaults_at_beat = self.cgroup.refaults()
 
     def _holds_others(self, cgroup: MemoryCgroup) -> bool:
         return any(_pgid(pid) != self.pid for pid in cgroup.pids())
 
     def at_limit(self) -> LimitStall | None:
         """Whether the runner's own memory cgroup, limited and not shared, is as full as the kernel lets it be now:
-        what it holds beyond droppable file cache at ``AT_LIMIT_SHARE`` of its limit or more. None when not, or
-        without such a cgroup. A full enclosing cgroup (the worker's) is shared: a runner deadlocked beside siblings
-        that fill it is not out of memory."""
+        what it holds beyond droppable file cache at ``AT_LIMIT_SHARE`` of its limit or more, or that full counting
+        the cache and thrashing since the last heartbeat (a fresh runner's cgroup holds the cache of every module it
+        read: the kernel drops it and the runner reads it back). None when not, or without such a cgroup. A full
+        enclosing cgroup (the worker's) is shared: a runner deadlocked beside siblings that fill it is not out of
+        memory; nor is one deadlocked in a full cgroup of its own that nothing reads back."""
         if self.cgroup is None or self.shared:
             return None
         limit = self.cgroup.limit()
@@ -133,9 +140,11 @@ class OomWatch:
         if limit is None or usage is None:
             return None
         held = usage - self.cgroup.reclaimable()
-        if held < AT_LIMIT_SHARE * limit:
+        refaults = self.cgroup.refaults() - self.refaults_at_beat if self.refaults_at_beat is not None else 0
+        thrashing = refaults >= STALL_REFAULTS and usage >= AT_LIMIT_SHARE * limit
+        if held < AT_LIMIT_SHARE * limit and not thrashing:
             return None
-        return LimitStall(held, limit, str(self.cgroup.path))
+        return LimitStall(held, limit, str(self.cgroup.path), usage, max(refaults, 0))
 
     def evidence(self) -> OomEvidence:
         """Gather the evidence now (call after a SIGKILL exit, before the cgroup could be reused)."""
@@ -164,6 +173,8 @@ class LimitStall:
     held: int  # bytes charged to it that the kernel cannot drop (usage less inactive file cache)
     limit: int  # its limit
     cgroup: str  # its path
+    usage: int  # bytes charged to it, file cache included
+    refaults: int = 0  # pages it dropped and read back since the runner's last heartbeat
 
 
 @dataclass

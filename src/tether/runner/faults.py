@@ -18,6 +18,7 @@ import os
 import signal
 import struct
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -144,19 +145,44 @@ def _oom(fault: Fault) -> None:
 
 
 def _stall_at_limit(fault: Fault) -> None:
-    """Fill this process's memory cgroup with resident memory to just under the limit that binds it, then block
-    holding the GIL: what a runner the kernel keeps reclaiming for looks like from outside (its cgroup full, no
-    heartbeat) while the OOM killer is slow to come, as a loaded machine showed on the cluster. Needs a limit."""
+    """Thrash at the limit that binds this process's memory cgroup, silent: what a runner the kernel keeps reclaiming
+    for looks like from outside while the OOM killer is slow to come, as a loaded machine showed on the cluster.
+
+    Its cgroup holds a quarter of the limit in clean file cache (a fresh runner's cgroup holds the cache of every
+    module it read), resident memory fills it to just under the limit, then a forked child of the runner's group
+    keeps allocating over the limit, so the kernel drops file pages, and reading them back, so it drops more (the
+    cgroup's workingset refaults rise), while this process blocks holding the GIL (no heartbeat). Needs a
+    limit, and a disk-backed temporary directory (tmpfs pages cannot be dropped)."""
     cgroup = MemoryCgroup.of_pid(os.getpid())
     binding = cgroup.binding_limit() if cgroup is not None else None
     if binding is None:
         raise RuntimeError("injected fault 'stall_at_limit' needs a memory limit on the runner's cgroup")
     limit, where = binding
     bound = MemoryCgroup.at(where)
-    hog: list[bytes] = []
-    while (bound.usage() or limit) < limit - STALL_MARGIN_BYTES:
-        hog.append(b"\x01" * STALL_CHUNK_BYTES)  # memset: resident, not lazily mapped zero pages
-    _hang_gil(fault)
+    with tempfile.TemporaryFile() as cache:  # unlinked: its pages go with the last process holding it
+        chunk = b"\x02" * STALL_CHUNK_BYTES
+        for _ in range(limit // 4 // STALL_CHUNK_BYTES):
+            cache.write(chunk)
+        cache.flush()
+        os.fsync(cache.fileno())  # clean pages: droppable at once, as a module's cache is
+        hog: list[bytes] = []
+        while (bound.usage() or limit) < limit - STALL_MARGIN_BYTES:
+            hog.append(b"\x01" * STALL_CHUNK_BYTES)  # memset: resident, not lazily mapped zero pages
+        if os.fork() == 0:
+            try:
+                _thrash(cache.fileno(), limit // 4)
+            finally:
+                os._exit(1)  # never back into the runner's code
+        _hang_gil(fault)
+
+
+def _thrash(fd: int, size: int) -> None:
+    """Allocate over the limit (the kernel drops file pages to make room), free it, read the file back: forever."""
+    while True:
+        room = b"\x01" * (2 * STALL_MARGIN_BYTES)
+        del room
+        for offset in range(0, size, STALL_CHUNK_BYTES):
+            os.pread(fd, STALL_CHUNK_BYTES, offset)
 
 
 def _hang(fault: Fault) -> None:
