@@ -659,8 +659,14 @@ async def run_alone(
                     tg.start_soon(strike)
                     if phase == "generating":
                         await streams.run(trial.streams)
+                # SIGTERM: a request the shutdown's bound ends before its answer started (waiting for a batch slot)
+                # is refused, 503 shutting_down with Retry-After; one mid-answer fails with that cause.
                 allowed = {"complete", "cut"} if sig == signal.SIGKILL else {"complete", "cut", "failed", "cancelled"}
-                _expect_outcomes(result, streams.outcomes, allowed, None)
+                _expect_outcomes(
+                    result, streams.outcomes, allowed | ({"rejected"} if sig == signal.SIGTERM else set()), None
+                )
+                if sig == signal.SIGTERM:
+                    _expect_shutdown_refusals(result, streams.outcomes)
                 result.outcomes = streams.outcomes
                 if setup.solo is not None:
                     await expect_solo_texts(result, streams.outcomes, setup.solo, trial.tokens)
@@ -679,6 +685,13 @@ async def run_alone(
             result.problems.append(f"a clean stop left {leftovers}")
     result.seconds = time.monotonic() - began
     return result
+
+
+def _expect_shutdown_refusals(result: TrialResult, outcomes: list[Outcome]) -> None:
+    """On SIGTERM a refused request is the shutdown's: 503 saying it is shutting down, with Retry-After."""
+    for outcome in outcomes:
+        if outcome.kind == "rejected" and not (outcome.retry_after and "shutting down" in outcome.detail):
+            result.broke("misclassified", f"on SIGTERM a request was refused, not by the shutdown: {_show(outcome)}")
 
 
 def _reap(target: Target) -> list[str]:
