@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import random
 import statistics
@@ -83,7 +82,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, emit, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from tether.engines.base import Delta, Engine
 from tether.engines.registry import create_engine
 from tether.node.supervisor import Supervisor
@@ -423,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--trials must be at least 1")
     with private_tether_dirs("tether-bench-cancel-"):
         result = anyio.run(bench, args)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -5,19 +5,30 @@ Usage: ``.venv/bin/python bench/chaos.py --trials 1000 --seed 0`` (the published
 model).
 The baseline a user would otherwise have is no campaign at all: no peer server publishes one, so this benchmark
 reports tether's own figures (hung, orphans, misclassified, lost requests, leaked fds, worker RSS growth) and how
-long the campaign took, with a table per attack and phase.
+long the campaign took, with a table per attack and phase (in the JSON too: ``per_attack``, trials kept / drawn per
+attack and moment).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import anyio
 
-from tether.chaos.campaign import print_progress
+from benchstats import emit
+from tether.chaos.campaign import Report, print_progress
 from tether.chaos.targets import TARGETS, campaign
+
+
+def per_attack(report: Report) -> dict[str, dict[str, list[int]]]:
+    """Trials kept / drawn per attack and moment (the printed table's cells), for the docs' plot of a recorded run."""
+    cells: dict[str, dict[str, list[int]]] = {}
+    for result in report.results:
+        kept_drawn = cells.setdefault(result.trial.attack.name, {}).setdefault(result.trial.phase, [0, 0])
+        kept_drawn[0] += result.ok
+        kept_drawn[1] += 1
+    return cells
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     summary = report.summary()
     summary["quick"] = args.quick
+    summary["per_attack"] = per_attack(report)
     print(
         f"{summary['trials']} trials, {summary['requests']} requests, {summary['wall_s']:.0f} s "
         f"(p50 {summary['trial_p50_s']:.2f} s a trial): {summary['failed_trials']} broke a promise"
     )
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

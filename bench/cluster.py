@@ -102,6 +102,7 @@ from benchstats import (
     PERCENTILE,
     BenchFailed,
     describe,
+    emit,
     fmt,
     llama_unavailable,
     ms,
@@ -932,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
         from ray.cluster_utils import Cluster
     except ImportError as exc:
         result.update(skipped=f"Ray is not installed ({exc}): pip install 'tether[ray]'", ok=True)
-        print(json.dumps(result))
+        emit(result)
         return 0
 
     tracker = Tracker()
@@ -1057,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         ["stream", "tokens/s", "TTFT p50 ms"],
         [["local", fmt(local_rate), fmt(local_ttft)], ["cluster", fmt(cluster_rate), fmt(cluster_ttft)]],
     )
-    print(json.dumps(result))
+    emit(result)
     return 0 if result["ok"] else 1
 
 

@@ -44,6 +44,8 @@ against a 5 s poll. The tether trials run one at a time, first, with nothing els
 Statistics: p50 and p99 are ``statistics.quantiles(samples, n=100, method="inclusive")`` (linear interpolation
 between order statistics, as numpy's default): with 50 samples p99 lies 51% of the way from the second largest
 sample to the largest, i.e. close to the max, which is also reported. ``ratio`` = baseline p99 / tether p99.
+``samples_ms`` keeps every trial's figure (tether's Failed + all 8, its Failed status, the baseline's), so a recorded
+run shows its whole distribution, not only these percentiles.
 
 Runner records and runner logs go to a private temporary ``TETHER_RUNTIME_DIR`` / ``TETHER_LOG_DIR`` (removed at
 the end), so the bench leaves nothing in the user's directories.
@@ -59,7 +61,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import multiprocessing
 import os
 import queue
@@ -76,7 +77,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.node.oom import OomEvidence, OomWatch
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskHandle
@@ -520,6 +521,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "tether_wall_s": round(tether_s, 1),
         "baseline_wall_s": round(baseline_s, 1),
         "quick": bool(args.quick),
+        # every trial's figure, for the docs' distributions (the percentiles above are taken from these)
+        "samples_ms": {
+            "all_terminal": [ms(x) for x in all_ms],
+            "failed_status": [ms(x) for x in failed_ms],
+            "baseline": [ms(x) for x in base_ms],
+        },
     }
     print(
         f"baseline ({poll_s:g} s poll) p99 / tether p99: {result['ratio']}x; tether p99 {fmt(p99)} ms vs target "
@@ -548,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--trials and --baseline-trials must be at least 1")
     with private_tether_dirs("tether-bench-detect-"):
         result = anyio.run(bench, args)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -62,7 +62,7 @@ from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchstats import ms, percentile, private_tether_dirs
+from benchstats import emit, ms, percentile, private_tether_dirs
 from tether.chaos.target import ServeChild
 from tether.serve.dialects import ollama, openai
 from tether.serve.statuses import ENGINE_REFUSED
@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         and result["serving_after"]
     )
     result["clean"] = clean
-    print(json.dumps(result))
+    emit(result)
     return 0 if clean else 1
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchstats import private_tether_dirs
+from benchstats import emit, private_tether_dirs
 from tether.chaos.target import ServeChild
 from tether.env import DISABLE_ORPHAN_WATCHDOG
 from tether.node.nvml import GpuUsage
@@ -137,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reason = skipped_because()
     if reason is not None:
-        print(json.dumps({"bench": "gpu", "skipped": reason, "ok": None}))
+        emit({"bench": "gpu", "skipped": reason, "ok": None})
         return 0
     with private_tether_dirs("tether-gpu-"):
         result = check(args.gib)
     for problem in result["problems"]:
         print(f"PROBLEM: {problem}")
-    print(json.dumps(result))
+    emit(result)
     return 0 if result["ok"] else 1
 
 

@@ -92,7 +92,6 @@ Run: ``.venv/bin/python bench/hang.py [--quick]``. The last line printed is one 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -107,7 +106,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.node.hangs import Deadlines, process_state
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskEvent, TaskFailed, TaskHandle
@@ -580,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds and --concurrency must be at least 1")
     with private_tether_dirs("tether-bench-hang-"):
         result = anyio.run(bench, args)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import multiprocessing
 import os
 import pickle
@@ -37,6 +36,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from benchstats import emit
 from tether.channel import AsyncReceiver, EndOfStream, SyncSender
 from tether.protocol import Chunk
 
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         args.events, args.baseline_events, args.latency_events = 20_000, 2_000, 200
         args.supervisor_tokens, args.crash_events, args.repeats = 5_000, 500, 1
     result = anyio.run(bench, args)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

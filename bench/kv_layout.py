@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from benchstats import emit
 from tether.engines import create_engine
 from tether.engines.base import RequestError
 from tether.protocol import EngineSpec, GenerateParams
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("c8_all_first_token_s", "copy_prefix_all_first_token_s"):  # a time: per-slot over unified
         summary[f"unified_speedup_{key}"] = round(summary[f"per_slot_{key}"] / summary[f"unified_{key}"], 3)
     summary["wall_s"] = round(time.monotonic() - started, 1)
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

@@ -96,7 +96,17 @@ import anyio
 import httpx
 from starlette.requests import Request as HttpRequest  # module level: FastAPI resolves handler annotations here
 
-from benchstats import PERCENTILE, closed_loop, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
+from benchstats import (
+    PERCENTILE,
+    closed_loop,
+    emit,
+    fmt,
+    llama_unavailable,
+    ms,
+    percentile,
+    print_rows,
+    private_tether_dirs,
+)
 from serve import (
     PROMPTS,
     Server,
@@ -922,9 +932,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ServerFailed, AssertionError) as exc:
             tail = getattr(exc, "tail", "")
             print(f"FAILURE: {exc}" + (f"; its log ends with:\n{tail}" if tail else ""))
-            print(json.dumps(null_result(args, error=str(exc).splitlines()[0][:500])))
+            emit(null_result(args, error=str(exc).splitlines()[0][:500]))
             return 1
-    print(json.dumps(result))
+    emit(result)
     return 0 if result["ok"] else 1
 
 

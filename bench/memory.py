@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -71,7 +70,7 @@ from typing import Any
 
 import anyio
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.kernel.pids import group_members
 from tether.node.memory import ProcessMemory, node_memory, process_memory, process_status_memory
 from tether.node.nvml import GpuUsage
@@ -473,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--samples and --pairs must be at least 1, --max-tokens and --debug-tokens at least 2")
     with private_tether_dirs("tether-bench-memory-"):
         result = anyio.run(bench, args)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

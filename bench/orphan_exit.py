@@ -46,7 +46,8 @@ Statistics: p50 and p99 are ``statistics.quantiles(samples, n=100, method="inclu
 between order statistics, as numpy's default): with 30 samples p99 lies 71% of the way from the second largest
 sample to the largest, i.e. it is close to the max, which is also reported. A trial that leaves any process of
 the runner's group alive at its deadline is a failure: it is counted in ``survivors`` (processes; should be 0),
-its survivors are killed, and its runner/group exits are left out of the statistics.
+its survivors are killed, and its runner/group exits are left out of the statistics. ``samples_ms`` keeps every
+runner exit per configuration (and the worker's own exits), so a recorded run shows its whole distribution.
 
 Runner records go to a private temporary ``TETHER_RUNTIME_DIR`` (removed at the end): every SIGKILLed worker leaves
 its record behind by design, and the bench should not fill the user's registry with hundreds of stale ones.
@@ -60,7 +61,6 @@ Run: ``.venv/bin/python bench/orphan_exit.py [--quick]``. The last line printed 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -68,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchstats import PERCENTILE, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.kernel.pids import alive
 from tether.node.drill import DrillResult, become_subreaper, run_trial
 from tether.runner import lifeline
@@ -285,6 +285,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "helpers": HELPER_KINDS,
         "subreaper": subreaper,
         "quick": bool(args.quick),
+        # every runner exit per configuration, and the worker's own exit, for the docs' distributions
+        "samples_ms": {o.config.name: [ms(x) for x in o.runner_ms] for o in outcomes}
+        | {"worker_exit": [ms(x) for x in default.worker_ms]},
     }
     print(
         f"seed poll ({seed_interval:g} s) p99 / tether default p99: {result['ratio']}x; "
@@ -314,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--trials must be at least 1")
     with private_tether_dirs("tether-bench-orphan-"):  # the drill workers inherit it
         result = bench(args)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -87,7 +86,7 @@ import anyio
 import httpx
 import msgspec
 
-from benchstats import PERCENTILE, BenchFailed, describe, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, BenchFailed, describe, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether import env
 from tether.chaos.target import ServeChild, runner_processes
 from tether.fleet.fleet import Fleet, InstanceConfig
@@ -1096,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
     failed_checks = [name for name, held in checks.items() if not held]
     if failed_checks or errors:
         print(f"FAILED checks: {', '.join(failed_checks) or '-'}; errors: {errors or '-'}")
-    print(json.dumps(result))
+    emit(result)
     return 0 if result["ok"] else 1
 
 

@@ -181,7 +181,7 @@ import httpx
 import psutil
 
 import llama_server
-from benchstats import PERCENTILE, closed_loop, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, closed_loop, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.models import DefaultModelMissing, default_model_path
 
 SIDES = ("baseline", "tether", "llama_server")
@@ -1186,7 +1186,7 @@ def main(argv: list[str] | None = None) -> int:
         model = default_model_path()
     except DefaultModelMissing as exc:
         print(f"skipped: {exc}")
-        print(json.dumps(null_result(args, skipped=str(exc))))
+        emit(null_result(args, skipped=str(exc)))
         return 0
     binary, llama_skipped = locate_llama_server(args)
     setup = Setup(model, binary, None if args.cpu_hog else THREADS)
@@ -1195,9 +1195,9 @@ def main(argv: list[str] | None = None) -> int:
             result = anyio.run(bench, args, setup, llama_skipped)
         except ServerFailed as exc:
             print(f"FAILURE: {exc}; its log ends with:\n{exc.tail}")
-            print(json.dumps(null_result(args, error=exc.one_line(), llama_server_skipped=llama_skipped)))
+            emit(null_result(args, error=exc.one_line(), llama_server_skipped=llama_skipped))
             return 1
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -88,7 +88,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import signal
 import statistics
@@ -103,7 +102,7 @@ import anyio
 import httpx
 from anyio.abc import TaskGroup
 
-from benchstats import PERCENTILE, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, emit, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from load import Attempt, DebugServer, ServerFailed, attempt, pool, retry_delay, rounded
 from serve import PROMPTS, chat_body
 from tether.chaos.trial import DEADLINES
@@ -773,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     head = {"bench": "soak", "target": args.target, "quick": bool(args.quick), "ok": False}
     if args.target == "batch" and (skipped := llama_unavailable()) is not None:
         print(f"FAILURE: --target batch needs the default model on llama.cpp: {skipped}")
-        print(json.dumps({**head, "error": skipped[:500]}))
+        emit({**head, "error": skipped[:500]})
         return 1
     target = batch_target() if args.target == "batch" else debug_target()
     began = time.monotonic()
@@ -787,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
             server = DebugServer(target.config)
         except (ServerFailed, AssertionError) as exc:
             print(f"FAILURE: {exc}")
-            print(json.dumps({**head, "error": str(exc)[:500]}))
+            emit({**head, "error": str(exc)[:500]})
             return 1
         soak = Soak(server, duration, args.fault_interval, target)
         soak.tracing, soak.window_s = args.tracemalloc, window_s
@@ -827,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if found:
         print("FAILURE:\n" + "\n".join(found))
-    print(json.dumps(result))
+    emit(result)
     return 0 if result["ok"] else 1
 
 

@@ -101,7 +101,7 @@ from typing import Any
 import anyio
 import httpx
 
-from benchstats import PERCENTILE, BenchFailed, fmt, ms, percentile, print_rows, private_tether_dirs
+from benchstats import PERCENTILE, BenchFailed, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from serve import PROMPTS, SYSTEM, Request, read_stream
 from tether.chaos.target import ServeChild
 from tether.kernel.cgroups import MemoryCgroup
@@ -805,9 +805,9 @@ def main(argv: list[str] | None = None) -> int:
             result = anyio.run(bench, args, setup)
         except (BenchFailed, AssertionError) as exc:
             print(f"FAILURE: {exc}")
-            print(json.dumps(null_result(args, engine=setup.engine, error=str(exc).splitlines()[0])))
+            emit(null_result(args, engine=setup.engine, error=str(exc).splitlines()[0]))
             return 1
-    print(json.dumps(result))
+    emit(result)
     return 0 if result["ok"] else 1
 
 
