@@ -147,8 +147,9 @@ def test_a_hung_runner_is_reported_with_its_stacks_within_the_deadline_set_on_th
     ("flag", "message", "code"),
     [
         ("token_gap=-1", "token_gap must be a positive number of seconds, got -1.0", 64),
-        ("gap=1", "bad deadline 'gap=1': use NAME=SECONDS with NAME one of heartbeat, load_stall", 2),
-        ("token_gap=soon", "'soon' is not a number of seconds", 2),
+        ("gap=1", "unknown deadline 'gap': valid names are ack, first_token, heartbeat, load_stall", 2),
+        ("token_gapp=1", "unknown deadline 'token_gapp': did you mean 'token_gap'?", 2),
+        ("token_gap=soon", "bad deadline 'token_gap=soon': 'soon' is no number of seconds or duration", 2),
     ],
 )
 def test_a_bad_deadline_is_refused_with_the_reason(flag: str, message: str, code: int) -> None:
@@ -176,14 +177,17 @@ def test_version_and_help_are_plain_text() -> None:
 def test_prompt_cache_ram_is_an_engine_option_a_one_shot_run_does_without() -> None:
     """``--prompt-cache-ram`` reaches the engine's options as bytes; ``tether run`` (one prompt, nothing after it
     to reuse a saved prefix) asks for no RAM store unless told, so its fit check does not count one."""
-    from tether.cli import run
+    from tether.cli import run, settings
     from tether.cli.common import engine_options
     from tether.cli.parser import build_parser
 
     parser = build_parser()
-    served = parser.parse_args(["serve", "--prompt-cache-ram", "512M"])
-    assert engine_options(served) == {"prompt_cache_ram": 512 << 20}
-    assert "prompt_cache_ram" not in engine_options(parser.parse_args(["serve"]))
+
+    def served(*argv: str) -> settings.ServeSettings:
+        return settings.load(settings.given_flags(parser.parse_args(["serve", *argv])))
+
+    assert engine_options(served("--prompt-cache-ram", "512M")) == {"prompt_cache_ram": 512 << 20}
+    assert "prompt_cache_ram" not in engine_options(served())
     assert run._engine_spec(parser.parse_args(["run", "hi"])).options["prompt_cache_ram"] == 0
     assert run._engine_spec(parser.parse_args(["run", "hi", "--prompt-cache-ram", "1G"])).options[
         "prompt_cache_ram"

@@ -4,8 +4,8 @@ For each body registered in ``tether.serve.dialects.fields`` and each of its fie
 (decoded as the server decodes it, planned as the server plans it) and checks its policy is what happens: an honoured
 field changes the plan (what is generated or how it is answered), a refused one is an ``InvalidField`` naming it, a
 limited one is accepted for one value and refused for another, a metadata one changes nothing. A field without a
-policy, or without a case here, fails the test: a new field cannot land unexamined. The README's table is the
-registry's, verbatim.
+policy, or without a case here, fails the test: a new field cannot land unexamined. The docs' field reference is
+generated from the same registry.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -24,8 +23,6 @@ from tether.errors import InvalidField
 from tether.fleet.catalog import keep_alive_seconds as keep_alive
 from tether.serve.dialects import embeddings, fields, ollama, openai, responses, tokenizer
 from tether.serve.dialects.plan import decode_body
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -438,10 +435,3 @@ def test_an_unknown_field_is_refused_naming_it_at_any_depth() -> None:
         with pytest.raises(InvalidField) as caught:
             decode_body(openai._chat_decoder, msgspec.json.encode(body))
         assert caught.value.field == param and f"unknown field {param!r}" in str(caught.value), caught.value
-
-
-def test_the_readme_table_is_the_registry() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert fields.markdown() in readme, (
-        "README.md's parameter table is stale: paste tether.serve.dialects.fields.markdown()"
-    )

@@ -295,7 +295,8 @@ def test_a_loaded_models_stream_keeps_its_pace_while_another_loads(catalog: Path
 def test_a_bad_catalog_stops_the_server_before_it_listens_naming_the_file_and_field(tmp_path: Path) -> None:
     cases = {
         "keep_alive = 5\n[[models]]\nid = 'a'\nengine = 'debug'\nkeep_alive = 'soon'\n": "keep_alive must be",
-        "[[models]]\nid = 'a'\nengine = 'debug'\ncolour = 'red'\n": "unknown field `colour`",
+        "[[models]]\nid = 'a'\nengine = 'debug'\ncolour = 'red'\n": "models[0]: unknown key 'colour': valid names",
+        "[[models]]\nid = 'a'\nengine = 'debug'\nmodle = 'a.gguf'\n": "unknown key 'modle': did you mean 'model'?",
         "[[models]]\nid = 'a'\nengine = 'debug'\n[[models]]\nid = 'b'\nengine = 'debug'\naliases = ['a']\n": (
             "the name 'a' of model 'b'"
         ),

@@ -7,11 +7,20 @@ and what to do; its attributes carry what a caller maps (the API maps types to s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 
 
 class TetherError(Exception):
     """The root of every error tether raises on purpose."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """The end of an "unknown name" message: ``: did you mean 'port'?`` for the closest of ``choices``, else the
+    valid names."""
+    names = sorted(choices)
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f": did you mean {close[0]!r}?" if close else f": valid names are {', '.join(names)}"
 
 
 class InvalidField(TetherError, ValueError):

@@ -1,6 +1,10 @@
-"""Numbers for people: byte sizes in binary units (one formatter, so every message and table agrees)."""
+"""Numbers for people: byte sizes in binary units and durations (one formatter and one parser each, so every
+message, flag, setting and request field agrees)."""
 
 from __future__ import annotations
+
+import math
+import re
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -38,3 +42,31 @@ def parse_size(text: str | int) -> int:
     if value < 0:
         raise ValueError(f"bad size {text!r}: a size cannot be negative")
     return value
+
+
+# Go's time.ParseDuration syntax ("5m", "1h30m", "-1s"), as Ollama's keep_alive takes it, or seconds as text
+DURATION = r"^-?(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$|^-?([0-9]+(\.[0-9]*)?|\.[0-9]+)$"
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION = re.compile(DURATION)
+
+
+def parse_duration(value: str | float) -> float:
+    """Seconds, from a number of seconds (as a number or as text) or a duration such as "5m", "1h30m", "250ms"
+    (Go's syntax, as Ollama's keep_alive takes it); negative values are returned as they are (callers decide what
+    they mean). ``ValueError`` for anything else, NaN included."""
+    if isinstance(value, bool):
+        raise ValueError(f"bad duration {value!r}: use seconds or a duration such as '5m' or '1h30m'")
+    if isinstance(value, str):
+        text = value.strip()
+        if not _DURATION.fullmatch(text):
+            raise ValueError(f"bad duration {value!r}: use seconds or a duration such as '5m' or '1h30m'")
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("-")
+        parts = _DURATION_PART.findall(body)
+        seconds = sign * (sum(float(n) * _DURATION_UNITS[unit] for n, unit in parts) if parts else float(body))
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError("bad duration: NaN is no number of seconds")
+    return seconds

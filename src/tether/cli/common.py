@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Mapping
+from typing import Protocol
 
 from tether.engines import registry
 from tether.node import orphans
@@ -24,7 +25,26 @@ def fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, object]:
+class RunnerFlags(Protocol):
+    """What ``run``'s namespace and ``serve``'s settings both carry about the runner."""
+
+    @property
+    def n_ctx(self) -> int | None: ...
+    @property
+    def threads(self) -> int | None: ...
+    @property
+    def parallel(self) -> int | None: ...
+    @property
+    def prompt_cache_ram(self) -> int | None: ...
+    @property
+    def deadlines(self) -> Mapping[str, float] | list[tuple[str, float]]: ...
+    @property
+    def no_reap(self) -> bool: ...
+    @property
+    def engine(self) -> str: ...
+
+
+def engine_options(args: RunnerFlags) -> dict[str, object]:
     """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``),
     for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
@@ -39,18 +59,18 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     return options
 
 
-def deadlines_from(args: argparse.Namespace) -> Deadlines:
-    """The hang deadlines ``--deadline NAME=SECONDS`` set, the rest at their defaults; ``ValueError`` says what is
-    wrong with a value."""
-    return Deadlines(**dict(args.deadline))
+def deadlines_from(args: RunnerFlags) -> Deadlines:
+    """The hang deadlines ``--deadline NAME=SECONDS`` (or the settings' ``deadlines``) set, the rest at their
+    defaults; ``ValueError`` says what is wrong with a value."""
+    return Deadlines(**dict(args.deadlines))
 
 
-def engine_name(args: argparse.Namespace) -> str:
+def engine_name(args: RunnerFlags) -> str:
     """The engine ``--engine`` names, as the registry calls it (``InvalidField`` when it names none)."""
     return registry.canonical(args.engine)
 
 
-def reap_at_start(args: argparse.Namespace) -> None:
+def reap_at_start(args: RunnerFlags) -> None:
     """A worker starting: reap the runners dead workers left behind (unless ``--no-reap`` or TETHER_AUTO_REAP=0),
     and say so even without -v."""
     if args.no_reap or not orphans.auto_reap_enabled():

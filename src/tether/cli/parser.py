@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-
-import msgspec
+from typing import Any, TypeVar
 
 from tether import __version__, units
+from tether.cli import settings
+from tether.cli.settings import ServeSettings
 from tether.engines import registry
 from tether.node import orphans
 from tether.node.hangs import Deadlines
-from tether.protocol import Fault
+
+T = TypeVar("T")
 
 DESCRIPTION = (
     "tether: a supervised inference worker. Model engines run in child runner processes that never outlive their "
@@ -22,49 +25,32 @@ DESCRIPTION = (
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
 
-def parse_fault(text: str) -> Fault:
-    """``KIND[:PHASE[:AFTER_TOKENS]]``, e.g. ``segv:generate:5`` or ``exit:load`` or ``slow``."""
-    parts = text.split(":")
-    try:
-        fields: dict[str, object] = {"kind": parts[0]}
-        if len(parts) > 1 and parts[1]:
-            fields["phase"] = parts[1]
-        if len(parts) > 2 and parts[2]:
-            fields["after_tokens"] = int(parts[2])
-        return msgspec.convert(fields, Fault)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"bad fault {text!r}: {exc} (format KIND[:PHASE[:AFTER_TOKENS]])") from exc
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` from one of the settings' parsers: the same rule for a flag, a variable and a file key."""
+
+    def parsed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parsed.__name__ = parse.__name__.removeprefix("parse_")  # argparse names the type in its error
+    return parsed
 
 
-def parse_deadline(text: str) -> tuple[str, float]:
-    """``NAME=SECONDS``, e.g. ``token_gap=60``; NAME is a field of ``tether.node.hangs.Deadlines``."""
-    name, sep, value = text.partition("=")
-    names = ", ".join(Deadlines.__struct_fields__)
-    if not sep or name not in Deadlines.__struct_fields__:
-        raise argparse.ArgumentTypeError(f"bad deadline {text!r}: use NAME=SECONDS with NAME one of {names}")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad deadline {text!r}: {value!r} is not a number of seconds") from None
-    return name, seconds
+parse_fault = _argument(settings.parse_fault)
+parse_deadline = _argument(settings.parse_deadline)
+parse_size = _argument(units.parse_size)
+parse_seconds = _argument(units.parse_duration)
+parse_ranks = _argument(settings.parse_ranks)
 
 
-def parse_size(text: str) -> int:
-    """Bytes, or a number with a K/M/G/T suffix (binary: 512M = 512 MiB)."""
-    try:
-        return units.parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def parse_ranks(text: str) -> int | str:
-    """A number of ranks, or ``auto`` (placement chooses, for an engine that splits the model)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad --ranks {text!r}: give a number of ranks or 'auto'") from None
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``tether``'s commands by name (argparse keeps them in a private action: this is the one place that reads it)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--raw", action="store_true", help="send the prompt as a raw completion, no chat template")
     run.add_argument("--json", action="store_true", help="print every event as one JSON line on stdout")
-    _add_runner_arguments(run, engine_help)
+    _add_runner_arguments(run, engine_help, defaults=True)
 
     srv = sub.add_parser(
         "serve",
@@ -107,11 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
         "supervised runner, and the HTTP API: OpenAI's /v1/chat/completions, /v1/completions, /v1/responses, "
         "/v1/embeddings, /v1/models; Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/ps, /api/show, "
         "/api/version; /v1/instances, /healthz, /readyz, /metrics, and their OpenAPI schema at /openapi.json. "
-        "SIGINT/SIGTERM stop it within the stop bound.",
+        "SIGINT/SIGTERM stop it within the stop bound. Every option is also a key of the --config file and a "
+        "TETHER_* environment variable (--max-queue: max_queue, TETHER_MAX_QUEUE); a flag wins over the environment, "
+        "the environment over the file. Durations take seconds or '5m', '1h30m'; sizes bytes or '512M', '4G'.",
+        argument_default=argparse.SUPPRESS,  # defaults live in ServeSettings: only typed flags override the others
     )
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
+    srv.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of settings (every option below, by its name with _ for -) and [[models]] tables (the "
+        "catalog); also TETHER_CONFIG",
+    )
+    srv.add_argument("--host", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also: TETHER_API_KEY)")
     access = srv.add_argument_group(
         "who may reach it",
         "a server on 127.0.0.1 is reachable from every web page its user opens: by default it answers only to "
@@ -121,7 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     access.add_argument(
         "--allowed-hosts",
         action="append",
-        default=[],
         metavar="NAMES",
         help="more Host names to answer to, comma-separated ('tether.lan', 'tether.lan:8000', '*.lan', '*' for any; "
         "also TETHER_ALLOWED_HOSTS); on loopback only loopback names are served without it",
@@ -129,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     access.add_argument(
         "--cors-origins",
         action="append",
-        default=[],
         metavar="ORIGINS",
         help="web origins whose pages may call the API, comma-separated ('http://localhost:3000', "
         "'http://localhost:*', '*' for every site; also TETHER_CORS_ORIGINS): they get CORS headers and preflights",
@@ -145,13 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve a non-loopback --host without an API key, on purpose (refused otherwise)",
     )
-    srv.add_argument("--name", default=None, help="the instance's id and model name (default: the GGUF's stem)")
-    srv.add_argument("--restart", choices=("on-failure", "never"), default="on-failure", help="restart policy")
-    srv.add_argument(
-        "--max-queue", type=int, default=16, help="generations waiting for a batch slot before 503 (default 16)"
-    )
-    srv.add_argument("--max-body", type=parse_size, default="4M", help="request body limit (default 4M)")
-    srv.add_argument("--memory-limit", type=parse_size, default=None, help="memory limit of the runner's cgroup")
+    srv.add_argument("--name", help="the instance's id and model name (default: the GGUF's stem)")
+    srv.add_argument("--restart", choices=("on-failure", "never"), help="restart policy")
+    srv.add_argument("--max-queue", type=int, help="generations waiting for a batch slot before 503 (default 16)")
+    srv.add_argument("--max-body", type=parse_size, help="request body limit (default 4M)")
+    srv.add_argument("--memory-limit", type=parse_size, help="memory limit of the runner's cgroup")
     models = srv.add_argument_group(
         "many models",
         "a catalog of models loaded on demand: a request naming an unloaded one loads it (evicting idle models, least "
@@ -159,36 +151,34 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in default model is always in the catalog. The model above (--model, default: the default model) "
         "loads at start.",
     )
-    models.add_argument("--models", type=Path, default=None, metavar="DIR", help="every *.gguf in DIR, by file stem")
     models.add_argument(
-        "--catalog", type=Path, default=None, metavar="FILE", help="a TOML file of models (ids, aliases, options, ...)"
+        "--models", dest="models_dir", type=Path, metavar="DIR", help="every *.gguf in DIR, by file stem"
+    )
+    models.add_argument(
+        "--catalog", type=Path, metavar="FILE", help="a TOML file of models (ids, aliases, options, ...)"
     )
     models.add_argument(
         "--keep-alive",
-        default=None,
         metavar="DURATION",
         help="how long an idle model stays loaded: seconds or '5m', '1h'; 0 unloads when idle, -1 never (default: 5m "
         "with --models/--catalog, else -1: the one model stays)",
     )
-    models.add_argument("--max-loaded", type=int, default=None, metavar="N", help="at most N models loaded at once")
+    models.add_argument("--max-loaded", type=int, metavar="N", help="at most N models loaded at once")
     models.add_argument(
         "--load-wait",
-        type=float,
-        default=300.0,
+        type=parse_seconds,
         metavar="S",
         help="seconds a request waits for its model to load before a 503 (default 300)",
     )
     models.add_argument(
         "--reclaim-timeout",
-        type=float,
-        default=10.0,
+        type=parse_seconds,
         metavar="S",
         help="seconds an eviction waits for node memory to come back before the load is refused (default 10)",
     )
     models.add_argument(
         "--reclaim-poll",
-        type=float,
-        default=None,
+        type=parse_seconds,
         metavar="S",
         help="after an eviction, check memory every S seconds (the first after S) instead of as soon as the evicted "
         "runner is reaped: Ollama's way, for comparison (bench/swap.py)",
@@ -202,18 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray",
         nargs="?",
         const="local",
-        default=None,
         metavar="ADDRESS",
         help="an existing cluster ('auto', 'HOST:6379'); no ADDRESS starts a local Ray head (pip install "
         "'tether[ray]')",
     )
-    ray.add_argument(
-        "--replicas", type=int, default=1, metavar="N", help="copies of the model loaded at start, spread over nodes"
-    )
+    ray.add_argument("--replicas", type=int, metavar="N", help="copies of the model loaded at start, spread over nodes")
     ray.add_argument(
         "--ranks",
         type=parse_ranks,
-        default=1,
         metavar="N|auto",
         help="runners per life of the model loaded at start, one per rank, failing and restarting together (an engine "
         "that declares distributed: llama.cpp splits the model's layers over them, the debug engine's ring copies "
@@ -223,28 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument(
         "--node-memory-limit",
         type=parse_size,
-        default=None,
         metavar="SIZE",
         help="what tether may use on each node (a memory cgroup per node agent; placement counts only this)",
     )
     ray.add_argument(
-        "--heartbeat-interval", type=float, default=0.2, metavar="S", help="heartbeat period, each way (default 0.2)"
+        "--heartbeat-interval", type=parse_seconds, metavar="S", help="heartbeat period, each way (default 0.2)"
     )
     ray.add_argument(
         "--lost-after",
-        type=float,
-        default=1.0,
+        type=parse_seconds,
         metavar="S",
         help="seconds of heartbeat silence before a node is lost and its requests fail (default 1)",
     )
     ray.add_argument(
         "--lease",
-        type=float,
-        default=3.0,
+        type=parse_seconds,
         metavar="S",
         help="seconds without this coordinator after which a node agent stops its runners itself (default 3)",
     )
-    _add_runner_arguments(srv, engine_help)
+    _add_runner_arguments(srv, engine_help, defaults=False)
 
     st = sub.add_parser(
         "status",
@@ -303,56 +286,72 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str) -> None:
-    """What ``run`` and ``serve`` both take: the engine and model, its options, and how its runner is supervised."""
-    command.add_argument("--engine", default="llama.cpp", help=engine_help)
-    command.add_argument("--model", type=Path, default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str, *, defaults: bool) -> None:
+    """What ``run`` and ``serve`` both take: the engine and model, its options, and how its runner is supervised.
+    ``defaults``: set ``ServeSettings``' defaults on the parser (``run``), or leave them to the settings (``serve``,
+    whose flags must override the environment and the file only when typed)."""
+
+    def default(key: str) -> dict[str, Any]:
+        if not defaults:
+            return {}
+        value = ServeSettings.model_fields[key].get_default(call_default_factory=True)
+        return {"default": list(value) if isinstance(value, tuple | dict) else value}
+
+    command.add_argument("--engine", **default("engine"), help=engine_help)
+    command.add_argument("--model", type=Path, **default("model"), help="GGUF path (default: SmolLM2-135M-Instruct)")
     command.add_argument(
         "--n-ctx",
         type=int,
-        default=None,
+        **default("n_ctx"),
         help="context length per sequence (llama.cpp; default: the model's trained context, at most 8192, lowered "
         "to what memory holds)",
     )
     command.add_argument(
         "--parallel",
         type=int,
-        default=None,
+        **default("parallel"),
         help="generations served at once in one batch (llama.cpp default 8; each holds n-ctx of KV cache)",
     )
-    command.add_argument("--threads", type=int, default=None, help="CPU threads (llama.cpp)")
+    command.add_argument("--threads", type=int, **default("threads"), help="CPU threads (llama.cpp)")
     command.add_argument(
         "--prompt-cache-ram",
         type=parse_size,
-        default=None,
+        **default("prompt_cache_ram"),
         metavar="SIZE",
         help="RAM for prompt prefixes saved from slots (llama.cpp; default: the KV cache's size; 0: none)",
     )
     command.add_argument(
         "--fault",
+        dest="faults",
         type=parse_fault,
+        metavar="FAULT",
         action="append",
-        default=[],
+        **default("faults"),
         help="debug engine fault KIND[:PHASE[:AFTER_TOKENS]], e.g. segv:generate:5 (repeatable)",
     )
-    command.add_argument("--stop-timeout", type=float, default=10.0, help="bound on stopping a runner (s)")
-    defaults = Deadlines()
+    command.add_argument(
+        "--stop-timeout", type=parse_seconds, **default("stop_timeout"), help="bound on stopping a runner (s)"
+    )
+    deadlines = Deadlines()
     command.add_argument(
         "--deadline",
+        dest="deadlines",
         type=parse_deadline,
         action="append",
-        default=[],
+        **default("deadlines"),
         metavar="NAME=SECONDS",
         help="how long a phase may go without progress before the runner counts as hung (repeatable); defaults: "
-        + ", ".join(f"{name}={getattr(defaults, name):g}" for name in Deadlines.__struct_fields__),
+        + ", ".join(f"{name}={getattr(deadlines, name):g}" for name in Deadlines.__struct_fields__),
     )
     command.add_argument(
         "--force",
         action="store_true",
+        **default("force"),
         help="load even when the fit check says the model does not fit the memory available",
     )
     command.add_argument(
         "--no-reap",
         action="store_true",
+        **default("no_reap"),
         help=f"do not reap runners of dead workers at start (also: {orphans.AUTO_REAP_ENV}=0)",
     )

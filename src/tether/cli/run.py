@@ -57,7 +57,7 @@ def _engine_spec(args: argparse.Namespace) -> EngineSpec:
         options["parallel"] = 1  # one prompt: one sequence's cache, not a server's batch of them
     if "prompt_cache_ram" not in options and "prompt_cache_ram" in known:
         options["prompt_cache_ram"] = 0  # one prompt: nothing to keep for a next one
-    load_faults = tuple(f for f in args.fault if f.phase != "generate")
+    load_faults = tuple(f for f in args.faults if f.phase != "generate")
     return EngineSpec(
         engine=engine_name(args),
         model=str(args.model.resolve()) if args.model else None,
@@ -67,7 +67,7 @@ def _engine_spec(args: argparse.Namespace) -> EngineSpec:
 
 
 def _params(args: argparse.Namespace) -> GenerateParams:
-    gen_faults = tuple(f for f in args.fault if f.phase == "generate")
+    gen_faults = tuple(f for f in args.faults if f.phase == "generate")
     common = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

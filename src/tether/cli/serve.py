@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -25,6 +24,7 @@ import anyio
 import uvicorn
 
 from tether import env
+from tether.cli import settings as settings_of
 from tether.cli.common import (
     EXIT_CANNOT_BIND,
     EXIT_DOES_NOT_FIT,
@@ -36,6 +36,7 @@ from tether.cli.common import (
     fail,
     reap_at_start,
 )
+from tether.cli.settings import ServeSettings
 from tether.errors import EngineImportRefused, InvalidField, TetherError, UnknownEngine
 from tether.fleet.catalog import (
     DEFAULT_KEEP_ALIVE,
@@ -43,7 +44,7 @@ from tether.fleet.catalog import (
     Catalog,
     Model,
     builtin_default,
-    keep_alive_seconds,
+    catalog_models,
     read_catalog_file,
     scan_models_dir,
 )
@@ -53,7 +54,7 @@ from tether.node.fit import DoesNotFit
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.node.upkeep import Upkeep, interval_from_env
 from tether.serve.app import create_app
-from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern, patterns
+from tether.serve.guard import Policy, Refusal, check_host_pattern, check_origin_pattern
 from tether.serve.tracing import TRACEMALLOC, start_tracing, tracing_wanted
 
 if TYPE_CHECKING:
@@ -89,35 +90,43 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def instance_config(args: argparse.Namespace) -> InstanceConfig:
+def instance_config(settings: ServeSettings) -> InstanceConfig:
     return InstanceConfig(
-        id=args.name,
-        engine=args.engine,
-        model=str(args.model.resolve()) if args.model else None,
-        options=engine_options(args),
-        faults=tuple(args.fault),
-        restart=RestartPolicy(mode=args.restart),
-        deadlines=deadlines_from(args),
-        memory_limit=args.memory_limit,
-        max_queue=args.max_queue,
-        force=args.force,
-        replicas=args.replicas,
-        ranks=args.ranks,
+        id=settings.name,
+        engine=settings.engine,
+        model=str(settings.model.resolve()) if settings.model else None,
+        options=engine_options(settings),
+        faults=settings.faults,
+        restart=RestartPolicy(mode=settings.restart),
+        deadlines=deadlines_from(settings),
+        memory_limit=settings.memory_limit,
+        max_queue=settings.max_queue,
+        force=settings.force,
+        replicas=settings.replicas,
+        ranks=settings.ranks,
     )
 
 
-def build_catalog(args: argparse.Namespace, first: InstanceConfig) -> Catalog:
-    """The models this worker serves: its first (``first``, loaded at start), a ``--catalog`` file's, every GGUF in
-    ``--models``, and the built-in default model (when installed and not catalogued under its id already)."""
-    many = args.models is not None or args.catalog is not None
-    keep = keep_alive_seconds(args.keep_alive, "--keep-alive")
+def build_catalog(settings: ServeSettings, first: InstanceConfig) -> Catalog:
+    """The models this worker serves: its first (``first``, loaded at start), the config file's ``[[models]]``, a
+    ``--catalog`` file's, every GGUF in ``--models``, and the built-in default model (when installed and not
+    catalogued under its id already)."""
+    many = settings.models_dir is not None or settings.catalog is not None or bool(settings.models)
+    keep = settings.keep_alive
     default_keep = keep if keep is not None else DEFAULT_KEEP_ALIVE if many else FOREVER
     catalog = Catalog([Model(first.default_id(), first, (), default_keep, False, "the command line")])
-    if args.catalog is not None:
-        for model in read_catalog_file(args.catalog, default_keep, allow_engine_import=args.allow_engine_import):
+    if settings.models:
+        source = str(settings.config) if settings.config is not None else settings_of.env_name("models")
+        tables = {"models": [dict(table) for table in settings.models]}
+        for model in catalog_models(tables, source, None, default_keep, settings.allow_engine_import):
             catalog.add(model)
-    if args.models is not None:
-        for model in scan_models_dir(args.models, default_keep, first):
+    if settings.catalog is not None:
+        for model in read_catalog_file(
+            settings.catalog, default_keep, allow_engine_import=settings.allow_engine_import
+        ):
+            catalog.add(model)
+    if settings.models_dir is not None:
+        for model in scan_models_dir(settings.models_dir, default_keep, first):
             catalog.add(model)
     builtin = builtin_default(default_keep, first)
     if builtin is not None and catalog.find(builtin.id) is None:
@@ -126,25 +135,31 @@ def build_catalog(args: argparse.Namespace, first: InstanceConfig) -> Catalog:
 
 
 def command(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_of.load(settings_of.given_flags(args))
+    except InvalidField as exc:
+        return fail(str(exc), EXIT_USAGE)
+    for warning in settings_of.unknown_environment():
+        print(f"tether: warning: {warning}", file=sys.stderr)
     if tracing_wanted():  # TETHER_TRACEMALLOC=1: trace from the start, so a snapshot sees every allocation kept
         start_tracing()
         print(f"tether: tracing allocations ({TRACEMALLOC}=1): POST /v1/debug/tracemalloc", file=sys.stderr)
-    reap_at_start(args)
-    return anyio.run(serve, args)
+    reap_at_start(settings)
+    return anyio.run(serve, settings, args.verbose)
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(settings: ServeSettings, verbose: int = 0) -> int:
     """Run the server until SIGINT/SIGTERM; the exit status says how it ended."""
 
-    api_key = args.api_key or os.environ.get(env.API_KEY) or None
-    if api_key and args.no_auth:
+    api_key = settings.api_key
+    if api_key and settings.no_auth:
         return fail(
             "--no-auth and an API key (--api-key or TETHER_API_KEY) contradict each other: pick one", EXIT_USAGE
         )
     try:
-        config = instance_config(args)
-        hosts = [check_host_pattern(h) for h in patterns(args.allowed_hosts, os.environ.get(env.ALLOWED_HOSTS))]
-        origins = [check_origin_pattern(o) for o in patterns(args.cors_origins, os.environ.get(env.CORS_ORIGINS))]
+        config = instance_config(settings)
+        hosts = [check_host_pattern(h) for h in settings.allowed_hosts]
+        origins = [check_origin_pattern(o) for o in settings.cors_origins]
         upkeep = Upkeep(interval_from_env())
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
@@ -152,46 +167,47 @@ async def serve(args: argparse.Namespace) -> int:
     if isinstance(problem, UnknownEngine):
         return fail(str(problem), EXIT_USAGE)
     try:
-        sock = _bind(args.host, args.port)
+        sock = _bind(settings.host, settings.port)
     except OSError as exc:
         print(
-            f"tether: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose another --port",
+            f"tether: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}; choose another --port",
             file=sys.stderr,
         )
         return EXIT_CANNOT_BIND
     listen = sock.getsockname()[0]
-    policy = Policy(listen, tuple(hosts), tuple(origins), api_key, args.max_body)
+    policy = Policy(listen, tuple(hosts), tuple(origins), api_key, settings.max_body)
     if not policy.loopback and not api_key:
-        if not args.no_auth:
+        if not settings.no_auth:
             sock.close()
             return fail(
-                f"refusing to serve {args.host} (not loopback) without an API key: anyone who can reach this address "
-                "could start instances, import engines, read runner logs and use the models. Set --api-key KEY (or "
-                f"{env.API_KEY}), or pass --no-auth to serve it open on purpose",
+                f"refusing to serve {settings.host} (not loopback) without an API key: anyone who can reach this "
+                "address could start instances, import engines, read runner logs and use the models. Set --api-key "
+                f"KEY (or {env.API_KEY}), or pass --no-auth to serve it open on purpose",
                 EXIT_USAGE,
             )
         print(
-            f"tether: warning: serving {args.host} without an API key (--no-auth): anyone who can reach it can use it",
+            f"tether: warning: serving {settings.host} without an API key (--no-auth): anyone who can reach it can "
+            "use it",
             file=sys.stderr,
         )
     try:
-        catalog = build_catalog(args, config)
+        catalog = build_catalog(settings, config)
     except (InvalidField, EngineImportRefused) as exc:
         sock.close()
         return fail(str(exc), EXIT_USAGE)
     began = time.monotonic()
-    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    url = f"http://{settings.host}:{sock.getsockname()[1]}"
     async with contextlib.AsyncExitStack() as stack:
         cluster = None
-        if args.ray is not None:
+        if settings.ray is not None:
             try:
-                cluster = await stack.enter_async_context(ray_cluster(args))
+                cluster = await stack.enter_async_context(ray_cluster(settings))
             except TetherError as exc:
                 sock.close()
                 return fail(str(exc), EXIT_FAILED)
             nodes = ", ".join(f"{link.short} ({link.host})" for link in cluster.links.values())
             print(f"tether: Ray cluster: node agents on {nodes}", file=sys.stderr, flush=True)
-        return await _serve(args, sock, catalog, config, url, began, policy, cluster, upkeep)
+        return await _serve(settings, verbose, sock, catalog, config, url, began, policy, cluster, upkeep)
 
 
 class _RefusalReport:
@@ -218,25 +234,26 @@ class _RefusalReport:
         )
 
 
-def ray_cluster(args: argparse.Namespace) -> Cluster:
+def ray_cluster(settings: ServeSettings) -> Cluster:
     """The Ray cluster ``--ray`` names (``local``: start one here), with its node agents."""
     from tether.cluster.coordinator import Cluster, ClusterSettings
 
-    settings = ClusterSettings(
-        address=None if args.ray == "local" else args.ray,
-        interval=args.heartbeat_interval,
-        lost_after=args.lost_after,
-        lease=args.lease,
-        node_memory_limit=args.node_memory_limit,
-        stop_timeout=args.stop_timeout,
+    cluster_settings = ClusterSettings(
+        address=None if settings.ray == "local" else settings.ray,
+        interval=settings.heartbeat_interval,
+        lost_after=settings.lost_after,
+        lease=settings.lease,
+        node_memory_limit=settings.node_memory_limit,
+        stop_timeout=settings.stop_timeout,
     )
-    cluster = Cluster(settings)
+    cluster = Cluster(cluster_settings)
     cluster.listeners.add(lambda e: print(f"tether: node {e.node[:8]} {e.kind}: {e.why}", file=sys.stderr, flush=True))
     return cluster
 
 
 async def _serve(
-    args: argparse.Namespace,
+    settings: ServeSettings,
+    verbose: int,
     sock: socket.socket,
     catalog: Catalog,
     config: InstanceConfig,
@@ -246,17 +263,17 @@ async def _serve(
     cluster: Cluster | None,
     upkeep: Upkeep,
 ) -> int:
-    fleet = Fleet(stop_timeout=args.stop_timeout, cluster=cluster)
+    fleet = Fleet(stop_timeout=settings.stop_timeout, cluster=cluster)
     scheduler = Scheduler(
         fleet,
         catalog,
-        max_loaded=args.max_loaded,
-        load_wait=args.load_wait,
-        reclaim_timeout=args.reclaim_timeout,
-        reclaim_poll=args.reclaim_poll,
+        max_loaded=settings.max_loaded,
+        load_wait=settings.load_wait,
+        reclaim_timeout=settings.reclaim_timeout,
+        reclaim_poll=settings.reclaim_poll,
         default=config.default_id(),
         placement=cluster.place if cluster is not None else None,
-        allow_engine_import=args.allow_engine_import,
+        allow_engine_import=settings.allow_engine_import,
     )
     scheduler.listeners.add(lambda d: print(f"tether: {d.kind} {d.model}: {d.reason}", file=sys.stderr, flush=True))
     async with fleet, scheduler:
@@ -294,9 +311,9 @@ async def _serve(
             uvicorn.Config(
                 app,
                 lifespan="off",
-                access_log=args.verbose > 0,
-                log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=max(1, int(args.stop_timeout / 4)),
+                access_log=verbose > 0,
+                log_level="info" if verbose else "warning",
+                timeout_graceful_shutdown=max(1, int(settings.stop_timeout / 4)),
                 # Longer than clients keep an idle connection (httpx and so openai-python: 5 s, uvicorn's own default
                 # too): at equal timeouts a client reuses the connection just as the server closes it, and that
                 # request fails with a connection error before the server ever sees it.

@@ -22,7 +22,6 @@ A model entry takes every field of ``POST /v1/instances`` (engine, options, rest
 from __future__ import annotations
 
 import math
-import re
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,20 +31,15 @@ from typing import Annotated, Any
 import msgspec
 
 from tether.engines import registry
-from tether.errors import InvalidField
+from tether.errors import InvalidField, did_you_mean
 from tether.fleet.fleet import ID_PATTERN, InstanceConfig
 from tether.models import DefaultModelMissing, default_model_path
 from tether.protocol import documented
+from tether.units import DURATION, parse_duration
 
 FOREVER = math.inf
 DEFAULT_KEEP_ALIVE = 300.0  # Ollama's default: five minutes idle, then unloaded
 LONGEST_KEEP_ALIVE = 1e9  # seconds (31 years); longer is for ever (and no date overflows)
-# Go's time.ParseDuration syntax ("5m", "1h30m", "-1s"), as Ollama's keep_alive takes it, or seconds as text
-DURATION = r"^-?(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+$|^-?([0-9]+(\.[0-9]*)?|\.[0-9]+)$"
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
-_DURATION = re.compile(DURATION)
-
 KeepAlive = Annotated[float, documented()] | Annotated[str, documented(pattern=DURATION)]
 
 
@@ -55,22 +49,12 @@ def keep_alive_seconds(value: float | str | None, field: str = "keep_alive") -> 
     None when not given."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise InvalidField(field, f"{field} must be a number of seconds or a duration such as '5m', got {value!r}")
-    if isinstance(value, str):
-        text = value.strip()
-        if not _DURATION.fullmatch(text):
-            raise InvalidField(
-                field, f"{field} must be a number of seconds or a duration such as '5m' or '1h', got {value!r}"
-            )
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("-")
-        parts = _PART.findall(body)
-        seconds = sign * (sum(float(n) * _UNITS[unit] for n, unit in parts) if parts else float(body))
-    else:
-        seconds = float(value)
-    if math.isnan(seconds):
-        raise InvalidField(field, f"{field} must be a number of seconds, got NaN")
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        raise InvalidField(
+            field, f"{field} must be a number of seconds or a duration such as '5m' or '1h', got {value!r}"
+        ) from None
     return FOREVER if seconds < 0 or seconds > LONGEST_KEEP_ALIVE else seconds
 
 
@@ -194,19 +178,40 @@ def read_catalog_file(path: Path, default_keep_alive: float, *, allow_engine_imp
         raise InvalidField("catalog", f"cannot read the catalog {path}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise InvalidField("catalog", f"the catalog {path} is not valid TOML: {exc}") from exc
+    return catalog_models(data, str(path), path.parent, default_keep_alive, allow_engine_import)
+
+
+def catalog_models(
+    data: Any, source: str, base: Path | None, default_keep_alive: float, allow_engine_import: bool
+) -> list[Model]:
+    """The models of a catalog's tables (``{"keep_alive": ..., "models": [...]}``, from a ``--catalog`` file or a
+    ``--config`` file's ``[[models]]``), model paths relative to ``base``; ``source`` names where they came from."""
+    _check_keys(data, CatalogFile, source)
+    for index, entry in enumerate(data.get("models", ()) if isinstance(data.get("models"), list) else ()):
+        _check_keys(entry, ModelEntry, f"{source}, models[{index}]")
     try:
         parsed = msgspec.convert(data, CatalogFile)
     except msgspec.ValidationError as exc:
-        raise InvalidField("catalog", f"the catalog {path} is invalid: {exc}") from exc
+        raise InvalidField("catalog", f"the catalog {source} is invalid: {exc}") from exc
     try:
         fallback = keep_alive_seconds(parsed.keep_alive)
     except InvalidField as exc:
-        raise InvalidField("keep_alive", f"the catalog {path}: {exc}") from None
+        raise InvalidField("keep_alive", f"the catalog {source}: {exc}") from None
     default = default_keep_alive if fallback is None else fallback
     for entry in parsed.models:
         named = f"model {entry.id!r}" if entry.id is not None else "a model"  # default_id() would import it
-        registry.check_import(entry.engine, allow_engine_import, f"{named} of the catalog {path}")
-    return [entry_model(entry, default, str(path), base=path.parent) for entry in parsed.models]
+        registry.check_import(entry.engine, allow_engine_import, f"{named} of the catalog {source}")
+    return [entry_model(entry, default, source, base=base) for entry in parsed.models]
+
+
+def _check_keys(table: object, struct: type[msgspec.Struct], where: str) -> None:
+    """An unknown key of ``table`` is an ``InvalidField`` naming it and the closest of ``struct``'s fields."""
+    if not isinstance(table, dict):
+        return
+    known = [field.encode_name for field in msgspec.structs.fields(struct)]
+    for key in table:
+        if key not in known:
+            raise InvalidField(str(key), f"{where}: unknown key {key!r}{did_you_mean(str(key), known)}")
 
 
 def scan_models_dir(directory: Path, default_keep_alive: float, template: InstanceConfig) -> list[Model]:

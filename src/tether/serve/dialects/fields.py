@@ -3,7 +3,7 @@
 Each request struct registers a policy for each of its fields. ``tests/test_fields.py`` walks every field of every
 registered struct and fails when one has no policy, or when a field's policy is not what a request shows (an
 honoured field must change what is generated or how it is answered, a refused one must be a 400 naming it, a
-metadata one must change nothing); the README's parameter table is ``markdown()``, checked to be current.
+metadata one must change nothing); the docs' field reference page is ``markdown()``, generated at every build.
 Request structs refuse fields they do not declare (as OpenAI's own API does), so a misspelt or unsupported
 parameter is a 400 naming it, not a silent default.
 """
@@ -56,7 +56,7 @@ def encoded_name(struct: type[msgspec.Struct], attr: str) -> str:
 
 
 def markdown() -> str:
-    """The README's parameter table: every registered body, every field, what tether does with it."""
+    """The field reference: every registered body, every field, what tether does with it."""
     lines: list[str] = []
     for title, (struct, policies) in _REGISTRY.items():
         lines += [f"**{title}**", "", "| field | tether | note |", "|---|---|---|"]

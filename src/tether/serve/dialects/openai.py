@@ -2,7 +2,7 @@
 
 Bodies are decoded with msgspec (typed, with the offending field named in the error) into structs that refuse
 fields they do not declare, as OpenAI's API does. Every declared field is honoured or refused with a 400 naming
-it, or is metadata that changes nothing; each struct registers which (``fields``), and the README's table is made
+it, or is metadata that changes nothing; each struct registers which (``fields``), and the docs' field reference is made
 from that. A request becomes a ``Plan``: the ``GenerateParams`` the runner gets, plus how the answer is shaped
 (streaming, usage, logprobs, tool calls).
 """

@@ -6,7 +6,7 @@ responses are 400s saying so, and ``GET``/``DELETE /v1/responses/{id}`` answer 4
 maps onto what chat completions already do: ``instructions`` and ``input`` items become the conversation (function
 calls and their outputs in the generic tool format, ``tools``), ``text.format`` is grammar-constrained structured
 output, function ``tools`` are ``function_call`` output items. Every field is honoured, refused or metadata, as
-registered below (the README's table).
+registered below (the docs' field reference).
 """
 
 from __future__ import annotations
