@@ -526,12 +526,14 @@ for delta in engine.generate(GenerateParams(prompt="x", max_tokens=9, faults=(fa
 
 
 @pytest.mark.timeout(10)
-def test_default_model_missing_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_missing_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import importlib.util
 
+    monkeypatch.setenv("TETHER_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(DefaultModelMissing, match="make install"):
+    with pytest.raises(DefaultModelMissing, match=r"run `tether pull` .* or pass a GGUF file path") as caught:
         default_model_path()
+    assert str(tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf") in str(caught.value)
 
 
 @pytest.mark.timeout(10)

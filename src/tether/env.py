@@ -14,6 +14,7 @@ DISABLE_ORPHAN_WATCHDOG = "TETHER_DISABLE_ORPHAN_WATCHDOG"  # 1: runners may out
 AUTO_REAP = "TETHER_AUTO_REAP"  # 0: a starting worker does not reap the runners of dead workers
 RUNTIME_DIR = "TETHER_RUNTIME_DIR"  # where runner records live (default $XDG_RUNTIME_DIR/tether)
 LOG_DIR = "TETHER_LOG_DIR"  # where runner output logs go (default $XDG_STATE_HOME/tether/logs)
+DATA_DIR = "TETHER_DATA_DIR"  # where `tether pull` keeps models, in models/ (default $XDG_DATA_HOME/tether)
 API_KEY = "TETHER_API_KEY"  # the bearer key `tether serve` requires and `tether status` sends
 ALLOWED_HOSTS = "TETHER_ALLOWED_HOSTS"  # more names `tether serve` answers to (comma-separated; see --allowed-hosts)
 CORS_ORIGINS = "TETHER_CORS_ORIGINS"  # web origins whose pages may call `tether serve` (comma-separated)

@@ -20,6 +20,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
         from tether.cli.status import command
     elif name == "chaos":
         from tether.cli.chaos import command
+    elif name == "pull":
+        from tether.cli.pull import command
     else:
         from tether.cli.orphans import command
     return command

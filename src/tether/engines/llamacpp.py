@@ -76,7 +76,7 @@ from tether.engines.base import Delta, EngineLoadError, ProgressCallback, Reques
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
 from tether.engines.llamacpp_tools import template_messages, tool_grammar
-from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
+from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
 
 if TYPE_CHECKING:
@@ -562,7 +562,7 @@ class LlamaCppEngine:
         if not path.is_file():
             raise EngineLoadError(
                 f"model file {path} does not exist: pass the path of a GGUF file, or omit the model to use "
-                f"the built-in {DEFAULT_MODEL_NAME} ({INSTALL_HINT} if it is missing)"
+                f"the built-in {DEFAULT_MODEL_NAME} ({PULL_HINT} if it is missing)"
             )
         try:
             with path.open("rb") as f:
