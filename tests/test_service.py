@@ -134,7 +134,10 @@ def test_tether_started_as_the_unit_starts_it_stops_on_its_signal_within_its_tim
         streaming = threading.Event()
 
         def stream() -> None:
-            body = {"messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}], "stream": True}
+            body = {
+                "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}],
+                "stream": True,
+            }
             body |= {"max_tokens": 2000, "temperature": 0}
             try:
                 with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as answer:
