@@ -135,7 +135,7 @@ def emit(result: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as out:
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        print(f"recorded as {rec['id']} in {path.relative_to(ROOT)}", file=sys.stderr, flush=True)
+        print(f"recorded as {rec['id']} in {_from_root(str(path))}", file=sys.stderr, flush=True)
     print(json.dumps(result), flush=True)
 
 
