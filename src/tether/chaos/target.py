@@ -33,10 +33,13 @@ class ServeChild:
         verbose: bool = False,
         cgroup: Path | None = None,
         reaper: bool = False,
+        program: tuple[str, ...] = (sys.executable, "-m", "tether"),
+        cwd: Path | None = None,
     ) -> None:
         """``reaper``: give the server a reaper (``_REAPER``) that kills it, and removes ``cgroup``, should this
-        process die without stopping it (the campaign does; a test's own fixtures stop their servers)."""
-        argv = [sys.executable, "-m", "tether", *(("-v",) if verbose else ()), "serve", "--port", "0", *args]
+        process die without stopping it (the campaign does; a test's own fixtures stop their servers). ``program``:
+        the ``tether`` command to run (default: this interpreter's), in ``cwd``."""
+        argv = [*program, *(("-v",) if verbose else ()), "serve", "--port", "0", *args]
         if cgroup is not None:  # the worker joins the memory cgroup before it starts (so do its runners, below it)
             argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -49,7 +52,13 @@ class ServeChild:
                 start_new_session=True,  # a kill of this process's group must not take it too
             )
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
         )
         if self._reaper is not None and self._reaper.stdin is not None:
             self._reaper.stdin.write(f"{self.proc.pid} {cgroup or ''}\n".encode())
