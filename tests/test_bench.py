@@ -43,6 +43,8 @@ def test_orphan_exit_bench_quick_run_prints_its_json_line() -> None:
     for key in ("default_p99_ms", "default_group_p99_ms", "pdeathsig_p99_ms", "lifeline_p99_ms", "poll_p99_ms"):
         assert result[key] > 0
     assert result["seed_poll_p99_ms"] > 0
+    for name, trials in result["trials"].items():  # every runner exit kept, for the docs' distributions
+        assert len(result["samples_ms"][name]) == trials, (name, result["samples_ms"])
 
 
 @pytest.mark.timeout(170)
@@ -52,6 +54,9 @@ def test_detect_bench_quick_run_prints_its_json_line() -> None:
     assert result["lost_events"] == 0, result
     assert result["p99_ms"] > 0
     assert result["baseline_p99_ms"] > 0
+    samples = result["samples_ms"]  # every trial kept, for the docs' distributions
+    assert len(samples["all_terminal"]) == len(samples["failed_status"]) == result["trials"], samples
+    assert len(samples["baseline"]) == result["baseline_trials"], samples
 
 
 @pytest.mark.timeout(170)
