@@ -516,7 +516,9 @@ async def run_campaign(
     if engine != "debug":
         raise ValueError(f"the cluster target runs the debug engine only, not {engine!r}")
     if importlib.util.find_spec("ray") is None:
-        raise ValueError("the cluster target needs Ray: pip install 'tether[ray]'")
+        raise ValueError(
+            "the cluster target needs Ray: install tether's ray extra (pip install '.[ray]' in the checkout)"
+        )
     report = Report(seed, NAME, {"engine": engine, "nodes": NODES, "lost_after_s": LOST_AFTER, "lease_s": LEASE})
     began = time.monotonic()
     figures = ClusterFigures()

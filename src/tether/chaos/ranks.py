@@ -621,7 +621,9 @@ async def run_campaign(
     if engine not in ENGINES:
         raise ValueError(f"the ranks target runs the {' or '.join(ENGINES)} engine, not {engine!r}")
     if on_cluster and importlib.util.find_spec("ray") is None:
-        raise ValueError(f"the {CLUSTER_NAME} target needs Ray: pip install 'tether[ray]'")
+        raise ValueError(
+            f"the {CLUSTER_NAME} target needs Ray: install tether's ray extra (pip install '.[ray]' in the checkout)"
+        )
     where = {"nodes": cluster.NODES} if on_cluster else {}
     name = CLUSTER_NAME if on_cluster else NAME
     report = Report(seed, name, {"engine": engine, **where})

@@ -194,8 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="local",
         metavar="ADDRESS",
-        help="an existing cluster ('auto', 'HOST:6379'); no ADDRESS starts a local Ray head (pip install "
-        "'tether[ray]')",
+        help="an existing cluster ('auto', 'HOST:6379'); no ADDRESS starts a local Ray head (tether's ray extra)",
     )
     ray.add_argument("--replicas", type=int, metavar="N", help="copies of the model loaded at start, spread over nodes")
     ray.add_argument(

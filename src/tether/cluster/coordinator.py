@@ -126,7 +126,8 @@ def _import_ray() -> Any:
         import ray
     except ImportError as exc:
         raise RayUnavailable(
-            "tether serve --ray needs Ray: pip install 'tether[ray]' (ray==2.60.0), on this machine and every node"
+            "tether serve --ray needs Ray: install tether's ray extra (ray==2.60.0; pip install '.[ray]' in the "
+            "checkout), on this machine and every node"
         ) from exc
     return ray
 

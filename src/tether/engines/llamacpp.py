@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from tether.engines.llamacpp_batch import Batch
     from tether.engines.llamacpp_estimate import ModelEstimate
 
-INSTALL_HINT = "run `make install` (or `pip install 'tether[llama]'`)"
+INSTALL_HINT = "install tether's llama extra (`make install`, or `pip install '.[llama]'` in the checkout)"
 PARALLEL_DEFAULT = 8
 PROMPT_CACHE_FALLBACK = 256 << 20  # the RAM store's "auto" budget when the GGUF's header cannot be sized
 
