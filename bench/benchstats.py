@@ -179,11 +179,12 @@ def machine() -> str:
 
 
 def _git_head() -> tuple[str | None, bool | None]:
-    """HEAD's sha and whether tracked files differ from it (None, None outside a git checkout)."""
+    """HEAD's sha and whether tracked files differ from it (None, None outside a git checkout). The results files
+    themselves do not count: recording one run after another, uncommitted, must not call the second's tree dirty."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"],
             cwd=ROOT,
             capture_output=True,
             text=True,
