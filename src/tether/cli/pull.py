@@ -20,13 +20,14 @@ from pathlib import Path
 import httpx
 
 from tether.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
+from tether.errors import TetherError
 from tether.models import PACKAGED, PackagedModel, models_dir, pulled_path
 from tether.units import format_bytes
 
 CHUNK = 1 << 20
 
 
-class PullFailed(Exception):
+class PullFailed(TetherError):
     """A pull that cannot finish; the message says why and what to do."""
 
 
