@@ -273,18 +273,30 @@ def test_what_runs_on_loopback_keeps_working() -> None:
 
 
 @pytest.mark.slow
-def test_hosts_and_origins_the_operator_allows_get_in_from_flags_and_the_environment() -> None:
+def test_hosts_and_origins_the_operator_allows_get_in_from_flags_or_the_environment() -> None:
+    """From the environment alone, or from flags, which win over it (as every setting's flag does)."""
     env = dict(os.environ, TETHER_ALLOWED_HOSTS="box.lan", TETHER_CORS_ORIGINS="http://ui.lan:3000")
+    with debug_server(env=env) as server:
+        port = _port(server)
+        assert server.http.get("/v1/models", headers={"Host": f"box.lan:{port}"}).status_code == 200
+        answer = server.http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://ui.lan:3000"}
+        )
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://ui.lan:3000"
     with debug_server("--allowed-hosts", "tether.lan,*.home", "--cors-origins", "http://app.lan", env=env) as server:
         port = _port(server)
-        for host in (f"tether.lan:{port}", "nas.home", f"box.lan:{port}"):
+        for host in (f"tether.lan:{port}", "nas.home"):
             assert server.http.get("/v1/models", headers={"Host": host}).status_code == 200, host
-        assert server.http.get("/v1/models", headers={"Host": "other.lan"}).status_code == 403
-        for origin in ("http://app.lan", "http://ui.lan:3000"):
-            answer = server.http.post(
-                "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Origin": origin}
-            )
-            assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
+        for host in ("other.lan", f"box.lan:{port}"):  # the flag's list replaced the environment's
+            assert server.http.get("/v1/models", headers={"Host": host}).status_code == 403, host
+        answer = server.http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://app.lan"}
+        )
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://app.lan"
+        refused = server.http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://ui.lan:3000"}
+        )
+        assert refused.status_code == 403
 
 
 @pytest.mark.slow

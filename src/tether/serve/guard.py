@@ -26,7 +26,7 @@ import functools
 import hmac
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi.responses import Response
@@ -150,15 +150,6 @@ def check_origin_pattern(entry: str) -> str:
             "('http://localhost:*'), or '*' alone for every site"
         )
     return entry
-
-
-def patterns(values: Iterable[str | None], environ_value: str | None) -> list[str]:
-    """Comma-separated lists from repeated flags and the environment, as one list of non-empty entries."""
-    found: list[str] = []
-    for value in [*values, environ_value]:
-        if value:
-            found += [part for part in (p.strip() for p in value.split(",")) if part]
-    return found
 
 
 @dataclass(frozen=True)
