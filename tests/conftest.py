@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import http.server
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -320,6 +322,19 @@ def model_server() -> Iterator[Server]:
 
 def debug_server(*args: str, **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
     return serving("--engine", "debug", *args, **kwargs)
+
+
+@contextlib.contextmanager
+def http_site(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A web server of its own on 127.0.0.1 (a free port) answering with ``handler`` for the block; its base URL."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 # --------------------------------------------------------------------------------------------------------------

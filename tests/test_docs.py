@@ -6,18 +6,17 @@ benchmarks page with its plots loaded."""
 from __future__ import annotations
 
 import argparse
-import functools
 import http.server
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from conftest import http_site
 from tether.cli import parser as cli_parser
 from tether.cli.settings import KEYS, env_name
 from tether.serve.dialects import fields
@@ -105,20 +104,15 @@ def test_every_setting_route_and_field_is_on_its_generated_page() -> None:
 
 @pytest.fixture(scope="module")
 def served_site(site: Path) -> Iterator[str]:
-    handler = functools.partial(QuietHandler, directory=str(site))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(site), **kwargs)
 
+        def log_message(self, *args: object) -> None:
+            pass
 
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+    with http_site(Handler) as url:
+        yield url
 
 
 @pytest.mark.timeout(120)

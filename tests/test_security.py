@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ import ollama
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from conftest import CHROMIUM, TETHER, Server, debug_server, wait_until
+from conftest import CHROMIUM, TETHER, Server, debug_server, http_site, wait_until
 from tether.engines import registry
 from tether.serve.guard import Guard, Policy, check_host_pattern, check_origin_pattern, is_loopback, split_host
 
@@ -427,14 +426,8 @@ def site(pages: dict[str, str]) -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with http_site(Handler) as url:
+        yield url
 
 
 def csrf_form(target: str, instance_id: str) -> str:
