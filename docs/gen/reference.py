@@ -14,7 +14,7 @@ import httpx
 import mkdocs_gen_files
 
 from tether import env
-from tether.cli.parser import build_parser, subcommands
+from tether.cli.parser import build_parser, command_helps, subcommands
 from tether.cli.settings import ServeSettings, env_name
 from tether.fleet.catalog import Catalog
 from tether.fleet.fleet import Fleet
@@ -58,7 +58,7 @@ def cli_page() -> str:
         "| --- | --- |",
     ]
     commands = subcommands(parser)
-    helps = _command_helps(parser)
+    helps = command_helps(parser)
     lines += [f"| [`tether {name}`](#tether-{name}) | {_cell(helps.get(name, ''))} |" for name in commands]
     lines.append("")
     lines += _options(parser, "tether")
@@ -67,13 +67,6 @@ def cli_page() -> str:
         lines += ["```text", sub.format_usage().strip(), "```", ""]
         lines += _options(sub, f"tether {name}")
     return "\n".join(lines) + "\n"
-
-
-def _command_helps(parser: argparse.ArgumentParser) -> dict[str, str]:
-    for action in parser._actions:  # argparse keeps its actions private; reading them is how sphinx-argparse works
-        if isinstance(action, argparse._SubParsersAction):
-            return {choice.dest: choice.help or "" for choice in action._choices_actions}
-    return {}
 
 
 def _options(parser: argparse.ArgumentParser, title: str) -> list[str]:

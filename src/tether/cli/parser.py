@@ -47,11 +47,23 @@ parse_ranks = _argument(settings.parse_ranks)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    """``tether``'s commands by name (argparse keeps them in a private action: this is the one place that reads it)."""
+    """``tether``'s commands by name."""
+    action = _commands(parser)
+    return dict(action.choices) if action is not None else {}
+
+
+def command_helps(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each command's one-line help, as ``tether --help`` lists it."""
+    action = _commands(parser)
+    return {choice.dest: choice.help or "" for choice in action._choices_actions} if action is not None else {}
+
+
+def _commands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[argparse.ArgumentParser] | None:
+    """argparse keeps the commands in a private action: this is the one place that reads it."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+            return action
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
