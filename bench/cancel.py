@@ -85,6 +85,7 @@ import anyio.to_thread
 from benchstats import PERCENTILE, emit, fmt, llama_unavailable, ms, percentile, print_rows, private_tether_dirs
 from tether.engines.base import Delta, Engine
 from tether.engines.registry import create_engine
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
 
@@ -259,7 +260,7 @@ async def run_engine(spec: EngineSpec, params: GenerateParams, ks: Sequence[int]
     limiter = anyio.CapacityLimiter(1)  # one generation at a time on the in-process engine
     trials: dict[str, list[Trial]] = {side: [] for side in SIDES}
     try:
-        async with Supervisor(spec, stop_timeout=STOP_TIMEOUT) as sup:
+        async with Supervisor(spec, SupervisorSettings(stop_timeout=STOP_TIMEOUT)) as sup:
             with anyio.fail_after(START_TIMEOUT):
                 await sup.ready()
             for i, k in enumerate(ks):

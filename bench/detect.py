@@ -79,6 +79,7 @@ import anyio.to_thread
 
 from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.node.oom import OomEvidence, OomWatch
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskHandle
 from tether.protocol import (
@@ -216,7 +217,7 @@ async def tether_trial(index: int, timer: _EvidenceTimer) -> TetherTrial:
             if done == STREAMS:
                 all_done.set()
 
-    async with Supervisor(spec, stop_timeout=STOP_TIMEOUT) as sup:
+    async with Supervisor(spec, SupervisorSettings(stop_timeout=STOP_TIMEOUT)) as sup:
         with anyio.fail_after(START_TIMEOUT):
             await sup.ready()
         sup.add_status_listener(on_status)

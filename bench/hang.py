@@ -108,6 +108,7 @@ import msgspec
 
 from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, private_tether_dirs
 from tether.node.hangs import Deadlines, process_state
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskEvent, TaskFailed, TaskHandle
 from tether.protocol import (
@@ -377,10 +378,10 @@ async def run_trial(scn: Scenario, side: Side, gate: Gate) -> Trial:
     deadlines = scn.deadlines if side == "tether" else BASE  # baseline: only the client's timeout acts
     sup = _TimedSupervisor(
         scn.spec,
+        SupervisorSettings(
+            heartbeat_interval=HEARTBEAT_INTERVAL, start_timeout=START_TIMEOUT, stop_timeout=STOP_TIMEOUT
+        ),
         deadlines=deadlines,
-        heartbeat_interval=HEARTBEAT_INTERVAL,
-        start_timeout=START_TIMEOUT,
-        stop_timeout=STOP_TIMEOUT,
     )
     arrived = False
     try:

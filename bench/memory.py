@@ -74,6 +74,7 @@ from benchstats import PERCENTILE, emit, fmt, ms, percentile, print_rows, privat
 from tether.kernel.pids import group_members
 from tether.node.memory import ProcessMemory, node_memory, process_memory, process_status_memory
 from tether.node.nvml import GpuUsage
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
 
@@ -149,7 +150,7 @@ class Costs:
 
 async def measure_costs(n: int) -> Costs:
     costs = Costs()
-    async with Supervisor(LLAMA, memory_interval=0, stop_timeout=STOP_TIMEOUT) as sup:
+    async with Supervisor(LLAMA, SupervisorSettings(memory_interval=0, stop_timeout=STOP_TIMEOUT)) as sup:
         await sup.ready()
         pid = sup.pid
         assert pid is not None
@@ -159,7 +160,7 @@ async def measure_costs(n: int) -> Costs:
         await sup.sample_memory()  # the first one asks NVML once; later ones remember its answer
         costs.group_us = await time_group_samples(sup, n)
         costs.llama_group = sup.footprint
-    async with Supervisor(DEBUG, memory_interval=0, stop_timeout=STOP_TIMEOUT) as sup:
+    async with Supervisor(DEBUG, SupervisorSettings(memory_interval=0, stop_timeout=STOP_TIMEOUT)) as sup:
         await sup.ready()
         pid = sup.pid
         assert pid is not None
@@ -214,7 +215,7 @@ class Run:
 
 async def generation_run(spec: EngineSpec, interval: float, params: GenerateParams, index: int) -> Run:
     run = Run(spec.engine, interval, index)
-    async with TimedSupervisor(spec, memory_interval=interval, stop_timeout=STOP_TIMEOUT) as sup:
+    async with TimedSupervisor(spec, SupervisorSettings(memory_interval=interval, stop_timeout=STOP_TIMEOUT)) as sup:
         await sup.ready()
         assert sup.process is not None
         ours = [os.getpid(), *group_members(sup.process.pgid)]

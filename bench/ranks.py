@@ -95,6 +95,7 @@ from tether.kernel.ports import RankPorts
 from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceReady, RestartPolicy
 from tether.node.ranks import RankGroup
+from tether.node.settings import SupervisorSettings
 from tether.protocol import CauseKind, ChatMessage, Chunk, GenerateParams, TaskState
 
 ROUNDS = 20
@@ -391,7 +392,7 @@ async def rank_rounds(rounds: int, ports: list[int], errors: list[str]) -> list[
         options=RING_OPTIONS,
         restart=rank_policy(rounds),
     )
-    async with Fleet(stop_timeout=STOP_TIMEOUT) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=STOP_TIMEOUT)) as fleet:
         hosted = await fleet.add(config)
         inst = hosted.replicas[0]
         await inst.wait_ready(READY_TIMEOUT)
@@ -489,7 +490,7 @@ async def split_side(rounds: int, frozen: int, speed: int, ports: list[int], err
         restart=rank_policy(rounds + frozen),
         deadlines=Deadlines(),  # the defaults: a frozen rank is found by its heartbeat deadline (5 s)
     )
-    async with Fleet(stop_timeout=STOP_TIMEOUT) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=STOP_TIMEOUT)) as fleet:
         local = await fleet.add(InstanceConfig(id="local", engine="llama.cpp", options=SPLIT_OPTIONS))
         hosted = await fleet.add(config)
         split = hosted.replicas[0]

@@ -30,6 +30,7 @@ from tether.node.instance import Backoff, RestartPolicy, remove_logs
 from tether.node.listeners import Listeners
 from tether.node.output import OutputCapture
 from tether.node.recent import Recent
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, InFlight, TaskHandle
 from tether.protocol import EngineSpec, GenerateParams, TaskState, TaskStatus
@@ -111,7 +112,7 @@ def test_ended_ids_are_also_forgotten_once_older_than_RECENT_SECONDS() -> None:
 
 @pytest.mark.anyio
 async def test_a_supervisor_remembers_at_most_RECENT_FINISHED_task_ids(tmp_path: Path) -> None:
-    sup = Supervisor(EngineSpec(engine="debug"), runner_id="bounds", log_dir=tmp_path)
+    sup = Supervisor(EngineSpec(engine="debug"), SupervisorSettings(log_dir=tmp_path), runner_id="bounds")
     for i in range(supervisor_module.RECENT_FINISHED + 300):
         send, _ = anyio.create_memory_object_stream[Any](1)
         sup._inflight[f"t{i}"] = InFlight(task=None, send=send)  # type: ignore[arg-type]

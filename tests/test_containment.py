@@ -15,6 +15,7 @@ from tether.kernel.cgroups import MemoryCgroup
 from tether.node.hangs import Deadlines
 from tether.node.memory import node_memory
 from tether.node.oom import OomEvidence
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.protocol import CauseKind, EngineSpec, Fault, GenerateParams, TaskState
 
@@ -55,7 +56,9 @@ def test_node_memory_outside_a_limit_is_the_hosts() -> None:
 @pytest.mark.usefixtures("own_cgroups")
 async def test_a_runner_gets_its_own_cgroup_and_it_is_removed_after_the_runner() -> None:
     with anyio.fail_after(30):
-        async with Supervisor(EngineSpec(engine="debug", options={"helpers": 1}), memory_interval=0.05) as sup:
+        async with Supervisor(
+            EngineSpec(engine="debug", options={"helpers": 1}), SupervisorSettings(memory_interval=0.05)
+        ) as sup:
             await sup.ready()
             assert sup.pid is not None and sup.cgroup is not None
             cgroup = MemoryCgroup.of_pid(sup.pid)
@@ -103,7 +106,10 @@ async def test_a_runner_stalled_at_its_memory_limit_is_out_of_memory_not_a_deadl
         params = GenerateParams(prompt="x", max_tokens=50, faults=(Fault(kind=kind, after_tokens=2),))
         with anyio.fail_after(45):
             async with Supervisor(
-                EngineSpec(engine="debug"), memory_limit=128 * MiB, deadlines=limits, heartbeat_interval=0.25
+                EngineSpec(engine="debug"),
+                SupervisorSettings(heartbeat_interval=0.25),
+                memory_limit=128 * MiB,
+                deadlines=limits,
             ) as sup:
                 await sup.ready()
                 final = await (await sup.generate(params)).wait()

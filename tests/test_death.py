@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import anyio
 import pytest
 
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskHandle
 from tether.protocol import (
@@ -138,7 +139,7 @@ async def test_every_death_in_every_phase_is_one_cause_with_evidence(
     finals: list[TaskStatus] = []
     with anyio.fail_after(45):
         async with (
-            Supervisor(_spec(case, phase), cgroup=cgroup, stop_timeout=2) as sup,
+            Supervisor(_spec(case, phase), SupervisorSettings(stop_timeout=2), cgroup=cgroup) as sup,
             anyio.create_task_group() as tg,
         ):
             assert sup.pid is not None

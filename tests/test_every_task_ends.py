@@ -13,6 +13,7 @@ import pytest
 from conftest import debug, pid_alive, prompt
 from tether.channel import PARTIAL_FRAME_STALL, AsyncReceiver, AsyncSender, EndOfStream
 from tether.node.hangs import Deadlines
+from tether.node.settings import SupervisorSettings
 from tether.node.spawn import spawn_runner
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed
@@ -227,7 +228,7 @@ async def test_cancel_mid_stream_ends_cancelled_and_unknown_cancel_is_harmless()
 async def test_stop_is_bounded_for_a_hung_runner_that_ignores_sigterm() -> None:
     spec = debug(Fault(kind="ignore_sigterm", phase="load"))
     with anyio.fail_after(30):
-        async with Supervisor(spec, stop_timeout=2.0) as sup:
+        async with Supervisor(spec, SupervisorSettings(stop_timeout=2.0)) as sup:
             await sup.ready()
             handle = await sup.generate(prompt(100, Fault(kind="hang", after_tokens=1)))
             async for event in handle:
@@ -370,7 +371,7 @@ async def test_the_garbage_fault_writes_garbage_from_inside_the_runner() -> None
 async def test_a_task_write_that_times_out_raises_with_the_hang_as_its_cause() -> None:
     """The send timeout used to raise before the hang's cause existed (it is declared in the background)."""
     with anyio.fail_after(30):
-        async with Supervisor(debug(), send_timeout=0.3) as sup:
+        async with Supervisor(debug(), SupervisorSettings(send_timeout=0.3)) as sup:
             await sup.ready()
             assert sup.pid is not None
             os.kill(sup.pid, signal.SIGSTOP)  # reads nothing more: the pipe fills
@@ -406,7 +407,7 @@ async def test_a_runner_stopped_while_loading_or_warming_up_exits_at_once_and_cl
     slow = Fault(kind="slow", phase="load" if phase == "loading" else "warmup", seconds=3600)
     spec = debug(slow, helpers=1, helper_kind="setsid")
     with anyio.fail_after(30):
-        async with Supervisor(spec, stop_timeout=10) as sup:
+        async with Supervisor(spec, SupervisorSettings(stop_timeout=10)) as sup:
             task = await sup.submit(LoadTask("load"))
             if phase == "warming up":
                 assert (await task.wait()).state is TaskState.COMPLETE
@@ -441,7 +442,7 @@ async def test_a_runner_flooding_stderr_is_drained_and_only_a_bounded_tail_is_ke
     """A full stderr pipe would block the runner: the supervisor reads it continuously, keeping the last lines."""
     flood = Fault(kind="stderr_flood", after_tokens=2, lines=50_000)
     with anyio.fail_after(30):
-        async with Supervisor(debug(), output_lines=100) as sup:
+        async with Supervisor(debug(), SupervisorSettings(output_lines=100)) as sup:
             await sup.ready()
             text, final = await (await sup.generate(prompt(5, flood))).text()
     tail = sup.output_tail  # complete once the runner is gone: the output pipe is drained before the exit is reported

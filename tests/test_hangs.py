@@ -16,6 +16,7 @@ import pytest
 from conftest import debug, prompt
 from tether.node.hangs import Deadlines, ProgressWatch, process_state, stack_dump, stack_dump_complete
 from tether.node.instance import Instance, InstanceReady, InstanceRestarting, RestartPolicy
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskFailed
 from tether.protocol import (
@@ -136,7 +137,7 @@ def test_deadlines_refuse_nonsense_with_the_reason() -> None:
     with pytest.raises(ValueError, match="token_gap must be a positive number of seconds, got -1"):
         Deadlines(token_gap=-1)
     with pytest.raises(ValueError, match=r"heartbeat \(1 s\) must be at least twice the heartbeat interval"):
-        Supervisor(debug(), deadlines=Deadlines(heartbeat=1.0), heartbeat_interval=0.75)
+        Supervisor(debug(), SupervisorSettings(heartbeat_interval=0.75), deadlines=Deadlines(heartbeat=1.0))
 
 
 def test_process_state_reads_the_kernel_letter() -> None:
@@ -203,7 +204,7 @@ async def test_a_native_hang_holding_the_gil_is_caught_by_the_heartbeat_with_its
     beat = 1.0
     with anyio.fail_after(30):
         async with Supervisor(
-            debug(token_seconds=0.005), deadlines=deadlines(heartbeat=beat), heartbeat_interval=0.25
+            debug(token_seconds=0.005), SupervisorSettings(heartbeat_interval=0.25), deadlines=deadlines(heartbeat=beat)
         ) as sup:
             last, failed_at, cause, _ = await _hang_mid_generation(sup, Fault(kind="hang_gil", after_tokens=3), 3)
     dump = assert_hang(cause, "decode", "heartbeat", stacks=True)
@@ -218,7 +219,7 @@ async def test_a_sigstopped_runner_is_caught_by_the_heartbeat_and_said_to_be_sto
     beat = 1.0
     with anyio.fail_after(30):
         async with Supervisor(
-            debug(token_seconds=0.01), deadlines=deadlines(heartbeat=beat), heartbeat_interval=0.25
+            debug(token_seconds=0.01), SupervisorSettings(heartbeat_interval=0.25), deadlines=deadlines(heartbeat=beat)
         ) as sup:
             pid = sup.pid
             assert pid is not None

@@ -23,6 +23,7 @@ from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
 from tether.node.instance import InstanceFailed, RestartPolicy
+from tether.node.settings import SupervisorSettings
 from tether.protocol import CauseKind, ChatMessage, EngineSpec, GenerateParams, RankInfo, TaskState
 
 MISSING = model_missing()
@@ -45,7 +46,7 @@ STORY = GenerateParams(
 async def split() -> AsyncIterator[Hosted]:
     """The default model over 2 ranks in an in-process fleet (heartbeat deadline 2 s, so a frozen rank is found
     within ~2 s plus its kill)."""
-    async with Fleet(stop_timeout=10) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
                 id="split",
@@ -88,7 +89,7 @@ def test_the_layer_plan_is_llama_cpps_and_the_estimate_counts_each_ranks_share()
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
 async def test_a_split_model_writes_the_single_process_models_greedy_text(ranks: int) -> None:
-    async with Fleet(stop_timeout=10) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         texts = {}
         for n in (1, ranks):
             hosted = await fleet.add(InstanceConfig(id=f"m{n}", engine="llama.cpp", ranks=n, options=OPTIONS))
@@ -165,7 +166,7 @@ async def test_rank_1_killed_by_the_oom_killer_is_an_out_of_memory_of_rank_1() -
     # Each rank's cgroup is limited to 300 MiB: rank 1 loads (~70 MiB) and holds its layers' KV cache for 8192
     # cells (~95 MiB) and their attention scratch (~150 MiB at a 512-token micro-batch), touched by a long prompt.
     long = GenerateParams(prompt="The lighthouse keeper counted the waves. " * 700, max_tokens=4)
-    async with Fleet(stop_timeout=10) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
                 id="oom",
@@ -197,7 +198,7 @@ async def test_a_held_port_is_a_retried_load_error_naming_its_holder() -> None:
     holder.bind(("127.0.0.1", ports[1]))
     holder.listen(1)
     try:
-        async with Fleet(stop_timeout=10) as fleet:
+        async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
             hosted = await fleet.add(
                 InstanceConfig(
                     id="held",

@@ -37,6 +37,7 @@ from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
 from tether.node.instance import InstanceFailed, InstanceReady, RestartPolicy
+from tether.node.settings import SupervisorSettings
 from tether.protocol import CauseKind, Fault, TaskState
 
 pytestmark = pytest.mark.timeout(90)
@@ -48,7 +49,7 @@ MiB = 1 << 20
 async def ring(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[Fleet, Hosted]]:
     """A 2-rank debug ring in an in-process fleet; leaving the fleet must end the instance without an error."""
     caplog.set_level(logging.ERROR, logger="tether.fleet.fleet")
-    async with Fleet(stop_timeout=10) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
                 id="ring",
@@ -131,7 +132,7 @@ async def test_a_rank_killed_from_outside_ends_every_request_with_its_cause(ring
 @pytest.mark.usefixtures("no_leftover_runners")
 @pytest.mark.slow
 async def test_cancel_is_per_request_and_a_rank_stuck_in_the_ring_is_a_hang_of_the_instance() -> None:
-    async with Fleet(stop_timeout=10) as fleet:
+    async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
                 id="slowring",

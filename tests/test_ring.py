@@ -18,6 +18,7 @@ import anyio
 import pytest
 
 from tether.node.hangs import Deadlines
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskFailed
 from tether.protocol import (
@@ -62,7 +63,9 @@ async def ring(specs: list[EngineSpec], deadlines: Deadlines | None = None) -> A
     """One Supervisor per rank, all made ready together (rank 0's warm-up needs the others' at the same time)."""
     async with contextlib.AsyncExitStack() as stack:
         sups = [
-            await stack.enter_async_context(Supervisor(spec, runner_id=f"rank{i}", stop_timeout=3, deadlines=deadlines))
+            await stack.enter_async_context(
+                Supervisor(spec, SupervisorSettings(stop_timeout=3), runner_id=f"rank{i}", deadlines=deadlines)
+            )
             for i, spec in enumerate(specs)
         ]
         async with anyio.create_task_group() as tg:
@@ -73,7 +76,7 @@ async def ring(specs: list[EngineSpec], deadlines: Deadlines | None = None) -> A
 
 async def plain_text(params: GenerateParams) -> str:
     """What a plain (rankless) debug runner answers."""
-    async with Supervisor(EngineSpec(engine="debug"), stop_timeout=3) as sup:
+    async with Supervisor(EngineSpec(engine="debug"), SupervisorSettings(stop_timeout=3)) as sup:
         await sup.ready()
         text, final = await (await sup.generate(params)).text()
     assert final.state is TaskState.COMPLETE, final
@@ -156,7 +159,7 @@ async def test_a_held_port_fails_the_load_as_an_exception_a_restart_retries() ->
         try:
             holder.bind((host, port))
             holder.listen()
-            async with Supervisor(specs[1], stop_timeout=3) as sup:
+            async with Supervisor(specs[1], SupervisorSettings(stop_timeout=3)) as sup:
                 with pytest.raises(TaskFailed):
                     await sup.load()
                 cause = (await failed(sup)).cause
@@ -166,7 +169,9 @@ async def test_a_held_port_fails_the_load_as_an_exception_a_restart_retries() ->
         assert "Address already in use" in cause.summary and f":{port}" in cause.summary, cause.render()
         assert f"ss -ltnp 'sport = :{port}'" in cause.summary, cause.render()
         assert f"pid {os.getpid()} (" in cause.summary, "the error names who holds the port"
-        async with Supervisor(specs[1], stop_timeout=3) as retry:  # the holder is gone: the next life loads
+        async with Supervisor(
+            specs[1], SupervisorSettings(stop_timeout=3)
+        ) as retry:  # the holder is gone: the next life loads
             await retry.load()
 
 

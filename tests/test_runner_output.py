@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from tether.node.output import OutputCapture
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.protocol import EngineSpec, Fault, GenerateParams, TaskState
 
@@ -37,7 +38,7 @@ async def test_a_flooding_runner_fills_rotating_files_of_bounded_size(tmp_path: 
     flood = Fault(kind="stderr_flood", after_tokens=1, lines=20_000)
     with anyio.fail_after(30):
         async with Supervisor(
-            EngineSpec(engine="debug"), log_dir=tmp_path, log_max_bytes=64 << 10, log_backups=2
+            EngineSpec(engine="debug"), SupervisorSettings(log_dir=tmp_path, log_max_bytes=64 << 10, log_backups=2)
         ) as sup:
             await sup.ready()
             final = await (await sup.generate(GenerateParams(prompt="x", max_tokens=3, faults=(flood,)))).wait()

@@ -27,6 +27,7 @@ from tether.engines import registry
 from tether.errors import InvalidField
 from tether.node import fit
 from tether.node.memory import process_memory
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed
 from tether.protocol import (
@@ -132,7 +133,7 @@ async def _run(args: argparse.Namespace) -> int:
         deadlines = deadlines_from(args)
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
-    supervisor = Supervisor(spec, stop_timeout=args.stop_timeout, deadlines=deadlines)
+    supervisor = Supervisor(spec, SupervisorSettings(stop_timeout=args.stop_timeout), deadlines=deadlines)
     if emit_json:
         supervisor.add_status_listener(lambda status: emit({"type": "status", "status": status}))
     else:

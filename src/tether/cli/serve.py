@@ -263,7 +263,7 @@ async def _serve(
     cluster: Cluster | None,
     upkeep: Upkeep,
 ) -> int:
-    fleet = Fleet(stop_timeout=settings.stop_timeout, cluster=cluster)
+    fleet = Fleet(settings.supervision(), cluster=cluster)
     scheduler = Scheduler(
         fleet,
         catalog,

@@ -28,6 +28,7 @@ from tether import env, units
 from tether.errors import InvalidField, did_you_mean
 from tether.fleet.catalog import keep_alive_seconds
 from tether.node.hangs import Deadlines
+from tether.node.settings import SupervisorSettings
 from tether.protocol import Fault
 
 PREFIX = "TETHER_"
@@ -207,6 +208,10 @@ class ServeSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Flags (the init values), then the environment, then the file: the first place that sets a key wins."""
         return init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=_FILE_VALUES.get())
+
+    def supervision(self) -> SupervisorSettings:
+        """How this worker supervises its runners: built here once, handed to the fleet and from it to every life."""
+        return SupervisorSettings(stop_timeout=self.stop_timeout)
 
 
 KEYS: tuple[str, ...] = tuple(ServeSettings.model_fields)

@@ -34,6 +34,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
+from tether.clock import MONOTONIC, Clock
 from tether.cluster import wire
 from tether.errors import TetherError
 from tether.kernel.cgroups import MemoryCgroup, create_child_cgroup
@@ -41,6 +42,7 @@ from tether.node import fit
 from tether.node.gone import RunnerNotGone, wait_runner_gone
 from tether.node.hangs import Deadlines
 from tether.node.memory import NodeMemory, node_memory
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.node.upkeep import GC_INTERVAL, Upkeep, interval_from_env
@@ -126,14 +128,18 @@ class NodeAgent:
     """The agent's state and calls. The coordinator wraps this class with ``ray.remote`` (so this module does not
     import Ray) and pins one per node."""
 
-    def __init__(self, settings: bytes) -> None:
+    def __init__(self, settings: bytes, clock: Clock = MONOTONIC) -> None:
         self.settings = msgspec.msgpack.decode(settings, type=AgentSettings)
+        self.clock = clock  # the lease's (a test steps a ``SteppedClock``)
+        self.supervision = SupervisorSettings(
+            stop_timeout=self.settings.stop_timeout, reap_timeout=self.settings.reap_timeout, clock=clock
+        )
         self._lives: dict[str, _Life] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cgroup: MemoryCgroup | None = None
         self._parent_cgroup: MemoryCgroup | None = None
         self.fenced: str | None = None  # why, while fenced
-        self._heard = time.monotonic()
+        self._heard = clock.now()
         self._seq = 0
 
     # --- start -------------------------------------------------------------------------------------------------
@@ -199,7 +205,7 @@ class NodeAgent:
                 while True:
                     message = await reader.receive()
                     if isinstance(message, wire.Beat):
-                        self._heard = time.monotonic()
+                        self._heard = self.clock.now()
                         if self.fenced is not None:
                             log.warning("node agent %s: coordinator back; serving again", s.node_id[:8])
                             self.fenced = None
@@ -209,14 +215,15 @@ class NodeAgent:
         async def send() -> None:
             with contextlib.suppress(*gone):  # a broken connection is the receiver's to report
                 while True:
-                    silent = time.monotonic() - self._heard
+                    silent = self.clock.now() - self._heard
                     if silent > s.lease and self.fenced is None:
                         why = f"its coordinator was silent for {silent:.1f} s (lease {s.lease:g} s)"
                         await self._fence(why, stream)
                     memory = await anyio.to_thread.run_sync(node_memory)  # reads kernel files: off the loop
-                    with anyio.move_on_after(s.interval):  # a coordinator that stopped reading must not stop the watch
+                    # a coordinator that stopped reading must not stop the watch
+                    with self.clock.move_on_after(s.interval):
                         await stream.send(wire.frame(self._report(memory)))
-                    await anyio.sleep(s.interval)  # fenced too: the coordinator, back, must not find us silent
+                    await self.clock.sleep(s.interval)  # fenced too: the coordinator, back, must not find us silent
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(send)
@@ -304,10 +311,10 @@ class NodeAgent:
             return msgspec.msgpack.encode(Launched(error=f"node agent is fenced: {self.fenced}"))
         sup = Supervisor(
             msgspec.msgpack.decode(spec, type=EngineSpec),
+            self.supervision,
             runner_id=runner_id,
             deadlines=msgspec.msgpack.decode(deadlines, type=Deadlines),
             memory_limit=memory_limit,
-            stop_timeout=self.settings.stop_timeout,
         )
         life = _Life(runner_id, sup)
         self._lives[runner_id] = life

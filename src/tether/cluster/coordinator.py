@@ -40,6 +40,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream, TaskGroup
 
+from tether.clock import MONOTONIC, Clock
 from tether.cluster import agent, placement, wire
 from tether.cluster.link import AgentLink
 from tether.cluster.remote import RemoteSupervisor
@@ -136,11 +137,12 @@ class Cluster:
     """Ray, the agents and their heartbeats. Use as ``async with Cluster(settings) as cluster:`` around the fleet
     (``Fleet(cluster=cluster)``, ``Scheduler(..., placement=cluster.place)``); leaving stops the agents."""
 
-    def __init__(self, settings: ClusterSettings) -> None:
+    def __init__(self, settings: ClusterSettings, clock: Clock = MONOTONIC) -> None:
         problem = settings.check()
         if problem is not None:
             raise TetherError(f"invalid cluster settings: {problem}")
         self.settings = settings
+        self.clock = clock  # heartbeats and loss detection read it (a test steps a ``SteppedClock``)
         self.links: dict[str, AgentLink] = {}  # node id -> its current agent
         self.events: list[NodeEvent] = []
         self.listeners: Listeners[NodeEvent] = Listeners("cluster event")
@@ -263,7 +265,13 @@ class Cluster:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             name=None,
         ).remote(msgspec.msgpack.encode(settings))
-        link = AgentLink(node_id, actor, s.lost_after, settle=s.lease + s.stop_timeout + settings.reap_timeout)
+        link = AgentLink(
+            node_id,
+            actor,
+            s.lost_after,
+            settle=s.lease + s.stop_timeout + settings.reap_timeout,
+            last_seen=self.clock.now(),
+        )
         self.links[node_id] = link
         try:
             with anyio.fail_after(60):
@@ -276,7 +284,7 @@ class Cluster:
                 self._ray.kill(actor, no_restart=True)
             return
         link.pid, link.host, link.ip = info["pid"], info["host"], info.get("ip")
-        link.last_seen = time.monotonic()
+        link.last_seen = self.clock.now()
         assert self._tg is not None
         self._tg.start_soon(self._watch_actor, link)
         self._event(link.node_id, "joined", f"agent pid {link.pid} on {link.host}")
@@ -287,11 +295,11 @@ class Cluster:
             await link.actor.hold.remote()
         except Exception as exc:
             link.death[:] = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        link.died_at = time.monotonic()
+        link.died_at = self.clock.now()
         link.died.set()
         if link.lost is not None and link.lost_at is not None and link.death:
             # Ray's account came after tether's verdict (a removed node: ~2 s): the record gets it, with the lag.
-            lag = time.monotonic() - link.lost_at
+            lag = self.clock.now() - link.lost_at
             self._event(link.node_id, "ray", f"Ray reported it {lag:.2f} s after tether did: {_ray_words(link.death)}")
         self._forget_gone()
 
@@ -320,7 +328,7 @@ class Cluster:
             await stream.aclose()
             return
         link.stream = stream
-        link.last_seen = time.monotonic()
+        link.last_seen = self.clock.now()
         link.connected.set()
         ended: BaseException | None = None
         try:
@@ -343,12 +351,12 @@ class Cluster:
         with contextlib.suppress(*_GONE):  # a broken connection is the receiver's to report
             while link.lost is None:
                 seq += 1
-                with anyio.move_on_after(self.settings.interval):
+                with self.clock.move_on_after(self.settings.interval):
                     await stream.send(wire.frame(wire.Beat(seq)))
-                await anyio.sleep(self.settings.interval)
+                await self.clock.sleep(self.settings.interval)
 
     def _received(self, link: AgentLink, message: wire.Message) -> None:
-        link.last_seen = time.monotonic()
+        link.last_seen = self.clock.now()
         if isinstance(message, wire.Beat):
             link.report = message.node
             if link.fenced and not message.fenced:
@@ -371,15 +379,15 @@ class Cluster:
             stopped = set(message.stopped)
             for sup in list(link.supervisors):
                 if sup.runner_id in stopped:
-                    sup.lose(cause, time.monotonic(), settled=True)
+                    sup.lose(cause, self.clock.now(), settled=True)
 
     async def _monitor(self) -> None:
         """Declare silent agents lost; a gap in this loop itself (this process was paused) blames nobody."""
         tick = self.settings.interval / 4
-        last = time.monotonic()
+        last = self.clock.now()
         while True:
-            await anyio.sleep(tick)
-            now = time.monotonic()
+            await self.clock.sleep(tick)
+            now = self.clock.now()
             paused = now - last > self.settings.lost_after / 2
             last = now
             for link in list(self.links.values()):
@@ -397,7 +405,7 @@ class Cluster:
         """Lose ``link``'s node: fail everything on it with a cause that names it, and kill its agent."""
         if link.lost is not None:
             return
-        detected = time.monotonic()
+        detected = self.clock.now()
         link.lost = Cause(kind=CauseKind.NODE_LOST, summary=f"node {link.short} lost: {what}")  # no new placements
         if ask_ray:
             with anyio.move_on_after(RAY_WORDS_WAIT):
@@ -408,7 +416,7 @@ class Cluster:
         evidence = list(link.death[:12])
         if link.report is not None:
             evidence.append(
-                f"last report {time.monotonic() - link.last_seen:.2f} s before: {format_bytes(link.report.available)} "
+                f"last report {self.clock.now() - link.last_seen:.2f} s before: {format_bytes(link.report.available)} "
                 f"available ({link.report.source})"
             )
         cause = Cause(kind=CauseKind.NODE_LOST, summary=summary, evidence=tuple(evidence))

@@ -52,6 +52,7 @@ from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
 from tether.node.ranks import MAX_RANKS, RankGroup, Site, check_ports
 from tether.node.recent import Recent
+from tether.node.settings import DEFAULT, SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
 from tether.protocol import Cause, EngineSpec, Fault, GenerateParams, documented
@@ -297,9 +298,14 @@ class Fleet:
     """The instances of one serving worker. Use as ``async with Fleet() as fleet:``; leaving stops them all."""
 
     def __init__(
-        self, *, stop_timeout: float = 15.0, placer: Placer | None = None, cluster: Runners | None = None
+        self,
+        settings: SupervisorSettings = DEFAULT,
+        *,
+        placer: Placer | None = None,
+        cluster: Runners | None = None,
     ) -> None:
-        self.stop_timeout = stop_timeout
+        self.settings = settings  # how every local runner is supervised (a cluster's agents have their own)
+        self.stop_timeout = settings.stop_timeout
         self.placer = placer  # decides every life's placement (the scheduler); None: the fit check alone
         self.cluster = cluster  # None: every runner on this machine
         self.rank_ports = RankPorts()  # each multi-rank instance's ports, kept for all its lives
@@ -376,7 +382,7 @@ class Fleet:
         ranks = config.ranks if isinstance(config.ranks, int) else 1  # "auto" on one machine: one runner
         admitted = admitted if ranks == 1 and not auto else None  # the fit of every rank is the placement's
         factory: LifeFactory = (
-            partial(Supervisor, memory_limit=config.memory_limit)
+            partial(Supervisor, settings=self.settings, memory_limit=config.memory_limit)
             if self.cluster is None
             else self.cluster.runners(config.memory_limit)
         )
@@ -393,7 +399,7 @@ class Fleet:
                 supervisor_factory=factory,
                 deadlines=config.deadlines,
                 force=config.force,
-                stop_timeout=self.stop_timeout,
+                settings=self.settings,
                 admitted=admitted if i == 0 else None,
                 placer=self.placer,
                 ranks=ranks,
@@ -418,8 +424,11 @@ class Fleet:
         if self.cluster is not None:
             sites = self.cluster.sites(runner_id.rpartition("-")[0], config.memory_limit)  # runner ids: <name>-<life>
         else:
-            sites = [Site(LOCAL_HOST, partial(Supervisor, memory_limit=config.memory_limit))] * len(ports)
-        return RankGroup(spec, runner_id=runner_id, deadlines=deadlines, sites=sites, ports=ports)
+            local = partial(Supervisor, settings=self.settings, memory_limit=config.memory_limit)
+            sites = [Site(LOCAL_HOST, local)] * len(ports)
+        return RankGroup(
+            spec, runner_id=runner_id, deadlines=deadlines, sites=sites, ports=ports, stop_timeout=self.stop_timeout
+        )
 
     def _placed_life(
         self,

@@ -50,6 +50,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
+from tether.clock import MONOTONIC, Clock
 from tether.engines import registry
 from tether.engines.base import MemoryEstimate
 from tether.errors import InstanceExists, InvalidField, ModelRequired, NotFound, TetherError
@@ -210,10 +211,10 @@ class Scheduler:
         default: str | None = None,
         placement: Placer | None = None,
         allow_engine_import: bool = False,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.fleet = fleet
-        # What keep-alive and LRU order read (a test steps a fake one and pokes a slot); durations stay on monotonic
+        # What keep-alive countdowns and LRU order read (a test steps a ``SteppedClock``); durations stay on monotonic
         self._clock = clock
         # Whether POST /v1/instances may name an engine by module or file path (tether serve --allow-engine-import)
         self.allow_engine_import = allow_engine_import
@@ -228,7 +229,7 @@ class Scheduler:
         # starting with a sleep, as Ollama does after an unload (bench/swap.py's baseline).
         self.reclaim_poll = reclaim_poll
         self.memory = memory
-        self.slots = {model.id: Slot(model, model.keep_alive, last_used=clock()) for model in catalog}
+        self.slots = {model.id: Slot(model, model.keep_alive, last_used=clock.now()) for model in catalog}
         self.started_at = time.time()
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS)
         self.listeners: Listeners[Decision] = Listeners("scheduler decision")
@@ -261,7 +262,7 @@ class Scheduler:
 
     def now(self) -> float:
         """The scheduler's clock: ``last_used`` and keep-alive countdowns are read against it."""
-        return self._clock()
+        return self._clock.now()
 
     # --- names ----------------------------------------------------------------------------------------------
 
@@ -485,7 +486,7 @@ class Scheduler:
                 await activity.wait()
                 continue
             if wait > 0:
-                with anyio.move_on_after(wait):
+                with self._clock.move_on_after(wait):
                     await activity.wait()
                 continue
             why = "idle, keep-alive 0" if slot.keep_alive == 0 else f"idle for {describe_keep_alive(slot.keep_alive)}"

@@ -34,6 +34,7 @@ from tether.engines.debug import HELPER_KINDS
 from tether.env import DISABLE_ORPHAN_WATCHDOG
 from tether.kernel.cgroups import RUNNER_CGROUP_PREFIX, MemoryCgroup
 from tether.kernel.pids import group_members, iter_exits, open_pidfd
+from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.protocol import EngineSpec, Fault, GenerateParams, Loading, LoadTask, RunnerStatus, Running
 from tether.runner import lifeline
@@ -65,18 +66,14 @@ def _loading_with_helpers(status: RunnerStatus) -> bool:
 
 async def _worker(args: argparse.Namespace) -> None:
     layers = tuple(args.layers.split(",")) if args.layers else ()
+    settings = SupervisorSettings(orphan_layers=layers, orphan_poll_interval=args.poll_interval, stop_timeout=2)
     async with AsyncExitStack() as stack:
         runners: list[tuple[str, Supervisor]] = []
         for state in args.states.split(","):
             options: dict[str, object] = {"helpers": args.helpers, "helper_kind": args.helper_kind}
             if state == "loading":
                 options |= {"load_steps": 1, "load_step_seconds": 3600}
-            sup = Supervisor(
-                EngineSpec(engine="debug", options=options),
-                orphan_layers=layers,
-                orphan_poll_interval=args.poll_interval,
-                stop_timeout=2,
-            )
+            sup = Supervisor(EngineSpec(engine="debug", options=options), settings)
             await stack.enter_async_context(sup)
             runners.append((state, sup))
         for state, sup in runners:

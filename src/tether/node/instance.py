@@ -47,6 +47,7 @@ from tether.node.hangs import Deadlines
 from tether.node.life import RunnerLife
 from tether.node.listeners import Listeners
 from tether.node.output import DEFAULT_BACKUPS
+from tether.node.settings import DEFAULT, SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, documented, phase_of
@@ -285,11 +286,9 @@ class Instance:
         policy: RestartPolicy | None = None,
         *,
         name: str | None = None,
-        supervisor_factory: LifeFactory = Supervisor,
-        clock: Callable[[], float] = time.monotonic,
+        supervisor_factory: LifeFactory | None = None,
+        settings: SupervisorSettings = DEFAULT,
         rng: random.Random | None = None,
-        reap_timeout: float = 10.0,
-        stop_timeout: float = 15.0,
         force: bool = False,
         deadlines: Deadlines | None = None,
         admitted: FitResult | None = None,
@@ -314,8 +313,9 @@ class Instance:
         engine = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.engine.rpartition("/")[2])[-40:]
         self.name = name or f"{engine}-{uuid.uuid4().hex[:6]}"
         self.backoff = Backoff(self.policy, rng)
-        self.reap_timeout = reap_timeout
-        self.stop_timeout = stop_timeout
+        self.settings = settings
+        self.reap_timeout = settings.reap_timeout
+        self.stop_timeout = settings.stop_timeout
         self.state: InstanceState = InstanceStarting(life=1)
         # The last HISTORY_LIMIT failed lives and runner pids, oldest first: an instance that fails every few
         # seconds for months must not grow (bench/soak.py found 240 failures, their evidence, in every answer).
@@ -324,8 +324,8 @@ class Instance:
         self.failures: collections.Counter[CauseKind] = collections.Counter()  # every failed life, by cause kind
         self.restarts = 0  # replacement lives started
         self.supervisor: RunnerLife | None = None  # the current life, from spawn until its exit
-        self._factory = supervisor_factory
-        self._clock = clock
+        self._factory = supervisor_factory or functools.partial(Supervisor, settings=settings)
+        self._clock = settings.clock  # the backoff, the crash-loop window and healthy_after read it
         self._life = 0
         self._listeners: Listeners[InstanceState] = Listeners("instance state")
         self._changed = anyio.Event()
@@ -363,7 +363,7 @@ class Instance:
             self._set_state(InstanceStopping())
         self._run_scope.cancel()
         bound = self.stop_timeout if timeout is None else timeout
-        with anyio.move_on_after(bound):
+        with self._clock.move_on_after(bound):
             await self._done.wait()
         if not self._done.is_set():
             log.error("instance %s did not stop within %g s", self.name, bound)
@@ -386,7 +386,7 @@ class Instance:
         if isinstance(state, InstanceStarting):
             return f"instance {self.name} is starting its runner (life {state.life})"
         if isinstance(state, InstanceRestarting):
-            wait = max(state.resume_at - self._clock(), 0.0)
+            wait = max(state.resume_at - self._clock.now(), 0.0)
             return (
                 f"instance {self.name} is restarting in {wait:.1f} s (restart {state.life - 1}, failure "
                 f"{state.attempt} in a row) after: {state.cause.summary}"
@@ -465,7 +465,7 @@ class Instance:
             del self.history[:-HISTORY_LIMIT]
             remove_logs(f.log for f in forgotten)
             self.failures[cause.kind] += 1
-            now = self._clock()
+            now = self._clock.now()
             attempt = self.backoff.record_failure(now)
             reason = self._give_up_reason(cause, now)
             if reason is not None:
@@ -485,7 +485,7 @@ class Instance:
                 delay,
                 attempt,
             )
-            await anyio.sleep(delay)
+            await self._clock.sleep(delay)
             if sup is not None:
                 try:
                     await sup.confirm_gone(self.reap_timeout)
@@ -538,7 +538,7 @@ class Instance:
         """Ready until the runner exits; ``healthy_after`` seconds of it reset the backoff."""
         assert sup.pid is not None
         self._set_state(InstanceReady(life=life, pid=sup.pid))
-        with anyio.move_on_after(self.policy.healthy_after):
+        with self._clock.move_on_after(self.policy.healthy_after):
             await sup.wait_exit(math.inf)
         if sup.alive:
             self.backoff.record_healthy()

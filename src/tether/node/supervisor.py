@@ -26,9 +26,8 @@ import math
 import os
 import select
 import signal
-import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +54,10 @@ from tether.node.life import LifeTasks
 from tether.node.listeners import Listeners
 from tether.node.memory import ProcessMemory, process_memory
 from tether.node.oom import LimitStall, OomWatch
-from tether.node.output import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, OutputCapture, default_log_dir
+from tether.node.output import OutputCapture, default_log_dir
 from tether.node.recent import Recent
 from tether.node.registry import Registry, record_for
+from tether.node.settings import DEFAULT, SupervisorSettings
 from tether.node.spawn import ExitStatus, RunnerProcess, start_runner
 from tether.node.stacks import StackCollector
 from tether.node.tasks import (
@@ -124,55 +124,45 @@ class Supervisor(LifeTasks):
     def __init__(
         self,
         spec: EngineSpec,
+        settings: SupervisorSettings = DEFAULT,
         *,
         runner_id: str | None = None,
-        stop_timeout: float = 10.0,
-        start_timeout: float = 30.0,
-        send_timeout: float = 5.0,
         deadlines: Deadlines | None = None,
-        heartbeat_interval: float = 0.5,
-        output_lines: int = 200,
-        log_dir: Path | None = None,
-        log_max_bytes: int = DEFAULT_MAX_BYTES,
-        log_backups: int = DEFAULT_BACKUPS,
-        env: dict[str, str] | None = None,
-        orphan_layers: Sequence[str] = lifeline.LAYERS,
-        orphan_poll_interval: float = lifeline.DEFAULT_POLL_INTERVAL,
+        memory_limit: int | None = None,
         registry: Registry | None = None,
         cgroup: Path | None = None,
-        contain: bool = True,
-        memory_limit: int | None = None,
-        memory_interval: float = 2.0,
     ) -> None:
         super().__init__()
         self.spec = spec
+        self.settings = settings
+        self.clock = settings.clock
         self.node: str | None = None  # the node it runs on when that is not this machine (a cluster's)
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
-        self.stop_timeout = stop_timeout
-        self.start_timeout = start_timeout
-        self.send_timeout = send_timeout
+        self.stop_timeout = settings.stop_timeout
+        self.start_timeout = settings.start_timeout
+        self.send_timeout = settings.send_timeout
         self.deadlines = deadlines if deadlines is not None else Deadlines()
-        problem = self.deadlines.check(heartbeat_interval)
+        problem = self.deadlines.check(settings.heartbeat_interval)
         if problem is not None:
             raise InvalidField("deadlines", f"invalid deadlines: {problem}")
-        self.heartbeat_interval = heartbeat_interval
-        self._progress = ProgressWatch(self.deadlines, heartbeat=heartbeat_interval > 0)
+        self.heartbeat_interval = settings.heartbeat_interval
+        self._progress = ProgressWatch(self.deadlines, heartbeat=settings.heartbeat_interval > 0)
         self._progress.on_earlier = self._rearm_deadlines
         self._rearm = anyio.Event()
         self.hang: Hang | None = None  # the deadline that expired, once one did
         # Failure detection latency: from the exit seen (or the hang's deadline) to every task ended with the cause.
         self.detection_seconds: float | None = None
         self._detect_from: float | None = None
-        self.env = env
-        self.orphan_layers = lifeline.check_layers(orphan_layers)
-        self.orphan_poll_interval = orphan_poll_interval
+        self.env = dict(settings.env) if settings.env is not None else None
+        self.orphan_layers = lifeline.check_layers(settings.orphan_layers)
+        self.orphan_poll_interval = settings.orphan_poll_interval
         self.registry = registry if registry is not None else Registry()
         # The runner's memory cgroup: an existing one (``cgroup``), else its own child cgroup when ``contain`` and the
         # machine allows (an OOM then kills only this runner, certainly attributed, and usage is exact).
         self.cgroup = cgroup
-        self.contain = contain and cgroup is None
+        self.contain = settings.contain and cgroup is None
         self.memory_limit = memory_limit
-        self.memory_interval = memory_interval
+        self.memory_interval = settings.memory_interval
         self.footprint: ProcessMemory | None = None  # the runner's whole group, sampled every ``memory_interval`` s
         self._own_cgroup: MemoryCgroup | None = None
         self._gpu = True  # False once NVML said it is unavailable: do not ask again on every sample
@@ -185,10 +175,10 @@ class Supervisor(LifeTasks):
         self.process: RunnerProcess | None = None
         self._output = OutputCapture(
             self.runner_id,
-            tail_lines=output_lines,
-            log_dir=log_dir if log_dir is not None else default_log_dir(),
-            max_bytes=log_max_bytes,
-            backups=log_backups,
+            tail_lines=settings.output_lines,
+            log_dir=settings.log_dir if settings.log_dir is not None else default_log_dir(),
+            max_bytes=settings.log_max_bytes,
+            backups=settings.log_backups,
         )
         self._stacks = StackCollector(self._output)
         self._finished: Recent[TaskState] = Recent(RECENT_FINISHED, RECENT_SECONDS)
@@ -223,7 +213,7 @@ class Supervisor(LifeTasks):
 
     @property
     def last_heartbeat(self) -> float | None:
-        """When the runner last proved its interpreter runs (a heartbeat, or its hello), ``time.monotonic()``."""
+        """When the runner last proved its interpreter runs (a heartbeat, or its hello), on ``clock``."""
         return self._progress.last_beat
 
     @property
@@ -300,7 +290,7 @@ class Supervisor(LifeTasks):
             self._force_kill(
                 CauseKind.HANG, f"{self.name} did not report in within {self.start_timeout:.1f} s of starting"
             )
-            with anyio.move_on_after(self.stop_timeout):
+            with self.clock.move_on_after(self.stop_timeout):
                 await self._exited.wait()
         if self.hello is None:
             raise RunnerUnavailable(f"{self.name} failed to start", self.cause)
@@ -345,7 +335,7 @@ class Supervisor(LifeTasks):
 
     async def _sample_memory_periodically(self) -> None:
         while not self._exited.is_set():
-            with anyio.move_on_after(self.memory_interval):
+            with self.clock.move_on_after(self.memory_interval):
                 await self._exited.wait()
             if not self._exited.is_set():
                 await self.sample_memory()
@@ -357,8 +347,8 @@ class Supervisor(LifeTasks):
         self._stop_requested = True
         self._rearm_deadlines()  # stopping has its own bounds: the deadline watch ends
         bound = self.stop_timeout if timeout is None else timeout
-        began = time.monotonic()
-        with anyio.move_on_after(bound * 0.5):
+        began = self.clock.now()
+        with self.clock.move_on_after(bound * 0.5):
             with contextlib.suppress(BrokenPipeError, RunnerUnavailable):  # already going: wait for the exit
                 await self._send(ShutdownTask(task_id=f"shutdown-{self.runner_id}"))
             await self._exited.wait()
@@ -368,9 +358,9 @@ class Supervisor(LifeTasks):
             self._escalated_to = sig.name
             log.warning("%s did not shut down in time; sending %s to its process group", self.name, sig.name)
             self.process.kill_group(sig)
-            with anyio.move_on_after(max(began + bound * share - time.monotonic(), 0.05)):
+            with self.clock.move_on_after(max(began + bound * share - self.clock.now(), 0.05)):
                 await self._exited.wait()
-        seconds = time.monotonic() - began
+        seconds = self.clock.now() - began
         if not self._exited.is_set():
             log.error("%s (pid %d) survived SIGKILL for %.1f s", self.name, self.process.pid, seconds)
         self.stop_report = StopReport(
@@ -395,7 +385,7 @@ class Supervisor(LifeTasks):
         send, receive = anyio.create_memory_object_stream[TaskEvent](math.inf)
         self._inflight[tid] = InFlight(task=task, send=send)
         handle = TaskHandle(tid, task_kind(task), receive)
-        self._progress.sent("task", tid, time.monotonic())  # before the write: the ack may beat our next line
+        self._progress.sent("task", tid, self.clock.now())  # before the write: the ack may beat our next line
         with contextlib.suppress(BrokenPipeError):  # the runner is dying: the watcher ends the task with the cause
             await self._send(frame)
         return handle
@@ -412,7 +402,7 @@ class Supervisor(LifeTasks):
         unknown task changes nothing and says so.
         """
         if task_id in self._inflight:
-            self._progress.sent("cancel", task_id, time.monotonic())
+            self._progress.sent("cancel", task_id, self.clock.now())
             try:
                 await self._send(Cancel(task_id))
             except (BrokenPipeError, RunnerUnavailable):
@@ -439,11 +429,11 @@ class Supervisor(LifeTasks):
 
     async def _run_to_completion(self, task: Task, timeout: float | None, phase: str) -> None:
         handle = await self.submit(task)
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
+        with self.clock.move_on_after(math.inf if timeout is None else timeout):
             await handle.wait()
         if handle.final is None:
             self._force_kill(CauseKind.HANG, f"{self.name} did not finish {phase} within {timeout or 0:g} s")
-            with anyio.fail_after(self.stop_timeout):  # the kill ends the task with that cause
+            with self.clock.fail_after(self.stop_timeout):  # the kill ends the task with that cause
                 await handle.wait()
         assert handle.final is not None
         if handle.final.state is not TaskState.COMPLETE:
@@ -453,7 +443,10 @@ class Supervisor(LifeTasks):
         self._listeners.add(callback)
 
     async def wait_status(self, predicate: Callable[[RunnerStatus], bool], timeout: float) -> RunnerStatus:
-        await self._wait_until(lambda: predicate(self.status), timeout)
+        """Wait for a status; ``timeout`` is the caller's patience in real seconds, whatever clock rules this runner."""
+        with anyio.fail_after(timeout):
+            while not predicate(self.status):
+                await self._changed.wait()
         return self.status
 
     async def measure(self) -> ProcessMemory | None:
@@ -474,7 +467,7 @@ class Supervisor(LifeTasks):
         """Send a message (or a frame made of one), bounded by ``send_timeout``: past it the runner is hung."""
         assert self._sender is not None
         frame = message if isinstance(message, bytes) else self._sender.frame(message)
-        with anyio.move_on_after(self.send_timeout) as scope:
+        with self.clock.move_on_after(self.send_timeout) as scope:
             await self._sender.send_frame(frame)
         if scope.cancelled_caught:
             # A runner that has not read its task pipe for this long is stuck; a half-written frame is moot.
@@ -516,7 +509,7 @@ class Supervisor(LifeTasks):
         progress = self._progress
         rechecks = 0
         while not (self._exited.is_set() or self._stop_requested or self._forced_cause is not None):
-            now = time.monotonic()
+            now = self.clock.now()
             hang = progress.expired(now)
             if hang is not None:
                 if rechecks < 10 and self._events_pending():
@@ -528,7 +521,7 @@ class Supervisor(LifeTasks):
             rechecks = 0
             progress.armed = progress.next_expiry()
             self._rearm = anyio.Event()
-            with anyio.move_on_after(max(progress.armed - now, 0.0)):
+            with self.clock.move_on_after(max(progress.armed - now, 0.0)):
                 await self._rearm.wait()
             progress.armed = math.inf
 
@@ -548,16 +541,17 @@ class Supervisor(LifeTasks):
         if self.hang is not None or self._exited.is_set() or self._stop_requested or self._forced_cause is not None:
             return
         if self._receiver is not None and self._receiver.garbage_suspected():
-            self._detect_from = time.monotonic()
+            self._detect_from = self.clock.now()
             self._protocol_error(self._receiver.stalled())  # the silence is garbage swallowing its messages
             return
         hang = dataclasses.replace(hang, phase=self._phase_words(hang.phase) or hang.phase)
         self.hang = hang
-        self._detect_from = time.monotonic() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
+        self._detect_from = self.clock.now() - max(hang.seconds - hang.limit, 0.0)  # when the deadline expired
         summary = hang.summary(self.name)
         stall = self._memory_stall()  # its memory as it went silent
         log.error("%s; asking for its stacks (%s) before killing it", summary, STACK_SIGNAL_NAME)
         assert self.process is not None
+        # On real time, whatever the clock: the wait is for a live process to write its dump (bounded at ``stacks``).
         stacks, note = await self._stacks.collect(self.process, self.deadlines.stacks, self._exited)
         cause = self._hang_cause(hang, ((note,) if note else ()) + tuple(stacks), stall)
         self._force_kill(cause.kind, cause.summary, cause.evidence, cause.phase)
@@ -596,7 +590,7 @@ class Supervisor(LifeTasks):
         self._changed = anyio.Event()
 
     async def _wait_until(self, predicate: Callable[[], bool], timeout: float) -> None:
-        with anyio.fail_after(timeout):
+        with self.clock.fail_after(timeout):
             while not predicate():
                 await self._changed.wait()
 
@@ -656,7 +650,7 @@ class Supervisor(LifeTasks):
             with self._events_scope:
                 while True:
                     batch = await self._receiver.receive_batch()
-                    now = time.monotonic()
+                    now = self.clock.now()
                     for event in batch:
                         self._dispatch(event, now)
         except EndOfStream:
@@ -702,13 +696,13 @@ class Supervisor(LifeTasks):
         with anyio.CancelScope(shield=True):
             exit_status = await self.process.wait_exit()
             if self._detect_from is None:  # a death: detection runs from the moment the exit was seen
-                self._detect_from = time.monotonic()
+                self._detect_from = self.clock.now()
             if self._own_cgroup is not None:  # what the group kill missed: helpers that left the group (setsid)
                 kill_cgroup_members(self._own_cgroup)
             try:
                 await self._finalize(exit_status)
                 if self.cause is not None:
-                    self.detection_seconds = time.monotonic() - self._detect_from
+                    self.detection_seconds = self.clock.now() - self._detect_from
             finally:
                 self._exited.set()
                 self._notify()
@@ -728,7 +722,7 @@ class Supervisor(LifeTasks):
         await self._events_done.wait()
         await self._output_done.wait()
         try:
-            now = time.monotonic()
+            now = self.clock.now()
             for event in self._receiver.drain_nowait():
                 self._dispatch(event, now)
         except ProtocolError as exc:
