@@ -8,21 +8,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 import pytest
 
+from tether.clock import SteppedClock
 from tether.fleet.catalog import Catalog, Model
 from tether.fleet.fleet import Fleet, InstanceConfig
 from tether.fleet.scheduler import Decision, Scheduler, Slot
+from tether.node.settings import SupervisorSettings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
-
-
-class Clock:
-    """A monotonic clock that moves only when told."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def model(name: str, keep_alive: float) -> Model:
@@ -30,10 +22,13 @@ def model(name: str, keep_alive: float) -> Model:
 
 
 @pytest.fixture
-async def scheduler() -> AsyncIterator[tuple[Scheduler, Clock]]:
-    clock = Clock()
+async def scheduler() -> AsyncIterator[tuple[Scheduler, SteppedClock]]:
+    clock = SteppedClock()
     catalog = Catalog([model("a", 60.0), model("b", 60.0), model("c", 60.0)])
-    async with Fleet(stop_timeout=10) as fleet, Scheduler(fleet, catalog, max_loaded=2, clock=clock) as scheduler:
+    async with (
+        Fleet(SupervisorSettings(stop_timeout=10)) as fleet,
+        Scheduler(fleet, catalog, max_loaded=2, clock=clock) as scheduler,
+    ):
         yield scheduler, clock
 
 
@@ -64,50 +59,51 @@ async def decided(scheduler: Scheduler, kind: str, model_id: str, action: Callab
 
 
 async def test_keep_alive_counts_on_the_schedulers_clock_and_unloads_when_it_runs_out(
-    scheduler: tuple[Scheduler, Clock],
+    scheduler: tuple[Scheduler, SteppedClock],
 ) -> None:
     sched, clock = scheduler
     slot = await use(sched, "a")
     assert slot.state == "loaded" and slot.expires_in(sched.now()) == 60.0
-    clock.t += 59.5
-    slot.poke()  # the countdown re-reads the clock: half a second left, still loaded
+    assert await clock.next_deadline() == clock.now() + 60.0  # the countdown sleeps on the scheduler's clock
+    clock.advance(59.5)
     await anyio.wait_all_tasks_blocked()
     assert slot.state == "loaded" and slot.expires_in(sched.now()) == pytest.approx(0.5)
     await use(sched, "a", 5.0)  # a request's own keep_alive replaces the model's for the next countdown
     assert slot.expires_in(sched.now()) == 5.0
-    clock.t += 5.0
 
-    async def poke() -> None:
-        slot.poke()  # the countdown re-reads the clock: run out
+    async def step() -> None:
+        await anyio.wait_all_tasks_blocked()  # the countdown has re-read the clock since the request ended
+        assert await clock.next_deadline() == pytest.approx(clock.now() + 5.0)
+        clock.advance(5.0)  # the countdown's sleep ends: run out
 
-    unload = await decided(sched, "unload", "a", poke)
+    unload = await decided(sched, "unload", "a", step)
     assert slot.state == "unloaded" and slot.hosted is None
     assert unload.why == "keep_alive" and "idle for 5 s (keep-alive expired)" in unload.reason
 
 
 async def test_a_lease_held_stops_the_countdown_however_far_the_clock_moves(
-    scheduler: tuple[Scheduler, Clock],
+    scheduler: tuple[Scheduler, SteppedClock],
 ) -> None:
     sched, clock = scheduler
     slot = await use(sched, "a")
     async with sched.lease("a"):
-        clock.t += 3600
-        slot.poke()
+        clock.advance(3600)
         await anyio.wait_all_tasks_blocked()
+        assert clock.pending == []  # busy: nothing counts down
         assert slot.state == "loaded" and slot.expires_in(sched.now()) is None  # busy: not counting down
     assert slot.expires_in(sched.now()) == 60.0  # released: the countdown starts over from now
 
 
 async def test_over_max_loaded_the_least_recently_used_by_the_clock_is_evicted(
-    scheduler: tuple[Scheduler, Clock],
+    scheduler: tuple[Scheduler, SteppedClock],
 ) -> None:
     sched, clock = scheduler
     await use(sched, "a")
-    clock.t += 10
+    clock.advance(10)
     await use(sched, "b")
-    clock.t += 10
+    clock.advance(10)
     await use(sched, "a")  # a is now the more recent: b goes first
-    assert sched.slots["b"].last_used == clock.t - 10 < sched.slots["a"].last_used == clock.t
+    assert sched.slots["b"].last_used == clock.now() - 10 < sched.slots["a"].last_used == clock.now()
     evict = await decided(sched, "evict", "b", lambda: use(sched, "c"))
     assert evict.why == "max_loaded", evict
     assert {s.id for s in sched.slots.values() if s.state == "loaded"} == {"a", "c"}
