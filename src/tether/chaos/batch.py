@@ -24,7 +24,7 @@ import anyio
 import httpx
 
 from tether.chaos.campaign import Report, drive
-from tether.chaos.plan import ATTACKS, WARM_UP, Attack, Trial, engine_plan
+from tether.chaos.plan import ATTACKS, WARM_UP, Attack, Only, Trial, engine_plan
 from tether.chaos.target import Target
 from tether.chaos.trial import DEADLINES, OPTIONS, Setup, Solo, TrialResult, run_alone, run_on
 
@@ -109,7 +109,7 @@ def serve_args(engine: str) -> tuple[str, ...]:
             "--threads", "2")  # fmt: skip
 
 
-def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug") -> list[Trial]:
+def plan(seed: int, trials: int, only: Only = None, engine: str = "debug") -> list[Trial]:
     attacks = DEBUG_ATTACKS if engine == "debug" else REAL_ATTACKS
     return engine_plan(
         seed, trials, only, target=NAME, attacks=attacks, streams_choice=STREAMS, engine=engine, real_tokens=REAL_TOKENS
@@ -131,7 +131,7 @@ async def run_campaign(
     seed: int,
     trials: int,
     *,
-    only: int | None = None,
+    only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
 ) -> Report:

@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from tether.chaos.plan import ATTACKS, PHASES, WARM_UP, Trial, plan
+from tether.chaos.plan import ATTACKS, PHASES, WARM_UP, Only, Trial, plan
 from tether.chaos.target import Target
 from tether.chaos.trial import TrialResult, run_alone, run_on
 
@@ -154,7 +154,7 @@ async def run_campaign(
     seed: int,
     trials: int,
     *,
-    only: int | None = None,
+    only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
 ) -> Report:

@@ -40,7 +40,7 @@ import psutil
 
 from tether import env
 from tether.chaos.campaign import Report, drive
-from tether.chaos.plan import Attack, Trial, draw
+from tether.chaos.plan import Attack, Only, Trial, draw, indices
 from tether.chaos.target import Target, fd_links, runner_processes
 from tether.chaos.trial import REQUEST_BOUND, Streams, TrialResult, _expect_outcomes, _show
 from tether.kernel.pids import alive, live_processes
@@ -75,9 +75,9 @@ STOPPED_FOR = {"agent_sigstop_short": LOST_AFTER + 0.6, "agent_sigstop_long": LE
 TOLD_FAST = frozenset({"agent_sigkill", "agent_sigstop_short", "agent_sigstop_long", "remove_node"})
 
 
-def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
+def plan(seed: int, trials: int, only: Only = None) -> list[Trial]:
     pick = functools.partial(draw, attacks=CLUSTER_ATTACKS, target=NAME, streams_choice=STREAMS)
-    return [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+    return [pick(seed, i) for i in indices(trials, only)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -507,7 +507,7 @@ async def run_campaign(
     seed: int,
     trials: int,
     *,
-    only: int | None = None,
+    only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
 ) -> Report:

@@ -42,7 +42,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tether.chaos.campaign import Report, drive
-from tether.chaos.plan import Attack, Trial, draw
+from tether.chaos.plan import Attack, Only, Trial, draw, indices
 from tether.chaos.target import Target, runner_processes
 from tether.chaos.trial import (
     DEADLINES,
@@ -102,9 +102,9 @@ def catalog_text() -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
+def plan(seed: int, trials: int, only: Only = None) -> list[Trial]:
     pick = functools.partial(draw, attacks=MODEL_ATTACKS, target=NAME, streams_choice=REQUESTS)
-    drawn = [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+    drawn = [pick(seed, i) for i in indices(trials, only)]
     # ``draw`` gives one stream outside its generating phases: here every trial sends several requests
     return [t if t.streams > 1 else _with_requests(t) for t in drawn]
 
@@ -476,7 +476,7 @@ async def run_campaign(
     seed: int,
     trials: int,
     *,
-    only: int | None = None,
+    only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
 ) -> Report:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,14 +140,24 @@ def draw(
     )
 
 
-def plan(seed: int, trials: int, only: int | None = None) -> list[Trial]:
-    return [draw(seed, only)] if only is not None else [draw(seed, i) for i in range(trials)]
+Only = int | Sequence[int] | None  # which trials of a seed to run: one, several (a replay of a report's failures), all
+
+
+def indices(trials: int, only: Only) -> list[int]:
+    """The trial indices a campaign runs: ``only`` (one or several), else ``0 .. trials - 1``."""
+    if only is None:
+        return list(range(trials))
+    return [only] if isinstance(only, int) else list(only)
+
+
+def plan(seed: int, trials: int, only: Only = None) -> list[Trial]:
+    return [draw(seed, i) for i in indices(trials, only)]
 
 
 def engine_plan(
     seed: int,
     trials: int,
-    only: int | None,
+    only: Only,
     *,
     target: str,
     attacks: tuple[Attack, ...],
@@ -159,7 +170,7 @@ def engine_plan(
     engine can take."""
     extra = "" if engine == "debug" else f"--engine {engine}"
     pick = functools.partial(draw, attacks=attacks, target=target, streams_choice=streams_choice, replay_args=extra)
-    drawn = [pick(seed, only)] if only is not None else [pick(seed, i) for i in range(trials)]
+    drawn = [pick(seed, i) for i in indices(trials, only)]
     if engine == "debug":
         return drawn
     return [

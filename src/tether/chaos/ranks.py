@@ -47,7 +47,7 @@ import httpx
 
 from tether.chaos import cluster
 from tether.chaos.campaign import Report, drive
-from tether.chaos.plan import WARM_UP, Attack, Trial, engine_plan
+from tether.chaos.plan import WARM_UP, Attack, Only, Trial, engine_plan
 from tether.chaos.target import Target, fd_links, rss
 from tether.chaos.trial import (
     DEADLINES,
@@ -115,7 +115,7 @@ def draws(trial: Trial, engine: str = "debug") -> Draw:
     return Draw(world, victim, held, rng.choice(HELPER_KINDS))
 
 
-def plan(seed: int, trials: int, only: int | None = None, engine: str = "debug", target: str = NAME) -> list[Trial]:
+def plan(seed: int, trials: int, only: Only = None, engine: str = "debug", target: str = NAME) -> list[Trial]:
     """The trials of ``target`` (``ranks``, or ``cluster-ranks``: the same attacks, their own draws and replay)."""
     attacks = RANK_ATTACKS if engine == "debug" else REAL_ATTACKS
     return engine_plan(
@@ -610,7 +610,7 @@ async def run_campaign(
     seed: int,
     trials: int,
     *,
-    only: int | None = None,
+    only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
     on_cluster: bool = False,

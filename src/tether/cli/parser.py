@@ -46,6 +46,20 @@ parse_seconds = _argument(units.parse_duration)
 parse_ranks = _argument(settings.parse_ranks)
 
 
+def _trial_indices(text: str) -> tuple[int, ...]:
+    """``K`` or ``K,K,...``: trial indices of a seed, each >= 0."""
+    try:
+        picked = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r} is not K or K,K,... (trial indices, e.g. 3 or 0,4,17)") from None
+    if any(k < 0 for k in picked):
+        raise ValueError(f"{text!r}: trial indices start at 0")
+    return picked
+
+
+parse_trials = _argument(_trial_indices)
+
+
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """``tether``'s commands by name."""
     action = _commands(parser)
@@ -264,7 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chaos.add_argument("--trials", type=int, default=100, help="how many trials (default 100)")
     chaos.add_argument("--seed", type=int, default=0, help="the campaign's seed (default 0): same seed, same trials")
-    chaos.add_argument("--only", type=int, default=None, metavar="K", help="run only trial K of the seed (replay)")
+    chaos.add_argument(
+        "--only",
+        type=parse_trials,
+        default=None,
+        metavar="K[,K...]",
+        help="run only these trials of the seed (a replay: each trial is the same alone or among others)",
+    )
     chaos.add_argument("--json", action="store_true", help="only the JSON summary")
     chaos.add_argument(
         "--target",
