@@ -18,17 +18,18 @@ COUNTERS = ("hung", "orphans", "misclassified", "lost_requests", "leaked_fds", "
 @pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_a_short_ranks_campaign_keeps_every_promise() -> None:
-    """10 trials of seed 51 (~30 s here): SIGKILL, SIGSTOP and an OOM kill of rank 0 and of a later rank mid-stream,
-    and ports held between failure and replacement, on rings of 2 and 3."""
-    trials = ranks.plan(51, 10)
+    """6 trials of seed 146 (the fewest that draw them all): SIGKILL, SIGSTOP and an OOM kill of rank 0 and of a later
+    rank mid-stream, and ports held between failure and replacement, on rings of 2 and 3."""
+    trials = ranks.plan(146, 6)
     struck = {(t.attack.name, ranks.draws(t).victim > 0) for t in trials}
     assert struck >= {("sigstop", True), ("sigstop", False), ("oom", True), ("oom", False), ("sigkill", True)}
     assert {t.attack.name for t in trials} >= {"held_port"} and {ranks.draws(t).world for t in trials} == {2, 3}
-    out, summary = chaos("--target", "ranks", "--trials", "10", "--seed", "51", timeout=95)
+    out, summary = chaos("--target", "ranks", "--trials", "6", "--seed", "146", timeout=95)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert summary["target"] == "ranks" and summary["trials"] == 10
+    assert summary["target"] == "ranks" and summary["trials"] == 6
     assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stderr[-3000:]
-    assert summary["replacements_checked"] >= 20, summary  # every rank of every replacement life was watched
+    worlds = sum(ranks.draws(t).world for t in trials)
+    assert summary["replacements_checked"] >= worlds, summary  # every rank of every replacement life was watched
     assert summary["held_port_refusals"] + summary["held_port_missed"] >= 1, summary
 
 
