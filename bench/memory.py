@@ -59,7 +59,6 @@ Run: ``.venv/bin/python bench/memory.py [--quick]``. The last line printed is on
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import sys
@@ -78,7 +77,7 @@ from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.protocol import Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus
 
-DEFAULT_INTERVAL_S = float(inspect.signature(Supervisor).parameters["memory_interval"].default)
+DEFAULT_INTERVAL_S = SupervisorSettings().memory_interval
 AGGRESSIVE_INTERVAL_S = 0.05
 TARGET_RATIO = 0.99
 PROMPT = "Once upon a time, in a land far away, there lived"  # raw completion: SmolLM2 keeps telling the story
