@@ -105,6 +105,20 @@ def test_a_generation_has_a_first_token_deadline_then_a_gap_deadline() -> None:
     assert watch.expired(100.0) is None
 
 
+def test_prefill_progress_restarts_every_waiting_first_token_clock_and_a_silent_prefill_still_expires() -> None:
+    """A long prompt read 32 tokens a step beside other streams: its prefill, and the prompts queued behind it, are
+    slow, not stuck, while steps keep coming (the real engine's case: test_shared_machine.py)."""
+    watch = ProgressWatch(deadlines(first_token=4.0), heartbeat=False)
+    watch.status(Running(), 0.0)
+    watch.generation_started("long", 0.0)
+    watch.generation_started("queued", 1.0)
+    for step in range(1, 30):  # 29 s of prefill, a step every second
+        watch.prefilling("long", float(step))
+        assert watch.expired(step + 3.9) is None
+    hang = watch.expired(29.0 + 4.0)  # then no step for the deadline: hung in prefill
+    assert hang is not None and (hang.phase, hang.deadline) == ("prefill", "first_token")
+
+
 def test_acknowledgements_and_heartbeats_have_deadlines() -> None:
     watch = ProgressWatch(deadlines(ack=1.0, heartbeat=3.0), heartbeat=True)
     assert watch.next_expiry() == math.inf  # nothing awaited before the hello
