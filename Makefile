@@ -84,9 +84,11 @@ QUICK := not model and not cluster and not browser and not fuzz and not slow
 check: lint
 	$(BIN)/python -m pytest -m "$(QUICK)"
 
-# Everything, what CI runs (the docs site's strict build is one of its tests).
+# Everything, what CI runs (the docs site's strict build is one of its tests): what may share the machine on 2
+# workers, then what runs alone (``serial``: Ray clusters, browsers, and the tests that leave orphans on purpose).
 test: lint browser systemd openwebui
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not serial" -n 2
+	$(BIN)/python -m pytest -m serial
 
 lint: install-dev
 	$(BIN)/ruff check src tests bench docs/gen

@@ -50,6 +50,12 @@ FIXTURE_MARKERS = {
     "browser": "browser",
     "page": "browser",
 }
+# What `make test` runs alone, after the rest has run on 2 workers (``serial``): a Ray cluster or Open WebUI (each
+# takes the whole machine, and the cluster's loss bounds are tight), and the tests that leave orphans, dead workers'
+# cgroups or held ports on purpose and then look at them, where any other test's starting worker would reap them
+# (``reap_at_start``): those carry ``@pytest.mark.serial`` themselves, or their module is listed here.
+SERIAL_MARKERS = frozenset({"cluster"})
+SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -59,6 +65,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             marker = FIXTURE_MARKERS.get(fixture)
             if marker is not None:
                 item.add_marker(marker)
+        module = item.module.__name__ if isinstance(item, pytest.Function) else ""
+        if module in SERIAL_MODULES or any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
+            item.add_marker("serial")
 
 
 @pytest.fixture

@@ -550,6 +550,7 @@ def _add_helpers_instance(server: Server, instance_id: str = "helpers") -> dict[
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("own_cgroups")
 @pytest.mark.slow
+@pytest.mark.serial  # dead workers' cgroups, left on purpose: another test's starting worker would sweep them
 def test_a_sigkilled_server_takes_every_helper_along_even_those_that_left_the_group() -> None:
     """The acceptance drill: helpers that called setsid (or setpgid, or daemonized) stayed alive after the worker's
     SIGKILL; now every process in every runner's cgroup goes, and the next worker's start removes the cgroups."""

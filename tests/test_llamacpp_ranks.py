@@ -263,6 +263,7 @@ def command(pid: int) -> str:
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow
+@pytest.mark.serial  # its orphaned rank must live until it is looked at: no other worker may reap it
 def test_an_orphaned_rank_and_its_forked_child_keep_the_rpc_port_and_a_naive_restart_never_serves(
     tmp_path: Any,
 ) -> None:

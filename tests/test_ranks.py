@@ -219,6 +219,7 @@ def ranks_of(server: Server) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.slow
+@pytest.mark.serial  # its orphaned rank must live until it is looked at: no other worker may reap it
 def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leaves_one() -> None:
     ports = free_rank_ports(2)
     naive = {**os.environ, env.DISABLE_ORPHAN_WATCHDOG: "1"}  # the whole environment of the worker
