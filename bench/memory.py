@@ -93,8 +93,8 @@ DEBUG = EngineSpec(engine="debug", options={"token_seconds": 0})
 class TimedSupervisor(Supervisor):
     """Records when each ``sample_memory`` call ran (it calls the original: an observer, not a change)."""
 
-    def __init__(self, spec: EngineSpec, **kwargs: Any) -> None:
-        super().__init__(spec, **kwargs)
+    def __init__(self, spec: EngineSpec, settings: SupervisorSettings, **kwargs: Any) -> None:
+        super().__init__(spec, settings, **kwargs)
         self.samples: list[tuple[float, float]] = []
 
     async def sample_memory(self) -> ProcessMemory | None:
