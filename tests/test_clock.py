@@ -204,7 +204,8 @@ async def test_a_live_generation_that_stops_progressing_is_hung_at_its_deadline(
     assert sup.hang.limit == getattr(Deadlines(), deadline) == limit
     assert sup.hang.seconds == pytest.approx(limit, abs=0.01)
     assert final.state is TaskState.FAILED
-    assert stack_dump(list(hang_of(final.cause, phase, deadline).evidence))  # a live runner answers with stacks
+    dump = stack_dump(list(hang_of(final.cause, phase, deadline).evidence))  # a live runner answers with stacks
+    assert any(f"in _{fault.kind}" in line for line in dump), dump  # the main thread, caught in the act
 
 
 @pytest.mark.parametrize(("phase", "deadline", "limit"), [("load", "load_stall", 120.0), ("warmup", "warmup", 300.0)])
@@ -231,7 +232,8 @@ async def test_a_load_or_warmup_that_never_ends_is_hung_at_its_default_deadline(
             assert sup.hang is None and sup.alive
             await step_beating(sup, clock, 1.0)
     assert sup.hang is not None and sup.hang.deadline == deadline and sup.hang.limit == limit
-    hang_of(failure[0].status.cause, phase, deadline)
+    dump = stack_dump(list(hang_of(failure[0].status.cause, phase, deadline).evidence))
+    assert any("in _hang" in line for line in dump) and any(f"in {phase}" in line for line in dump), dump
 
 
 async def test_stop_escalates_at_half_and_eight_tenths_of_its_bound_for_a_runner_that_ignores_both() -> None:

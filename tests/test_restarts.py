@@ -326,30 +326,6 @@ async def test_a_model_the_engine_refuses_is_not_retried_unless_the_policy_says_
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
-@pytest.mark.timeout(90)
-@pytest.mark.slow
-async def test_the_backoff_grows_across_quick_failures_and_resets_after_a_healthy_period() -> None:
-    policy = RestartPolicy(initial_backoff=0.05, max_backoff=1.0, jitter=0.0, healthy_after=1.0)
-    states: list[InstanceState] = []
-    with anyio.fail_after(80):
-        async with Instance(debug(), policy) as inst:
-            inst.add_state_listener(states.append)
-            first = await ready_after(inst, None)
-            second = await ready_after(inst, await crash(inst))  # failed within healthy_after
-            assert not second.healthy
-            third = await ready_after(inst, await crash(inst))
-            healthy = await inst.wait_state(lambda s: isinstance(s, InstanceReady) and s.healthy, 10)
-            assert healthy == InstanceReady(life=3, pid=third.pid, healthy=True)
-            assert inst.backoff.attempt == 0
-            await ready_after(inst, await crash(inst))
-    restarting = [(s.attempt, s.delay) for s in states if isinstance(s, InstanceRestarting)]
-    assert restarting == [(1, 0.05), (2, 0.1), (1, 0.05)], "doubled while crashing fast, reset after being healthy"
-    assert [s.life for s in states if isinstance(s, InstanceReady) and s.healthy] == [3]
-    assert first.life == 1 and inst.restarts == 3
-
-
-@pytest.mark.anyio
-@pytest.mark.usefixtures("no_leftover_runners")
 async def test_during_a_backoff_requests_are_refused_with_the_wait_and_cause_and_stop_is_immediate() -> None:
     policy = RestartPolicy(initial_backoff=30.0, max_backoff=60.0, jitter=0.0)
     with anyio.fail_after(30):
