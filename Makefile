@@ -87,7 +87,7 @@ check: lint
 # Everything, what CI runs (the docs site's strict build is one of its tests): what may share the machine on 2
 # workers, then what runs alone (``serial``: Ray clusters, browsers, and the tests that leave orphans on purpose).
 test: lint browser systemd openwebui
-	$(BIN)/python -m pytest -m "not serial" -n 2
+	$(BIN)/python -m pytest -m "not serial" -n 2 --dist worksteal
 	$(BIN)/python -m pytest -m serial
 
 lint: install-dev

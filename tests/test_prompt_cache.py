@@ -139,7 +139,7 @@ def churn(i: int) -> GenerateParams:
 
 
 def test_the_ram_store_keeps_to_its_budget_under_churn_and_restores_exactly(engine: Any, cache: Any) -> None:
-    """Twelve distinct long prompts: the slot they share is overwritten again and again, each overwrite saves its
+    """Eight distinct long prompts: the slot they share is overwritten again and again, each overwrite saves its
     sequence to RAM, and the budget (64 MiB, ~3 sequences) makes the store evict. The store's bytes and the
     process's resident growth stay within it. A prompt whose sequence is only in RAM now is restored from there and
     gives the text it gave when its own slot still held it (the same cells, the same last-token step)."""
@@ -149,20 +149,20 @@ def test_the_ram_store_keeps_to_its_budget_under_churn_and_restores_exactly(engi
     start = process_memory(os.getpid())
     assert start is not None
     repeats: dict[int, str] = {}
-    for i in range(12):
+    for i in range(8):
         alone(engine, churn(i))
         repeats[i], final = alone(engine, churn(i))  # all but its last token from its own slot
         assert final.cached_tokens == final.prompt_tokens - 1, final
         assert cache.ram_bytes <= budget, (i, cache.ram_bytes)
     end = process_memory(os.getpid())
     assert end is not None
-    assert cache.stats.saved >= 8 and cache.stats.evicted > 0 and cache.ram_entries > 0, cache.stats
+    assert cache.stats.saved >= 5 and cache.stats.evicted > 0 and cache.ram_entries > 0, cache.stats
     grown = end.rss - start.rss
     assert grown <= budget + (32 << 20), f"resident grew {grown >> 20} MiB with a {budget >> 20} MiB budget"
     from_ram = cache.stats.from_ram
-    restored, final = alone(engine, churn(10))  # overwritten by 11 since, so saved
+    restored, final = alone(engine, churn(6))  # overwritten by 7 since, so saved
     assert cache.stats.from_ram > from_ram and final.cached_tokens == final.prompt_tokens - 1, cache.stats
-    assert restored == repeats[10]
+    assert restored == repeats[6]
 
 
 def test_a_sequence_cancelled_mid_prefill_leaves_a_prefix_that_continues_exactly(engine: Any, cache: Any) -> None:
