@@ -79,10 +79,11 @@ ask: install
 	$(BIN)/tether run "$(PROMPT)"
 
 # The quick tier, for every change: lint, types, and every test that needs no model, no Ray, no browser, no
-# fuzzer and no seconds of waiting (about 2 minutes on 2 cores).
+# fuzzer and no seconds of waiting (about a minute on 2 cores), on 2 workers as `make test` runs them.
 QUICK := not model and not cluster and not browser and not fuzz and not slow
 check: lint
-	$(BIN)/python -m pytest -m "$(QUICK)"
+	$(BIN)/python -m pytest -m "$(QUICK) and not serial" -n 2 --dist worksteal
+	$(BIN)/python -m pytest -m "$(QUICK) and serial"
 
 # Everything, what CI runs (the docs site's strict build is one of its tests): what may share the machine on 2
 # workers, then what runs alone (``serial``: Ray clusters, browsers, and the tests that leave orphans on purpose).
