@@ -79,16 +79,17 @@ ask: install
 	$(BIN)/tether run "$(PROMPT)"
 
 # The quick tier, for every change: lint, types, and every test that needs no model, no Ray, no browser, no
-# fuzzer and no seconds of waiting (about a minute on 2 cores), on 2 workers as `make test` runs them.
+# fuzzer and no seconds of waiting (about a minute on 2 cores), on 2 workers, then what runs alone.
 QUICK := not model and not cluster and not browser and not fuzz and not slow
 check: lint
 	$(BIN)/python -m pytest -m "$(QUICK) and not serial" -n 2 --dist worksteal
 	$(BIN)/python -m pytest -m "$(QUICK) and serial"
 
-# Everything, what CI runs (the docs site's strict build is one of its tests): what may share the machine on 2
-# workers, then what runs alone (``serial``: Ray clusters, browsers, and the tests that leave orphans on purpose).
+# Everything, what CI runs (the docs site's strict build is one of its tests): what may share the machine on 3
+# workers (most tests wait on processes: 3 kept both cores 93% busy), then what runs alone
+# (``serial``: Ray clusters, Open WebUI, and the tests that leave orphans on purpose).
 test: lint browser systemd openwebui
-	$(BIN)/python -m pytest -m "not serial" -n 2 --dist worksteal
+	$(BIN)/python -m pytest -m "not serial" -n 3 --dist worksteal
 	$(BIN)/python -m pytest -m serial
 
 lint: install-dev

@@ -8,7 +8,7 @@ real runner processes (each with its group guard, a forked child in the runner's
 pinned below the ephemeral range (``RankPorts(base=...)``, free when picked), so no outgoing connection takes one.
 Runner records and logs go to a private temporary directory (``benchstats.private_tether_dirs``).
 
-**1. A rank's death** (``--rounds`` rounds, default 20, ``--quick`` 3; in process: a ``Fleet`` in this process is
+**1. A rank's death** (``--rounds`` rounds, default 20, ``--quick`` 2; in process: a ``Fleet`` in this process is
 the worker, for precise timing). One instance, ``ranks: 2``, options ``RING_OPTIONS`` (``token_seconds`` 0.01), its
 ports pinned, restart policy ``rank_policy()``: a constant backoff (``initial_backoff`` = ``max_backoff`` =
 ``BACKOFF`` s, ``factor`` 1, no jitter) and a crash-loop limit the rounds cannot reach, so every round's replacement
@@ -99,7 +99,8 @@ from tether.node.settings import SupervisorSettings
 from tether.protocol import CauseKind, ChatMessage, Chunk, GenerateParams, TaskState
 
 ROUNDS = 20
-QUICK_ROUNDS = 3
+QUICK_ROUNDS = 2
+QUICK_HEARTBEAT = 1.5  # --quick: the frozen rank found sooner (the default 5 s is the published run's)
 WORKER_ROUNDS = 3
 QUICK_WORKER_ROUNDS = 1
 RING_OPTIONS: dict[str, Any] = {"token_seconds": 0.01}
@@ -479,7 +480,9 @@ async def frozen_round(inst: Instance) -> tuple[float, bool, str]:
     return failed_s, ok and not left, cause.summary if cause is not None else str(final)
 
 
-async def split_side(rounds: int, frozen: int, speed: int, ports: list[int], errors: list[str]) -> SplitSide:
+async def split_side(
+    rounds: int, frozen: int, speed: int, ports: list[int], errors: list[str], heartbeat: float
+) -> SplitSide:
     out = SplitSide()
     config = InstanceConfig(
         id="split",
@@ -488,7 +491,7 @@ async def split_side(rounds: int, frozen: int, speed: int, ports: list[int], err
         ports=tuple(ports),
         options=SPLIT_OPTIONS,
         restart=rank_policy(rounds + frozen),
-        deadlines=Deadlines(),  # the defaults: a frozen rank is found by its heartbeat deadline (5 s)
+        deadlines=Deadlines(heartbeat=heartbeat),  # a frozen rank is found by its heartbeat deadline (default 5 s)
     )
     async with Fleet(SupervisorSettings(stop_timeout=STOP_TIMEOUT)) as fleet:
         local = await fleet.add(InstanceConfig(id="local", engine="llama.cpp", options=SPLIT_OPTIONS))
@@ -803,7 +806,9 @@ def tether_side(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 rank rounds, 1 worker round")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 2 rank rounds, 1 worker round, a frozen rank found at 1.5 s"
+    )
     parser.add_argument("--rounds", type=int, default=None, help=f"rank SIGKILL rounds (default {ROUNDS})")
     parser.add_argument(
         "--log",
@@ -824,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = set(args.sides.split(","))
     split_rounds = args.split_rounds or (QUICK_ROUNDS if args.quick else 10)
     frozen_rounds = 1 if args.quick else FROZEN_ROUNDS
-    speed_rounds = 2 if args.quick else SPEED_ROUNDS
+    speed_rounds = 1 if args.quick else SPEED_ROUNDS
+    heartbeat = QUICK_HEARTBEAT if args.quick else Deadlines().heartbeat
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     worker_rounds = args.worker_rounds or (QUICK_WORKER_ROUNDS if args.quick else WORKER_ROUNDS)
     baseline_restart = QUICK_BASELINE_RESTART if args.quick else None
@@ -866,7 +872,13 @@ def main(argv: list[str] | None = None) -> int:
         if "llamacpp" in sides:
             try:
                 split = anyio.run(
-                    split_side, split_rounds, frozen_rounds, speed_rounds, free_ports(pool, "split", 2), errors
+                    split_side,
+                    split_rounds,
+                    frozen_rounds,
+                    speed_rounds,
+                    free_ports(pool, "split", 2),
+                    errors,
+                    heartbeat,
                 )
             except Exception as exc:
                 errors.append(f"section 3: {describe(exc)}")
@@ -995,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         "llamacpp_request_failed_p50_ms": ms(percentile([x for r in kills if (x := r.request_failed_ms)], 50)),
         "llamacpp_frozen_peer_failed_s": round(median(split.frozen_failed_s), 2),
         "llamacpp_frozen_peer_failed_max_s": round(max(split.frozen_failed_s, default=float("nan")), 2),
-        "llamacpp_frozen_heartbeat_deadline_s": Deadlines().heartbeat,
+        "llamacpp_frozen_heartbeat_deadline_s": heartbeat,
         "llamacpp_replacement_ready_p50_ms": ms(percentile(split_replacement, 50)),
         "llamacpp_replacement_ready_p99_ms": ms(percentile(split_replacement, 99)),
         "llamacpp_baseline_crash_loop": split_base.crash_loop,

@@ -113,10 +113,10 @@ the end). Without the default model (``DefaultModelMissing``) the figures are nu
 0). A tether or llama_cpp.server that does not start is an error: null figures, ``error`` says why, exit 1 (a
 llama-server that does not start only skips its side).
 
-``--quick`` (for CI): 1 round, concurrency 1, 4 and 8, ``R`` = 4 (4 requests at C=1, 1 per client at C=4 and C=8),
+``--quick`` (for CI): 1 round, concurrency 1 and 8, ``R`` = 4 (4 requests at C=1, 1 per client at C=8),
 ``max_tokens`` 32 (``"quick": true``); its figures are only a smoke test. llama-server runs in it only when
 already built; it starts in under a second and its three phases take a few seconds, so the whole quick run,
-three servers, takes about 35-45 s on two cores (CI allows 190 s). Without a cached binary the quick run skips it.
+three servers, takes about 25-35 s on two cores (CI allows 190 s). Without a cached binary the quick run skips it.
 
 **Workloads** (``--workloads``, default all three; tether and llama-server run each, llama_cpp.server only
 ``distinct``). Each runs at every concurrency in turn, on a server that has served the workloads before it (so
@@ -187,6 +187,7 @@ from tether.models import DefaultModelMissing, default_model_path
 SIDES = ("baseline", "tether", "llama_server")
 LABELS = {"baseline": "llama_cpp.server", "tether": "tether", "llama_server": "llama-server"}
 CONCURRENCY = (1, 4, 8)
+QUICK_CONCURRENCY = (1, 8)  # --quick: one client and a batch of them, the two paths
 PARALLEL = 8  # llama-server's slots, and tether's --parallel when it has one
 TARGET_RATIO = 0.98
 N_CTX = 2048  # per sequence
@@ -1132,7 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"per request (default {MAX_TOKENS})")
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="client counts (default 1 4 8)"
+        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 8)"
     )
     parser.add_argument(
         "--sides",
@@ -1179,6 +1180,8 @@ def main(argv: list[str] | None = None) -> int:
         args.sides = list(SIDES) if args.quick else ["tether", "llama_server"]
     if args.variants is None:
         args.variants = [] if args.quick else ["json_schema"]
+    if args.concurrency is None:
+        args.concurrency = list(QUICK_CONCURRENCY if args.quick else CONCURRENCY)
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
         parser.error("--rounds, --requests, --max-tokens and --concurrency must be at least 1")
     args.concurrency = tuple(args.concurrency)

@@ -48,7 +48,7 @@ the same server command but one flag:
 
 Rounds: ``--rounds`` (default 2; ``--quick``: 1), each starting one server per mode, the order alternating (round
 0: baseline first), so a slow stretch of the machine falls on both; ``--swaps`` timed swaps per mode in all
-(default 8, ``--quick`` 3), split over the rounds. Per mode: p50 and p90 of the swap times;
+(default 8, ``--quick`` 2), split over the rounds. Per mode: p50 and p90 of the swap times;
 ``ratio = baseline_swap_ttft_p50_ms / swap_ttft_p50_ms`` (above 1: tether swaps sooner). From the scheduler's
 decisions (``GET /v1/instances`` ``scheduler.decisions``, those stamped while the swap's request was open), p50 per
 mode: the reclaim time (``reclaimed.seconds``: from the eviction to memory seen back, the runner's stop and reap
@@ -64,7 +64,7 @@ modes), ``cgroup_limit_bytes`` is null and ``eviction_by`` says ``max_loaded``.
 
 **2. A loaded model while another loads.** On the calibration server (no limit: room for both), ``smol-a`` loaded
 and ``smol-b`` loaded once then unloaded (``DELETE /v1/instances/smol-b``: its file is cached, as in a swap).
-``--loads`` rounds (default 6, ``--quick`` 2), each: ``IDLE_REQUESTS`` requests for ``smol-a`` back to back with
+``--loads`` rounds (default 6, ``--quick`` 1), each: ``IDLE_REQUESTS`` requests for ``smol-a`` back to back with
 nothing loading (*idle*), then ``smol-b`` unloaded, one request for it sent (a background task: it loads ``smol-b``)
 and, until it is answered, requests for ``smol-a`` back to back; those sent after ``smol-b``'s request whose first
 token came before ``smol-b``'s runner was ready (its ``loaded`` decision) are *during* the load. Requests of
@@ -76,7 +76,7 @@ its runner ready); ``load_first_token_s``: its request to its first token (its f
 ``smol-a``'s requests too).
 
 Statistics: p50/p90/p99 = ``statistics.quantiles(n=100, method="inclusive")`` (``benchstats.percentile``).
-``--quick`` (for CI): 1 round, 3 swaps per mode, 2 loads (``"quick": true``): a smoke test, about a minute on two
+``--quick`` (for CI): 1 round, 2 swaps per mode, 1 load (``"quick": true``): a smoke test, about a minute on two
 cores.
 
 Run: ``.venv/bin/python bench/swap.py [--quick] [--rounds N] [--swaps N] [--loads N] [--engine debug]``. The last
@@ -115,10 +115,10 @@ OPTIONS: dict[str, Any] = {"n_ctx": 2048, "n_threads": 2, "parallel": 8}
 DEBUG_HOLD = 192 << 20
 DEBUG_OPTIONS: dict[str, Any] = {"hold_bytes": DEBUG_HOLD, "load_step_seconds": 0.1, "token_seconds": 0.01}
 SWAPS = 8
-QUICK_SWAPS = 3
+QUICK_SWAPS = 2  # each mode's p50 and p90 from 2: the plumbing, not a figure
 ROUNDS = 2
 LOADS = 6
-QUICK_LOADS = 2
+QUICK_LOADS = 1
 SWAP_TOKENS = 8
 LOADED_TOKENS = 8
 IDLE_REQUESTS = 6

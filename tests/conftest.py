@@ -50,12 +50,13 @@ FIXTURE_MARKERS = {
     "browser": "browser",
     "page": "browser",
 }
-# What `make test` runs alone, after the rest has run on 2 workers (``serial``): a Ray cluster or Open WebUI (each
-# takes the whole machine, and the cluster's loss bounds are tight), and the tests that leave orphans, dead workers'
-# cgroups or held ports on purpose and then look at them, where any other test's starting worker would reap them
+# What `make test` runs alone, after the rest has run on 3 workers (``serial``): a Ray cluster or Open WebUI (each
+# takes the whole machine, and the cluster's loss bounds are tight), Open WebUI's 6,500-token tools prompt replayed
+# (its prefill alone takes ~25 s of both cores), and the tests that leave orphans, dead workers' cgroups or held
+# ports on purpose and then look at them, where any other test's starting worker would reap them
 # (``reap_at_start``): those carry ``@pytest.mark.serial`` themselves, or their module is listed here.
 SERIAL_MARKERS = frozenset({"cluster"})
-SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui"})
+SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui", "test_open_webui_shapes"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
