@@ -384,7 +384,7 @@ async def test_the_coordinator_loses_a_silent_agent_after_lost_after_but_blames_
     clock = SteppedClock()
     cluster = Cluster(ClusterSettings(), clock)  # no Ray: only the heartbeat watch runs
     settings = cluster.settings
-    link = AgentLink("a" * 32, actor=None, lost_after=settings.lost_after, last_seen=clock.now())
+    link = AgentLink("a" * 32, actor=None, lost_after=settings.lost_after, clock=clock)
     link.connected.set()
     cluster.links[link.node_id] = link
     with anyio.fail_after(REAL):

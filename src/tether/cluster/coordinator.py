@@ -270,7 +270,7 @@ class Cluster:
             actor,
             s.lost_after,
             settle=s.lease + s.stop_timeout + settings.reap_timeout,
-            last_seen=self.clock.now(),
+            clock=self.clock,
         )
         self.links[node_id] = link
         try:

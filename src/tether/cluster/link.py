@@ -6,7 +6,6 @@ A link knows nothing of the lives beyond ``LinkedLife``: when its node is lost, 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -14,6 +13,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
+from tether.clock import MONOTONIC, Clock
 from tether.cluster import wire
 from tether.protocol import Cause
 
@@ -39,17 +39,21 @@ class AgentLink:
     pid: int | None = None
     host: str | None = None  # the node's host name, for messages
     ip: str | None = None  # the node's address (Ray's node IP), where ranks listen and their peers reach them
-    last_seen: float = field(default_factory=time.monotonic)
+    clock: Clock = MONOTONIC  # the coordinator's: every time below is on it, and its lives' waits read it too
+    last_seen: float = field(init=False)  # the agent's last word; from the link's making until the first
     report: wire.NodeReport | None = None
     fenced: bool = False
     lost: Cause | None = None
-    lost_at: float | None = None  # time.monotonic() of tether's verdict
-    died_at: float | None = None  # time.monotonic() when Ray failed the held call: Ray's own notification
+    lost_at: float | None = None  # tether's verdict
+    died_at: float | None = None  # when Ray failed the held call: Ray's own notification
     stream: SocketStream | None = None
     supervisors: set[LinkedLife] = field(default_factory=set)
     connected: anyio.Event = field(default_factory=anyio.Event)
     death: list[str] = field(default_factory=list)  # Ray's words, once its watch call failed
     died: anyio.Event = field(default_factory=anyio.Event)
+
+    def __post_init__(self) -> None:
+        self.last_seen = self.clock.now()
 
     @property
     def short(self) -> str:
@@ -62,7 +66,7 @@ class AgentLink:
 
     def attach(self, sup: LinkedLife) -> None:
         if self.lost is not None:
-            sup.lose(self.lost, time.monotonic())
+            sup.lose(self.lost, self.clock.now())
         else:
             self.supervisors.add(sup)
 
@@ -84,8 +88,9 @@ class AgentLink:
             "agent_pid": self.pid,
             "state": self.state,
             "cause": self.lost.summary if self.lost is not None else None,
-            "heard_ago": round(time.monotonic() - self.last_seen, 3),
-            # CLOCK_MONOTONIC: tether's verdict and Ray's notification of the same death, comparable (bench/cluster.py)
+            "heard_ago": round(self.clock.now() - self.last_seen, 3),
+            # on the link's clock (CLOCK_MONOTONIC in production): tether's verdict and Ray's notification of the same
+            # death, comparable (bench/cluster.py)
             "lost_at": self.lost_at,
             "ray_notified_at": self.died_at,
             "memory": msgspec.to_builtins(report) if report is not None else None,

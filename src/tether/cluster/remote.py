@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -223,13 +222,13 @@ class RemoteSupervisor(LifeTasks):
         if self._lost_at is None or self._settled:
             return
         link = self.link
-        with anyio.move_on_after(max(link.last_seen + link.settle - time.monotonic(), 0.0)):
+        with link.clock.move_on_after(max(link.last_seen + link.settle - link.clock.now(), 0.0)):
             await link.died.wait()
 
     def _end(self, cause: Cause | None, fallback: str) -> None:
         if self._exited.is_set():
             return
-        began = time.monotonic()
+        began = self.link.clock.now()
         if cause is None and self.stop_report is None:
             cause = Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=fallback)
         self.cause = cause
@@ -239,9 +238,9 @@ class RemoteSupervisor(LifeTasks):
             assert record is not None
             _fail(record, task_id, error, cause)
         if self._lost_at is not None:
-            self.detection_seconds = time.monotonic() - self._lost_at
+            self.detection_seconds = self.link.clock.now() - self._lost_at
         elif self.detection_seconds is None:
-            self.detection_seconds = time.monotonic() - began
+            self.detection_seconds = self.link.clock.now() - began
         self._exited.set()
         self.link.detach(self)
 
@@ -256,14 +255,15 @@ class RemoteSupervisor(LifeTasks):
                     self._launched(answer)
         if self._pid is None or self._exited.is_set():
             return self.stop_report
-        began = time.monotonic()
+        clock = self.link.clock
+        began = clock.now()
         bound = (self.stop_timeout if timeout is None else timeout) + self.reap_timeout
         self.stop_report = StopReport(clean=True, escalated_to=None, seconds=0.0)  # a requested stop is no failure
         with anyio.move_on_after(CALL_TIMEOUT), contextlib.suppress(RunnerUnavailable):  # ended meanwhile: stopped
             await self._call(self.link.actor.stop.remote(self.runner_id), "stop")
-        with anyio.move_on_after(bound):
+        with clock.move_on_after(bound):
             await self._exited.wait()
-        self.stop_report = StopReport(clean=self._exited.is_set(), escalated_to=None, seconds=time.monotonic() - began)
+        self.stop_report = StopReport(clean=self._exited.is_set(), escalated_to=None, seconds=clock.now() - began)
         if not self._exited.is_set():
             log.error("%s was not confirmed gone %.1f s after its stop", self.name, bound)
         return self.stop_report

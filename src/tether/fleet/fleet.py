@@ -305,7 +305,6 @@ class Fleet:
         cluster: Runners | None = None,
     ) -> None:
         self.settings = settings  # how every local runner is supervised (a cluster's agents have their own)
-        self.stop_timeout = settings.stop_timeout
         self.placer = placer  # decides every life's placement (the scheduler); None: the fit check alone
         self.cluster = cluster  # None: every runner on this machine
         self.rank_ports = RankPorts()  # each multi-rank instance's ports, kept for all its lives
@@ -427,7 +426,12 @@ class Fleet:
             local = partial(Supervisor, settings=self.settings, memory_limit=config.memory_limit)
             sites = [Site(LOCAL_HOST, local)] * len(ports)
         return RankGroup(
-            spec, runner_id=runner_id, deadlines=deadlines, sites=sites, ports=ports, stop_timeout=self.stop_timeout
+            spec,
+            runner_id=runner_id,
+            deadlines=deadlines,
+            sites=sites,
+            ports=ports,
+            stop_timeout=self.settings.stop_timeout,
         )
 
     def _placed_life(
@@ -476,10 +480,10 @@ class Fleet:
 
     async def _stop_one(self, hosted: Hosted) -> None:
         hosted._stop.set()
-        with anyio.move_on_after(self.stop_timeout + 5):
+        with anyio.move_on_after(self.settings.stop_timeout + 5):
             await hosted._done.wait()
         if not hosted._done.is_set():
-            log.error("instance %s did not stop within %g s", hosted.id, self.stop_timeout + 5)
+            log.error("instance %s did not stop within %g s", hosted.id, self.settings.stop_timeout + 5)
 
     # --- requests -------------------------------------------------------------------------------------------
 

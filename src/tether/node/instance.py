@@ -314,8 +314,6 @@ class Instance:
         self.name = name or f"{engine}-{uuid.uuid4().hex[:6]}"
         self.backoff = Backoff(self.policy, rng)
         self.settings = settings
-        self.reap_timeout = settings.reap_timeout
-        self.stop_timeout = settings.stop_timeout
         self.state: InstanceState = InstanceStarting(life=1)
         # The last HISTORY_LIMIT failed lives and runner pids, oldest first: an instance that fails every few
         # seconds for months must not grow (bench/soak.py found 240 failures, their evidence, in every answer).
@@ -362,7 +360,7 @@ class Instance:
         if not isinstance(self.state, InstanceFailed | InstanceStopped):
             self._set_state(InstanceStopping())
         self._run_scope.cancel()
-        bound = self.stop_timeout if timeout is None else timeout
+        bound = self.settings.stop_timeout if timeout is None else timeout
         with self._clock.move_on_after(bound):
             await self._done.wait()
         if not self._done.is_set():
@@ -488,7 +486,7 @@ class Instance:
             await self._clock.sleep(delay)
             if sup is not None:
                 try:
-                    await sup.confirm_gone(self.reap_timeout)
+                    await sup.confirm_gone(self.settings.reap_timeout)
                 except NotGone as exc:
                     self._fail(cause, str(exc))
                     return

@@ -138,14 +138,11 @@ class Supervisor(LifeTasks):
         self.clock = settings.clock
         self.node: str | None = None  # the node it runs on when that is not this machine (a cluster's)
         self.runner_id = runner_id or uuid.uuid4().hex[:8]
-        self.stop_timeout = settings.stop_timeout
-        self.start_timeout = settings.start_timeout
-        self.send_timeout = settings.send_timeout
+        self.stop_timeout = settings.stop_timeout  # ``RunnerLife``'s
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         problem = self.deadlines.check(settings.heartbeat_interval)
         if problem is not None:
             raise InvalidField("deadlines", f"invalid deadlines: {problem}")
-        self.heartbeat_interval = settings.heartbeat_interval
         self._progress = ProgressWatch(self.deadlines, heartbeat=settings.heartbeat_interval > 0)
         self._progress.on_earlier = self._rearm_deadlines
         self._rearm = anyio.Event()
@@ -155,14 +152,12 @@ class Supervisor(LifeTasks):
         self._detect_from: float | None = None
         self.env = dict(settings.env) if settings.env is not None else None
         self.orphan_layers = lifeline.check_layers(settings.orphan_layers)
-        self.orphan_poll_interval = settings.orphan_poll_interval
         self.registry = registry if registry is not None else Registry()
         # The runner's memory cgroup: an existing one (``cgroup``), else its own child cgroup when ``contain`` and the
         # machine allows (an OOM then kills only this runner, certainly attributed, and usage is exact).
         self.cgroup = cgroup
         self.contain = settings.contain and cgroup is None
         self.memory_limit = memory_limit
-        self.memory_interval = settings.memory_interval
         self.footprint: ProcessMemory | None = None  # the runner's whole group, sampled every ``memory_interval`` s
         self._own_cgroup: MemoryCgroup | None = None
         self._gpu = True  # False once NVML said it is unavailable: do not ask again on every sample
@@ -243,9 +238,9 @@ class Supervisor(LifeTasks):
             runner_id=self.runner_id,
             spec=self.spec,
             worker_pid=os.getpid(),
-            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_interval=self.settings.heartbeat_interval,
             orphan_layers=self.orphan_layers,
-            orphan_poll_interval=self.orphan_poll_interval,
+            orphan_poll_interval=self.settings.orphan_poll_interval,
             cgroup=str(self.cgroup) if self.cgroup is not None else None,  # joined before the runner forks anything
             own_cgroup=self._own_cgroup is not None,
         )
@@ -282,13 +277,13 @@ class Supervisor(LifeTasks):
         self._spawn(self._pump_output)
         self._spawn(self._watch)
         self._spawn(self._watch_deadlines)
-        if self.memory_interval > 0:
+        if self.settings.memory_interval > 0:
             self._spawn(self._sample_memory_periodically)
         try:
-            await self._wait_until(lambda: self.hello is not None or self._exited.is_set(), self.start_timeout)
+            await self._wait_until(lambda: self.hello is not None or self._exited.is_set(), self.settings.start_timeout)
         except TimeoutError:
             self._force_kill(
-                CauseKind.HANG, f"{self.name} did not report in within {self.start_timeout:.1f} s of starting"
+                CauseKind.HANG, f"{self.name} did not report in within {self.settings.start_timeout:.1f} s of starting"
             )
             with self.clock.move_on_after(self.stop_timeout):
                 await self._exited.wait()
@@ -335,7 +330,7 @@ class Supervisor(LifeTasks):
 
     async def _sample_memory_periodically(self) -> None:
         while not self._exited.is_set():
-            with self.clock.move_on_after(self.memory_interval):
+            with self.clock.move_on_after(self.settings.memory_interval):
                 await self._exited.wait()
             if not self._exited.is_set():
                 await self.sample_memory()
@@ -467,16 +462,16 @@ class Supervisor(LifeTasks):
         """Send a message (or a frame made of one), bounded by ``send_timeout``: past it the runner is hung."""
         assert self._sender is not None
         frame = message if isinstance(message, bytes) else self._sender.frame(message)
-        with self.clock.move_on_after(self.send_timeout) as scope:
+        with self.clock.move_on_after(self.settings.send_timeout) as scope:
             await self._sender.send_frame(frame)
         if scope.cancelled_caught:
             # A runner that has not read its task pipe for this long is stuck; a half-written frame is moot.
             hang = Hang(
                 self._progress.phase,
-                self.send_timeout,
+                self.settings.send_timeout,
                 "send",
-                self.send_timeout,
-                f"it stopped reading its task pipe (a write did not complete in {self.send_timeout:g} s)",
+                self.settings.send_timeout,
+                f"it stopped reading its task pipe (a write did not complete in {self.settings.send_timeout:g} s)",
             )
             self._spawn(self._declare_hung, hang)  # stacks, then the kill: the cause is made now, without them
             cause = self._forced_cause or self._hang_cause(hang)
