@@ -13,6 +13,7 @@ import http.server
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 FIXTURE_MARKERS = {
     "model_server": "model",
+    "open_webui_server": "model",
     "llama_engine": "model",
     "cluster": "cluster",
     "browser": "browser",
@@ -327,6 +329,25 @@ def model_server() -> Iterator[Server]:
     if missing:
         pytest.skip(missing)
     with serving("--threads", "2", "--n-ctx", "2048") as server:
+        yield server
+
+
+OPEN_WEBUI_EMBED = "emb"  # the embedding instance Open WebUI's RAG uses (and its recorded /api/embed names)
+
+
+@pytest.fixture(scope="session")
+def open_webui_server() -> Iterator[Server]:
+    """`tether serve` as a user starts it for Open WebUI (2 threads, the default n_ctx 8192: its tools' prompt is
+    6,500 tokens) with an embedding instance for its RAG; TETHER_OPEN_WEBUI_SERVE_ARGS adds to its arguments.
+    Shared by Open WebUI in a browser and the replay of its recorded requests, so that prompt is read from cold once
+    (~25 s of both cores) and the replay finds it in the prompt cache, as a user's second chat does."""
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    extra = shlex.split(os.environ.get("TETHER_OPEN_WEBUI_SERVE_ARGS", ""))
+    with serving("--threads", "2", *extra) as server:
+        embedding = {"embedding": True, "n_ctx": 512}
+        server.add_instance({"id": OPEN_WEBUI_EMBED, "engine": "llama.cpp", "options": embedding}, 90)
         yield server
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -31,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from conftest import Server, model_missing, serving, wait_until
+from conftest import OPEN_WEBUI_EMBED as EMBED
+from conftest import Server, wait_until
 from tether.kernel.pids import group_members
 
 if TYPE_CHECKING:
@@ -47,11 +47,8 @@ RECORD = os.environ.get("TETHER_RECORD_OPEN_WEBUI") == "1"
 STARTUP_S = 120.0  # Open WebUI's imports and first start (migrations, its frontend copied): ~40 s on 2 busy cores
 STOP_S = 15.0
 ANSWER_S = 200.0  # a chat's whole answer: the 6.5k-token prompt of its tools is read first (~50 s on 2 idle cores)
-EMBED = "emb"  # the embedding instance RAG uses
 OPENAI_PREFIX = "openai"  # Open WebUI's prefix for the OpenAI connection's models, so both backends list the model
 MESSAGE = "Say hello in one short sentence."
-# `tether serve` as a user starts it; TETHER_OPEN_WEBUI_SERVE_ARGS adds to it (e.g. "--deadline first_token=600")
-SERVE_ARGS = ("--threads", "2", *shlex.split(os.environ.get("TETHER_OPEN_WEBUI_SERVE_ARGS", "")))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -326,33 +323,33 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(browser: Browser, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """tether (the default model, its default context, and an embedding instance for RAG), the recording proxy,
-    and Open WebUI pointed at it (Ollama and OpenAI), started once for the module and stopped (bounded) after it."""
-    missing = model_missing() or open_webui_missing()
+def stack(open_webui_server: Server, browser: Browser, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """tether (``open_webui_server``: the default model at its default context, and an embedding instance for RAG),
+    the recording proxy, and Open WebUI pointed at it (Ollama and OpenAI), started once for the module and stopped
+    (bounded) after it."""
+    missing = open_webui_missing()
     if missing:
         pytest.skip(missing)
+    server = open_webui_server
     workdir = tmp_path_factory.mktemp("open-webui")
     timings: dict[str, float] = {}
     t0 = time.monotonic()
-    with serving(*SERVE_ARGS) as server:
-        model = server.http.get("/v1/models").json()["data"][0]["id"]
-        server.add_instance({"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 512}}, 90)
-        recorder = Recorder(server.url)
-        webui = OpenWebUI(workdir, open_webui_env(workdir / "data", recorder.url))
-        try:
-            webui.wait_healthy()
-            timings["startup_s"] = round(time.monotonic() - t0, 1)
-            ready = Stack(server, model, recorder, webui, browser, timings)
-            first_visit(ready)
-            yield ready
-        finally:
-            webui.stop()
-            recorder.close()
-            recorder.dump(workdir / "exchanges.json")
-            if RECORD:
-                save_fixtures(recorder)
-            print(f"Open WebUI against tether, timings: {timings}")
+    model = next(m["id"] for m in server.http.get("/v1/models").json()["data"] if m["id"] != EMBED)
+    recorder = Recorder(server.url)
+    webui = OpenWebUI(workdir, open_webui_env(workdir / "data", recorder.url))
+    try:
+        webui.wait_healthy()
+        timings["startup_s"] = round(time.monotonic() - t0, 1)
+        ready = Stack(server, model, recorder, webui, browser, timings)
+        first_visit(ready)
+        yield ready
+    finally:
+        webui.stop()
+        recorder.close()
+        recorder.dump(workdir / "exchanges.json")
+        if RECORD:
+            save_fixtures(recorder)
+        print(f"Open WebUI against tether, timings: {timings}")
 
 
 def first_visit(stack: Stack) -> None:

@@ -7,42 +7,36 @@ OpenAI's. Each must get a 200 and a well-formed answer in its dialect. Only the 
 tokens, where the recording asks for more or leaves it open) so the replay stays short; every other field is sent as
 recorded.
 
-Its own server, not the shared ``model_server`` (n_ctx 2048): the tools' prompt needs the default context (8192).
-Its deadlines are the defaults: a long prompt's prefill beside other streams (the title task runs while the chat's
-6.5k tokens are read, 32 a step) restarts the first-token clock with every chunk it gets in, so a loaded machine's
-slow prefill is slow, not a hang (the runner was killed as "hung in prefill for 120.0 s" before).
+Against ``open_webui_server``, the server Open WebUI itself talked to in ``test_open_webui.py`` (not ``model_server``,
+whose n_ctx 2048 is too short for the tools' prompt): where that ran first, the tools' prompt comes from the prompt
+cache as a user's next chat's would; alone, it is read cold. Its deadlines are the defaults: a long prompt's prefill
+beside other streams (the title task runs while the chat's 6.5k tokens are read, 32 a step) restarts the first-token
+clock with every chunk it gets in, so a loaded machine's slow prefill is slow, not a hang (the runner was killed as
+"hung in prefill for 120.0 s" before).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from conftest import Document, Server, model_missing, serving
+from conftest import Document, Server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "open_webui"
-# Cold first (the tools' prompt is read once), then what shares its prefix from the prompt cache.
+# The tools' chats first (the prompt read once at most), then what shares its prefix from the prompt cache.
 CASES = sorted(FIXTURES.glob("*.json"), key=lambda p: (not p.stem.endswith("_chat_tools"), p.stem))
-EMBED = "emb"  # the embedding instance the recording's RAG used (test_open_webui.EMBED)
 CAP = 64
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    missing = model_missing()
-    if missing:
-        pytest.skip(missing)
-    with serving("--threads", "2") as server:
-        if any(p.stem.endswith("_embed") for p in CASES):
-            server.add_instance({"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 512}}, 90)
-        yield server
+def server(open_webui_server: Server) -> Server:
+    return open_webui_server
 
 
 @pytest.fixture(scope="module")
