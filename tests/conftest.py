@@ -35,7 +35,7 @@ from tether.fleet.fleet import Hosted
 from tether.kernel.cgroups import create_child_cgroup, remove_cgroup
 from tether.kernel.pids import alive, live_processes
 from tether.kernel.ports import RankPorts
-from tether.models import DefaultModelMissing, default_model_path
+from tether.models import PACKAGED, DefaultModelMissing, default_model_path, pulled_path
 from tether.node.instance import Instance, InstanceReady
 from tether.node.orphans import sweep_stale_cgroups
 from tether.node.ranks import RankGroup
@@ -121,6 +121,24 @@ def model_missing() -> str | None:
         default_model_path()
     except DefaultModelMissing as exc:
         return f"the default model is missing: {exc}"
+    return None
+
+
+GEMMA = PACKAGED["gemma3-270m"]  # the second family: sliding-window attention, a base model without chat template
+
+
+def gemma_path() -> Path:
+    """Where ``tether pull gemma3-270m`` (``make test`` runs it) keeps Gemma 3 270M's GGUF."""
+    return pulled_path(GEMMA)
+
+
+def gemma_missing() -> str | None:
+    """Why the tests that need Gemma 3 270M cannot run here (None when they can)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (run `make install`)"
+    path = gemma_path()
+    if not path.is_file() or path.stat().st_size != GEMMA.size:
+        return f"Gemma 3 270M is not pulled (looked for {path}): run `tether pull gemma3-270m` (242 MiB, once)"
     return None
 
 
