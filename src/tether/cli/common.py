@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Protocol
 
-from tether.engines import registry
+from tether.engines import chat_templates, registry
 from tether.node import orphans
 from tether.node.hangs import Deadlines
 from tether.units import format_bytes
@@ -37,6 +38,8 @@ class RunnerFlags(Protocol):
     @property
     def prompt_cache_ram(self) -> int | None: ...
     @property
+    def chat_template(self) -> str | None: ...
+    @property
     def deadlines(self) -> Mapping[str, float] | list[tuple[str, float]]: ...
     @property
     def no_reap(self) -> bool: ...
@@ -45,8 +48,8 @@ class RunnerFlags(Protocol):
 
 
 def engine_options(args: RunnerFlags) -> dict[str, object]:
-    """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``),
-    for ``run`` and ``serve`` alike."""
+    """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``,
+    ``--chat-template``: a file's path made absolute, as the runner reads it), for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
@@ -56,6 +59,10 @@ def engine_options(args: RunnerFlags) -> dict[str, object]:
         options["parallel"] = args.parallel
     if args.prompt_cache_ram is not None:
         options["prompt_cache_ram"] = args.prompt_cache_ram
+    if args.chat_template is not None:
+        chosen = args.chat_template
+        builtin = chosen in chat_templates.BUILTIN
+        options["chat_template"] = chosen if builtin else str(Path(chosen).expanduser().absolute())
     return options
 
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from tether import __version__, units
 from tether.cli import settings
 from tether.cli.settings import ServeSettings
-from tether.engines import registry
+from tether.engines import chat_templates, registry
 from tether.models import DEFAULT_PULL
 from tether.node import orphans
 from tether.node.hangs import Deadlines
@@ -366,6 +366,13 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str, *,
         help="generations served at once in one batch (llama.cpp default 8; each holds n-ctx of KV cache)",
     )
     command.add_argument("--threads", type=int, **default("threads"), help="CPU threads (llama.cpp)")
+    command.add_argument(
+        "--chat-template",
+        **default("chat_template"),
+        metavar="NAME|FILE",
+        help="the chat template to write chats with (llama.cpp), for a GGUF that has none (a base model) or a wrong "
+        f"one: a built-in ({', '.join(chat_templates.BUILTIN)}) or a Jinja file (default: the GGUF's own)",
+    )
     command.add_argument(
         "--prompt-cache-ram",
         type=parse_size,

@@ -164,6 +164,7 @@ class ServeSettings(BaseSettings):
     parallel: int | None = Field(None, gt=0)
     threads: int | None = Field(None, gt=0)
     prompt_cache_ram: Size | None = None
+    chat_template: str | None = None
     restart: Literal["on-failure", "never"] = "on-failure"
     max_queue: int = Field(16, ge=0)
     max_body: Size = units.parse_size("4M")

@@ -12,9 +12,10 @@ Three deliberate choices, each for the supervisor's sake:
   writes to fd 2) and every other thread's output would vanish. Instead llama.cpp's log callback is replaced by one
   that forwards only warnings and errors (everything when the ``verbose`` option is set).
 * Load progress is real: ``llama_model_params.progress_callback`` is wired through ctypes.
-* Chat prompts are rendered here with the GGUF's own chat template (what llama-cpp-python's chat handler does), so
-  the prompt's exact token count is known before generating: a prompt that does not fit a sequence's context is a
-  ``RequestError`` with numbers, and the final delta reports real ``prompt_tokens``.
+* Chat prompts are rendered here with the GGUF's own chat template, or the ``chat_template`` option's
+  (``chat_templates``), as llama-cpp-python's chat handler renders them, so the prompt's exact token count is known
+  before generating: a prompt that does not fit a sequence's context is a ``RequestError`` with numbers, and the
+  final delta reports real ``prompt_tokens``.
 
 Requests map onto each sequence's own sampler chain (``llamacpp_batch`` gives its order and the semantics of
 logprobs): ``temperature`` 0 is greedy; ``top_k`` and ``min_p`` default to llama.cpp's 40 and 0.05 (for
@@ -54,7 +55,8 @@ by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unl
 (False), embedding (False: serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is
 prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a time), layer_split (None: a
 relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that long mid-step ends rank 0; above the
-heartbeat deadline, so a frozen peer on this machine is found by its own silence first).
+heartbeat deadline, so a frozen peer on this machine is found by its own silence first), chat_template (None: the
+GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
+from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateError, resolve
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
 from tether.engines.llamacpp_tools import template_messages, tool_grammar
@@ -104,6 +107,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
     "adaptive_threads": True,  # one thread while other processes hold the cores (``llamacpp_threads``)
     "kv_unified": False,  # one cell pool for every sequence: c8 0.78x here (bench/kv_layout.py), same memory
+    "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -183,6 +187,10 @@ class LlamaCppEngine:
             self.embedding = bool(options["embedding"])
             self.adaptive_threads = bool(options["adaptive_threads"])
             self.kv_unified = bool(options["kv_unified"])
+            chosen = options["chat_template"]
+            self.template: ChatTemplate | None = None if chosen is None else resolve(chosen)
+        except TemplateError as exc:
+            raise EngineLoadError(str(exc)) from exc
         except (TypeError, ValueError, OverflowError) as exc:
             raise EngineLoadError(f"invalid llama.cpp engine option in {spec.options!r}: {exc}") from exc
         if not (
@@ -275,7 +283,7 @@ class LlamaCppEngine:
             adaptive_threads=self.adaptive_threads,
             unified=self.kv_unified,
         )
-        self._chat_formatter = _chat_formatter(llama_cpp, model)
+        self._chat_formatter = _chat_formatter(llama_cpp, model, self.template)
         where = ""
         if rank is not None and split is not None:
             from tether.engines import llamacpp_rpc
@@ -510,7 +518,7 @@ class LlamaCppEngine:
                 eos_token=eos,
                 eos_id=eos_id,
                 add_bos=bool(model.add_bos_token()),
-                chat_template=metadata.get("tokenizer.chat_template") or None,
+                chat_template=self.template.text if self.template else metadata.get("tokenizer.chat_template") or None,
                 kind=str(metadata.get("tokenizer.ggml.model", "")),
             )
         return self._facts
@@ -624,7 +632,8 @@ class LlamaCppEngine:
         tools = json.loads(syntax.tools) if syntax is not None else None
         if self._chat_formatter is None:
             raise RequestError(
-                f"{describe_model(self.model_path or '?')} has no chat template: send a raw 'prompt' instead"
+                f"{describe_model(self.model_path or '?')} has no chat template (a base model's GGUF carries none), "
+                f"so a chat cannot be written as the model reads one: {HOW_TO_SET}. Or send a raw 'prompt' instead"
             )
         try:
             result = self._chat_formatter(messages=messages, tools=tools)
@@ -633,6 +642,8 @@ class LlamaCppEngine:
         tokens = self._model.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
         stop = result.stop
         template_stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        if self.template is not None:
+            template_stop += [s for s in self.template.stop if s not in template_stop]
         return tokens, template_stop
 
 
@@ -777,10 +788,10 @@ def _install_log_filter(llama_lowlevel: Any, verbose: bool) -> None:
     llama_lowlevel.llama_log_set(_log_callback, None)
 
 
-def _chat_formatter(llama_cpp: Any, model: Any) -> Any:
-    """The GGUF's own chat template as a formatter (None if the model has none), built as llama-cpp-python
-    does for its default chat handler."""
-    template = model.metadata().get("tokenizer.chat_template")
+def _chat_formatter(llama_cpp: Any, model: Any, chosen: ChatTemplate | None) -> Any:
+    """The chat template as a formatter, built as llama-cpp-python does for its default chat handler: ``chosen``
+    (the ``chat_template`` option), else the GGUF's own; None when there is neither."""
+    template = chosen.text if chosen is not None else model.metadata().get("tokenizer.chat_template")
     if not template:
         return None
 

@@ -13,6 +13,7 @@ A catalog file::
     model = "smol.gguf"            # relative to this file
     aliases = ["gpt-4o-mini"]      # more names for it
     options = { n_ctx = 2048 }     # engine options, as POST /v1/instances takes them
+    chat_template = "gemma"        # a built-in template or a Jinja file (relative to this file): the option
     keep_alive = "10m"
     pinned = true                  # loaded at start, never unloaded or evicted
 
@@ -30,7 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tether.engines import registry
+from tether.engines import chat_templates, registry
 from tether.errors import InvalidField, did_you_mean
 from tether.fleet.fleet import ID_PATTERN, InstanceConfig
 from tether.models import DefaultModelMissing, default_model_path
@@ -73,6 +74,7 @@ class ModelEntry(InstanceConfig, frozen=True, forbid_unknown_fields=True):
     """One catalogued model: an instance config (as ``POST /v1/instances`` takes it) plus how it is scheduled."""
 
     aliases: tuple[str, ...] = ()
+    chat_template: str | None = None  # the engine option of that name, a file's path relative to the catalog
     keep_alive: KeepAlive | None = None  # None: the catalog's default
     pinned: bool = False  # loaded at start; never unloaded by keep-alive nor evicted
 
@@ -148,7 +150,15 @@ def entry_model(entry: ModelEntry, default_keep_alive: float, source: str, base:
     model_path = entry.model
     if model_path is not None and base is not None and not Path(model_path).is_absolute():
         model_path = str((base / model_path).resolve())
-    config = msgspec.structs.replace(entry, model=model_path)
+    options = entry.options
+    if entry.chat_template is not None:
+        if "chat_template" in options:
+            raise InvalidField("chat_template", f"{source}: set chat_template once, as a field or as an option")
+        chosen = entry.chat_template
+        if chosen not in chat_templates.BUILTIN and base is not None and not Path(chosen).is_absolute():
+            chosen = str((base / chosen).resolve())
+        options = {**options, "chat_template": chosen}
+    config = msgspec.structs.replace(entry, model=model_path, options=options)
     problem = config.check()
     if problem is not None:
         raise InvalidField(problem.field, f"model {config.default_id()!r} ({source}): {problem}")

@@ -7,6 +7,7 @@ Reading a GGUF header takes ~0.1 s: ``facts`` caches by path, size and mtime, an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tether.engines import registry
+from tether.engines import chat_templates, registry
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
 from tether.errors import UnknownEngine
 from tether.fleet.fleet import Hosted
@@ -79,8 +80,9 @@ class ModelFacts:
     digest: str
     details: dict[str, Any]
     model_info: dict[str, Any]
-    template: str
+    template: str  # the chat template chats are written with: the chat_template option's, else the GGUF's own
     license: str
+    template_name: str = ""  # which: "gguf", a built-in's name or a Jinja file's path ("": none at all)
 
 
 def human_number(n: int) -> str:
@@ -156,6 +158,7 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> ModelFacts:
         info,
         template if isinstance(template, str) else "",
         license_ if isinstance(license_, str) else "",
+        chat_templates.GGUF if isinstance(template, str) and template else "",
     )
 
 
@@ -170,7 +173,15 @@ def facts(item: ListedModel) -> ModelFacts:
         digest = hashlib.sha256(f"{item.spec.engine}\0{item.id}\0{item.created_at}".encode())
         details = {**NO_DETAILS, "family": item.spec.engine}
         return ModelFacts(None, 0, item.created_at, digest.hexdigest(), details, {}, "", "")
-    return _gguf_facts(str(path), stat.st_size, stat.st_mtime_ns)
+    found = _gguf_facts(str(path), stat.st_size, stat.st_mtime_ns)
+    chosen = item.spec.options.get("chat_template")
+    if isinstance(chosen, str):
+        try:
+            template = chat_templates.resolve(chosen)
+        except chat_templates.TemplateError:  # its file gone since: the runner refuses its next load, saying so
+            return found
+        return dataclasses.replace(found, template=template.text, template_name=template.name)
+    return found
 
 
 def options_of(item: ListedModel) -> dict[str, Any]:
