@@ -255,6 +255,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokenizer: Literal["encode", "decode"] | None = None  # a tokenizer request (see the docstring), not a generation
     add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
     tool_syntax: ToolSyntax | None = None  # tools in the model's native format (a chat): see ``ToolSyntax``
+    thinking: bool | None = None  # a reasoning model's template asked to think or not (enable_thinking); None: its own
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
     def check(self) -> InvalidField | None:
@@ -549,6 +550,7 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     cached_tokens: int = 0  # of prompt_tokens, those the prompt cache supplied (on the final chunk)
     dropped_messages: int = 0  # ``fit_context``: the chat's oldest turns left out to fit the context (final chunk)
     prefilled: int = 0  # a progress report (no text, no tokens): prompt tokens prefilled so far (``is_progress``)
+    reasoning: str = ""  # a reasoning model's thinking these tokens wrote (``text`` is then the answer's part only)
 
     @property
     def is_progress(self) -> bool:

@@ -58,6 +58,7 @@ class Delta(msgspec.Struct, frozen=True):
     dropped_messages: int = 0  # a chat's oldest turns left out to fit the context (``fit_context``; final delta)
     prefilled: int = 0  # a progress delta (no text, no tokens): the prompt tokens prefilled so far
     tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``GenerateParams.tokenizer``; final)
+    reasoning: str = ""  # a reasoning model's thinking in these tokens (``text``: the answer's part; ``reasoning``)
 
 
 class RequestError(TetherError):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tether.errors import TetherError
+
 MAX_FILE_BYTES = 1 << 20  # a chat template is a few KB; the largest known (gpt-oss) ~16 KB
 GGUF = "gguf"  # what an instance shows when it renders with its GGUF's own template
 
@@ -112,7 +114,7 @@ HOW_TO_SET = (
 )
 
 
-class TemplateError(ValueError):
+class TemplateError(TetherError, ValueError):
     """A ``chat_template`` that names no built-in template and no readable Jinja file; the message says which exist."""
 
 

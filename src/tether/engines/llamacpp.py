@@ -74,11 +74,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tether.engines import reasoning
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateError, resolve
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
 from tether.engines.llamacpp_tools import template_messages, tool_grammar
+from tether.engines.reasoning import ReasoningFormat, Splitter, opens_in_prompt
 from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
 
@@ -219,6 +221,9 @@ class LlamaCppEngine:
         self._answers: list[StepResult] = []  # tokenizer requests, answered at start, returned by the next step
         self._facts: TokenizerAnswer | None = None  # the tokenizer's facts, read once
         self._dropped: dict[str, int] = {}  # sequence id -> turns a fitted chat left out (until its final delta)
+        self._reasoning: ReasoningFormat | None = None  # the template's, when its model thinks (``reasoning``)
+        self._splitters: dict[str, Splitter] = {}  # sequence id -> its thinking kept apart from its answer
+        self._opens = False  # the prompt ``_render_chat`` wrote last leaves its answer inside a thinking block
 
     # -------------------------------------------------------------------------------------------------------
 
@@ -284,6 +289,7 @@ class LlamaCppEngine:
             unified=self.kv_unified,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model, self.template)
+        self._reasoning = reasoning.detect(self._template_text())
         where = ""
         if rank is not None and split is not None:
             from tether.engines import llamacpp_rpc
@@ -425,6 +431,9 @@ class LlamaCppEngine:
             special_pieces=params.tool_syntax is not None,
         )
         batch.start(seq_id, prompt_tokens, max_tokens, stop, sampling, echo=echo)
+        if self._reasoning is not None and params.messages is not None and grammar is None:
+            # a grammar holds the whole answer to its shape (JSON, tool calls): there is no thinking to keep apart
+            self._splitters[seq_id] = Splitter(self._reasoning, inside=self._opens)
 
     def _check_sampling(self, params: GenerateParams) -> str | None:
         """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` or of the tool syntax
@@ -518,14 +527,32 @@ class LlamaCppEngine:
                 eos_token=eos,
                 eos_id=eos_id,
                 add_bos=bool(model.add_bos_token()),
-                chat_template=self.template.text if self.template else metadata.get("tokenizer.chat_template") or None,
+                chat_template=self._template_text(),
                 kind=str(metadata.get("tokenizer.ggml.model", "")),
             )
         return self._facts
 
+    def _template_text(self) -> str | None:
+        """The chat template in use: the ``chat_template`` option's, else the GGUF's own (None: neither)."""
+        if self.template is not None:
+            return self.template.text
+        own = self._model.metadata().get("tokenizer.chat_template") if self._model is not None else None
+        return own or None
+
     def step(self) -> list[StepResult]:
         answers, self._answers = self._answers, []  # tokenizer requests answered since the last step
         results = answers + self._require_batch().step()
+        if self._splitters:  # a reasoning model's thinking kept apart from its answer
+            for i, (seq_id, delta) in enumerate(results):
+                splitter = self._splitters.get(seq_id)
+                if splitter is None or not isinstance(delta, Delta) or delta.prefilled:
+                    continue
+                thought, said = splitter.feed(delta.text)
+                if delta.finish_reason is not None:
+                    rest = splitter.flush()
+                    thought, said = thought + rest[0], said + rest[1]
+                    del self._splitters[seq_id]
+                results[i] = (seq_id, msgspec.structs.replace(delta, text=said, reasoning=thought))
         if self._dropped:  # say on a fitted chat's final delta how many turns were left out
             for i, (seq_id, delta) in enumerate(results):
                 if isinstance(delta, Delta) and delta.finish_reason is not None and seq_id in self._dropped:
@@ -534,6 +561,7 @@ class LlamaCppEngine:
 
     def drop(self, seq_id: str) -> Delta:
         self._dropped.pop(seq_id, None)
+        self._splitters.pop(seq_id, None)
         self._answers = [answer for answer in self._answers if answer[0] != seq_id]
         counts = self._require_batch().drop(seq_id)
         prompt, completion = counts if counts is not None else (0, 0)
@@ -635,11 +663,13 @@ class LlamaCppEngine:
                 f"{describe_model(self.model_path or '?')} has no chat template (a base model's GGUF carries none), "
                 f"so a chat cannot be written as the model reads one: {HOW_TO_SET}. Or send a raw 'prompt' instead"
             )
+        switch = {} if params.thinking is None else {reasoning.SWITCH: params.thinking}
         try:
-            result = self._chat_formatter(messages=messages, tools=tools)
+            result = self._chat_formatter(messages=messages, tools=tools, **switch)
         except Exception as exc:  # template errors (e.g. unsupported roles) are the request's fault
             raise RequestError(f"the model's chat template rejected these messages: {exc}") from exc
         tokens = self._model.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
+        self._opens = self._reasoning is not None and opens_in_prompt(result.prompt, self._reasoning)
         stop = result.stop
         template_stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         if self.template is not None:

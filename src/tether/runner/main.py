@@ -387,6 +387,7 @@ class Runner:
                         dropped_messages=result.dropped_messages,
                         prefilled=result.prefilled,
                         tokenized=result.tokenized,
+                        reasoning=result.reasoning,
                     )
                 )
                 if result.finish_reason is not None:
