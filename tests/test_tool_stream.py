@@ -24,7 +24,6 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from conftest import Server
 from tether.protocol import Chunk
-from tether.serve import views
 from tether.serve.dialects import ollama as ollama_dialect
 from tether.serve.dialects import openai as openai_dialect
 from tether.serve.dialects import responses
@@ -180,10 +179,10 @@ def sse_objects(data: bytes) -> list[dict[str, Any]]:
 
 
 def chat_chunks(data: bytes) -> list[ChatCompletionChunk]:
-    """A chat stream's chunks, each as the served schema states it (``views``) and as the openai SDK reads it."""
+    """A chat stream's chunks, each as the served schema states it (the dialect's) and as the openai SDK reads it."""
     objects = sse_objects(data)
     for obj in objects:
-        msgspec.convert(obj, views.ChatCompletionChunk)
+        msgspec.convert(obj, openai_dialect.ChatCompletionChunk)
     return [ChatCompletionChunk.model_validate(o) for o in objects]
 
 

@@ -1,10 +1,11 @@
 """The OpenAPI document served at ``/openapi.json``, written from the route table the app serves.
 
 Paths come from the ``Route``s themselves (``app`` registers the same list), request bodies from the very structs
-the API decodes with, and responses from ``views``, the structs every answer is encoded from, so neither half can
-drift from what is served. Both halves are checked against a live server by the API fuzzer (``bench/fuzz.py``,
-``tests/test_fuzz.py``): schema-valid bodies must be served, invalid ones refused with a 4xx, and every response
-must match what is written here; ``tests/test_http_api.py`` compares real answers' keys with it.
+the API decodes with, and responses from the structs every answer is encoded from (``views``' and each dialect's
+own), so neither half can drift from what is served. Both halves are checked against a live server by the API
+fuzzer (``bench/fuzz.py``, ``tests/test_fuzz.py``): schema-valid bodies must be served, invalid ones refused with a
+4xx, and every response must match what is written here; ``tests/test_http_api.py`` compares real answers' keys
+with it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 
 from tether.serve import views
-from tether.serve.dialects import ollama, openai, responses, tokenizer
+from tether.serve.dialects import embeddings, ollama, openai, responses, tokenizer
 from tether.serve.guard import OPEN_PATHS
 from tether.serve.routes import REF, Route, json_answer
 from tether.serve.statuses import WHEN, shape_of
@@ -29,12 +30,21 @@ RETRY_AFTER = {
 }
 
 
+ANSWER_MODULES = (views, openai, embeddings, tokenizer, responses, ollama)  # where the answers' structs are defined
+RULE_MODULES = (openai, responses, ollama, tokenizer)  # their SCHEMA_RULES: what a field's type cannot say
+
+
 def answer_structs() -> list[type]:
-    """Every response struct: the components a ``$ref`` in a route's answers may name."""
+    """Every public struct the answer modules define: the components a ``$ref`` in a route's answers may name (a
+    dialect's request structs among them, which its bodies name anyway)."""
     return [
         obj
-        for obj in vars(views).values()
-        if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == views.__name__
+        for module in ANSWER_MODULES
+        for name, obj in vars(module).items()
+        if isinstance(obj, type)
+        and issubclass(obj, msgspec.Struct)
+        and obj.__module__ == module.__name__
+        and not name.startswith("_")
     ]
 
 
@@ -68,8 +78,7 @@ def openapi(routes: Sequence[Route], *, auth: bool) -> dict[str, Any]:
     ones)."""
     bodies = [route.body for route in routes if route.body is not None]
     _, components = msgspec.json.schema_components([*bodies, *answer_structs()], ref_template=REF)
-    dialects = (openai, responses, ollama, tokenizer)  # what each body's fields cannot say alone
-    for name, rules in {name: rules for d in dialects for name, rules in d.SCHEMA_RULES.items()}.items():
+    for name, rules in {name: rules for module in RULE_MODULES for name, rules in module.SCHEMA_RULES.items()}.items():
         components[name].update(rules)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

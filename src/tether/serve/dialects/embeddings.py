@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import Request
@@ -18,7 +18,6 @@ from fastapi.responses import Response
 from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
 from tether.protocol import Chunk, GenerateParams, documented
-from tether.serve import views
 from tether.serve.dialects.fields import HONOURED, LIMITED, METADATA, FieldPolicy, register
 from tether.serve.dialects.plan import decode_body
 from tether.serve.generation import Api
@@ -33,6 +32,26 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     encoding_format: Annotated[str, documented(enum=["float", "base64"])] = "float"
     dimensions: Annotated[Any, documented(type="null", description="the model's size only")] = None
     user: str | None = None
+
+
+class EmbeddingOut(msgspec.Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # ``encoding_format: base64``: little-endian float32, base64
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    """One unit-length vector per input, in order."""
+
+    object: Literal["list"]
+    data: list[EmbeddingOut]
+    model: str
+    usage: EmbeddingUsage
 
 
 register(
@@ -85,15 +104,15 @@ def vector(values: tuple[float, ...], encoding: str) -> list[float] | str:
     return list(values)
 
 
-def body(chunks: list[Chunk], model: str, encoding: str) -> views.EmbeddingList:
+def body(chunks: list[Chunk], model: str, encoding: str) -> EmbeddingList:
     """The list object: one embedding per input, in order, with the prompt tokens they took."""
     tokens = sum(chunk.prompt_tokens for chunk in chunks)
     data = [
-        views.EmbeddingOut(object="embedding", index=i, embedding=vector(chunk.embedding or (), encoding))
+        EmbeddingOut(object="embedding", index=i, embedding=vector(chunk.embedding or (), encoding))
         for i, chunk in enumerate(chunks)
     ]
-    usage = views.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
-    return views.EmbeddingList(object="list", data=data, model=model, usage=usage)
+    usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    return EmbeddingList(object="list", data=data, model=model, usage=usage)
 
 
 def routes(api: Api) -> list[Route]:
@@ -112,7 +131,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             create_embeddings,
             "OpenAI embeddings, from an instance started with the llama.cpp option embedding: true",
-            {"200": json_answer(views.EmbeddingList, "the vectors")},
+            {"200": json_answer(EmbeddingList, "the vectors")},
             GENERATION_ERRORS,
             EmbeddingRequest,
         )

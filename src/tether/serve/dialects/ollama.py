@@ -56,7 +56,7 @@ import anyio
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 import tether
 from tether.errors import InvalidField
@@ -635,6 +635,150 @@ def show_model(body: OllamaShowRequest) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Reply types: JSON objects and NDJSON lines (errors: ``views.OllamaErrorBody``)
+# --------------------------------------------------------------------------------------------------------------
+
+
+class OllamaFunctionOut(msgspec.Struct):
+    index: int
+    name: str
+    arguments: Any  # an object, matching the tool's parameters (grammar-constrained)
+
+
+class OllamaToolCallOut(msgspec.Struct):
+    id: str
+    function: OllamaFunctionOut
+
+
+class OllamaMessageOut(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[OllamaToolCallOut] | None = None
+
+
+# "load" / "unload": a request without a prompt, answered once its model is loaded (or, with keep_alive 0, unloaded)
+OllamaDoneReason = Literal["stop", "length", "load", "unload"]
+
+
+class OllamaChatChunk(msgspec.Struct):
+    model: str
+    created_at: str  # RFC 3339
+    message: OllamaMessageOut
+    done: Literal[False]
+    logprobs: list[views.LogprobOut] | None = None
+
+
+class OllamaChatDone(msgspec.Struct):
+    """The last line of a chat stream, or the whole answer; durations in nanoseconds (absent for "load")."""
+
+    model: str
+    created_at: str
+    message: OllamaMessageOut
+    done: Literal[True]
+    done_reason: OllamaDoneReason
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[views.LogprobOut] | None = None
+    truncated_messages: int | UnsetType = UNSET  # the chat's oldest turns left out to fit the context (when any)
+
+
+class OllamaGenerateChunk(msgspec.Struct):
+    model: str
+    created_at: str
+    response: str
+    done: Literal[False]
+    logprobs: list[views.LogprobOut] | None = None
+
+
+class OllamaGenerateDone(msgspec.Struct):
+    model: str
+    created_at: str
+    response: str
+    done: Literal[True]
+    done_reason: OllamaDoneReason
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[views.LogprobOut] | None = None
+    truncated_messages: int | UnsetType = UNSET  # the chat's oldest turns left out to fit the context (when any)
+
+
+class OllamaEmbedOut(msgspec.Struct):
+    model: str
+    embeddings: list[list[float]]  # unit length, one per input
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingOut(msgspec.Struct):
+    embedding: list[float]  # empty for an empty prompt
+
+
+class OllamaDetails(msgspec.Struct):
+    """From the model's GGUF header; empty strings where there is no model file (the debug engine)."""
+
+    parent_model: str
+    format: str
+    family: str
+    families: list[str] | None
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaTag(msgspec.Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int  # the model file's
+    digest: str  # sha256 of the file's path, size and mtime
+    details: OllamaDetails
+    capabilities: list[str]  # Ollama's names: "completion", "tools", "embedding" (an embedding instance: that alone)
+
+
+class OllamaTags(msgspec.Struct):
+    models: list[OllamaTag]
+
+
+class OllamaLoaded(msgspec.Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int  # the runner's footprint plus its resident mapped weights
+    digest: str
+    details: OllamaDetails
+    size_vram: int
+    expires_at: str  # far future: an instance stays loaded until it is removed
+    context_length: int | UnsetType = UNSET  # the model's n_ctx, when it sets one
+
+
+class OllamaPs(msgspec.Struct):
+    models: list[OllamaLoaded]
+
+
+class OllamaShow(msgspec.Struct):
+    modelfile: str
+    parameters: str
+    template: str  # the GGUF's chat template (Jinja, not a Go template)
+    license: str
+    details: OllamaDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class OllamaVersion(msgspec.Struct):
+    version: str  # the Ollama release whose API tether speaks (tether's own: the X-Tether-Version header)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Answers
 # --------------------------------------------------------------------------------------------------------------
 
@@ -812,12 +956,12 @@ def parameters_text(item: ListedModel) -> str:
     return "\n".join(f"{name:<30} {value}" for name, value in values.items())
 
 
-def details_of(f: ModelFacts) -> views.OllamaDetails:
-    return msgspec.convert(f.details, views.OllamaDetails)
+def details_of(f: ModelFacts) -> OllamaDetails:
+    return msgspec.convert(f.details, OllamaDetails)
 
 
-def tag_out(item: ListedModel, f: ModelFacts) -> views.OllamaTag:
-    return views.OllamaTag(
+def tag_out(item: ListedModel, f: ModelFacts) -> OllamaTag:
+    return OllamaTag(
         name=item.id,
         model=item.id,
         modified_at=rfc3339(f.modified_at),
@@ -828,7 +972,7 @@ def tag_out(item: ListedModel, f: ModelFacts) -> views.OllamaTag:
     )
 
 
-async def loaded_out(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> views.OllamaLoaded:
+async def loaded_out(hosted: Hosted, f: ModelFacts, expires_in: float | None) -> OllamaLoaded:
     """A loaded model: its memory sampled now (the footprint, plus the mapped weights that are resident), and when
     keep-alive unloads it (``expires_in`` seconds from now; None: not counting down)."""
     size, vram = f.size, 0
@@ -839,7 +983,7 @@ async def loaded_out(hosted: Hosted, f: ModelFacts, expires_in: float | None) ->
             size, vram = memory.footprint + memory.file, memory.gpu or 0
     item = ListedModel.of(hosted)
     n_ctx = options_of(item).get("n_ctx")
-    return views.OllamaLoaded(
+    return OllamaLoaded(
         name=item.id,
         model=item.id,
         modified_at=rfc3339(f.modified_at),
@@ -917,7 +1061,7 @@ def routes(api: Api) -> list[Route]:
         embed_id = new_request_id("ollama-embed")
         chunks = await api.embed(model_id, inputs, embed_id, "ollama_embed", keep) if inputs else []
         return json_response(
-            views.OllamaEmbedOut(
+            OllamaEmbedOut(
                 model=model_id,
                 embeddings=[list(c.embedding or ()) for c in chunks],
                 total_duration=ns(time.monotonic() - started),
@@ -931,16 +1075,16 @@ def routes(api: Api) -> list[Route]:
         model_id = scheduler.resolve(body.model)
         inputs = api.planned(model_id, "ollama_embeddings", lambda: embed_inputs([body.prompt or ""], body))
         if not body.prompt:  # Ollama answers an empty prompt with an empty vector (it loads the model)
-            return json_response(views.OllamaEmbeddingOut(embedding=[]))
+            return json_response(OllamaEmbeddingOut(embedding=[]))
         keep = keep_alive_seconds(body.keep_alive)
         chunks = await api.embed(model_id, inputs, new_request_id("ollama-embd"), "ollama_embeddings", keep)
-        return json_response(views.OllamaEmbeddingOut(embedding=list(chunks[0].embedding or ())))
+        return json_response(OllamaEmbeddingOut(embedding=list(chunks[0].embedding or ())))
 
     async def tags() -> Response:
         models = []
         for item in listed(scheduler):
             models.append(tag_out(item, await anyio.to_thread.run_sync(facts, item)))
-        return json_response(views.OllamaTags(models=models))
+        return json_response(OllamaTags(models=models))
 
     async def ps() -> Response:
         models = []
@@ -951,14 +1095,14 @@ def routes(api: Api) -> list[Route]:
                 expires = slot.expires_in(now) if slot is not None else None
                 f = await anyio.to_thread.run_sync(facts, ListedModel.of(hosted))
                 models.append(await loaded_out(hosted, f, expires))
-        return json_response(views.OllamaPs(models=models))
+        return json_response(OllamaPs(models=models))
 
     async def show(request: Request) -> Response:
         model_id = scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body())))
         item = next(i for i in listed(scheduler) if i.id == model_id)
         f = await anyio.to_thread.run_sync(facts, item)
         return json_response(
-            views.OllamaShow(
+            OllamaShow(
                 modelfile="",
                 parameters=parameters_text(item),
                 template=f.template,
@@ -971,7 +1115,7 @@ def routes(api: Api) -> list[Route]:
         )
 
     async def version() -> Response:
-        return json_response(views.OllamaVersion(version=OLLAMA_VERSION), headers={TETHER_VERSION: tether.__version__})
+        return json_response(OllamaVersion(version=OLLAMA_VERSION), headers={TETHER_VERSION: tether.__version__})
 
     errors = GENERATION_ERRORS
     return [
@@ -980,7 +1124,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             chat,
             "Ollama chat",
-            _generation_answer(views.OllamaChatChunk, views.OllamaChatDone),
+            _generation_answer(OllamaChatChunk, OllamaChatDone),
             errors,
             OllamaChatRequest,
         ),
@@ -989,7 +1133,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             generate,
             "Ollama completion",
-            _generation_answer(views.OllamaGenerateChunk, views.OllamaGenerateDone),
+            _generation_answer(OllamaGenerateChunk, OllamaGenerateDone),
             errors,
             OllamaGenerateRequest,
         ),
@@ -998,7 +1142,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             embed,
             "Ollama embeddings, one unit-length vector per input",
-            {"200": json_answer(views.OllamaEmbedOut, "the vectors")},
+            {"200": json_answer(OllamaEmbedOut, "the vectors")},
             errors,
             OllamaEmbedRequest,
         ),
@@ -1007,7 +1151,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             embeddings_,
             "Ollama's older embeddings route: one prompt, one vector",
-            {"200": json_answer(views.OllamaEmbeddingOut, "the vector")},
+            {"200": json_answer(OllamaEmbeddingOut, "the vector")},
             errors,
             OllamaEmbeddingsRequest,
         ),
@@ -1016,15 +1160,15 @@ def routes(api: Api) -> list[Route]:
             "GET",
             tags,
             "every model, as Ollama lists them",
-            {"200": json_answer(views.OllamaTags, "them")},
+            {"200": json_answer(OllamaTags, "them")},
         ),
-        Route("/api/ps", "GET", ps, "the loaded models", {"200": json_answer(views.OllamaPs, "them")}),
+        Route("/api/ps", "GET", ps, "the loaded models", {"200": json_answer(OllamaPs, "them")}),
         Route(
             "/api/show",
             "POST",
             show,
             "one model: its GGUF metadata, chat template and capabilities",
-            {"200": json_answer(views.OllamaShow, "the model")},
+            {"200": json_answer(OllamaShow, "the model")},
             (400, 404, 413),
             OllamaShowRequest,
         ),
@@ -1033,6 +1177,6 @@ def routes(api: Api) -> list[Route]:
             "GET",
             version,
             "the Ollama release whose API tether speaks (tether's own version: the X-Tether-Version header)",
-            {"200": json_answer(views.OllamaVersion, "it")},
+            {"200": json_answer(OllamaVersion, "it")},
         ),
     ]

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
+from msgspec import UNSET, UnsetType
 
 from tether.errors import InvalidField, NotFound
 from tether.fleet.catalog import KeepAlive, keep_alive_seconds
@@ -578,7 +579,146 @@ def plan(body: ChatRequest | CompletionRequest, fmt: toolkit.ToolFormat = toolki
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Responses
+# Reply types: what /openapi.json says of the answers below
+# --------------------------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # of prompt_tokens, those whose KV the prompt cache supplied (not prefilled)
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatLogprobs(msgspec.Struct):
+    """``logprobs: true``: each generated token's log-probability under the model, and the ``top_logprobs`` most
+    likely tokens at its position."""
+
+    content: list[views.LogprobOut]
+    refusal: None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions API's logprobs (``logprobs: n``). With ``echo`` the prompt's tokens come first, and
+    the first of them has null for its logprob and its alternatives (nothing precedes it)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None] | None]
+    text_offset: list[int]
+
+
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class FunctionCallDelta(msgspec.Struct):
+    name: str | UnsetType = UNSET  # in a call's first delta
+    arguments: str = ""  # more of the arguments' JSON text (the deltas joined are the arguments)
+
+
+class ToolCallDelta(msgspec.Struct):
+    """One streamed call's piece, as OpenAI streams it: the first carries its id, type and name, the next more of
+    its arguments."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str | None  # null when the answer is tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: CompletionLogprobs | None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct):
+    role: Literal["assistant"] | None = None  # in the first chunk
+    content: str | None = None  # absent in the chunk that carries the finish reason
+    tool_calls: list[ToolCallDelta] | None = None  # a tool answer: a call's opening, or more of its arguments
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]  # empty in the usage chunk (``stream_options.include_usage``)
+    usage: Usage | None = None
+
+
+class TextChunkChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChunkChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Answers
 # --------------------------------------------------------------------------------------------------------------
 
 _encode = msgspec.json.Encoder().encode
@@ -882,7 +1022,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             chat_completions,
             "OpenAI chat completion",
-            _generation_answer(views.ChatCompletion, views.ChatCompletionChunk),
+            _generation_answer(ChatCompletion, ChatCompletionChunk),
             GENERATION_ERRORS,
             ChatRequest,
         ),
@@ -891,7 +1031,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             completions,
             "OpenAI (legacy) text completion",
-            _generation_answer(views.Completion, views.CompletionChunk),
+            _generation_answer(Completion, CompletionChunk),
             GENERATION_ERRORS,
             CompletionRequest,
         ),

@@ -21,11 +21,11 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
+from msgspec import UNSET, UnsetType
 
 from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
 from tether.protocol import MAX_TOKENS_LIMIT, GenerateParams, TokenizerAnswer, documented
-from tether.serve import views
 from tether.serve.dialects import openai
 from tether.serve.dialects.fields import HONOURED, LIMITED, FieldPolicy, register
 from tether.serve.dialects.plan import decode_body
@@ -90,6 +90,46 @@ register(
     },
 )
 
+
+class TokenPiece(msgspec.Struct):
+    id: int
+    piece: str | list[int]  # the token's text, or its bytes when they are not whole UTF-8 (llama-server's shape)
+
+
+class Tokenized(msgspec.Struct):
+    """``POST /tokenize``: the token ids, each with its piece when ``with_pieces`` asked (llama-server's shape); asked
+    in vLLM's shape (``prompt`` or ``messages``), with their count and the longest prompt plus answer served."""
+
+    tokens: list[int | TokenPiece]
+    count: int | UnsetType = UNSET
+    max_model_len: int | UnsetType = UNSET
+    token_strs: list[str] | UnsetType = UNSET  # ``return_token_strs``: each token's text
+
+
+class Detokenized(msgspec.Struct):
+    """``POST /detokenize``: the tokens' text, under llama-server's name and vLLM's (one route answers both)."""
+
+    content: str
+    prompt: str
+
+
+class TokenizerInfo(msgspec.Struct):
+    """``GET /tokenizer_info`` (vLLM's): what a client's remote tokenizer needs (lm-eval's ``tokenizer_backend``
+    ``remote``), read from the model by its runner."""
+
+    model: str
+    tokenizer_class: str  # the GGUF's tokenizer family: gpt2, llama, ...
+    bos_token: str | None
+    bos_token_id: int | None
+    eos_token: str | None
+    eos_token_id: int | None
+    pad_token: str | None  # none: completions are never padded here
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int  # a sequence's context (n_ctx): the longest prompt plus answer served
+    vocab_size: int
+
+
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
@@ -153,11 +193,11 @@ def piece_out(piece: bytes) -> str | list[int]:
         return list(piece)
 
 
-def tokenized_body(plan: TokenizePlan, answer: TokenizerAnswer) -> views.Tokenized:
-    tokens: list[int | views.TokenPiece] = list(answer.ids)
+def tokenized_body(plan: TokenizePlan, answer: TokenizerAnswer) -> Tokenized:
+    tokens: list[int | TokenPiece] = list(answer.ids)
     if plan.with_pieces:
-        tokens = [views.TokenPiece(id=i, piece=piece_out(p)) for i, p in zip(answer.ids, answer.pieces, strict=True)]
-    out = views.Tokenized(tokens=tokens)
+        tokens = [TokenPiece(id=i, piece=piece_out(p)) for i, p in zip(answer.ids, answer.pieces, strict=True)]
+    out = Tokenized(tokens=tokens)
     if plan.vllm:
         out.count, out.max_model_len = len(answer.ids), answer.n_ctx
     if plan.token_strs:
@@ -165,8 +205,8 @@ def tokenized_body(plan: TokenizePlan, answer: TokenizerAnswer) -> views.Tokeniz
     return out
 
 
-def info_body(model: str, answer: TokenizerAnswer) -> views.TokenizerInfo:
-    return views.TokenizerInfo(
+def info_body(model: str, answer: TokenizerAnswer) -> TokenizerInfo:
+    return TokenizerInfo(
         model=model,
         tokenizer_class=answer.kind,
         bos_token=answer.bos_token,
@@ -206,7 +246,7 @@ def routes(api: Api) -> list[Route]:
         model_id = scheduler.resolve(body.model)
         params = api.planned(model_id, "detokenize", lambda: detokenize_params(body))
         text, _ = await ask(model_id, params, "detokenize")
-        return json_response(views.Detokenized(content=text, prompt=text))
+        return json_response(Detokenized(content=text, prompt=text))
 
     async def tokenizer_info(request: Request) -> Response:
         model_id = scheduler.resolve(request.query_params.get("model"))
@@ -227,7 +267,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             tokenize,
             "the model's token ids for a text or a chat (llama-server's and vLLM's shapes)",
-            {"200": json_answer(views.Tokenized, "the token ids")},
+            {"200": json_answer(Tokenized, "the token ids")},
             GENERATION_ERRORS,
             TokenizeRequest,
         ),
@@ -236,7 +276,7 @@ def routes(api: Api) -> list[Route]:
             "POST",
             detokenize,
             "the text of token ids (llama-server's and vLLM's shapes)",
-            {"200": json_answer(views.Detokenized, "the text")},
+            {"200": json_answer(Detokenized, "the text")},
             GENERATION_ERRORS,
             DetokenizeRequest,
         ),
@@ -245,7 +285,7 @@ def routes(api: Api) -> list[Route]:
             "GET",
             tokenizer_info,
             "the model's tokenizer: special tokens, context, chat template (vLLM's, for remote tokenizers)",
-            {"200": json_answer(views.TokenizerInfo, "the tokenizer's facts")},
+            {"200": json_answer(TokenizerInfo, "the tokenizer's facts")},
             GENERATION_ERRORS,
             parameters=(model_query,),
         ),
