@@ -283,6 +283,58 @@ def misleading_aliases(root: Path) -> list[str]:
     return found
 
 
+SHARED_DIALECT_MODULES = ("conversation", "fields", "plan", "rules", "shapes", "tools")
+"""The modules of ``tether.serve.dialects`` every dialect may use; each other module there is a dialect."""
+
+
+def dialect_modules(root: Path, shared: tuple[str, ...] = SHARED_DIALECT_MODULES) -> list[str]:
+    """The dialects of the package at ``root``: every module of its ``serve.dialects`` but the shared ones."""
+    package = f"{root.name}.serve.dialects"
+    return sorted(m for m in _modules(root) if m.startswith(package + ".") and m.rsplit(".", 1)[1] not in shared)
+
+
+def dialect_crossings(root: Path, shared: tuple[str, ...] = SHARED_DIALECT_MODULES) -> list[str]:
+    """Each import of one dialect by another (type-only ones too), as ``a imports b``."""
+    graph = import_graph(root)
+    dialects = set(dialect_modules(root, shared))
+    return sorted(f"{m} imports {t}" for m in dialects for t in sorted(graph[m] & dialects))
+
+
+@pytest.mark.timeout(30)
+def test_no_dialect_imports_another() -> None:
+    """Each dialect is a peer, not a library the others convert through: what two of them share (the neutral
+    conversation, a request shape two APIs take, a schema rule) lives in a shared module."""
+    dialects = dialect_modules(SRC)
+    assert "tether.serve.dialects.openai" in dialects and "tether.serve.dialects.ollama" in dialects
+    for name in SHARED_DIALECT_MODULES:
+        assert (SRC / "serve" / "dialects" / f"{name}.py").is_file(), f"no shared module {name}: update the list"
+    assert dialect_crossings(SRC) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_dialect_check_catches_a_dialect_that_borrows_from_another(tmp_path: Path) -> None:
+    package = tmp_path / "tether"
+    dialects = package / "serve" / "dialects"
+    dialects.mkdir(parents=True)
+    for folder in (package, package / "serve", dialects):
+        (folder / "__init__.py").write_text("")
+    (dialects / "tools.py").write_text("")
+    (dialects / "alpha.py").write_text("from tether.serve.dialects import tools\n")
+    (dialects / "beta.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tether.serve.dialects.alpha import Thing\n"
+    )
+    (dialects / "gamma.py").write_text("from tether.serve.dialects import alpha, tools\n")
+    assert dialect_modules(package, ("tools",)) == [
+        "tether.serve.dialects.alpha",
+        "tether.serve.dialects.beta",
+        "tether.serve.dialects.gamma",
+    ]
+    assert dialect_crossings(package, ("tools",)) == [
+        "tether.serve.dialects.beta imports tether.serve.dialects.alpha",
+        "tether.serve.dialects.gamma imports tether.serve.dialects.alpha",
+    ]
+
+
 @pytest.mark.timeout(30)
 def test_no_import_cycles() -> None:
     assert import_cycles(SRC) == []

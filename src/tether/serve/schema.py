@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from tether.serve import views
-from tether.serve.dialects import embeddings, ollama, openai, responses, tokenizer
+from tether.serve.dialects import embeddings, ollama, openai, responses, shapes, tokenizer
 from tether.serve.guard import OPEN_PATHS
 from tether.serve.routes import REF, Route, json_answer
 from tether.serve.statuses import WHEN, shape_of
@@ -31,7 +31,7 @@ RETRY_AFTER = {
 
 
 ANSWER_MODULES = (views, openai, embeddings, tokenizer, responses, ollama)  # where the answers' structs are defined
-RULE_MODULES = (openai, responses, ollama, tokenizer)  # their SCHEMA_RULES: what a field's type cannot say
+RULE_MODULES = (shapes, openai, responses, ollama, tokenizer)  # their SCHEMA_RULES: what a field's type cannot say
 
 
 def answer_structs() -> list[type]:

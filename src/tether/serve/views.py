@@ -26,7 +26,7 @@ from tether.node.hangs import Deadlines
 from tether.node.instance import Instance, InstanceReady, InstanceRestarting, RestartPolicy
 from tether.node.memory import NodeMemory, ProcessMemory
 from tether.node.ranks import RankGroup
-from tether.protocol import Cause, tag_of
+from tether.protocol import Cause, TokenLogprob, tag_of
 
 encode = msgspec.json.Encoder().encode
 
@@ -95,6 +95,17 @@ class LogprobOut(msgspec.Struct):
     logprob: float | None
     bytes: list[int]
     top_logprobs: list[TopLogprobOut]
+
+
+def chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """One token as ``LogprobOut`` (OpenAI's chat shape, which Ollama's and the Responses API's logprobs share):
+    ``bytes`` as a list of ints, as OpenAI sends them."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.piece),
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.piece)} for t in entry.top],
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------

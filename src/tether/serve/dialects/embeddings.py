@@ -19,11 +19,9 @@ from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
 from tether.protocol import Chunk, GenerateParams, documented
 from tether.serve.dialects.fields import HONOURED, LIMITED, METADATA, FieldPolicy, register
-from tether.serve.dialects.plan import decode_body
+from tether.serve.dialects.plan import MAX_INPUTS, decode_body, embedding_tasks
 from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, Route, json_answer, json_response
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -86,16 +84,7 @@ def inputs_of(request: EmbeddingRequest) -> list[GenerateParams]:
     texts = [request.input] if isinstance(request.input, str) else request.input
     if not texts:
         raise InvalidField("input", "input must hold at least one string")
-    return tasks(texts)
-
-
-def tasks(texts: list[str], *, fit_context: bool = False) -> list[GenerateParams]:
-    """One embedding task per text (at most ``MAX_INPUTS``): what OpenAI's and Ollama's routes send the runner.
-    ``fit_context``: a text longer than the instance's context keeps its first ``n_ctx`` tokens (Ollama's
-    ``truncate``) instead of being refused."""
-    if len(texts) > MAX_INPUTS:
-        raise InvalidField("input", f"input takes at most {MAX_INPUTS} strings per request, got {len(texts)}")
-    return [GenerateParams(prompt=text, max_tokens=1, embed=True, fit_context=fit_context) for text in texts]
+    return embedding_tasks(texts)
 
 
 def vector(values: tuple[float, ...], encoding: str) -> list[float] | str:

@@ -77,14 +77,16 @@ from tether.protocol import (
     documented,
 )
 from tether.serve import views
-from tether.serve.dialects import embeddings, openai
 from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.conversation import ROLES, Call, Turn, is_role, latest_calls
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
 from tether.serve.dialects.fields import FieldPolicy, register
-from tether.serve.dialects.plan import Plan, decode_body
+from tether.serve.dialects.plan import MAX_INPUTS, Plan, decode_body, embedding_tasks, schema_text
+from tether.serve.dialects.rules import ASSISTANT_CALLS_RULE, LOGPROBS_RULE
+from tether.serve.dialects.shapes import FunctionTool, declared_tools
 from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, NDJSON, Route, json_answer, json_response, ref
 from tether.serve.statuses import Answer
@@ -189,9 +191,6 @@ class OllamaToolCall(msgspec.Struct, forbid_unknown_fields=True):
     index: int | None = None  # Open WebUI sends each call back with its index in the turn: metadata here
 
 
-ROLES = ("system", "user", "assistant", "tool")
-
-
 class OllamaMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Annotated[str, documented(enum=list(ROLES))]
     content: str = ""
@@ -215,7 +214,7 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class OllamaChatRequest(_Generation, kw_only=True):
     messages: list[OllamaMessage] = msgspec.field(default_factory=list)
-    tools: list[openai.FunctionTool] | None = None
+    tools: list[FunctionTool] | None = None
 
 
 class OllamaGenerateRequest(_Generation, kw_only=True):
@@ -235,7 +234,7 @@ EmbedOptions = Annotated[dict[str, Any], documented(maxProperties=0, description
 
 
 class OllamaEmbedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    input: str | Annotated[list[str], documented(maxItems=embeddings.MAX_INPUTS)]
+    input: str | Annotated[list[str], documented(maxItems=MAX_INPUTS)]
     model: str | None = None
     truncate: bool | None = None  # None: true, as Ollama's default
     dimensions: Refused = None
@@ -260,7 +259,7 @@ BEYOND_SCHEMA: dict[str, str] = {}  # 400s for rules JSON Schema cannot state (t
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     "OllamaChatRequest": {
         "allOf": [
-            openai.LOGPROBS_RULE,
+            LOGPROBS_RULE,
             {  # tools answer through a grammar of their own: no format beside them
                 "if": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
                 "then": {"properties": {"format": {"enum": [None, ""]}}},
@@ -269,14 +268,14 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
     },
     "OllamaGenerateRequest": {
         "allOf": [
-            openai.LOGPROBS_RULE,
+            LOGPROBS_RULE,
             {  # a raw prompt is sent as written: no system prompt to put around it
                 "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
                 "then": {"properties": {"system": {"anyOf": [{"type": "null"}, {"maxLength": 0}]}}},
             },
         ]
     },
-    "OllamaMessage": openai.ASSISTANT_CALLS_RULE,
+    "OllamaMessage": ASSISTANT_CALLS_RULE,
 }
 
 _GENERATION_POLICY = {
@@ -473,7 +472,7 @@ def format_schema(fmt: str | dict[str, Any] | None) -> str | None:
         return '{"type": "object"}'
     if isinstance(fmt, str):
         raise InvalidField("format", f'format must be "json" or a JSON Schema object, got {fmt!r}')
-    return openai.schema_text(fmt, "format")
+    return schema_text(fmt, "format")
 
 
 def _common(body: _Generation) -> dict[str, Any]:
@@ -510,35 +509,26 @@ def _empty(value: list[Any] | None, field: str, why: str) -> None:
         raise InvalidField(field, f"{field} is not supported ({why}): remove it")
 
 
-def chat_messages(messages: list[OllamaMessage], fmt: toolkit.ToolFormat = toolkit.GENERIC) -> list[ChatMessage]:
-    """Ollama's messages as OpenAI's, rendered the one way every dialect renders a conversation."""
-    converted = []
+def chat_turns(messages: list[OllamaMessage]) -> list[Turn]:
+    """Ollama's messages as the conversation: a call's arguments stay the object Ollama sends, and ``thinking`` is
+    the turn's reasoning. Every message's role and images are checked before any message's calls."""
+    turns = []
     for i, message in enumerate(messages):
-        if message.role not in ROLES:
+        role = message.role
+        if not is_role(role):
             raise InvalidField(
                 f"messages[{i}].role",
                 f"messages[{i}].role must be one of {', '.join(map(repr, ROLES))}, got {message.role!r}",
             )
         _empty(message.images, f"messages[{i}].images", "text models only")
-        calls = None
-        if message.tool_calls:
-            calls = [
-                openai.ToolCallIn(
-                    openai.FunctionCallIn(c.function.name, json.dumps(c.function.arguments, ensure_ascii=False)),
-                    id=c.id,
-                )
-                for c in message.tool_calls
-            ]
-        converted.append(
-            openai.MessageIn(
-                role=message.role,
-                content=message.content,
-                name=message.tool_name,
-                tool_calls=calls,
-                tool_call_id=message.tool_call_id,
-            )
-        )
-    return openai.chat_messages(converted, fmt=fmt)
+        calls = tuple(Call(c.function.name, c.function.arguments, c.id) for c in message.tool_calls or ())
+        result = role == "tool"  # a tool's result: the call it answers, and the tool's name as the client gives it
+        answers, tool = (message.tool_call_id, message.tool_name) if result else (None, None)
+        turns.append(Turn(role, message.content, calls, answers=answers, tool=tool, reasoning=message.thinking))
+    for i, turn in enumerate(turns):
+        if turn.calls and turn.role != "assistant":
+            raise InvalidField(f"messages[{i}].tool_calls", f"messages[{i}]: only assistant turns carry tool_calls")
+    return turns
 
 
 def uses_tools(body: OllamaChatRequest) -> bool:
@@ -551,20 +541,15 @@ def chat_plan(body: OllamaChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC
     model")."""
     common = _common(body)
     json_schema = format_schema(body.format)
-    tools = toolkit.plan(body.tools or [], None, None, fmt)
+    tools = toolkit.plan(declared_tools(body.tools), None, None, fmt)
     if not body.messages:
         checked(GenerateParams(prompt="", **common))  # a load request's options are checked too
         if tools is not None:
             tools.apply([], json_schema, "format")  # and tools beside a format are refused there too
         return None
-    messages = chat_messages(body.messages, fmt)
-    last_user = max((i for i, m in enumerate(body.messages) if m.role == "user"), default=-1)
-    made = [
-        (call.function.name, json.dumps(call.function.arguments, sort_keys=True))
-        for m in body.messages[last_user + 1 :]
-        for call in m.tool_calls or ()
-    ]
-    tools = toolkit.settle(tools, made)
+    turns = chat_turns(body.messages)
+    messages = toolkit.engine_messages(turns, fmt)
+    tools = toolkit.settle(tools, latest_calls(turns))
     syntax = None
     if tools is not None:
         json_schema, syntax = tools.apply(messages, json_schema, "format")
@@ -624,7 +609,7 @@ def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRe
         if body.dimensions is not None:
             raise InvalidField("dimensions", "dimensions is not supported: the vector has the model's size")
         cut = body.truncate is not False
-    return embeddings.tasks(texts, fit_context=cut)
+    return embedding_tasks(texts, fit_context=cut)
 
 
 def show_model(body: OllamaShowRequest) -> str | None:
@@ -915,7 +900,7 @@ class OllamaShaper:
         if stats is not None:
             obj.update(stats)
         if logprobs and self.plan.logprobs:
-            obj["logprobs"] = [openai.chat_logprob(e) for e in logprobs]
+            obj["logprobs"] = [views.chat_logprob(e) for e in logprobs]
         return obj
 
     @staticmethod

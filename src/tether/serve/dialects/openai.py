@@ -32,7 +32,6 @@ from tether.protocol import (
     PENALTY_RANGE,
     SEED_RANGE,
     TEMPERATURE_RANGE,
-    ChatMessage,
     Chunk,
     GenerateParams,
     TokenLogprob,
@@ -41,26 +40,25 @@ from tether.protocol import (
 )
 from tether.serve import views
 from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.conversation import NamedTool, latest_calls
 from tether.serve.dialects.fields import EXTENSION as E
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
 from tether.serve.dialects.fields import FieldPolicy, register
-from tether.serve.dialects.plan import Plan, decode_body
+from tether.serve.dialects.plan import DEFAULT_MAX_TOKENS, Plan, checked, decode_body, schema_text
+from tether.serve.dialects.rules import LOGPROBS_RULE, STRUCTURED_FORMAT, TOOL_CHOICE_RULE, structured_beside_tools
+from tether.serve.dialects.shapes import FunctionTool, MessageIn, Tokens, declared_tools, message_turns
 from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, json_response, path_parameter, ref, sse_of
 from tether.serve.statuses import Answer
 
-DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
-ROLES = ("system", "user", "assistant", "tool")
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions; chat templates know "system"
 MAX_STOPS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
 
 
-Tokens = Annotated[int, documented(minimum=1, maximum=MAX_TOKENS_LIMIT)]
 Stops = str | Annotated[list[str], documented(maxItems=MAX_STOPS)]
 Penalty = Annotated[float, documented(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])]
 Seed = Annotated[int, documented(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1] - 1)]
@@ -68,33 +66,6 @@ Bias = Annotated[
     dict[str, Annotated[float, documented(minimum=LOGIT_BIAS_RANGE[0], maximum=LOGIT_BIAS_RANGE[1])]],
     documented(propertyNames={"pattern": "^[0-9]{1,9}$"}),  # a token id below MAX_TOKENS_LIMIT
 ]
-
-
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Annotated[str, documented(enum=["text"], description="only text parts are supported")]
-    text: str | None = None
-
-
-class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    arguments: str = "{}"
-
-
-class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
-    """A call an earlier assistant turn made (sent back with the conversation)."""
-
-    function: FunctionCallIn
-    id: str | None = None
-    type: Annotated[str, documented(enum=["function"])] = "function"
-
-
-class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
-    role: Annotated[str, documented(enum=[*ROLES, *ROLE_ALIASES])]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    refusal: str | None = None
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -114,18 +85,6 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     json_schema: JsonSchema | None = None
 
 
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
-    name: Annotated[str, documented(minLength=1, maxLength=64)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the grammar enforces the parameters' schema either way
-
-
-class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
-    function: FunctionDef
-    type: Annotated[str, documented(enum=["function"], description="only function tools")] = "function"
-
-
 class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
@@ -135,7 +94,7 @@ class NamedChoice(msgspec.Struct, forbid_unknown_fields=True):
     type: Annotated[str, documented(enum=["function"])] = "function"
 
 
-ToolChoice = Annotated[str, documented(enum=["none", "auto", "required"])] | NamedChoice
+ToolChoiceIn = Annotated[str, documented(enum=["none", "auto", "required"])] | NamedChoice
 
 
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -167,7 +126,7 @@ class ChatRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[int, documented(minimum=0, maximum=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: Annotated[bool, documented(enum=[False], description="tether keeps no completions")] | None = None
@@ -217,42 +176,6 @@ BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the API fuzzer acc
     "tool_choice": "a named tool_choice must name one of the request's tools",
     "tools": "tool names must be unique",
 }
-LOGPROBS_RULE = {  # top_logprobs needs logprobs: true (chat, and Ollama's chat and generate)
-    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-}
-ASSISTANT_CALLS_RULE = {  # only an assistant turn carries tool_calls (OpenAI's and Ollama's messages)
-    "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
-    "then": {"properties": {"role": {"const": "assistant"}}},
-}
-TOOL_CHOICE_RULE = {  # a tool_choice that demands a call needs tools to call (chat, and the Responses API)
-    "if": {
-        "required": ["tool_choice"],
-        "properties": {"tool_choice": {"anyOf": [{"type": "object"}, {"const": "required"}]}},
-    },
-    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-}
-STRUCTURED_FORMAT = {  # a structured-output format: JSON, or a JSON schema
-    "type": "object",
-    "required": ["type"],
-    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-}
-
-
-def structured_beside_tools(field: str, structured: dict[str, Any]) -> dict[str, Any]:
-    """A request with tools in play and ``field`` set to a ``structured`` format: refused (tools answer in the
-    grammar's JSON shape, so there is no second shape beside it): the schema says so under ``not``."""
-    return {
-        "type": "object",
-        "required": ["tools", field],
-        "properties": {
-            "tools": {"type": "array", "minItems": 1},
-            "tool_choice": {"not": {"const": "none"}},
-            field: structured,
-        },
-    }
-
-
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
     "ChatRequest": {
@@ -262,7 +185,6 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
             {"not": structured_beside_tools("response_format", STRUCTURED_FORMAT)},
         ]
     },
-    "MessageIn": ASSISTANT_CALLS_RULE,
     "CompletionRequest": {
         "allOf": [
             {  # max_tokens 0 is the echoed prompt alone (lm-eval's loglikelihood), so only with echo
@@ -348,18 +270,6 @@ register(
         "best_of": FieldPolicy(L, "1 only"),
     },
 )
-register(
-    "chat message",
-    MessageIn,
-    {
-        "role": FieldPolicy(H, "`developer` is `system`"),
-        "content": FieldPolicy(H, "a string or text parts"),
-        "name": FieldPolicy(M),
-        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model"),
-        "tool_call_id": FieldPolicy(H, "a tool result's call, shown to the model"),
-        "refusal": FieldPolicy(M),
-    },
-)
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -404,7 +314,7 @@ def _refuse_set(request: msgspec.Struct, names: tuple[str, ...], why: str) -> No
 
 
 def sampling(request: _Sampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
-    """The ``GenerateParams`` fields every OpenAI-shaped request shares (the Responses and Ollama APIs use it too)."""
+    """The ``GenerateParams`` fields chat and text completion requests share."""
     if request.n != 1:
         raise InvalidField("n", f"n must be 1 (one choice per request; send n requests for n answers), got {request.n}")
     return {
@@ -422,20 +332,6 @@ def sampling(request: _Sampling, max_tokens: int | None, default_max: int) -> di
     }
 
 
-def checked(params: GenerateParams) -> GenerateParams:
-    problem = params.check()
-    if problem is not None:
-        raise problem
-    return params
-
-
-def schema_text(schema: dict[str, Any], field: str) -> str:
-    """A JSON Schema as the JSON text ``GenerateParams.json_schema`` carries (the engine compiles it to a grammar)."""
-    if not isinstance(schema, dict):
-        raise InvalidField(field, f"{field} must be a JSON Schema object")
-    return msgspec.json.encode(schema).decode()
-
-
 def response_schema(fmt: ResponseFormat | None) -> str | None:
     if fmt is None or fmt.type == "text":
         return None
@@ -448,42 +344,6 @@ def response_schema(fmt: ResponseFormat | None) -> str | None:
     raise InvalidField(
         "response_format.type", f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}"
     )
-
-
-def chat_messages(
-    messages: list[MessageIn], field: str = "messages", fmt: toolkit.ToolFormat = toolkit.GENERIC
-) -> list[ChatMessage]:
-    """The conversation as the engine renders it: roles checked, text parts joined, earlier tool calls and tool
-    results as the model's tool format ``fmt`` writes them (``toolkit.history_turn``)."""
-    if not messages:
-        raise InvalidField(field, f"{field} must hold at least one message")
-    out = []
-    names: dict[str, str] = {}  # tool call id -> function name, for the results that answer them
-    for i, message in enumerate(messages):
-        role = ROLE_ALIASES.get(message.role, message.role)
-        if role not in ROLES:
-            raise InvalidField(
-                f"{field}[{i}].role",
-                f"{field}[{i}].role must be one of {', '.join(repr(r) for r in (*ROLES, *ROLE_ALIASES))}, "
-                f"got {message.role!r}",
-            )
-        content = message.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise InvalidField(f"{field}[{i}].content", f"{field}[{i}]: only text content parts are supported")
-            content = "".join(part.text or "" for part in content)
-        calls: list[tuple[str, str, str]] = []
-        if message.tool_calls:
-            if role != "assistant":
-                raise InvalidField(f"{field}[{i}].tool_calls", f"{field}[{i}]: only assistant turns carry tool_calls")
-            for j, call in enumerate(message.tool_calls):
-                made = call.id or f"call_{i}_{j}"
-                names[made] = call.function.name
-                calls.append((made, call.function.name, call.function.arguments))
-        answers = message.tool_call_id if role == "tool" else None
-        name = names.get(answers or "", message.name) if role == "tool" else None
-        out.append(toolkit.history_turn(role, content or "", calls, answers, name, fmt))
-    return out
 
 
 def uses_tools(request: ChatRequest) -> bool:
@@ -500,15 +360,12 @@ def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -
         raise InvalidField("modalities", f'modalities must be ["text"] (text output only), got {request.modalities}')
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
-    messages = chat_messages(request.messages, fmt=fmt)
-    tools = toolkit.plan(request.tools or [], request.tool_choice, request.parallel_tool_calls, fmt)
-    last_user = max((i for i, m in enumerate(request.messages) if m.role == "user"), default=-1)
-    made = [
-        (call.function.name, call.function.arguments)
-        for m in request.messages[last_user + 1 :]
-        for call in m.tool_calls or ()
-    ]
-    tools = toolkit.settle(tools, made)
+    turns = message_turns(request.messages)
+    messages = toolkit.engine_messages(turns, fmt)
+    choice = request.tool_choice
+    named = NamedTool(choice.function.name) if isinstance(choice, NamedChoice) else choice
+    tools = toolkit.plan(declared_tools(request.tools), named, request.parallel_tool_calls, fmt)
+    tools = toolkit.settle(tools, latest_calls(turns))
     json_schema = response_schema(request.response_format)
     syntax = None
     if tools is not None:
@@ -733,16 +590,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
-    """One token in the chat API's logprobs shape (``bytes`` as a list of ints, as OpenAI sends them)."""
-    return {
-        "token": entry.token,
-        "logprob": entry.logprob,
-        "bytes": list(entry.piece),
-        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.piece)} for t in entry.top],
-    }
-
-
 def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     """Tokens in the legacy completions API's logprobs shape; ``offset``: the text before them (streaming)."""
     offsets = []
@@ -813,8 +660,8 @@ class OpenAIShaper:
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                message["tool_calls"] = [c.json() for c in calls]
-            logprobs = {"content": [chat_logprob(e) for e in self.logprobs], "refusal": None}
+                message["tool_calls"] = [tool_call_json(c) for c in calls]
+            logprobs = {"content": [views.chat_logprob(e) for e in self.logprobs], "refusal": None}
             choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
             obj = "chat.completion"
         else:
@@ -883,7 +730,10 @@ class OpenAIShaper:
                 delta["role"] = "assistant"
             chunk = self._chunk_obj(delta, finish_reason)
             if logprobs is not None:
-                chunk["choices"][0]["logprobs"] = {"content": [chat_logprob(e) for e in logprobs], "refusal": None}
+                chunk["choices"][0]["logprobs"] = {
+                    "content": [views.chat_logprob(e) for e in logprobs],
+                    "refusal": None,
+                }
             return self._sse(chunk)
         choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
         if logprobs is not None:
@@ -928,6 +778,11 @@ class OpenAIShaper:
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+def tool_call_json(call: toolkit.ToolCall) -> dict[str, Any]:
+    """A call the answer made, in OpenAI's shape: its arguments as the JSON text the model wrote."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What every dialect shares on the way in: a request body decoded (every way it can be bad is a 400 naming the
-field, never a 500) and the ``Plan`` it becomes: the generation the runner gets and how its answer is shaped."""
+field, never a 500) and the ``Plan`` it becomes: the generation the runner gets and how its answer is shaped, or
+the embedding tasks it becomes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from tether.protocol import GenerateParams
 from tether.serve.dialects import tools as toolkit
 
 T = TypeVar("T")
+
+DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
+MAX_INPUTS = 2048  # OpenAI's limit on embedding inputs per request
 
 
 def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str = "request") -> T:
@@ -80,3 +84,27 @@ class Plan:
     logprobs: bool = False  # render the tokens' logprobs in the answer
     tools: toolkit.ToolPlan | None = None
     keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: forever); None: its default
+
+
+def checked(params: GenerateParams) -> GenerateParams:
+    """``params``, or the 400 for what is wrong with them."""
+    problem = params.check()
+    if problem is not None:
+        raise problem
+    return params
+
+
+def schema_text(schema: dict[str, Any], field: str) -> str:
+    """A JSON Schema as the JSON text ``GenerateParams.json_schema`` carries (the engine compiles it to a grammar)."""
+    if not isinstance(schema, dict):
+        raise InvalidField(field, f"{field} must be a JSON Schema object")
+    return msgspec.json.encode(schema).decode()
+
+
+def embedding_tasks(texts: list[str], *, fit_context: bool = False) -> list[GenerateParams]:
+    """One embedding task per text (at most ``MAX_INPUTS``): what OpenAI's and Ollama's routes send the runner.
+    ``fit_context``: a text longer than the instance's context keeps its first ``n_ctx`` tokens (Ollama's
+    ``truncate``) instead of being refused."""
+    if len(texts) > MAX_INPUTS:
+        raise InvalidField("input", f"input takes at most {MAX_INPUTS} strings per request, got {len(texts)}")
+    return [GenerateParams(prompt=text, max_tokens=1, embed=True, fit_context=fit_context) for text in texts]

@@ -12,7 +12,7 @@ registered below (the docs' field reference).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -31,14 +31,24 @@ from tether.protocol import (
     documented,
 )
 from tether.serve import views
-from tether.serve.dialects import openai
 from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.conversation import (
+    Call,
+    NamedTool,
+    Tool,
+    Turn,
+    arguments_of,
+    is_role,
+    latest_calls,
+)
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
 from tether.serve.dialects.fields import FieldPolicy, register
-from tether.serve.dialects.plan import Plan, decode_body
+from tether.serve.dialects.plan import DEFAULT_MAX_TOKENS, Plan, checked, decode_body, schema_text
+from tether.serve.dialects.rules import STRUCTURED_FORMAT, TOOL_CHOICE_RULE, structured_beside_tools
+from tether.serve.dialects.shapes import ROLE_ALIASES, Tokens
 from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, path_parameter, ref
 from tether.serve.statuses import Answer
@@ -121,7 +131,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     input: str | Annotated[list[ResponsesInputItem], documented(minItems=1)]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: openai.Tokens | None = None
+    max_output_tokens: Tokens | None = None
     temperature: Annotated[float, documented(minimum=TEMPERATURE_RANGE[0], maximum=TEMPERATURE_RANGE[1])] = 1.0
     top_p: Annotated[float, documented(exclusiveMinimum=0, maximum=1)] = 1.0
     stream: bool = False
@@ -152,7 +162,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     moderation: Unsupported = None
 
 
-_STRUCTURED_TEXT = {"type": "object", "required": ["format"], "properties": {"format": openai.STRUCTURED_FORMAT}}
+_STRUCTURED_TEXT = {"type": "object", "required": ["format"], "properties": {"format": STRUCTURED_FORMAT}}
 
 
 def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
@@ -168,9 +178,7 @@ def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
 _TEXT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array"}]}
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
-    "ResponsesRequest": {
-        "allOf": [openai.TOOL_CHOICE_RULE, {"not": openai.structured_beside_tools("text", _STRUCTURED_TEXT)}]
-    },
+    "ResponsesRequest": {"allOf": [TOOL_CHOICE_RULE, {"not": structured_beside_tools("text", _STRUCTURED_TEXT)}]},
     "ResponsesInputItem": {
         "allOf": [
             _item_rule("message", {"role": {"type": "string"}, "content": _TEXT_SCHEMA}),
@@ -299,34 +307,34 @@ def _check_item(item: ResponsesInputItem, at: str) -> None:
         raise InvalidField(f"{at}.role", f"{at}.role must be one of {', '.join(ITEM_ROLES)}, got {item.role!r}")
 
 
-def input_messages(
-    items: str | list[ResponsesInputItem], fmt: toolkit.ToolFormat = toolkit.GENERIC
-) -> list[ChatMessage]:
-    """``input`` as the conversation the engine renders: messages as they are, each run of function calls one
-    assistant turn (after the assistant message it follows, if any), each output a tool result (``tools``)."""
+def input_turns(items: str | list[ResponsesInputItem]) -> list[Turn]:
+    """``input`` as the conversation: messages as they are (``developer`` is ``system``), each run of function
+    calls one assistant turn (after the assistant message it follows, if any), each output a tool result."""
     if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
+        return [Turn("user", items)]
     if not items:
         raise InvalidField("input", "input must be a string or hold at least one item")
-    turns: list[openai.MessageIn] = []
+    turns: list[Turn] = []
     for i, item in enumerate(items):
         at = f"input[{i}]"
         _check_item(item, at)
         if item.type == "message":
             assert item.role is not None and item.content is not None
-            turns.append(openai.MessageIn(role=item.role, content=_text(item.content, f"{at}.content")))
+            role = ROLE_ALIASES.get(item.role, item.role)
+            assert is_role(role)  # _check_item allows only ITEM_ROLES
+            turns.append(Turn(role, _text(item.content, f"{at}.content")))
         elif item.type == "function_call":
             assert item.name is not None and item.arguments is not None
-            call = openai.ToolCallIn(openai.FunctionCallIn(item.name, item.arguments), id=item.call_id)
+            call = Call(item.name, arguments_of(item.arguments), item.call_id)
             last = turns[-1] if turns else None
             if last is not None and last.role == "assistant":
-                turns[-1] = openai.MessageIn("assistant", last.content, tool_calls=[*(last.tool_calls or []), call])
+                turns[-1] = replace(last, calls=(*last.calls, call))
             else:
-                turns.append(openai.MessageIn("assistant", tool_calls=[call]))
+                turns.append(Turn("assistant", calls=(call,)))
         else:
             assert item.output is not None
-            turns.append(openai.MessageIn("tool", _text(item.output, f"{at}.output"), tool_call_id=item.call_id))
-    return openai.chat_messages(turns, "input", fmt)
+            turns.append(Turn("tool", _text(item.output, f"{at}.output"), answers=item.call_id))
+    return turns
 
 
 def text_schema(text: ResponsesTextConfig | None) -> str | None:
@@ -345,7 +353,7 @@ def text_schema(text: ResponsesTextConfig | None) -> str | None:
     if fmt.type == "json_schema":
         if fmt.schema is None:
             raise InvalidField("text.format.schema", "a json_schema text.format needs schema (a JSON Schema object)")
-        return openai.schema_text(fmt.schema, "text.format.schema")
+        return schema_text(fmt.schema, "text.format.schema")
     raise InvalidField("text.format.type", f"text.format.type must be text, json_object or json_schema: {fmt.type!r}")
 
 
@@ -375,17 +383,6 @@ def _refuse(request: ResponsesRequest) -> None:
         raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
 
 
-def calls_made(request: ResponsesRequest) -> list[tuple[str, str]]:
-    """The function calls (name, arguments) in ``input`` since its last user message: an agent loop's calls for it."""
-    items = [] if isinstance(request.input, str) else request.input
-    last_user = max((i for i, item in enumerate(items) if item.type == "message" and item.role == "user"), default=-1)
-    return [
-        (item.name, item.arguments)
-        for item in items[last_user + 1 :]
-        if item.type == "function_call" and item.name is not None and item.arguments is not None
-    ]
-
-
 def uses_tools(request: ResponsesRequest) -> bool:
     """Whether the request declares tools or its input carries earlier calls or their outputs."""
     items = request.input
@@ -395,32 +392,31 @@ def uses_tools(request: ResponsesRequest) -> bool:
 def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> ResponsesPlan:
     """What the request asks for (``fmt``: the model's tool format); every refusal names its field."""
     _refuse(request)
-    messages = input_messages(request.input, fmt)
+    turns = input_turns(request.input)
+    messages = toolkit.engine_messages(turns, fmt)
     if request.instructions is not None:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
     declared = request.tools or []
-    functions = [
-        openai.FunctionTool(openai.FunctionDef(t.name, t.description, t.parameters, t.strict)) for t in declared
-    ]
     for i, tool in enumerate(declared):
         if tool.type != "function":
             raise InvalidField(f"tools[{i}].type", f"tools[{i}]: only function tools are supported, got {tool.type!r}")
         if not 1 <= len(tool.name) <= 64:
             raise InvalidField(f"tools[{i}].name", f"tools[{i}].name must be 1 to 64 characters, got {tool.name!r}")
-    choice: Any = request.tool_choice
+    choice = request.tool_choice
     if isinstance(choice, ResponsesNamedChoice):
         if choice.type != "function":
             raise InvalidField("tool_choice", f"tool_choice names a {choice.type!r} tool: only functions exist here")
-        choice = openai.NamedChoice(openai.NamedFunction(choice.name))
     elif choice is not None and choice not in ("none", "auto", "required"):
         raise InvalidField("tool_choice", f"tool_choice must be none, auto, required or a function, got {choice!r}")
-    tools = toolkit.settle(toolkit.plan(functions, choice, request.parallel_tool_calls, fmt), calls_made(request))
+    named = NamedTool(choice.name) if isinstance(choice, ResponsesNamedChoice) else choice
+    functions = [Tool.declared(t.name, t.description, t.parameters) for t in declared]
+    tools = toolkit.settle(toolkit.plan(functions, named, request.parallel_tool_calls, fmt), latest_calls(turns))
     json_schema = text_schema(request.text)
     syntax = None
     if tools is not None:
         json_schema, syntax = tools.apply(messages, json_schema, "text")
     logprobs = LOGPROBS in (request.include or ()) or request.top_logprobs is not None
-    max_tokens = openai.DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens
+    max_tokens = DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens
     params = GenerateParams(
         messages=tuple(messages),
         max_tokens=max_tokens,
@@ -450,7 +446,7 @@ def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -
         "previous_response_id": None,
         "reasoning": None,
     }
-    return ResponsesPlan(openai.checked(params), request.model, request.stream, False, logprobs, tools, echo=echo)
+    return ResponsesPlan(checked(params), request.model, request.stream, False, logprobs, tools, echo=echo)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -714,7 +710,7 @@ class ResponsesShaper:
         self.text.append(chunk.text)
         if chunk.finish_reason is not None:
             self.cached_tokens = chunk.cached_tokens
-        logprobs = [openai.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
+        logprobs = [views.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
         if self.answer is not None:  # its items are kept streamed or not: a whole answer is made of them too
             events = self._tool_events(self.answer.feed(chunk.text))

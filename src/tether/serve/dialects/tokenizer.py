@@ -26,9 +26,10 @@ from msgspec import UNSET, UnsetType
 from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
 from tether.protocol import MAX_TOKENS_LIMIT, GenerateParams, TokenizerAnswer, documented
-from tether.serve.dialects import openai
 from tether.serve.dialects.fields import HONOURED, LIMITED, FieldPolicy, register
-from tether.serve.dialects.plan import decode_body
+from tether.serve.dialects.plan import checked, decode_body
+from tether.serve.dialects.shapes import MessageIn, message_turns
+from tether.serve.dialects.tools import engine_messages
 from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, Route, json_answer, json_response
 
@@ -44,7 +45,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     with_pieces: bool = False
     model: str | None = None  # vLLM's
     prompt: str | None = None
-    messages: Annotated[list[openai.MessageIn], documented(minItems=1)] | None = None
+    messages: Annotated[list[MessageIn], documented(minItems=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: Annotated[bool, documented(enum=[True], description="a generation's prompt")] = True
     return_token_strs: bool = False
@@ -165,7 +166,7 @@ def tokenize_plan(request: TokenizeRequest) -> TokenizePlan:
     vllm = request.content is None
     flags = [flag for flag in (request.add_special, request.add_special_tokens) if flag is not None]
     add_special = flags[0] if flags else vllm  # llama-server's default is false, vLLM's true
-    messages = tuple(openai.chat_messages(request.messages)) if request.messages is not None else None
+    messages = tuple(engine_messages(message_turns(request.messages))) if request.messages is not None else None
     params = GenerateParams(
         prompt=request.content if request.content is not None else request.prompt,
         messages=messages,
@@ -173,7 +174,7 @@ def tokenize_plan(request: TokenizeRequest) -> TokenizePlan:
         tokenizer="encode",
         add_special=add_special,
     )
-    return TokenizePlan(openai.checked(params), request.model, vllm, request.with_pieces, request.return_token_strs)
+    return TokenizePlan(checked(params), request.model, vllm, request.with_pieces, request.return_token_strs)
 
 
 def detokenize_params(request: DetokenizeRequest) -> GenerateParams:
@@ -182,7 +183,7 @@ def detokenize_params(request: DetokenizeRequest) -> GenerateParams:
     for i, token in enumerate(request.tokens):
         if not 0 <= token <= MAX_TOKENS_LIMIT:
             raise InvalidField(f"tokens[{i}]", f"token ids are integers >= 0, got {token} at index {i}")
-    return openai.checked(GenerateParams(prompt_ids=tuple(request.tokens), max_tokens=1, tokenizer="decode"))
+    return checked(GenerateParams(prompt_ids=tuple(request.tokens), max_tokens=1, tokenizer="decode"))
 
 
 def piece_out(piece: bytes) -> str | list[int]:

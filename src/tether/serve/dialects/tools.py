@@ -5,9 +5,10 @@ format for every model, as llama.cpp's server does for templates without native 
 with one JSON object, either ``{"tool_calls": [{"name": ..., "arguments": {...}}]}`` or ``{"response": "..."}``,
 and grammar-constrained sampling (``GenerateParams.json_schema``) makes that object always parse and every call
 name a declared tool with arguments that match its parameter schema. ``tool_choice`` picks the shape: ``auto``
-allows both, ``required`` only calls, a named function only calls of it, ``none`` plain text. Earlier turns are
-rendered in the same format (an assistant's calls as that JSON, a tool's result as a ``tool_response`` object in a
-user turn), so a conversation with tool results reads as one consistent protocol to the model.
+allows both, ``required`` only calls, a named function only calls of it, ``none`` plain text. Earlier turns (the
+neutral ``conversation`` every dialect maps into) are rendered in the same format (``engine_messages``: an
+assistant's calls as that JSON, a tool's result as a ``tool_response`` object in a user turn), so a conversation
+with tool results reads as one consistent protocol to the model.
 
 The answer is read as it is generated (``AnswerStream``), so the dialects stream it: a direct answer's string as
 its decoded text, each call as soon as its name is known and its arguments as they come. Its JSON never reaches a
@@ -30,6 +31,7 @@ import functools
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,24 +43,13 @@ from tether.fleet.facts import facts, listed
 from tether.fleet.fleet import new_request_id
 from tether.fleet.scheduler import Scheduler
 from tether.protocol import ChatMessage, MessageCall, ToolSyntax, call_lead
+from tether.serve.dialects.conversation import NamedTool, Tool, ToolChoice, Turn
 
 log = logging.getLogger("tether.api")
 # The most calls one answer may make when parallel calls are allowed: the grammar's maxItems. Small models repeat a
 # call until the token limit when the list is unbounded; 8 leaves room for real fan-out (weather in several cities)
 # and repeats are dropped anyway (``AnswerStream``). ``parallel_tool_calls: false`` makes it 1.
 MAX_PARALLEL_CALLS = 8
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict[str, Any]
-
-    def openai(self) -> dict[str, Any]:
-        """The tool as a chat template receives it (OpenAI's shape)."""
-        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        return {"type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -159,7 +150,7 @@ class ToolPlan:
         fmt = self.format
         described = self.tools if self.choice in ("auto", "required", ANSWER) else self.offered()
         return ToolSyntax(
-            tools=json.dumps([t.openai() for t in described], ensure_ascii=False),
+            tools=json.dumps([_template_tool(t) for t in described], ensure_ascii=False),
             call_schema=msgspec.json.encode(self._calls_schema()).decode(),
             open=fmt.open,
             before=fmt.before,
@@ -222,12 +213,12 @@ MAX_ROUNDS = 8
 """Calls an agent loop may make for one user message before the model must answer in text (see ``settle``)."""
 
 
-def settle(plan: ToolPlan | None, calls: list[tuple[str, str]]) -> ToolPlan | None:
-    """``plan`` for a conversation whose turns since its last user message made ``calls`` (name, arguments JSON):
-    with ``auto``, once a call was repeated with the same arguments, or :data:`MAX_ROUNDS` calls were made, the
-    answer must be text. A small model otherwise calls the same tool again and again, each result growing the
-    prompt, until the context is full (Open WebUI's default chat did: 11 identical calls, then a 400 at 8,217
-    tokens)."""
+def settle(plan: ToolPlan | None, calls: Sequence[tuple[str, Any]]) -> ToolPlan | None:
+    """``plan`` for a conversation whose turns since its last user message made ``calls`` (name, arguments:
+    ``conversation.latest_calls``): with ``auto``, once a call was repeated with the same arguments, or
+    :data:`MAX_ROUNDS` calls were made, the answer must be text. A small model otherwise calls the same tool again
+    and again, each result growing the prompt, until the context is full (Open WebUI's default chat did: 11
+    identical calls, then a 400 at 8,217 tokens)."""
     if plan is None or plan.choice != "auto" or not calls:
         return plan
     seen = {(name, _canonical(arguments)) for name, arguments in calls}
@@ -236,80 +227,94 @@ def settle(plan: ToolPlan | None, calls: list[tuple[str, str]]) -> ToolPlan | No
     return plan
 
 
-def _canonical(arguments: str) -> str:
-    try:
-        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
-    except ValueError:
-        return arguments
+def _canonical(arguments: Any) -> str:
+    """Arguments in one spelling, whatever their spacing or key order: data as it is, a string as the JSON value it
+    spells (``settle`` takes JSON text too), or as itself when it spells none."""
+    if isinstance(arguments, str):
+        text = arguments
+        try:
+            arguments = json.loads(text)
+        except ValueError:
+            return text
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
 class ToolCall:
+    """A call the answer made, read from the generated text: its arguments are that JSON text as the model wrote it
+    (streamed as it came), which each dialect writes in its shape."""
+
     id: str
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def json(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+    arguments: str
 
 
-def plan(tools: list[Any], choice: Any, parallel: bool | None, fmt: ToolFormat = GENERIC) -> ToolPlan | None:
-    """The ``ToolPlan`` for a request's ``tools``/``tool_choice``/``parallel_tool_calls`` (None: no tools in play),
-    in the model's tool format ``fmt``.
-
-    ``tools`` are ``FunctionTool`` structs (``openai.FunctionTool``); ``choice`` is "none", "auto", "required" or a
-    ``NamedChoice``.
-    """
+def plan(
+    tools: Sequence[Tool], choice: ToolChoice | None, parallel: bool | None, fmt: ToolFormat = GENERIC
+) -> ToolPlan | None:
+    """The ``ToolPlan`` for a request's declared ``tools``, its tool ``choice`` (None: not given, which is "auto")
+    and ``parallel`` calls (None: allowed), in the model's tool format ``fmt``; None: no tools in play."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise InvalidField("tool_choice", "tool_choice demands a tool call, but the request has no tools")
         return None
-    declared: list[Tool] = []
     for i, tool in enumerate(tools):
-        function = tool.function
-        if any(t.name == function.name for t in declared):
-            raise InvalidField("tools", f"tools[{i}]: tool {function.name!r} is declared twice: name each tool once")
-        parameters = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
-        declared.append(Tool(function.name, function.description or "", parameters))
+        if any(t.name == tool.name for t in tools[:i]):
+            raise InvalidField("tools", f"tools[{i}]: tool {tool.name!r} is declared twice: name each tool once")
     if choice is None:
         choice = "auto"
     if choice == "none":
         return None
-    if not isinstance(choice, str):
-        name = choice.function.name
-        if not any(t.name == name for t in declared):
-            names = ", ".join(t.name for t in declared)
-            raise InvalidField("tool_choice", f"tool_choice names {name!r}, which is not among the tools ({names})")
-        choice = name
-    return ToolPlan(tuple(declared), choice, parallel=True if parallel is None else parallel, format=fmt)
+    if isinstance(choice, NamedTool):
+        if not any(t.name == choice.name for t in tools):
+            names = ", ".join(t.name for t in tools)
+            raise InvalidField(
+                "tool_choice", f"tool_choice names {choice.name!r}, which is not among the tools ({names})"
+            )
+        choice = choice.name
+    return ToolPlan(tuple(tools), choice, parallel=True if parallel is None else parallel, format=fmt)
 
 
-def history_turn(
-    role: str,
-    content: str,
-    calls: list[tuple[str, str, str]],
-    call_id: str | None,
-    name: str | None,
-    fmt: ToolFormat,
-) -> ChatMessage:
-    """One turn of a conversation for the engine: an assistant's ``calls`` (id, name, arguments JSON) and a tool's
-    result (``role`` "tool", answering ``call_id``, a call of ``name``) as the model's template writes them in a
-    native format, or in the generic format's text (a result is then a user turn: templates without tools have
-    no tool role)."""
+def engine_messages(turns: Sequence[Turn], fmt: ToolFormat = GENERIC) -> list[ChatMessage]:
+    """The conversation as the engine renders it, earlier calls and tool results in the model's tool format ``fmt``:
+    a call without an id gets ``call_<turn>_<call>``, and a tool result is named after the call it answers (the
+    name the client gave when no earlier call has its id)."""
+    out = []
+    names: dict[str, str] = {}  # call id -> function name, for the results that answer them
+    for i, turn in enumerate(turns):
+        calls = [(call.id or f"call_{i}_{j}", call.name, call.arguments) for j, call in enumerate(turn.calls)]
+        names.update((made, name) for made, name, _ in calls)
+        name = names.get(turn.answers or "", turn.tool) if turn.role == "tool" else None
+        out.append(_message(turn, calls, name, fmt))
+    return out
+
+
+def _message(turn: Turn, calls: list[tuple[str, str, Any]], name: str | None, fmt: ToolFormat) -> ChatMessage:
+    """One turn for the engine: an assistant's ``calls`` (id, name, arguments) and a tool's result (a call of
+    ``name``) as the model's template writes them in a native format, or in the generic format's text (a result is
+    then a user turn: templates without tools have no tool role). Arguments become JSON text here, once."""
+    text = turn.text
     if fmt.native:
         short = _short_id if fmt.short_ids else str
+        answers = turn.answers if turn.role == "tool" else None
         return ChatMessage(
-            role=role,
-            content=content,
-            tool_calls=tuple(MessageCall(short(i), n, a) for i, n, a in calls),
-            tool_call_id=short(call_id) if role == "tool" and call_id is not None else None,
-            name=name if role == "tool" else None,
+            role=turn.role,
+            content=text,
+            tool_calls=tuple(MessageCall(short(i), n, _json(a)) for i, n, a in calls),
+            tool_call_id=short(answers) if answers is not None else None,
+            name=name,
         )
     if calls:
-        content = assistant_turn([render_call(n, a) for _, n, a in calls], content)
-    if role == "tool":
-        return ChatMessage(role="user", content=tool_result(call_id, name, content))
-    return ChatMessage(role=role, content=content)
+        written = _json({"tool_calls": [{"name": n, "arguments": a} for _, n, a in calls]})
+        text = f"{text}\n{written}" if text else written
+    if turn.role == "tool":
+        result = {"tool_call_id": turn.answers, "name": name, "content": text}
+        return ChatMessage(role="user", content=_json({"tool_response": result}))
+    return ChatMessage(role=turn.role, content=text)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _short_id(call_id: str) -> str:
@@ -317,26 +322,10 @@ def _short_id(call_id: str) -> str:
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
-def render_call(name: str, arguments: str) -> dict[str, Any]:
-    """One earlier call, as the model wrote it (arguments as an object when they are JSON)."""
-    try:
-        args: Any = json.loads(arguments)
-    except ValueError:
-        args = arguments
-    return {"name": name, "arguments": args}
-
-
-def assistant_turn(calls: list[dict[str, Any]], content: str | None) -> str:
-    """An earlier assistant turn that called tools, in the generic format."""
-    text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
-    return f"{content}\n{text}" if content else text
-
-
-def tool_result(call_id: str | None, name: str | None, content: str) -> str:
-    """A tool's result, as the user turn that carries it."""
-    return json.dumps(
-        {"tool_response": {"tool_call_id": call_id, "name": name, "content": content}}, ensure_ascii=False
-    )
+def _template_tool(tool: Tool) -> dict[str, Any]:
+    """A tool as a chat template receives it (OpenAI's shape, which Hugging Face's templates read)."""
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return {"type": "function", "function": function}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Request shapes several APIs share, and their mapping into the ``conversation``: OpenAI's chat message (vLLM's
+``/tokenize`` takes it too), OpenAI's function tool (Ollama's ``tools`` are the same), a token count.
+
+A shape lives here, not in the dialect that first spoke it, so that no dialect imports another: each one takes
+what it shares from here and keeps the rest of its wire to itself.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from tether.errors import InvalidField
+from tether.protocol import MAX_TOKENS_LIMIT, documented
+from tether.serve.dialects.conversation import ROLES, Call, Tool, Turn, arguments_of, is_role
+from tether.serve.dialects.fields import HONOURED as H
+from tether.serve.dialects.fields import METADATA as M
+from tether.serve.dialects.fields import FieldPolicy, register
+from tether.serve.dialects.rules import ASSISTANT_CALLS_RULE
+
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions; chat templates know "system"
+
+Tokens = Annotated[int, documented(minimum=1, maximum=MAX_TOKENS_LIMIT)]
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=["text"], description="only text parts are supported")]
+    text: str | None = None
+
+
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: Annotated[str, documented(enum=["function"])] = "function"
+
+
+class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    role: Annotated[str, documented(enum=[*ROLES, *ROLE_ALIASES])]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, documented(minLength=1, maxLength=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar enforces the parameters' schema either way
+
+
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionDef
+    type: Annotated[str, documented(enum=["function"], description="only function tools")] = "function"
+
+
+SCHEMA_RULES: dict[str, dict[str, Any]] = {"MessageIn": ASSISTANT_CALLS_RULE}
+register(
+    "chat message",
+    MessageIn,
+    {
+        "role": FieldPolicy(H, "`developer` is `system`"),
+        "content": FieldPolicy(H, "a string or text parts"),
+        "name": FieldPolicy(M),
+        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model"),
+        "tool_call_id": FieldPolicy(H, "a tool result's call, shown to the model"),
+        "refusal": FieldPolicy(M),
+    },
+)
+
+
+def message_turns(messages: list[MessageIn], field: str = "messages") -> list[Turn]:
+    """OpenAI's messages as the conversation: roles checked (``developer`` is ``system``), text parts joined, each
+    call's arguments read from their JSON text once; every refusal names the message's field."""
+    if not messages:
+        raise InvalidField(field, f"{field} must hold at least one message")
+    turns = []
+    for i, message in enumerate(messages):
+        role = ROLE_ALIASES.get(message.role, message.role)
+        if not is_role(role):
+            raise InvalidField(
+                f"{field}[{i}].role",
+                f"{field}[{i}].role must be one of {', '.join(repr(r) for r in (*ROLES, *ROLE_ALIASES))}, "
+                f"got {message.role!r}",
+            )
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InvalidField(f"{field}[{i}].content", f"{field}[{i}]: only text content parts are supported")
+            content = "".join(part.text or "" for part in content)
+        if message.tool_calls and role != "assistant":
+            raise InvalidField(f"{field}[{i}].tool_calls", f"{field}[{i}]: only assistant turns carry tool_calls")
+        calls = tuple(Call(c.function.name, arguments_of(c.function.arguments), c.id) for c in message.tool_calls or ())
+        result = role == "tool"  # a tool's result: the call it answers, and the tool's name as the client gives it
+        answers, tool = (message.tool_call_id, message.name) if result else (None, None)
+        turns.append(Turn(role, content or "", calls, answers=answers, tool=tool))
+    return turns
+
+
+def declared_tools(tools: list[FunctionTool] | None) -> list[Tool]:
+    """OpenAI's function tools as the conversation's."""
+    return [Tool.declared(t.function.name, t.function.description, t.function.parameters) for t in tools or ()]
