@@ -4,12 +4,16 @@ text as it streams, whatever the deltas' boundaries."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from conftest import Server, model_missing, serving
 from tether.engines.reasoning import ReasoningFormat, Splitter, detect, opens_in_prompt
+from tether.models import default_model_path
 
-pytestmark = [pytest.mark.timeout(30)]
+pytestmark = [pytest.mark.timeout(120)]
 
 FMT = ReasoningFormat()
 # a Qwen3-style template's essentials: it names the closing tag and reads enable_thinking
@@ -50,7 +54,9 @@ def every_cut(text: str) -> list[list[str]]:
         ("", True, ("", "")),
     ],
 )
-def test_the_split_is_the_same_whatever_the_deltas_boundaries(text: str, inside: bool, expected: tuple[str, str]) -> None:
+def test_the_split_is_the_same_whatever_the_deltas_boundaries(
+    text: str, inside: bool, expected: tuple[str, str]
+) -> None:
     for pieces in every_cut(text):
         assert split(pieces, inside) == expected, pieces
 
@@ -70,3 +76,136 @@ def test_a_template_thinks_when_it_names_the_closing_tag_and_is_switchable_when_
     assert opens_in_prompt("<|im_start|>assistant\n<think>\n", FMT)
     assert not opens_in_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n", FMT)
     assert not opens_in_prompt("<|im_start|>assistant\n", FMT)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A reasoning template written into a real GGUF, served: every dialect keeps the thinking apart
+# --------------------------------------------------------------------------------------------------------------
+
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TAGS = ("<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def thinker_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's GGUF with a Qwen3-style reasoning template in place of its own (tensors as they were):
+    its generation prompt opens the thinking block, so the model writes its answer inside it."""
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    path = tmp_path_factory.mktemp("thinker") / "thinker-smollm2.gguf"
+    reader = gguf.GGUFReader(str(default_model_path()), "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    assert arch is not None
+    writer = gguf.GGUFWriter(str(path), arch.contents(), endianess=reader.endianess)
+    template = MetadataDetails(gguf.GGUFValueType.STRING, (TEMPLATES / "think.jinja").read_text())
+    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: template}, [])
+    return path
+
+
+@pytest.fixture(scope="module")
+def thinker(thinker_gguf: Path) -> Iterator[Server]:
+    with serving("--model", str(thinker_gguf), "--name", "thinker", "--threads", "2", "--n-ctx", "1024") as server:
+        yield server
+
+
+def no_tags(*texts: str | None) -> bool:
+    return not any(tag in (text or "") for text in texts for tag in TAGS)
+
+
+@pytest.mark.model
+def test_openai_chat_gives_reasoning_content_apart_whole_and_streamed(thinker: Server) -> None:
+    client = thinker.openai()
+    whole = client.chat.completions.create(model="thinker", messages=QUESTION, temperature=0, max_tokens=48)
+    message = whole.choices[0].message
+    thought = getattr(message, "reasoning_content", None)
+    assert thought and "Paris" in thought, message  # the model answers inside the block its prompt opened
+    assert no_tags(thought, message.content), message
+    pieces, said = [], []
+    for chunk in client.chat.completions.create(
+        model="thinker", messages=QUESTION, temperature=0, max_tokens=48, stream=True
+    ):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            pieces.append(getattr(delta, "reasoning_content", None) or "")
+            said.append(delta.content or "")
+    assert "".join(pieces) == thought and "".join(said) == (message.content or "")
+    assert sum(1 for p in pieces if p) >= 3, "the thinking streamed in pieces"
+    # a limit inside the thinking: "length", with the thinking so far and no answer
+    cut = client.chat.completions.create(model="thinker", messages=QUESTION, temperature=0, max_tokens=4)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.content
+    assert thought.startswith(getattr(cut.choices[0].message, "reasoning_content", "") or "!"), cut
+
+
+@pytest.mark.model
+def test_reasoning_effort_none_turns_thinking_off_through_the_template(thinker: Server) -> None:
+    client = thinker.openai()
+    off = client.chat.completions.create(
+        model="thinker", messages=QUESTION, temperature=0, max_tokens=48, reasoning_effort="none"
+    )
+    message = off.choices[0].message
+    assert message.content and not getattr(message, "reasoning_content", None), message
+    assert no_tags(message.content)
+
+
+@pytest.mark.model
+def test_ollama_think_true_and_false_in_the_ollama_client(thinker: Server) -> None:
+    import ollama
+
+    client = ollama.Client(host=thinker.url)
+    on = client.chat(model="thinker", messages=QUESTION, think=True, options={"temperature": 0, "num_predict": 48})
+    assert on.message.thinking and no_tags(on.message.thinking, on.message.content), on.message
+    streamed = list(
+        client.chat(
+            model="thinker", messages=QUESTION, think=True, stream=True, options={"temperature": 0, "num_predict": 48}
+        )
+    )
+    assert "".join(part.message.thinking or "" for part in streamed) == on.message.thinking
+    off = client.chat(model="thinker", messages=QUESTION, think=False, options={"temperature": 0, "num_predict": 48})
+    assert off.message.content and not off.message.thinking, off.message
+    generated = client.generate(model="thinker", prompt=QUESTION[0]["content"], options={"num_predict": 24})
+    assert generated.thinking and not generated.response and no_tags(generated.thinking), generated
+
+
+@pytest.mark.model
+def test_the_responses_api_gives_a_reasoning_item_before_the_message(thinker: Server) -> None:
+    client = thinker.openai()
+    whole = client.responses.create(model="thinker", input=QUESTION[0]["content"], max_output_tokens=48, temperature=0)
+    kinds = [item.type for item in whole.output]
+    assert kinds == ["reasoning", "message"], kinds
+    reasoning = whole.output[0]
+    assert reasoning.content and "Paris" in reasoning.content[0].text and no_tags(reasoning.content[0].text)
+    deltas, done = [], None
+    for event in client.responses.create(
+        model="thinker", input=QUESTION[0]["content"], max_output_tokens=48, stream=True, temperature=0
+    ):
+        if event.type == "response.reasoning_text.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.completed":
+            done = event.response
+    assert done is not None and "".join(deltas) == reasoning.content[0].text
+    assert [item.type for item in done.output] == ["reasoning", "message"]
+    assert done.usage is not None and done.usage.output_tokens_details.reasoning_tokens > 0
+
+
+@pytest.mark.model
+def test_what_a_template_cannot_do_is_refused_saying_why(thinker: Server, tmp_path: Path) -> None:
+    always = {"chat_template": str(TEMPLATES / "think-always.jinja"), "n_ctx": 512, "parallel": 1}
+    thinker.add_instance({"id": "always", "model": str(default_model_path()), "options": always}, 60)
+    off = thinker.http.post("/api/chat", json={"model": "always", "messages": QUESTION, "think": False})
+    assert off.status_code == 400 and "cannot turn thinking off" in off.json()["error"], off.text
+    on = thinker.http.post("/api/chat", json={"model": "always", "messages": QUESTION, "stream": False})
+    assert on.status_code == 200 and on.json()["message"]["thinking"], on.text
+    plain = {"chat_template": "chatml", "n_ctx": 512, "parallel": 1}
+    thinker.add_instance({"id": "plain", "model": str(default_model_path()), "options": plain}, 60)
+    asked = thinker.http.post(
+        "/v1/chat/completions", json={"model": "plain", "messages": QUESTION, "reasoning_effort": "high"}
+    )
+    assert asked.status_code == 400 and asked.json()["error"]["param"] == "reasoning_effort", asked.text
+    assert "does not think" in asked.json()["error"]["message"]
+    shown = thinker.http.post("/api/show", json={"model": "thinker"}).json()
+    assert "thinking" in shown["capabilities"], shown["capabilities"]

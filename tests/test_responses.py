@@ -136,7 +136,8 @@ def test_state_tether_does_not_keep_is_refused_naming_the_field(server: Server) 
     for body, param in (
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
-        ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning.effort"),  # the debug model does not think
+        ({"input": "hi", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"input": "hi", "seed": 1}, "seed"),  # not a Responses field: refused as unknown
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": [{"role": "user", "content": "hi", "output": "x"}]}, "input[0].output"),

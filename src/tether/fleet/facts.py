@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tether.engines import chat_templates, registry
+from tether.engines import chat_templates, reasoning, registry
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
 from tether.errors import UnknownEngine
 from tether.fleet.fleet import Hosted
@@ -199,7 +199,9 @@ def capabilities(item: ListedModel) -> list[str]:
         return ["completion", "tools", "embedding"]  # it does both: embeddings are hashes of the text
     if options_of(item).get("embedding"):
         return ["embedding"]
-    return ["completion", "tools"]  # in the model's own tool format where its template has one, else the generic
+    # tools in the model's own tool format where its template has one, else the generic; thinking where it thinks
+    thinks = reasoning.detect(facts(item).template) is not None
+    return ["completion", "tools", "thinking"] if thinks else ["completion", "tools"]
 
 
 def listed(scheduler: Scheduler) -> list[ListedModel]:

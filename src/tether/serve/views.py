@@ -20,6 +20,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 import tether
+from tether.fleet.facts import ListedModel, facts
 from tether.fleet.fleet import Hosted
 from tether.fleet.scheduler import Decision, Scheduler, Slot, footprint_of
 from tether.node.hangs import Deadlines
@@ -281,6 +282,7 @@ class InstanceOut(msgspec.Struct):
     replicas: list[ReplicaOut]  # each copy (one for an instance without replicas)
     spread: str  # how replicas are placed over nodes (Ray placement strategy: SPREAD, STRICT_SPREAD, PACK)
     ranks: list[RankOut] | None  # a multi-rank instance's ranks now
+    chat_template: str | None  # chats are written with: "gguf" (the model's own), a built-in's name, a Jinja file
     in_flight_requests: list[RequestOut] | UnsetType = UNSET  # GET's answers only, not POST's
 
 
@@ -498,6 +500,7 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
         replicas=[_replica(r, hosted.serving.get(r, 0)) for r in hosted.replicas],
         spread=hosted.config.spread,
         ranks=msgspec.convert(ranks, list[RankOut]) if ranks is not None else None,
+        chat_template=facts(ListedModel.of(hosted)).template_name or None,
         in_flight_requests=requests,
     )
 

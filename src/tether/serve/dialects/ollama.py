@@ -77,6 +77,7 @@ from tether.protocol import (
     documented,
 )
 from tether.serve import views
+from tether.serve.dialects import thinking
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.conversation import ROLES, Call, Turn, is_role, latest_calls
 from tether.serve.dialects.fields import HONOURED as H
@@ -118,7 +119,8 @@ FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model that stays loaded (pin
 Refused = Annotated[Any, documented(type="null")]
 Empty = Annotated[list[Any], documented(maxItems=0, description="not supported: empty only")]
 Format = Annotated[str, documented(enum=["", "json"])] | dict[str, Any]
-Think = Annotated[bool | str, documented(enum=[False], description="no thinking mode: false only")]
+# a reasoning model's thinking on or off, where its chat template can say so; gpt-oss's levels count as on
+Think = bool | Literal["low", "medium", "high"]
 TopLogprobs = Annotated[int, documented(minimum=0, maximum=MAX_TOP_LOGPROBS)]
 Unit = Annotated[float, documented(enum=[1.0], description="the neutral value only")]
 
@@ -288,7 +290,7 @@ _GENERATION_POLICY = {
     "keep_alive": FieldPolicy(
         H, "how long the model stays loaded once idle; 0: unload after this request; -1: forever"
     ),
-    "think": FieldPolicy(L, "false only: no thinking mode"),
+    "think": FieldPolicy(L, "on or off where the model's template can (a level counts as on)"),
     "logprobs": FieldPolicy(H, "the model's log-probabilities (before sampling), with bytes"),
     "top_logprobs": FieldPolicy(H, "0 to 20 alternatives per token; needs `logprobs: true`"),
 }
@@ -478,8 +480,6 @@ def format_schema(fmt: str | dict[str, Any] | None) -> str | None:
 def _common(body: _Generation) -> dict[str, Any]:
     """What chat and generate requests share: checks, then the sampling and logprobs fields."""
     keep_alive_seconds(body.keep_alive)
-    if body.think not in (None, False):
-        raise InvalidField("think", "think is not supported: there is no thinking mode here (send false or omit it)")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
     return {"logprobs": (body.top_logprobs or 0) if body.logprobs else None, **sampling(body.options)}
@@ -536,9 +536,16 @@ def uses_tools(body: OllamaChatRequest) -> bool:
     return bool(body.tools) or any(m.tool_calls or m.role == "tool" for m in body.messages or ())
 
 
-def chat_plan(body: OllamaChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> Plan | None:
-    """The chat's plan (``fmt``: the model's tool format); None for a request without messages (Ollama's "load the
-    model")."""
+def wants_thinking(body: _Generation) -> bool | None:
+    """``think`` as on, off or unsaid (a level, gpt-oss's way, is on: a template turns thinking on or off)."""
+    return body.think if body.think is None or isinstance(body.think, bool) else True
+
+
+def chat_plan(
+    body: OllamaChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None
+) -> Plan | None:
+    """The chat's plan (``fmt``: the model's tool format; ``thinking``: ``GenerateParams.thinking``); None for a
+    request without messages (Ollama's "load the model")."""
     common = _common(body)
     json_schema = format_schema(body.format)
     tools = toolkit.plan(declared_tools(body.tools), None, None, fmt)
@@ -554,14 +561,21 @@ def chat_plan(body: OllamaChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC
     if tools is not None:
         json_schema, syntax = tools.apply(messages, json_schema, "format")
     params = GenerateParams(
-        messages=tuple(messages), json_schema=json_schema, tool_syntax=syntax, fit_context=True, **common
+        messages=tuple(messages),
+        json_schema=json_schema,
+        tool_syntax=syntax,
+        fit_context=True,
+        thinking=thinking,
+        **common,
     )
     keep = keep_alive_seconds(body.keep_alive)
     return Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
 
 
-def generate_plan(body: OllamaGenerateRequest) -> Plan | None:
-    """The generation's plan; None for a request without a prompt (Ollama's "load the model")."""
+def generate_plan(body: OllamaGenerateRequest, thinking: bool | None = None, templated: bool = True) -> Plan | None:
+    """The generation's plan; None for a request without a prompt (Ollama's "load the model"). ``templated``: the
+    model has a chat template; without one the prompt is read as written (Ollama's template is then
+    ``{{ .Prompt }}``), after the system prompt and a blank line when one is given."""
     common = _common(body)
     json_schema = format_schema(body.format)
     if body.suffix:
@@ -578,12 +592,15 @@ def generate_plan(body: OllamaGenerateRequest) -> Plan | None:
     if not body.prompt:
         checked(GenerateParams(prompt="", **common))  # a load request's options are checked too
         return None
-    if body.raw:
-        params = GenerateParams(prompt=body.prompt, json_schema=json_schema, **common)
+    if body.raw or not templated:
+        prompt = f"{body.system}\n\n{body.prompt}" if body.system and not body.raw else body.prompt
+        params = GenerateParams(prompt=prompt, json_schema=json_schema, **common)
     else:
         turns = [ChatMessage(role="system", content=body.system)] if body.system else []
         turns.append(ChatMessage(role="user", content=body.prompt))
-        params = GenerateParams(messages=tuple(turns), json_schema=json_schema, fit_context=True, **common)
+        params = GenerateParams(
+            messages=tuple(turns), json_schema=json_schema, fit_context=True, thinking=thinking, **common
+        )
     keep = keep_alive_seconds(body.keep_alive)
     return Plan(checked(params), body.model, body.stream, False, body.logprobs, keep_alive=keep)
 
@@ -639,6 +656,7 @@ class OllamaMessageOut(msgspec.Struct):
     role: Literal["assistant"]
     content: str
     tool_calls: list[OllamaToolCallOut] | None = None
+    thinking: str | UnsetType = UNSET  # a reasoning model's thinking (kept apart from content whether or not asked)
 
 
 # "load" / "unload": a request without a prompt, answered once its model is loaded (or, with keep_alive 0, unloaded)
@@ -676,6 +694,7 @@ class OllamaGenerateChunk(msgspec.Struct):
     created_at: str
     response: str
     done: Literal[False]
+    thinking: str | UnsetType = UNSET
     logprobs: list[views.LogprobOut] | None = None
 
 
@@ -685,6 +704,7 @@ class OllamaGenerateDone(msgspec.Struct):
     response: str
     done: Literal[True]
     done_reason: OllamaDoneReason
+    thinking: str | UnsetType = UNSET
     total_duration: int | None = None
     load_duration: int | None = None
     prompt_eval_count: int | None = None
@@ -798,6 +818,7 @@ class OllamaShaper:
         self.request_id = request_id
         self.dropped = 0  # the chat's turns left out to fit the context (the final chunk says)
         self.text: list[str] = []
+        self.thinking: list[str] = []  # a reasoning model's, kept apart by the runner
         self.logprobs: list[TokenLogprob] = []
         self.first_at: float | None = None
         self.last_at: float | None = None
@@ -815,11 +836,15 @@ class OllamaShaper:
         self.text.append(chunk.text)
         logprobs = list(chunk.logprobs) if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
+        thought = b""
+        if chunk.reasoning:
+            self.thinking.append(chunk.reasoning)
+            thought = self._line(self._object("", thinking=chunk.reasoning))
         if self.answer is not None:
-            return self._tool_lines(self.answer.feed(chunk.text))
+            return thought + self._tool_lines(self.answer.feed(chunk.text))
         if not (chunk.text or logprobs):
-            return b""
-        return self._line(self._object(chunk.text, logprobs=logprobs))
+            return thought
+        return thought + self._line(self._object(chunk.text, logprobs=logprobs))
 
     def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         out = b""
@@ -834,7 +859,8 @@ class OllamaShaper:
             self.answer.finish()
             content, calls = self.answer.content, self.answer.calls
         stats = self._stats(finish, prompt_tokens, completion_tokens)
-        return _encode(self._object(content or "", stats, calls=calls, logprobs=self.logprobs))
+        thought = "".join(self.thinking)
+        return _encode(self._object(content or "", stats, calls=calls, logprobs=self.logprobs, thinking=thought))
 
     def stream_error(self, failure: Answer) -> bytes:
         """The line that ends a failed stream: the ``ollama`` clients raise ``ResponseError`` with its message."""
@@ -887,15 +913,20 @@ class OllamaShaper:
         *,
         calls: list[toolkit.ToolCall] | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        thinking: str = "",
     ) -> dict[str, Any]:
         obj: dict[str, Any] = {"model": self.model, "created_at": rfc3339(time.time())}
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [tool_call_json(i, c) for i, c in enumerate(calls)]
             obj["message"] = message
         else:
             obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
         obj["done"] = stats is not None
         if stats is not None:
             obj.update(stats)
@@ -1008,10 +1039,13 @@ def routes(api: Api) -> list[Route]:
         struct = OllamaChatRequest if kind == "chat" else OllamaGenerateRequest
         body = decode(struct, await request.body())
         model_id = scheduler.resolve(body.model)
-        make: Callable[[], Plan | None] = functools.partial(generate_plan, body)
+        think = await thinking.switch(scheduler, model_id, wants_thinking(body), "think")
         if isinstance(body, OllamaChatRequest):
             fmt = await toolkit.format_for(scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
-            make = functools.partial(chat_plan, body, fmt)
+            make: Callable[[], Plan | None] = functools.partial(chat_plan, body, fmt, think)
+        else:
+            templated = body.raw or bool(await toolkit.template_of(scheduler, model_id) != "")
+            make = functools.partial(generate_plan, body, think, templated)
         plan = api.planned(model_id, endpoint, make)
         if plan is None:  # Ollama's "load the model" (or, with keep_alive 0, "unload it": ollama stop)
             keep = keep_alive_seconds(body.keep_alive)

@@ -39,6 +39,7 @@ from tether.protocol import (
     tag_of,
 )
 from tether.serve import views
+from tether.serve.dialects import thinking
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.conversation import NamedTool, latest_calls
 from tether.serve.dialects.fields import EXTENSION as E
@@ -137,7 +138,8 @@ class ChatRequest(_Sampling, kw_only=True):
     # refused whenever set: what they ask for does not exist here
     audio: Annotated[Any, documented(type="null", description="audio output is not supported")] = None
     prediction: Annotated[Any, documented(type="null", description="predicted outputs are not supported")] = None
-    reasoning_effort: Annotated[Any, documented(type="null", description="no reasoning control")] = None
+    # a reasoning model's thinking on ("minimal" to "high") or off ("none"), where its chat template can say so
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     verbosity: Annotated[Any, documented(type="null", description="not supported")] = None
     web_search_options: Annotated[Any, documented(type="null", description="web search is not supported")] = None
     functions: Annotated[Any, documented(type="null", description="deprecated: send tools")] = None
@@ -250,7 +252,9 @@ register(
         "modalities": FieldPolicy(L, '`["text"]` only'),
         "audio": FieldPolicy(R),
         "prediction": FieldPolicy(R),
-        "reasoning_effort": FieldPolicy(R),
+        "reasoning_effort": FieldPolicy(
+            L, 'thinking on or off: "none" turns it off, any other effort on, where the model\'s template can'
+        ),
         "verbosity": FieldPolicy(R),
         "web_search_options": FieldPolicy(R),
         "functions": FieldPolicy(R, "deprecated by OpenAI: send `tools`"),
@@ -351,8 +355,8 @@ def uses_tools(request: ChatRequest) -> bool:
     return bool(request.tools) or any(m.tool_calls or m.role == "tool" for m in request.messages)
 
 
-def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> Plan:
-    _refuse_set(request, ("audio", "prediction", "web_search_options", "verbosity", "reasoning_effort"), "text only")
+def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None) -> Plan:
+    _refuse_set(request, ("audio", "prediction", "web_search_options", "verbosity"), "text only")
     _refuse_set(request, ("functions", "function_call"), "deprecated by OpenAI: send tools and tool_choice")
     if request.store:
         raise InvalidField("store", "store must be false or absent: this server stores no completions")
@@ -376,6 +380,7 @@ def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         json_schema=json_schema,
         tool_syntax=syntax,
+        thinking=thinking,
         **sampling(request, max_tokens, DEFAULT_MAX_TOKENS),
     )
     return Plan(
@@ -431,8 +436,10 @@ def completion_plan(request: CompletionRequest) -> Plan:
     )
 
 
-def plan(body: ChatRequest | CompletionRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> Plan:
-    return chat_plan(body, fmt) if isinstance(body, ChatRequest) else completion_plan(body)
+def plan(
+    body: ChatRequest | CompletionRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None
+) -> Plan:
+    return chat_plan(body, fmt, thinking) if isinstance(body, ChatRequest) else completion_plan(body)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -502,6 +509,7 @@ class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
     content: str | None  # null when the answer is tool calls
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | UnsetType = UNSET  # a reasoning model's thinking (llama-server's and DeepSeek's field)
 
 
 class ChatChoice(msgspec.Struct):
@@ -540,6 +548,7 @@ class ChatDelta(msgspec.Struct):
     role: Literal["assistant"] | None = None  # in the first chunk
     content: str | None = None  # absent in the chunk that carries the finish reason
     tool_calls: list[ToolCallDelta] | None = None  # a tool answer: a call's opening, or more of its arguments
+    reasoning_content: str | UnsetType = UNSET  # more of a reasoning model's thinking
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -623,6 +632,7 @@ class OpenAIShaper:
         self.created = int(time.time())
         self.plan = plan or Plan(GenerateParams(prompt=""), None)
         self.text: list[str] = []
+        self.reasoning: list[str] = []  # a reasoning model's thinking, kept apart by the runner
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # streamed text so far (completion logprobs' text_offset)
         self.cached_tokens = 0  # from the final chunk
@@ -635,15 +645,19 @@ class OpenAIShaper:
 
     def feed(self, chunk: Chunk) -> bytes:
         self.text.append(chunk.text)
+        thought = b""
+        if chunk.reasoning:
+            self.reasoning.append(chunk.reasoning)
+            thought = self._sse(self._chunk_obj({"reasoning_content": chunk.reasoning}))
         if chunk.finish_reason is not None:
             self.cached_tokens = chunk.cached_tokens
         if self.plan.logprobs:
             self.logprobs.extend(chunk.logprobs)
         if self.answer is not None:
-            return self._tool_deltas(self.answer.feed(chunk.text))
+            return thought + self._tool_deltas(self.answer.feed(chunk.text))
         if not (chunk.text or (self.plan.logprobs and chunk.logprobs)):
-            return b""  # the finish reason goes in a chunk of its own
-        return self.chunk(chunk.text, None, logprobs=list(chunk.logprobs) if self.plan.logprobs else None)
+            return thought  # the finish reason goes in a chunk of its own
+        return thought + self.chunk(chunk.text, None, logprobs=list(chunk.logprobs) if self.plan.logprobs else None)
 
     def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         out = b""
@@ -659,6 +673,8 @@ class OpenAIShaper:
         reason = self._finish(finish)
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if self.reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
             if calls:
                 message["tool_calls"] = [tool_call_json(c) for c in calls]
             logprobs = {"content": [views.chat_logprob(e) for e in self.logprobs], "refusal": None}
@@ -841,10 +857,13 @@ def routes(api: Api) -> list[Route]:
         endpoint = "chat" if kind == "chat" else "completions"
         body = decode(kind, await request.body())
         model_id = scheduler.resolve(body.model)
-        fmt = toolkit.GENERIC
-        if isinstance(body, ChatRequest) and uses_tools(body):
-            fmt = await toolkit.format_for(scheduler, model_id)
-        planned = api.planned(model_id, endpoint, lambda: plan(body, fmt))
+        fmt, think = toolkit.GENERIC, None
+        if isinstance(body, ChatRequest):
+            if uses_tools(body):
+                fmt = await toolkit.format_for(scheduler, model_id)
+            effort = thinking.wanted(body.reasoning_effort)
+            think = await thinking.switch(scheduler, model_id, effort, "reasoning_effort")
+        planned = api.planned(model_id, endpoint, lambda: plan(body, fmt, think))
         request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
         shaper = OpenAIShaper(kind, request_id, model_id, planned)
         return await api.respond(model_id, planned, shaper, request_id, endpoint, started)

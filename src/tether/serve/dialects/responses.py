@@ -31,6 +31,7 @@ from tether.protocol import (
     documented,
 )
 from tether.serve import views
+from tether.serve.dialects import thinking
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.conversation import (
     Call,
@@ -116,6 +117,13 @@ class ResponsesNamedChoice(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
+class ResponsesReasoning(msgspec.Struct, forbid_unknown_fields=True):
+    # a reasoning model's thinking on ("minimal" to "high") or off ("none"), where its chat template can say so
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Annotated[Any, documented(type="null", description="no summaries: the thinking itself is returned")] = None
+    generate_summary: Annotated[Any, documented(type="null", description="deprecated: no summaries")] = None
+
+
 class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool = True  # OpenAI pads streamed deltas against side channels; nothing to pad here
 
@@ -157,7 +165,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     previous_response_id: Stateless = None
     conversation: Stateless = None
     prompt: NoPrompt = None
-    reasoning: Unsupported = None
+    reasoning: ResponsesReasoning | None = None
     context_management: Unsupported = None
     moderation: Unsupported = None
 
@@ -232,7 +240,9 @@ register(
         "previous_response_id": FieldPolicy(R, "stateless: send the whole conversation"),
         "conversation": FieldPolicy(R, "stateless: send the whole conversation"),
         "prompt": FieldPolicy(R, "no stored prompt templates"),
-        "reasoning": FieldPolicy(R),
+        "reasoning": FieldPolicy(
+            L, 'effort only: thinking on or off ("none"), where the model\'s template can; no summaries'
+        ),
         "context_management": FieldPolicy(R),
         "moderation": FieldPolicy(R),
     },
@@ -367,7 +377,13 @@ def _refuse(request: ResponsesRequest) -> None:
         raise InvalidField("background", f"background must be false or absent: {STATELESS}, so none to poll")
     if request.prompt is not None:
         raise InvalidField("prompt", "prompt (a stored prompt template) is not supported: send instructions and input")
-    for name in ("reasoning", "context_management", "moderation"):
+    if request.reasoning is not None:
+        for name in ("summary", "generate_summary"):
+            if getattr(request.reasoning, name) is not None:
+                raise InvalidField(
+                    f"reasoning.{name}", f"reasoning.{name} is not supported: the thinking itself is returned, whole"
+                )
+    for name in ("context_management", "moderation"):
         if getattr(request, name) is not None:
             raise InvalidField(name, f"{name} is not supported by this server: remove it from the request")
     if request.truncation not in (None, "disabled"):
@@ -383,14 +399,21 @@ def _refuse(request: ResponsesRequest) -> None:
         raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
 
 
+def effort(request: ResponsesRequest) -> str | None:
+    return request.reasoning.effort if request.reasoning is not None else None
+
+
 def uses_tools(request: ResponsesRequest) -> bool:
     """Whether the request declares tools or its input carries earlier calls or their outputs."""
     items = request.input
     return bool(request.tools) or (not isinstance(items, str) and any(i.type != "message" for i in items))
 
 
-def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -> ResponsesPlan:
-    """What the request asks for (``fmt``: the model's tool format); every refusal names its field."""
+def plan(
+    request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None
+) -> ResponsesPlan:
+    """What the request asks for (``fmt``: the model's tool format; ``thinking``: ``GenerateParams.thinking``);
+    every refusal names its field."""
     _refuse(request)
     turns = input_turns(request.input)
     messages = toolkit.engine_messages(turns, fmt)
@@ -425,6 +448,7 @@ def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -
         logprobs=(request.top_logprobs or 0) if logprobs else None,
         json_schema=json_schema,
         tool_syntax=syntax,
+        thinking=thinking,
     )
     text_format = {"type": "text"}
     if request.text is not None and request.text.format is not None:
@@ -444,7 +468,7 @@ def plan(request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC) -
         "store": False,
         "background": False,
         "previous_response_id": None,
-        "reasoning": None,
+        "reasoning": {"effort": effort(request), "summary": None} if request.reasoning is not None else None,
     }
     return ResponsesPlan(checked(params), request.model, request.stream, False, logprobs, tools, echo=echo)
 
@@ -458,7 +482,7 @@ class ResponseUsage(msgspec.Struct):
     input_tokens: int
     input_tokens_details: dict[str, int]  # ``cached_tokens`` (from the prompt cache), ``cache_write_tokens`` (0)
     output_tokens: int
-    output_tokens_details: dict[str, int]  # ``reasoning_tokens``: 0
+    output_tokens_details: dict[str, int]  # ``reasoning_tokens``: those that wrote only thinking
     total_tokens: int
 
 
@@ -484,7 +508,21 @@ class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
     status: Literal["in_progress", "completed", "incomplete"]  # incomplete: a limit cut its arguments (streams only)
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(msgspec.Struct):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """A reasoning model's thinking, before the message it led to."""
+
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[Any]  # always empty: the thinking itself is in ``content``
+    content: list[ReasoningText]
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class ResponseFailure(msgspec.Struct):
@@ -527,7 +565,7 @@ class ResponseObject(msgspec.Struct):
     store: bool
     background: bool
     previous_response_id: None
-    reasoning: None
+    reasoning: dict[str, Any] | None  # the request's ``reasoning`` echoed
 
 
 class ResponseCreated(msgspec.Struct, tag_field="type", tag="response.created"):
@@ -597,6 +635,22 @@ class OutputTextDelta(msgspec.Struct, tag_field="type", tag="response.output_tex
     logprobs: list[views.LogprobOut]
 
 
+class ReasoningTextDelta(msgspec.Struct, tag_field="type", tag="response.reasoning_text.delta"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(msgspec.Struct, tag_field="type", tag="response.reasoning_text.done"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
 class OutputTextDone(msgspec.Struct, tag_field="type", tag="response.output_text.done"):
     sequence_number: int
     item_id: str
@@ -639,6 +693,8 @@ RESPONSE_EVENTS = (
     ContentPartAdded,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
     ContentPartDone,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
@@ -661,12 +717,14 @@ def new_id(prefix: str) -> str:
     return new_request_id(prefix, "_")
 
 
-def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def response_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
     }
 
@@ -692,7 +750,13 @@ class ResponsesShaper:
         self.plan = plan
         self.created_at = int(time.time())
         self.message_id = new_id("msg")
+        self.reasoning_id = new_id("rs")
         self.text: list[str] = []
+        self.reasoning: list[str] = []  # a reasoning model's thinking, kept apart by the runner
+        self.reasoning_tokens = 0  # of the completion's tokens, those that wrote only thinking
+        self._thinking_at: int | None = None  # the reasoning item's output index, once opened
+        self._thinking_done = False
+        self._message_at: int | None = None  # a plain answer's message's output index, once opened
         self.logprobs: list[dict[str, Any]] = []
         self._sequence = 0
         self._opened = False
@@ -712,22 +776,32 @@ class ResponsesShaper:
             self.cached_tokens = chunk.cached_tokens
         logprobs = [views.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
+        out = self._begin()  # the first chunk is fed before ``opening``: the opening events go first, in sequence
+        if chunk.reasoning:
+            self.reasoning.append(chunk.reasoning)
+            self.reasoning_tokens += chunk.tokens if not chunk.text else 0
+            out += self._think(chunk.reasoning)
+        if chunk.text and self._thinking_at is not None:
+            out += self._thought()
         if self.answer is not None:  # its items are kept streamed or not: a whole answer is made of them too
-            events = self._tool_events(self.answer.feed(chunk.text))
-            return self._begin() + events if self.plan.stream else b""
+            out += self._tool_events(self.answer.feed(chunk.text))
+            return out if self.plan.stream else b""
         if not self.plan.stream or not (chunk.text or logprobs):
-            return b""
-        # the first chunk is fed before ``opening``: the opening events go first, in sequence
-        return self._begin() + self._event(
-            "response.output_text.delta", **self._at(0), content_index=0, delta=chunk.text, logprobs=logprobs
-        )
+            return out if self.plan.stream else b""
+        return out + self._open_message() + self._event(
+            "response.output_text.delta", **self._at(self._message_index()), content_index=0, delta=chunk.text,
+            logprobs=logprobs,
+        )  # fmt: skip
 
     def closing(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
         out = self._begin()
         status = self._status(finish)
-        if self.answer is None:  # its item and part were opened by ``_begin``
+        if self._thinking_at is not None:
+            out += self._thought("incomplete" if finish == "length" and not "".join(self.text) else "completed")
+        if self.answer is None:
+            out += self._open_message()
             items = self._items(finish)
-            out += self._finish_message(0, items[0])
+            out += self._finish_message(self._message_index(), items[-1])
         else:
             out += self._tool_events(self.answer.finish())
             if not self._outputs and self.answer.content is not None:  # nothing streamed: an empty message
@@ -750,6 +824,9 @@ class ResponsesShaper:
             items = [i for i in self._tool_items(status) if i["type"] == "message" or i["status"] == "completed"]
             if not items and self.answer.content is not None:  # a direct answer that is empty, or cut before it began
                 items = [self._message(status, self.answer.content, [])]
+            items = [i for i in items if i["type"] != "reasoning"]
+            if self.reasoning:
+                items.insert(0, self._reasoning_item("completed"))
         return _encode(self._response(status, items, prompt_tokens, completion_tokens))
 
     def stream_error(self, failure: Answer) -> bytes:
@@ -775,9 +852,57 @@ class ResponsesShaper:
         return "incomplete" if finish == "length" else "completed"
 
     def _items(self, finish: str) -> list[dict[str, Any]]:
-        """The output items of a plain answer."""
+        """The output items of a plain answer: its thinking, if any, then its message."""
         status = "incomplete" if finish == "length" else "completed"
-        return [self._message(status, "".join(self.text), self.logprobs)]
+        message = self._message(status, "".join(self.text), self.logprobs)
+        if not self.reasoning:
+            return [message]
+        cut = finish == "length" and not "".join(self.text)  # the limit came inside the thinking
+        return [self._reasoning_item("incomplete" if cut else "completed"), message]
+
+    def _reasoning_item(self, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": "".join(self.reasoning)}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [], "content": content}
+
+    def _think(self, text: str) -> bytes:
+        """More thinking, as ``response.reasoning_text.delta`` (its item opened first, once)."""
+        if not self.plan.stream:
+            return b""
+        out = b""
+        if self._thinking_at is None:
+            self._thinking_at = len(self._outputs) if self.answer is not None else 0
+            item = self._reasoning_item("in_progress")
+            if self.answer is not None:
+                self._outputs.append(item)
+            out += self._event("response.output_item.added", output_index=self._thinking_at, item=item)
+        at = self._at(self._thinking_at, self.reasoning_id)
+        return out + self._event("response.reasoning_text.delta", **at, content_index=0, delta=text)
+
+    def _thought(self, status: str = "completed") -> bytes:
+        """The thinking ended (the answer began, or the generation did): its item done, once."""
+        if self._thinking_done or self._thinking_at is None or not self.plan.stream:
+            return b""
+        self._thinking_done = True
+        at = self._at(self._thinking_at, self.reasoning_id)
+        item = self._reasoning_item(status)
+        if self.answer is not None:
+            self._outputs[self._thinking_at] = item
+        out = self._event("response.reasoning_text.done", **at, content_index=0, text="".join(self.reasoning))
+        return out + self._event("response.output_item.done", output_index=self._thinking_at, item=item)
+
+    def _message_index(self) -> int:
+        return self._message_at if self._message_at is not None else (0 if self._thinking_at is None else 1)
+
+    def _open_message(self) -> bytes:
+        """A plain answer's message item and its part, opened once (after its thinking's item, if any)."""
+        if self._message_at is not None or self.answer is not None or not self.plan.stream:
+            return b""
+        self._message_at = self._message_index()
+        at = self._message_at
+        out = self._event("response.output_item.added", output_index=at, item=self._message("in_progress", None))
+        return out + self._event(
+            "response.content_part.added", **self._at(at), content_index=0, part=self._part("", [])
+        )
 
     def _tool_events(self, events: list[toolkit.Event]) -> bytes:
         """A tool answer's events: its items opened and filled as they are decided (kept for the answer), and the
@@ -853,11 +978,7 @@ class ResponsesShaper:
         self._opened = True
         snapshot = self._response("in_progress", [], None, None)
         out = self._event("response.created", response=snapshot)
-        out += self._event("response.in_progress", response=snapshot)
-        if self.plan.tools is None:
-            out += self._event("response.output_item.added", output_index=0, item=self._message("in_progress", None))
-            out += self._event("response.content_part.added", **self._at(0), content_index=0, part=self._part("", []))
-        return out
+        return out + self._event("response.in_progress", response=snapshot)
 
     def _finish_message(self, index: int, item: dict[str, Any]) -> bytes:
         part = item["content"][0]
@@ -874,7 +995,7 @@ class ResponsesShaper:
         done = status in ("completed", "incomplete")
         usage = None
         if prompt_tokens is not None and completion_tokens is not None:
-            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens)
+            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens, self.reasoning_tokens)
         return {
             "id": self.id,
             "object": "response",
@@ -926,7 +1047,8 @@ def routes(api: Api) -> list[Route]:
         body = decode(await request.body())
         model_id = api.scheduler.resolve(body.model)
         fmt = await toolkit.format_for(api.scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
-        planned = api.planned(model_id, ENDPOINT, lambda: plan(body, fmt))
+        think = await thinking.switch(api.scheduler, model_id, thinking.wanted(effort(body)), "reasoning.effort")
+        planned = api.planned(model_id, ENDPOINT, lambda: plan(body, fmt, think))
         response_id = new_id("resp")
         shaper = ResponsesShaper(response_id, model_id, planned)
         return await api.respond(model_id, planned, shaper, response_id, ENDPOINT, started)

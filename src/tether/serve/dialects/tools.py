@@ -99,14 +99,20 @@ def detect(template: str) -> ToolFormat:
     return GENERIC
 
 
-async def format_for(scheduler: Scheduler, model_id: str) -> ToolFormat:
-    """The tool format of ``model_id``'s chat template: its model file's, read off the event loop (once per file
-    version: ``facts`` caches it). A model whose file this process cannot read (a plugin's, one on another node
-    only) gets the generic format, and its runner follows what the request says."""
+async def template_of(scheduler: Scheduler, model_id: str) -> str | None:
+    """``model_id``'s chat template (its ``chat_template`` option's, else its model file's; "" when it has none),
+    read off the event loop (once per file version: ``facts`` caches it); None for a model this process cannot
+    list or read (a plugin's, one on another node only), whose runner follows what the request says."""
     item = next((i for i in listed(scheduler) if i.id == model_id), None)
     if item is None:
-        return GENERIC
-    return detect((await anyio.to_thread.run_sync(facts, item)).template)
+        return None
+    found = await anyio.to_thread.run_sync(facts, item)
+    return found.template if found.path is not None else None
+
+
+async def format_for(scheduler: Scheduler, model_id: str) -> ToolFormat:
+    """The tool format of ``model_id``'s chat template (the generic one where it cannot be read)."""
+    return detect(await template_of(scheduler, model_id) or "")
 
 
 @dataclass(frozen=True)
