@@ -17,6 +17,8 @@ from tether.cli.common import engine_options
 from tether.engines.chat_templates import BUILTIN, TemplateError, resolve
 from tether.errors import InvalidField
 from tether.fleet.catalog import catalog_models
+from tether.models import default_model_path
+from tether.serve.dialects import tools as toolkit
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -181,3 +183,24 @@ def test_ollamas_generate_reads_a_template_less_models_prompt_as_written_as_olla
     assert raw.json()["prompt_eval_count"] == answer.json()["prompt_eval_count"]
     chat = served.http.post("/api/chat", json={"model": "bare", "messages": CHAT[1:2], "stream": False})
     assert chat.status_code == 400 and "chat_template" in chat.json()["error"], chat.text
+
+
+@pytest.mark.model
+def test_a_user_set_template_with_native_tools_gets_its_own_tool_format(served: Server) -> None:
+    """The default model with the Hermes-style template set as its chat_template: a chat with tools is written and
+    answered in that template's own tool format, as one written into the GGUF is (test_native_tools)."""
+    from test_tool_formats import TEMPLATES, WEATHER
+
+    hermes = {"chat_template": str(TEMPLATES / "hermes.jinja"), "n_ctx": 2048, "parallel": 1, "n_threads": 2}
+    served.add_instance({"id": "hermes-set", "model": str(default_model_path()), "options": hermes}, 60)
+    ask = {"model": "hermes-set", "messages": CHAT[-1:], "tools": [WEATHER], "tool_choice": "required"}
+    answer = served.http.post("/v1/chat/completions", json={**ask, "temperature": 0}, timeout=90)
+    assert answer.status_code == 200, answer.text
+    calls = answer.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and calls[0]["function"]["name"] == "get_weather", answer.text
+    # what the serving side planned with: the template's own format, read from the option's file
+    assert toolkit.detect(resolve(hermes["chat_template"]).text) is toolkit.HERMES
+    assert (
+        served.http.post("/api/show", json={"model": "hermes-set"}).json()["template"]
+        == resolve(hermes["chat_template"]).text
+    )
