@@ -20,6 +20,22 @@ than ``MIN_SAVE`` tokens, or it does not fit the byte budget (``prompt_cache_ram
 saved sequence makes any saved one that is its prefix redundant (a conversation's next turn extends its last):
 that one is dropped. When the budget is full, the least recently used entries go first.
 
+**Sliding-window attention** (Gemma 2/3, Cohere 2, gpt-oss, ...): the engine's context keeps, for its sliding-window
+layers, only ``n_swa + n_ubatch`` cells a slot (llama-server's default, not ``swa_full``), a ring that overwrites a
+position once it has slid out of the window of the sequence's last one, and purges every position below it, so a
+slot holds all positions from ``llama_memory_seq_pos_min`` (its *window start*) to its last. Removing a tail is then
+not enough to reuse a prefix: the token after it attends to the ``n_swa`` positions before it, and those may be
+gone (a longer sequence moved the window on). So a prefix of ``keep`` tokens is reused from a holder only when its
+window start is 0 or at most ``keep - n_swa`` (llama-server's rule); a holder that fails it is passed over for one
+that passes, else the prompt is prefilled from the start, and the tokens passed over are counted
+(``CacheStats.swa_reread``) and logged at debug; a placement checks it again once the cells are in (a safety
+net: no reuse when it fails). Without the check, the reused prefix decodes against a window with positions missing
+and gives another text, silently (measured: a first token's logprobs moved by ~0.5). A sequence saved to RAM keeps
+only its last window in those layers (llama.cpp saves no more), so a RAM entry serves only a prompt that extends
+all of it (a conversation's next turn); one saved sequence makes another redundant only when its window starts no
+later. A copy between slots keeps the source's cells where they were; a restore packs them from the ring's start,
+so its text may part from the source slot's at a near tie, as any reused prefix's may from a cold prefill.
+
 Exactness: cells reused from anywhere were computed in another batch than a cold prefill would be, so a greedy text
 can (rarely) differ from the cold one, as with llama-server's ``cache_prompt``; the copy itself is exact (cells
 copied or restored give bit-identical logits, measured here). ``prompt_cache: false`` prefills every prompt whole.
@@ -31,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,6 +60,8 @@ MIN_COPY = 16  # tokens a copy from another slot or from RAM must save over the 
 MIN_SAVE = 32  # shorter sequences are not worth RAM: prefilling them costs ~0.15 s here
 STATE_FLAGS = 0  # a whole sequence's cells
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Saved:
@@ -51,6 +70,7 @@ class _Saved:
     data: Any  # ctypes view of ``mapping``: llama.cpp's sequence state
     size: int  # bytes of it llama.cpp wrote (what a restore reads)
     held: int  # bytes the buffer holds (what the budget counts)
+    start: int = 0  # its window start: the first position whose sliding-window cells it holds (0: all of them)
 
     def free(self) -> None:
         self.data = None  # the view first: an exported mmap cannot close
@@ -68,17 +88,20 @@ class CacheStats:
     saved: int = 0  # sequences saved to RAM
     evicted: int = 0  # RAM entries dropped for the budget
     redundant: int = 0  # RAM entries dropped because a longer one had them all
+    swa_reread: int = 0  # cached prompt tokens prefilled again: the sliding window had moved past their end
 
 
 class PromptCache:
     """Slots' and RAM's cached sequences for one llama.cpp context (see the module docstring)."""
 
-    def __init__(self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True) -> None:
+    def __init__(self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True, n_swa: int = 0) -> None:
+        """``n_swa``: the model's sliding window in tokens (0: none, every layer keeps every position)."""
         self.lib = lib
         self.ctx = ctx
         self.memory = memory
         self.budget = budget
         self.enabled = enabled
+        self.n_swa = n_swa
         self.index = PrefixIndex()
         self._ram: OrderedDict[str, _Saved] = OrderedDict()  # least recently used first
         self._ram_bytes = 0
@@ -102,17 +125,23 @@ class PromptCache:
         if not self.enabled:
             self._overwrite(slot, cached, 0)
             return 0
-        own = common_length(cached, prompt, 0, limit)
+        matched = common_length(cached, prompt, 0, limit)
+        own = self._usable(matched, self._window_start(slot))
+        passed = matched - own  # the longest prefix passed over because its holder's window had moved on
         best = self.index.match(prompt, limit)
         source, reused = ("own", own) if own else ("none", 0)
         donor: int | None = None
         saved: str | None = None
         if best.length >= own + MIN_COPY:
             others = [s for s in best.slots if s != slot]
-            if others:
-                donor, source, reused = min(others), "slot", best.length
-            elif best.ram:
-                saved, source, reused = next(iter(best.ram)), "ram", best.length
+            usable = [s for s in others if self._usable(best.length, self._window_start(s))]
+            entries = [k for k in best.ram if self._usable(best.length, self._ram[k].start)]
+            if usable:
+                donor, source, reused = min(usable), "slot", best.length
+            elif entries:
+                saved, source, reused = entries[0], "ram", best.length
+            elif others or best.ram:
+                passed = best.length
         keep = reused if source == "own" else 0
         self._save_before_overwrite(slot, cached, keep)
         self.index.remove(slot)
@@ -120,7 +149,6 @@ class PromptCache:
             self.lib.llama_memory_seq_cp(self.memory, donor, slot, -1, -1)
             cached[:] = slots[donor][:reused]
             self._truncate(slot, cached, reused)
-            self.stats.from_other_slot += reused
         elif saved is not None:
             entry = self._ram[saved]
             self._ram.move_to_end(saved)
@@ -130,10 +158,28 @@ class PromptCache:
                 return 0
             cached[:] = entry.tokens[:reused]
             self._truncate(slot, cached, reused)
-            self.stats.from_ram += reused
         else:
             self._truncate(slot, cached, keep)
-            self.stats.from_own_slot += keep
+        if reused and not self._usable(reused, self._window_start(slot)):  # checked above: a safety net only
+            passed, reused = max(passed, reused), 0
+            self._truncate(slot, cached, 0)
+        if source == "slot":
+            self.stats.from_other_slot += reused
+        elif source == "ram":
+            self.stats.from_ram += reused
+        else:
+            self.stats.from_own_slot += reused
+        if passed > reused:
+            self.stats.swa_reread += passed - reused
+            log.debug(
+                "slot %d: %d cached prompt tokens prefilled again, the sliding window (%d tokens) of their holders "
+                "having moved past them; %d reused (%s)",
+                slot,
+                passed - reused,
+                self.n_swa,
+                reused,
+                source,
+            )
         return reused
 
     def register(self, slot: int, cached: Sequence[int]) -> None:
@@ -148,6 +194,20 @@ class PromptCache:
         self.index = PrefixIndex()
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _window_start(self, slot: int) -> int:
+        """The first position whose cells ``slot`` holds in every layer: 0 without a sliding window, else llama.cpp's
+        ``seq_pos_min``, the window cache's oldest position (it holds every one from there on); -1 when the window
+        cache holds none (an empty slot, or a tail removed below the window while other layers keep a prefix)."""
+        if not self.n_swa:
+            return 0
+        return int(self.lib.llama_memory_seq_pos_min(self.memory, slot))
+
+    def _usable(self, length: int, start: int) -> int:
+        """How much of a holder's ``length``-token prefix can be reused when its window starts at ``start``: all of
+        it when the ``n_swa`` positions before its end are held (llama-server's rule), else none (a shorter prefix
+        needs older positions still)."""
+        return length if start == 0 or 0 < start <= length - self.n_swa else 0
 
     def _overwrite(self, slot: int, cached: list[int], keep: int) -> None:
         self.index.remove(slot)
@@ -164,9 +224,15 @@ class PromptCache:
         """Save ``slot``'s sequence to RAM if placing a prompt there loses some of it and nobody else has it."""
         if keep >= len(cached) or len(cached) < MIN_SAVE or self.budget <= 0:
             return
+        start = self._window_start(slot)
+        if self.n_swa:  # llama.cpp saves a sliding-window layer's last window only: a restore holds no more
+            start = max(start, len(cached) - self.n_swa)
         held = self.index.match(cached)
-        if held.length == len(cached) and (held.ram or any(s != slot for s in held.slots)):
-            return  # another slot or a RAM entry has all of it
+        if held.length == len(cached) and (
+            any(self._ram[k].start <= start for k in held.ram)
+            or any(0 <= self._window_start(s) <= start for s in held.slots if s != slot)
+        ):
+            return  # another slot or a RAM entry has all of it, its window starting no later
         size = int(self.lib.llama_state_seq_get_size_ext(self.ctx, slot, STATE_FLAGS))
         if size <= 0 or size > self.budget:
             return
@@ -184,11 +250,13 @@ class PromptCache:
             return
         self._keys += 1
         key = f"ram-{self._keys}"
-        self._ram[key] = _Saved(list(cached), mapping, data, written, size)
+        self._ram[key] = _Saved(list(cached), mapping, data, written, size, start)
         self._ram_bytes += size  # the buffer held, not only what llama.cpp wrote into it
         self.stats.saved += 1
         for prefix in self.index.insert(key, cached):
-            if isinstance(prefix, str) and prefix in self._ram:  # a saved prefix of this one: redundant now
+            # a saved prefix of this one is redundant now, unless it can serve prompts this one cannot: its window
+            # starts earlier (this one's moved on)
+            if isinstance(prefix, str) and prefix in self._ram and self._ram[prefix].start >= start:
                 self._drop(prefix)
                 self.stats.redundant += 1
 
