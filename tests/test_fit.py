@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
+from conftest import gemma_missing, gemma_path
 from tether.engines.base import EngineLoadError
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
 from tether.engines.llamacpp import PARALLEL_DEFAULT, LlamaCppEngine
@@ -203,7 +204,8 @@ def test_the_prompt_caches_ram_budget_is_counted_in_the_estimate(model_path: Pat
     served = LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"n_ctx": 2048}))
     assert served.prompt_cache_ram == served.kv_cache == 360 * MiB
     assert served.expected == served.weights + 2 * served.kv_cache + served.runtime + served.outputs
-    assert "prompt cache in RAM 360 MiB" in served.describe()
+    assert served.held == served.expected - served.prompt_cache_ram  # what a measurement is compared with
+    assert "prompt cache in RAM up to 360 MiB (held as it fills)" in served.describe()
     advice = served.advice(served.total - 100 * MiB)  # fits with 260 MiB of prompt cache, not with 360
     assert advice.startswith("lower --prompt-cache-ram") and "260 MiB or less fits" in advice, advice
     sized = LlamaCppEngine.estimate_memory(
@@ -343,23 +345,37 @@ def _vm_hwm(pid: int) -> int:
     raise AssertionError(f"no VmHWM for pid {pid}")
 
 
+@pytest.fixture(params=["smollm2", "gemma3-270m"])
+def family(request: pytest.FixtureRequest, model_path: Path) -> Path:
+    """Each model family the estimate must hold for: the default model (llama, every layer attends to the whole
+    context) and Gemma 3 270M (sliding-window attention on 15 of 18 layers, a 262,144-token vocabulary)."""
+    if request.param == "smollm2":
+        return model_path
+    missing = gemma_missing()
+    if missing:
+        pytest.skip(missing)
+    return gemma_path()
+
+
 @pytest.mark.model
 @pytest.mark.anyio
 @pytest.mark.timeout(120)
-async def test_refused_model_loads_with_override_and_estimate_matches_the_runner(model_path: Path) -> None:
-    """The estimate without headroom (``expected``: weights + KV cache + runtime) is the runner's peak. It is compared
-    with the runner's RSS, which counts resident weights whether file-backed or not plus its private memory: right
-    after ready (+26% on the test machine: the attention scratch is not touched yet) and at its peak (VmHWM) after a
-    prompt that fills ~90% of the context (within 2% on the test machine). Both must be within +-30%."""
+async def test_refused_model_loads_with_override_and_estimate_matches_the_runner(family: Path) -> None:
+    """The estimate of what the runner holds (``held``: weights + KV cache + runtime, without headroom) is its peak.
+    It is compared with the runner's RSS, which counts resident weights whether file-backed or not plus its private
+    memory: right after ready (below: the attention scratch is not touched yet; within +-30%) and at its peak
+    (VmHWM) after a prompt that fills ~90% of the context: within 10%, for both families. Measured here: see the
+    module docstring of ``llamacpp_estimate``."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: run `make install`")
-    estimate = estimate_gguf(model_path, 2048)
+    estimate = estimate_gguf(family, 2048)
     available = estimate.total // 2
     with pytest.raises(DoesNotFit, match=r"does not fit: needs ~.* available \(test limit\)"):
         ensure_fits(estimate, available, "test limit")
     assert ensure_fits(estimate, available, "test limit", override=True).ok  # ... so it is loaded anyway
 
     # One thread: on a small shared box, ggml's spinning thread barriers collapse under CPU contention.
-    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 2048, "n_threads": 1, "parallel": 1})
+    options = {"n_ctx": 2048, "n_threads": 1, "parallel": 1, "prompt_cache_ram": 0}
+    spec = EngineSpec(engine="llama.cpp", model=str(family), options=options)
     with anyio.fail_after(110):
         async with Supervisor(spec) as sup:
             await sup.ready()
@@ -376,8 +392,8 @@ async def test_refused_model_loads_with_override_and_estimate_matches_the_runner
             _, status = await handle.text()
             assert status.state == "complete", status
             peak = _vm_hwm(sup.pid)
-            print(f"peak: VmHWM {format_bytes(peak)}, {peak / estimate.expected:.2f} of the estimate")
-            assert 0.7 * estimate.expected <= peak <= 1.3 * estimate.expected, (peak, estimate.describe())
+            print(f"peak: VmHWM {format_bytes(peak)}, {peak / estimate.held:.3f} of the estimate {estimate.describe()}")
+            assert 0.9 * estimate.held <= peak <= 1.1 * estimate.held, (peak, estimate.describe())
 
 
 @pytest.mark.model
@@ -418,7 +434,20 @@ def test_an_auto_context_is_the_models_own_and_the_fit_check_lowers_it_to_what_m
     assert result.ok and result.spec is not None and result.spec.options["n_ctx"] == 8192
     assert "lowered" not in result.message
 
-    tight = own.total - (own.total - own.with_n_ctx(2048).total) // 2  # between 2048's need and 8192's
+    # Between what 8192 needs with its RAM store and without it: the store (auto) takes the room left, n_ctx stays.
+    rest = own.total - own.prompt_cache_ram
+    roomy_enough = rest + own.prompt_cache_ram // 4
+    node = NodeMemory(available=roomy_enough, source="test", host_total=64 << 30, host_available=roomy_enough)
+    result = fit.assess(spec, node=node, sized=True)
+    assert result.ok and result.spec is not None and result.spec.options["n_ctx"] == 8192
+    assert result.spec.options["prompt_cache_ram"] == own.prompt_cache_ram // 4, result.spec.options
+    assert result.estimate is not None and result.estimate.total == roomy_enough
+    assert f"the prompt cache's RAM store (auto: the KV cache's size, {format_bytes(own.prompt_cache_ram)}) gets" in (
+        result.message
+    )
+
+    smaller = own.with_n_ctx(2048)
+    tight = rest - (rest - (smaller.total - smaller.prompt_cache_ram)) // 2  # between 2048's rest and 8192's
     small = NodeMemory(available=tight, source="test", host_total=64 << 30, host_available=tight)
     result = fit.assess(spec, node=small, sized=True)
     lowered = result.spec.options["n_ctx"] if result.spec is not None else None

@@ -7,9 +7,13 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
 * weights: the sum of the tensors' data sizes (mmapped: resident file-backed pages once touched);
 * KV cache: 2 (K and V) x layers x n_ctx x kv heads x head dim x bytes per element of the cache type, with n_ctx
   rounded up to a multiple of 256 as llama.cpp does (n_ctx 1000 gets 1024 cells), times ``parallel``: the engine
-  gives each of its parallel sequences a cache of n_ctx cells of its own;
+  gives each of its parallel sequences a cache of n_ctx cells of its own. A sliding-window layer (Gemma 2/3,
+  Cohere 2, gpt-oss: :data:`SWA_PERIODS`, or the GGUF's own pattern) keeps only its window plus a micro-batch a
+  sequence, ``n_swa + n_ubatch`` rounded up to 256 cells (Gemma 3 270M: 1024 cells on 15 of its 18 layers), as
+  llama.cpp sizes it unless ``swa_full`` (the engine leaves it off, as llama-server does);
 * runtime: a fixed base for the interpreter, tether's runner and the llama.cpp/ggml/numpy libraries
-  (:data:`RUNTIME_BASE`), the tokenizer's tables (:data:`VOCAB_BYTES_PER_TOKEN` per vocabulary entry) and the
+  (:data:`RUNTIME_BASE`), the tokenizer's tables (:data:`VOCAB_BYTES_PER_TOKEN` per vocabulary entry,
+  :data:`VOCAB_BYTES_PER_MERGE` per BPE merge rule) and the
   compute scratch of one micro-batch: without flash attention, the attention scores of n_ubatch tokens against
   n_ctx cells (each sequence attends to its own cells only) for every query head, kept in f32 in ggml's compute
   buffer and copied to f16 in the CPU backend's work buffer for the V product (:data:`ATTENTION_BYTES_PER_SCORE` =
@@ -17,8 +21,12 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
   for a whole batch, 96 MiB for the default model), but the engine asks for logits of one token per sequence only,
   so those pages are never touched.
 * prompt cache in RAM: the budget of sequences the engine's prompt cache may save to RAM (option
-  ``prompt_cache_ram``; ``llamacpp_cache``), counted whole since under churn it fills up; by default ("auto") the
-  KV cache's size, so RAM holds as many cells again as the slots do;
+  ``prompt_cache_ram``; ``llamacpp_cache``). It is empty at load and grows as requests come, so it is not part of
+  what the runner holds (:attr:`ModelEstimate.held`, what measurements are compared with), but under churn it fills,
+  so the fit check reserves it (:attr:`ModelEstimate.expected` and ``total`` count it): a model admitted beside this
+  one cannot take the room it will grow into. "auto" is at most the KV cache's size and at most the room the rest
+  leaves (``within``, applied where the fit check sizes a spec: ``tether.node.fit.size_context``), so a cache never
+  makes a model not fit nor lowers its context; a size given is counted as given;
 * headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
 
 **An embedding instance** (option ``embedding``) differs in three ways: its cache is n_ctx cells in all (one prompt
@@ -51,6 +59,21 @@ llama.cpp's context. Filling the context adds 52 MiB at n_ctx 2048 and 224 MiB a
 per attention score (512 x n_ctx x 9 heads). So the estimate is within 2% of the peak at both sizes and above the
 ready RSS (+26% at 2048, +64% at 8192, where most of the scratch is not touched yet).
 
+The second family, Gemma 3 270M (Q4_K_M: weights 235 MiB, a 262,144-entry vocabulary, 15 of 18 layers sliding over
+512 tokens), measured the same way (``held``: the estimate without headroom and RAM store):
+
+===========  =========================================  ============================================  ==========
+n_ctx        ready (after warm-up)                      after a prompt filling 95% of a context       estimate
+===========  =========================================  ============================================  ==========
+2048         366 MiB (anon 108 + file 258; KV 21.0)     397 MiB                                       372 MiB
+8192 x8      667 MiB (anon 409 + file 258; KV 312)      788 MiB                                       736 MiB
+===========  =========================================  ============================================  ==========
+
+and the default model at the defaults (8192 x8): ready 1.57 GiB, peak 1.79 GiB, estimate 1.77 GiB. Gemma's peak is
+6-7% above its estimate: 13 MiB of it are its Q4_K weights, which the CPU backend repacks into anonymous copies while
+their file pages stay mapped (RSS counts them twice, though the file pages are reclaimable: see below), the rest
+scratch the model above leaves out.
+
 **A rank of a split instance** (``ranks`` > 1: the model's layers shared over ranks through ggml's RPC backend, see
 ``llamacpp_rpc``) holds its layers' weights and their KV cache (llama.cpp keeps a layer's cache on the layer's
 device), a compute scratch of its own, and the runtime base; rank 0 alone holds the input embeddings, the vocabulary
@@ -59,7 +82,8 @@ them from ``n_gpu_layers`` and ``tensor_split``; a model whose output layer is t
 ``output.weight``) gets a copy of the embeddings on whichever rank holds the output layer.
 
 Not modelled (said in :attr:`ModelEstimate.notes` where the metadata shows it): GPU offload, sliding-window layers
-(their smaller cache: the estimate is then an upper bound), recurrent state of SSM layers, and weights a CPU backend
+of an architecture whose pattern is not known here (their smaller cache: the estimate is then an upper bound),
+recurrent state of SSM layers, and weights a CPU backend
 repacks into anonymous copies (Q4_0/IQ4_NL/Q4_K on some CPUs: resident weights may then count twice in RSS, the
 file-backed pages being reclaimable page cache).
 """
@@ -90,9 +114,13 @@ RUNTIME_BASE = 50 * MiB
 """Interpreter, tether's runner, llama.cpp/ggml/numpy libraries and llama.cpp's context (measured: 68 MiB of ready
 RSS beyond weights and KV cache for the default model, of which 18 MiB is its 49152-entry vocabulary)."""
 
-VOCAB_BYTES_PER_TOKEN = 384
-"""Tokenizer tables per vocabulary entry (measured: +17.6 MiB when llama.cpp loads the default model's 49152-entry
-vocabulary alone)."""
+VOCAB_BYTES_PER_TOKEN = 169
+"""Tokenizer tables per vocabulary entry (measured as the RSS llama.cpp adds loading a vocabulary alone, what the
+estimate is compared with: +42.2 MiB for Gemma 3's 262,144 entries, a tokenizer without merges)."""
+
+VOCAB_BYTES_PER_MERGE = 207
+"""A BPE tokenizer's merge table per merge rule (measured the same way: +17.6 MiB for the default model's 49,152
+entries and 48,900 merges, of which the entries take 7.9 MiB at :data:`VOCAB_BYTES_PER_TOKEN`)."""
 
 ATTENTION_BYTES_PER_SCORE = 6
 """Scratch per attention score (n_ubatch x n_ctx x query heads): the f32 scores in the compute buffer plus their f16
@@ -101,6 +129,11 @@ copy in the CPU backend's work buffer (measured 5.8-6.2 bytes)."""
 DEFAULT_N_BATCH = 512  # the llama.cpp engine's n_batch default
 MAX_N_UBATCH = 512  # llama-cpp-python's n_ubatch default: micro-batches are min(n_batch, 512) tokens
 KV_CELL_PADDING = 256  # llama.cpp rounds the context up to a multiple of this many KV cells
+
+SWA_PERIODS: Mapping[str, int] = MappingProxyType({"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2})
+"""llama.cpp's sliding-window layer pattern by architecture, where the GGUF does not say it
+(``{arch}.attention.sliding_window_pattern``): of every ``n`` layers the first ``n - 1`` slide (``set_swa_pattern``).
+Gemma 3: 5 of every 6 (270M: 15 of 18 layers over 512 tokens)."""
 
 AUTO_CTX_CAP = 8192
 """n_ctx "auto" (the default) is the model's trained context up to this many cells per sequence: every sequence's
@@ -130,6 +163,8 @@ class ModelShape:
     head_dim_v: int
     n_vocab: int
     sliding_window: int | None = None
+    n_merges: int = 0  # a BPE tokenizer's merge rules
+    swa_layers: tuple[bool, ...] = ()  # per layer: its cache slides over ``sliding_window`` tokens (empty: unknown)
 
 
 @dataclass(frozen=True)
@@ -155,8 +190,11 @@ class ModelEstimate:
     parallel: int = 1  # sequences served at once, each with n_ctx cells
     embedding: bool = False  # an embedding instance (see the module docstring)
     outputs: int = 0  # an embedding instance's logits (and vectors) of a whole prompt, in the output buffer
-    prompt_cache_ram: int = 0  # the budget of sequences the prompt cache may save to RAM (it may fill it all)
-    prompt_cache_ram_auto: bool = False  # that budget is the KV cache's size (the option "auto"), whatever n_ctx
+    prompt_cache_ram: int = 0  # the budget of sequences the prompt cache may save to RAM (held as it fills)
+    prompt_cache_ram_auto: bool = False  # that budget is "auto": the KV cache's size at most, the room left at most
+    unified: bool = False  # one pool of cells for every sequence (option kv_unified)
+    swa_full: bool = False  # sliding-window layers keep every position (llama.cpp's swa_full)
+    swa_cells: int = 0  # cells a sliding-window layer keeps per stream (0: none such layer modelled)
     layer_weights: tuple[int, ...] = ()  # bytes of each repeating layer's tensors, then the output layer's
     input_weights: int = 0  # the input embeddings and what belongs to no layer (always on rank 0)
     tied_output: int = 0  # a tied output layer's copy of the input embeddings, on a rank that is not rank 0
@@ -170,9 +208,16 @@ class ModelEstimate:
         return self.runtime_base + self.compute
 
     @property
+    def held(self) -> int:
+        """What the runner holds at its peak before its prompt cache saves anything to RAM (what a measurement of a
+        runner is compared with)."""
+        return self.weights + self.kv_cache + self.runtime + self.outputs
+
+    @property
     def expected(self) -> int:
-        """What the runner itself is expected to hold at its peak: everything but the headroom."""
-        return self.weights + self.kv_cache + self.runtime + self.outputs + self.prompt_cache_ram
+        """What the runner may hold at its peak: ``held`` plus the RAM store filled to its budget (room the fit
+        reserves for it), without the headroom."""
+        return self.held + self.prompt_cache_ram
 
     @property
     def total(self) -> int:
@@ -188,9 +233,12 @@ class ModelEstimate:
         if self.parallel > 1 and not self.embedding:
             ctx += f" x parallel {self.parallel}"
         cache = "" if self.cache_type == "f16" else f" ({self.cache_type})"
+        if self.swa_cells:
+            sliding = sum(self.shape.swa_layers)
+            cache += f" ({sliding} of {self.shape.n_layers} layers hold a sliding window's {self.swa_cells} cells)"
         outputs = f" + outputs {format_bytes(self.outputs)} (embeddings: every token's logits)" if self.outputs else ""
         if self.prompt_cache_ram:
-            outputs += f" + prompt cache in RAM {format_bytes(self.prompt_cache_ram)}"
+            outputs += f" + prompt cache in RAM up to {format_bytes(self.prompt_cache_ram)} (held as it fills)"
         weights = f"weights {format_bytes(self.weights)}"
         if self.rank is not None:
             weights = f"{layers_words(self.layers, self.shape.n_layers)}: {weights}"
@@ -228,14 +276,22 @@ class ModelEstimate:
             )
         return "use a smaller --n-ctx, free memory, or pass --force to load anyway"
 
+    def within(self, available: int) -> ModelEstimate:
+        """This estimate with an "auto" RAM store's budget lowered to the room the rest leaves in ``available``
+        (none when the rest does not fit): a cache takes what is left, it never makes a model not fit."""
+        if not self.prompt_cache_ram_auto or self.total <= available:
+            return self
+        return replace(self, prompt_cache_ram=max(0, available - (self.total - self.prompt_cache_ram)))
+
     def max_n_ctx(self, available: int) -> int | None:
-        """The largest n_ctx below this one, in steps of 256, that fits ``available`` (memory grows with n_ctx)."""
+        """The largest n_ctx below this one, in steps of 256, that fits ``available`` (memory grows with n_ctx; an
+        "auto" RAM store shrinks first)."""
         lo, hi = 1, (self.n_ctx - 1) // KV_CELL_PADDING  # candidates are k * 256 for lo <= k <= hi
-        if hi < lo or self.with_n_ctx(lo * KV_CELL_PADDING).total > available:
+        if hi < lo or self.with_n_ctx(lo * KV_CELL_PADDING).within(available).total > available:
             return None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.with_n_ctx(mid * KV_CELL_PADDING).total <= available:
+            if self.with_n_ctx(mid * KV_CELL_PADDING).within(available).total <= available:
                 lo = mid
             else:
                 hi = mid - 1
@@ -258,10 +314,13 @@ def estimate_gguf(
     embedding: bool = False,
     prompt_cache_ram: int | None = 0,
     auto_ctx: bool = False,
+    unified: bool = False,
+    swa_full: bool = False,
 ) -> ModelEstimate:
     """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring;
-    ``embedding``: for an embedding instance; ``prompt_cache_ram``: the prompt cache's RAM budget, None for the
-    KV cache's size).
+    ``embedding``: for an embedding instance; ``prompt_cache_ram``: the prompt cache's RAM budget, None for
+    "auto"; ``unified``: one pool of cells for every sequence; ``swa_full``: sliding-window layers keep every
+    position).
 
     ``n_ctx`` None means the model's own context length (``{arch}.context_length``; ``describe`` says so), or with
     ``auto_ctx`` what the engine's n_ctx "auto" makes of it (``auto_context``: capped; the header is read once).
@@ -308,10 +367,11 @@ def estimate_gguf(
     from_model = n_ctx is None and chosen == shape.context_length
     if from_model:
         notes.append(f"{_DEFAULT_CTX_NOTE} {shape.context_length}")
-    if shape.sliding_window:
+    if shape.sliding_window and not shape.swa_layers:
         notes.append(
-            f"sliding-window attention ({shape.sliding_window} tokens) on some layers: their smaller KV cache is not "
-            "modelled, so the KV cache figure is an upper bound"
+            f"sliding-window attention ({shape.sliding_window} tokens) on some layers of an architecture whose layer "
+            "pattern is not known here: their smaller KV cache is not modelled, so the KV cache figure is an upper "
+            "bound"
         )
     if any(k.startswith(f"{shape.architecture}.ssm.") for k in gguf.metadata):
         notes.append("recurrent (SSM) layers: their state is not included")
@@ -336,6 +396,8 @@ def estimate_gguf(
         embedding=embedding,
         prompt_cache_ram=0 if embedding or prompt_cache_ram is None else prompt_cache_ram,
         prompt_cache_ram_auto=prompt_cache_ram is None and not embedding,
+        unified=unified or embedding,
+        swa_full=swa_full,
         layer_weights=tuple(layer_weights),
         input_weights=input_weights,
         tied_output=embeddings if tied else 0,
@@ -348,14 +410,23 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
     s = base.shape
     cells = -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
     block, size = TYPE_SIZES[base.cache_type]
+    n_ubatch = n_ctx if base.embedding else min(base.n_batch, MAX_N_UBATCH, n_ctx)
+    # Cells per stream (a pool of its own): one stream per sequence, or one for all (unified; an embedding instance
+    # holds one prompt at a time in n_ctx cells). A sliding-window layer keeps the window of each sequence the
+    # stream holds plus a micro-batch, as llama.cpp's iSWA cache sizes it, unless swa_full.
+    seqs = 1 if base.embedding else base.parallel
+    streams, stream_cells = (1, cells * seqs) if base.unified else (seqs, cells)
+    swa_cells = 0
+    if s.sliding_window and any(s.swa_layers) and not base.swa_full:
+        window = s.sliding_window * (seqs if base.unified else 1) + n_ubatch
+        swa_cells = min(stream_cells, -(-window // KV_CELL_PADDING) * KV_CELL_PADDING)
     layer_kv = tuple(
-        (1 if base.embedding else base.parallel)  # an embedding instance holds one prompt at a time
-        * cells
+        streams
+        * (swa_cells if swa_cells and i < len(s.swa_layers) and s.swa_layers[i] else stream_cells)
         * (-(-(heads * s.head_dim_k) // block) * size + -(-(heads * s.head_dim_v) // block) * size)
-        for heads in s.n_head_kv
+        for i, heads in enumerate(s.n_head_kv)
     )
     kv = sum(layer_kv)
-    n_ubatch = n_ctx if base.embedding else min(base.n_batch, MAX_N_UBATCH, n_ctx)
     attention = n_ubatch * cells * max(s.n_head) * ATTENTION_BYTES_PER_SCORE
     feed_forward = n_ubatch * s.n_ff * 4 * 3  # gate, up and their product, f32
     logits = embedding_outputs(s, n_ctx) if base.embedding else 0
@@ -367,7 +438,8 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
         n_ubatch=n_ubatch,
         kv_cache=kv,
         layer_kv=layer_kv,
-        runtime_base=RUNTIME_BASE + VOCAB_BYTES_PER_TOKEN * s.n_vocab,
+        swa_cells=swa_cells if swa_cells < stream_cells else 0,
+        runtime_base=RUNTIME_BASE + VOCAB_BYTES_PER_TOKEN * s.n_vocab + VOCAB_BYTES_PER_MERGE * s.n_merges,
         compute=max(attention, feed_forward) + logits // 2,
         outputs=logits // 2 + (n_ctx * s.n_embd * 4 if base.embedding else 0),
         prompt_cache_ram=kv if base.prompt_cache_ram_auto else base.prompt_cache_ram,
@@ -497,7 +569,9 @@ def _shape(gguf: GgufFile) -> ModelShape:
     context = md.get(f"{arch}.context_length")
     vocab = md.get("tokenizer.ggml.tokens")
     n_vocab = vocab.count if isinstance(vocab, GgufArray) else len(vocab) if isinstance(vocab, tuple) else None
+    merges = md.get("tokenizer.ggml.merges")
     window = md.get(f"{arch}.attention.sliding_window")
+    window = window if isinstance(window, int) and window > 0 else None
     return ModelShape(
         architecture=arch,
         n_layers=n_layers,
@@ -509,8 +583,21 @@ def _shape(gguf: GgufFile) -> ModelShape:
         head_dim_k=number("attention.key_length", head_dim),
         head_dim_v=number("attention.value_length", head_dim),
         n_vocab=n_vocab if n_vocab is not None else number("vocab_size", 0),
-        sliding_window=window if isinstance(window, int) and window > 0 else None,
+        n_merges=merges.count if isinstance(merges, GgufArray) else len(merges) if isinstance(merges, tuple) else 0,
+        sliding_window=window,
+        swa_layers=_swa_layers(md.get(f"{arch}.attention.sliding_window_pattern"), arch, n_layers) if window else (),
     )
+
+
+def _swa_layers(pattern: Any, arch: str, n_layers: int) -> tuple[bool, ...]:
+    """Which layers slide: the GGUF's per-layer pattern, else its period or llama.cpp's for the architecture (of
+    every ``n`` layers the first ``n - 1``; 0: all); empty when neither is known."""
+    if isinstance(pattern, tuple) and len(pattern) == n_layers and all(isinstance(v, bool) for v in pattern):
+        return pattern
+    period = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else SWA_PERIODS.get(arch)
+    if period is None:
+        return ()
+    return tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
 
 
 def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: int = DEFAULT_HEADROOM) -> ModelEstimate:
@@ -528,6 +615,8 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
         headroom=headroom,
         embedding=embedding,
         prompt_cache_ram=prompt_cache_budget(options),
+        unified=bool(options.get("kv_unified", False)),
+        swa_full=bool(options.get("swa_full", False)),
     )
     if spec.rank is None:
         return whole

@@ -118,23 +118,41 @@ def ranks_estimate(spec: EngineSpec, ranks: int, shares: tuple[float, ...] = ())
 def size_context(
     spec: EngineSpec, estimate: MemoryEstimate, available: int
 ) -> tuple[EngineSpec, MemoryEstimate, str | None]:
-    """A spec whose context is the engine's "auto" (llama.cpp: the model's trained context, capped) gets a number
-    here: the one its estimate used when that fits ``available``, else the largest that fits, said in words. Other
-    specs and estimates that know no context come back as they are."""
+    """What the engine left to the memory gets a number here, said in words when it is not the engine's own choice:
+    a context that is the engine's "auto" (llama.cpp: the model's trained context, capped) the one its estimate used
+    when that fits ``available``, else the largest that fits; then a RAM prompt cache whose budget is "auto" (the KV
+    cache's size) the room the rest leaves, when that is less (a cache takes what is left: it never makes a model not
+    fit, nor lowers its context). Other specs and estimates come back as they are."""
+    options = dict(spec.options)
+    notes = []
     n_ctx = getattr(estimate, "n_ctx", None)
     largest, resized = getattr(estimate, "max_n_ctx", None), getattr(estimate, "with_n_ctx", None)
-    if spec.options.get("n_ctx", "auto") != "auto" or not isinstance(n_ctx, int) or largest is None or not resized:
-        return spec, estimate, None
-    note = None
-    if estimate.total > available and not getattr(estimate, "embedding", False):
-        best = largest(available)
-        if isinstance(best, int):
-            note = (
-                f"n_ctx lowered from {n_ctx} (auto: the model's context) to {best}, the most that fits: at {n_ctx} it "
-                f"{estimate.describe()}, {format_bytes(available)} available; pass --n-ctx to choose"
+    if options.get("n_ctx", "auto") == "auto" and isinstance(n_ctx, int) and largest is not None and resized:
+        within = getattr(estimate, "within", None)
+        rest = within(available) if within is not None else estimate
+        if rest.total > available and not getattr(estimate, "embedding", False):
+            best = largest(available)
+            if isinstance(best, int):
+                notes.append(
+                    f"n_ctx lowered from {n_ctx} (auto: the model's context) to {best}, the most that fits: at {n_ctx}"
+                    f" it {estimate.describe()}, {format_bytes(available)} available; pass --n-ctx to choose"
+                )
+                estimate, n_ctx = resized(best), best
+        options["n_ctx"] = n_ctx
+    within = getattr(estimate, "within", None)
+    budget = getattr(estimate, "prompt_cache_ram", None)
+    if within is not None and isinstance(budget, int) and getattr(estimate, "prompt_cache_ram_auto", False):
+        estimate = within(available)
+        lowered = getattr(estimate, "prompt_cache_ram", budget)
+        if lowered < budget:
+            options["prompt_cache_ram"] = lowered
+            notes.append(
+                f"the prompt cache's RAM store (auto: the KV cache's size, {format_bytes(budget)}) gets the "
+                f"{format_bytes(lowered)} the rest leaves; pass --prompt-cache-ram to choose"
             )
-            estimate, n_ctx = resized(best), best
-    return msgspec.structs.replace(spec, options={**spec.options, "n_ctx": n_ctx}), estimate, note
+    if options == dict(spec.options):
+        return spec, estimate, "; ".join(notes) or None
+    return msgspec.structs.replace(spec, options=options), estimate, "; ".join(notes) or None
 
 
 def assess(
@@ -196,16 +214,25 @@ class MeasuredFit:
         return self.memory.rss
 
     @property
+    def held(self) -> int:
+        """The estimate of what the runner holds before any cache that grows as it is used fills (llama.cpp: its
+        prompt cache's RAM store, reserved by the fit but empty at load), without headroom."""
+        held = getattr(self.estimate, "held", None)
+        return held if isinstance(held, int) else self.estimate.expected
+
+    @property
     def ratio(self) -> float:
-        """Measured resident memory over the estimate without headroom (below 1 before the context fills)."""
-        return self.resident / self.estimate.expected if self.estimate.expected else math.inf
+        """Measured resident memory over ``held`` (below 1 before the context fills)."""
+        return self.resident / self.held if self.held else math.inf
 
     def describe(self) -> str:
         m = self.memory
         n_ctx = getattr(self.estimate, "n_ctx", None)
         at = f" at n_ctx {n_ctx}" if isinstance(n_ctx, int) else ""
+        grows = self.estimate.expected - self.held
+        cache = f" + a cache that grows as used up to {format_bytes(grows)}" if grows > 0 else ""
         return (
-            f"estimated ~{format_bytes(self.estimate.expected)} + headroom {format_bytes(self.estimate.headroom)}"
+            f"estimated ~{format_bytes(self.held)}{cache} + headroom {format_bytes(self.estimate.headroom)}"
             f"{at}; measured {format_bytes(m.rss)} resident (file-backed {format_bytes(m.file)} + anonymous "
             f"{format_bytes(m.anon)}), footprint {format_bytes(m.footprint)}: {self.ratio:.2f} of the estimate"
         )
