@@ -36,8 +36,8 @@ def model_path() -> Path:
 # Synthetic GGUF files
 # ----------------------------------------------------------------------------------------------------------
 
-U32, I32, F32, STR, ARR, U64 = 4, 5, 6, 8, 9, 10
-_CODES = {U32: "I", I32: "i", F32: "f", U64: "Q"}
+U32, I32, F32, BOOL, STR, ARR, U64 = 4, 5, 6, 7, 8, 9, 10
+_CODES = {U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q"}
 
 
 def _value(order: str, vtype: int, value: Any) -> bytes:
@@ -217,6 +217,38 @@ def test_the_prompt_caches_ram_budget_is_counted_in_the_estimate(model_path: Pat
     assert off.prompt_cache_ram == embed.prompt_cache_ram == 0
     with pytest.raises(EngineLoadError, match=r"prompt_cache_ram.*bad size 'lots'"):
         LlamaCppEngine(EngineSpec(engine="llama.cpp", options={"prompt_cache_ram": "lots"}))
+
+
+def test_sliding_window_layers_hold_their_window_and_a_micro_batch(tmp_path: Path) -> None:
+    """Gemma 3's pattern (5 of every 6 layers slide): those layers hold n_swa + n_ubatch cells a stream, rounded up to
+    256, as llama.cpp's iSWA cache sizes them; every cell with swa_full; one pool's worth with a unified cache. The
+    GGUF's own per-layer pattern wins over the architecture's."""
+    kv = tiny_kv(
+        **{
+            "general.architecture": (STR, "gemma3"),
+            **{k.replace("toy.", "gemma3."): v for k, v in tiny_kv().items() if k.startswith("toy.")},
+            "gemma3.block_count": (U32, 12),
+            "gemma3.attention.head_count_kv": (U32, 1),
+            "gemma3.attention.key_length": (U32, 256),
+            "gemma3.attention.value_length": (U32, 256),
+            "gemma3.attention.sliding_window": (U32, 512),
+        }
+    )
+    path = write_gguf(tmp_path / "gemma3.gguf", kv, [])
+    per_cell = 2 * 256 * 2  # K and V, one head of 256, f16
+    e = estimate_gguf(path, 8192, parallel=8)
+    assert e.shape.swa_layers == (True,) * 5 + (False,) + (True,) * 5 + (False,)
+    assert e.swa_cells == 1024 and e.kv_cache == 8 * (2 * 8192 + 10 * 1024) * per_cell
+    assert "(10 of 12 layers hold a sliding window's 1024 cells)" in e.describe()
+    assert not any("sliding" in note for note in e.notes)  # modelled, so no "upper bound" note
+    assert estimate_gguf(path, 8192, parallel=8, swa_full=True).kv_cache == 8 * 12 * 8192 * per_cell
+    assert estimate_gguf(path, 512, parallel=8).kv_cache == 8 * 12 * 512 * per_cell  # the window exceeds n_ctx
+    pooled = estimate_gguf(path, 2048, parallel=4, unified=True)  # llama-server's default: 4 slots in one pool
+    assert pooled.swa_cells == 2560 and pooled.kv_cache == (2 * 4 * 2048 + 10 * 2560) * per_cell
+    assert estimate_gguf(path, 8192, parallel=8, n_batch=256).swa_cells == 768
+
+    kv["gemma3.attention.sliding_window_pattern"] = (ARR, (BOOL, [True, False] * 6))  # per layer, as GGUFs write it
+    assert estimate_gguf(write_gguf(tmp_path / "own.gguf", kv, []), 2048).shape.swa_layers == (True, False) * 6
 
 
 def test_estimate_uses_per_layer_heads_and_key_value_lengths(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ The second family, Gemma 3 270M (Q4_K_M: weights 235 MiB, a 262,144-entry vocabu
 n_ctx        ready (after warm-up)                      after a prompt filling 95% of a context       estimate
 ===========  =========================================  ============================================  ==========
 2048         366 MiB (anon 108 + file 258; KV 21.0)     397 MiB                                       372 MiB
-8192 x8      667 MiB (anon 409 + file 258; KV 312)      788 MiB                                       736 MiB
+8192 x8      667 MiB (anon 409 + file 258; KV 312)      788 MiB                                       735 MiB
 ===========  =========================================  ============================================  ==========
 
 and the default model at the defaults (8192 x8): ready 1.57 GiB, peak 1.79 GiB, estimate 1.77 GiB. Gemma's peak is
