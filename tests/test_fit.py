@@ -239,7 +239,7 @@ def test_sliding_window_layers_hold_their_window_and_a_micro_batch(tmp_path: Pat
     e = estimate_gguf(path, 8192, parallel=8)
     assert e.shape.swa_layers == (True,) * 5 + (False,) + (True,) * 5 + (False,)
     assert e.swa_cells == 1024 and e.kv_cache == 8 * (2 * 8192 + 10 * 1024) * per_cell
-    assert "(10 of 12 layers hold a sliding window's 1024 cells)" in e.describe()
+    assert "at n_ctx 8192 x parallel 8, 10 of 12 layers in a 1024-cell sliding window + runtime" in e.describe()
     assert not any("sliding" in note for note in e.notes)  # modelled, so no "upper bound" note
     assert estimate_gguf(path, 8192, parallel=8, swa_full=True).kv_cache == 8 * 12 * 8192 * per_cell
     assert estimate_gguf(path, 512, parallel=8).kv_cache == 8 * 12 * 512 * per_cell  # the window exceeds n_ctx

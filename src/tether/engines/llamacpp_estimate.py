@@ -235,7 +235,7 @@ class ModelEstimate:
         cache = "" if self.cache_type == "f16" else f" ({self.cache_type})"
         if self.swa_cells:
             sliding = sum(self.shape.swa_layers)
-            cache += f" ({sliding} of {self.shape.n_layers} layers hold a sliding window's {self.swa_cells} cells)"
+            ctx += f", {sliding} of {self.shape.n_layers} layers in a {self.swa_cells}-cell sliding window"
         outputs = f" + outputs {format_bytes(self.outputs)} (embeddings: every token's logits)" if self.outputs else ""
         if self.prompt_cache_ram:
             outputs += f" + prompt cache in RAM up to {format_bytes(self.prompt_cache_ram)} (held as it fills)"
