@@ -56,7 +56,9 @@ by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unl
 prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a time), layer_split (None: a
 relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that long mid-step ends rank 0; above the
 heartbeat deadline, so a frozen peer on this machine is found by its own silence first), chat_template (None: the
-GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``).
+GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``), swa_full (False: a sliding-window
+layer holds the window's cells only, as llama-server's default; True: every position, for prefixes reusable past
+the window at that layer's full KV size).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
     "adaptive_threads": True,  # one thread while other processes hold the cores (``llamacpp_threads``)
     "kv_unified": False,  # one cell pool for every sequence: c8 0.78x here (bench/kv_layout.py), same memory
+    "swa_full": False,  # sliding-window layers keep every position (more KV; prefixes reusable past the window)
     "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
@@ -189,6 +192,7 @@ class LlamaCppEngine:
             self.embedding = bool(options["embedding"])
             self.adaptive_threads = bool(options["adaptive_threads"])
             self.kv_unified = bool(options["kv_unified"])
+            self.swa_full = bool(options["swa_full"])
             chosen = options["chat_template"]
             self.template: ChatTemplate | None = None if chosen is None else resolve(chosen)
         except TemplateError as exc:
@@ -287,6 +291,7 @@ class LlamaCppEngine:
             pooling=_pooling(lib, model) if self.embedding else None,
             adaptive_threads=self.adaptive_threads,
             unified=self.kv_unified,
+            swa_full=self.swa_full,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model, self.template)
         self._reasoning = reasoning.detect(self._template_text())
