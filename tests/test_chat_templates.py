@@ -108,13 +108,15 @@ def gemma() -> Path:
 
 @pytest.fixture(scope="module")
 def served(gemma: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Gemma three ways in one catalog: without a template, with the catalog field naming a file beside the
-    catalog, and (added per test) with the instance option."""
+    """Gemma three ways in one catalog, beside SmolLM2 (the default model): without a template, with the catalog
+    field naming a file beside the catalog, and (added per test) with the instance option."""
     folder = tmp_path_factory.mktemp("catalog")
     (folder / "custom.jinja").write_text(CUSTOM)
     common = f'model = "{gemma}"\noptions = {{ n_ctx = 1024, parallel = 2, n_threads = 2 }}\n'
+    smol = '[[models]]\nid = "smol"\noptions = { n_ctx = 1024, parallel = 2, n_threads = 2 }\n'
     (folder / "catalog.toml").write_text(
-        f'[[models]]\nid = "bare"\n{common}\n[[models]]\nid = "filed"\nchat_template = "custom.jinja"\n{common}'
+        f'[[models]]\nid = "bare"\n{common}\n[[models]]\nid = "filed"\nchat_template = "custom.jinja"\n{common}\n'
+        + smol
     )
     with serving("--engine", "debug", "--name", "boot", "--catalog", str(folder / "catalog.toml")) as server:
         yield server
@@ -204,3 +206,17 @@ def test_a_user_set_template_with_native_tools_gets_its_own_tool_format(served: 
         served.http.post("/api/show", json={"model": "hermes-set"}).json()["template"]
         == resolve(hermes["chat_template"]).text
     )
+
+
+@pytest.mark.model
+def test_a_catalog_serves_both_families_side_by_side(served: Server) -> None:
+    """SmolLM2 (llama, ChatML, full attention) and Gemma 3 (its own tokenizer, sliding-window attention) loaded
+    together in one worker, each chat written with its own template, asked at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda m: chat(served, m), ["smol", "filed", "smol", "filed"]))
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert answers[0].json()["choices"][0]["message"] == answers[2].json()["choices"][0]["message"]  # greedy, alike
+    loaded = {m["id"]: m for m in served.http.get("/v1/models").json()["data"]}
+    assert loaded["smol"]["state"] == loaded["filed"]["state"] == "loaded", loaded
