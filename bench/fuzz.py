@@ -64,7 +64,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchstats import emit, ms, percentile, private_tether_dirs
 from tether.chaos.target import ServeChild
-from tether.serve.dialects import ollama, openai
+from tether.serve.dialects import ollama, openai, responses
 from tether.serve.statuses import ENGINE_REFUSED
 
 INSTANCE = "fuzz"
@@ -382,12 +382,13 @@ def call_timeout(label: str) -> float:
 
 def beyond_schema(status: int, body: bytes) -> bool:
     """A 400 for a rule the schema cannot state: one the engine enforces (its context length, the schema features
-    its grammar compiles, what the debug engine does not do) or one of ``openai.BEYOND_SCHEMA`` (or ``ollama``'s)."""
+    its grammar compiles, what the debug engine does not do) or one of a dialect's ``BEYOND_SCHEMA``."""
     error = error_of(body) if status == 400 else None
     if error is None:
         return False
     param = error.get("param")
-    return error.get("code") == ENGINE_REFUSED or param in openai.BEYOND_SCHEMA or param in ollama.BEYOND_SCHEMA
+    beyond = (*openai.BEYOND_SCHEMA, *ollama.BEYOND_SCHEMA, *responses.BEYOND_SCHEMA)
+    return error.get("code") == ENGINE_REFUSED or param in beyond
 
 
 def wait_ready(http: httpx.Client, instance_id: str, timeout: float = 30.0) -> None:

@@ -257,7 +257,9 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     verbose: Annotated[bool, documented(enum=[False], description="large arrays are not read")] | None = None
 
 
-BEYOND_SCHEMA: dict[str, str] = {}  # 400s for rules JSON Schema cannot state (the fuzzer accepts them): none now
+BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the fuzzer accepts them; each says what to do)
+    "think": "thinking on or off only where the model's chat template can say so",
+}
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     "OllamaChatRequest": {
         "allOf": [

@@ -177,6 +177,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the API fuzzer accepts them; each says what to do)
     "tool_choice": "a named tool_choice must name one of the request's tools",
     "tools": "tool names must be unique",
+    "reasoning_effort": "thinking on or off only where the model's chat template can say so",
 }
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)

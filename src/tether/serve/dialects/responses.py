@@ -184,6 +184,9 @@ def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
 
 
 _TEXT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array"}]}
+BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the fuzzer accepts them; each says what to do)
+    "reasoning.effort": "thinking on or off only where the model's chat template can say so",
+}
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
     "ResponsesRequest": {"allOf": [TOOL_CHOICE_RULE, {"not": structured_beside_tools("text", _STRUCTURED_TEXT)}]},
