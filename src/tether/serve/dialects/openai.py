@@ -14,6 +14,7 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
+import anyio
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
@@ -829,7 +830,8 @@ async def model_out(scheduler: Scheduler, model_id: str) -> views.ModelOut:
     if slot is not None:
         spec = slot.model.config.spec()
     if spec is not None:  # ["embedding"] for an embedding instance: not one to offer for chat
-        out.capabilities = capabilities(ListedModel(model_id, spec, created))
+        # off the loop: "thinking" is read from the model's template (its GGUF's header, once per file version)
+        out.capabilities = await anyio.to_thread.run_sync(capabilities, ListedModel(model_id, spec, created))
     sup = hosted.supervisor if hosted is not None else None
     if sup is not None and sup.alive:
         await sup.sample_memory()
