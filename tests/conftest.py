@@ -350,6 +350,21 @@ def model_server() -> Iterator[Server]:
         yield server
 
 
+def gguf_with_template(path: Path, template: str) -> Path:
+    """A copy of the default model's GGUF at ``path`` with ``template`` as its chat template, every tensor as it was
+    (llama.cpp's own ``gguf`` library): a model whose GGUF carries the template under test."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(str(default_model_path()), "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    assert arch is not None
+    writer = gguf.GGUFWriter(str(path), arch.contents(), endianess=reader.endianess)
+    details = MetadataDetails(gguf.GGUFValueType.STRING, template)
+    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: details}, [])
+    return path
+
+
 OPEN_WEBUI_EMBED = "emb"  # the embedding instance Open WebUI's RAG uses (and its recorded /api/embed names)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Server, model_missing, serving
+from conftest import Server, gguf_with_template, model_missing, serving
 from test_tool_formats import HERMES_TEMPLATE, ROUND_TRIP, WEATHER
 from tether.engines import create_engine
 from tether.engines.gguf import read_gguf
@@ -35,17 +35,7 @@ def hermes_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-    path = tmp_path_factory.mktemp("hermes") / "hermes-smollm2.gguf"
-    reader = gguf.GGUFReader(str(default_model_path()), "r")
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    assert arch is not None
-    writer = gguf.GGUFWriter(str(path), arch.contents(), endianess=reader.endianess)
-    template = MetadataDetails(gguf.GGUFValueType.STRING, HERMES_TEMPLATE)
-    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: template}, [])
-    return path
+    return gguf_with_template(tmp_path_factory.mktemp("hermes") / "hermes-smollm2.gguf", HERMES_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Server, model_missing, serving
+from conftest import Server, gguf_with_template, model_missing, serving
 from tether.engines.reasoning import ReasoningFormat, Splitter, detect, opens_in_prompt
 from tether.models import default_model_path
 
@@ -94,17 +94,8 @@ def thinker_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
     path = tmp_path_factory.mktemp("thinker") / "thinker-smollm2.gguf"
-    reader = gguf.GGUFReader(str(default_model_path()), "r")
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    assert arch is not None
-    writer = gguf.GGUFWriter(str(path), arch.contents(), endianess=reader.endianess)
-    template = MetadataDetails(gguf.GGUFValueType.STRING, (TEMPLATES / "think.jinja").read_text())
-    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: template}, [])
-    return path
+    return gguf_with_template(path, (TEMPLATES / "think.jinja").read_text())
 
 
 @pytest.fixture(scope="module")
