@@ -14,6 +14,7 @@ reaches a runner, the runner to render it.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,15 +135,22 @@ def resolve(value: str, base: Path | None = None) -> ChatTemplate:
             f"chat_template {value!r} is neither a built-in template{hint} nor a file ({path} does not exist): "
             f"built in are {', '.join(BUILTIN)}; or give the path of a Jinja chat template file"
         )
-    size = path.stat().st_size
+    stat = path.stat()
+    return _from_file(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _from_file(path: str, size: int, _mtime_ns: int) -> ChatTemplate:
+    """A template file read and parsed once per version (size and mtime): the serving side asks on every request
+    that needs its tool or reasoning format, and on every instance listing."""
     if size > MAX_FILE_BYTES:
         raise TemplateError(f"chat_template file {path} is {size} bytes; a chat template is at most {MAX_FILE_BYTES}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TemplateError(f"chat_template file {path} cannot be read as UTF-8 text: {exc}") from exc
-    checked(text, str(path))
-    return ChatTemplate(str(path), text)
+    checked(text, path)
+    return ChatTemplate(path, text)
 
 
 def checked(text: str, name: str) -> str:
