@@ -1046,7 +1046,7 @@ def routes(api: Api) -> list[Route]:
             fmt = await toolkit.format_for(scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
             make: Callable[[], Plan | None] = functools.partial(chat_plan, body, fmt, think)
         else:
-            templated = body.raw or bool(await toolkit.template_of(scheduler, model_id) != "")
+            templated = body.raw or await toolkit.template_of(scheduler, model_id) != ""
             make = functools.partial(generate_plan, body, think, templated)
         plan = api.planned(model_id, endpoint, make)
         if plan is None:  # Ollama's "load the model" (or, with keep_alive 0, "unload it": ollama stop)
