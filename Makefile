@@ -39,6 +39,7 @@ install-dev: $(DEV_STAMP)
 $(DEV_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[llama,ray,dev,docs]'
 	$(BIN)/tether pull gemma3-270m
+	$(BIN)/tether build deterministic
 	touch $(DEV_STAMP)
 
 # The dashboard's and the docs site's browser tests drive Debian's chromium with Playwright for Python (installed with

@@ -40,6 +40,8 @@ class RunnerFlags(Protocol):
     @property
     def chat_template(self) -> str | None: ...
     @property
+    def deterministic(self) -> bool: ...
+    @property
     def deadlines(self) -> Mapping[str, float] | list[tuple[str, float]]: ...
     @property
     def no_reap(self) -> bool: ...
@@ -49,7 +51,8 @@ class RunnerFlags(Protocol):
 
 def engine_options(args: RunnerFlags) -> dict[str, object]:
     """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``,
-    ``--chat-template``: a file's path made absolute, as the runner reads it), for ``run`` and ``serve`` alike."""
+    ``--chat-template``: a file's path made absolute, as the runner reads it; ``--deterministic``), for ``run`` and
+    ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
@@ -63,6 +66,8 @@ def engine_options(args: RunnerFlags) -> dict[str, object]:
         chosen = args.chat_template
         builtin = chosen in chat_templates.BUILTIN
         options["chat_template"] = chosen if builtin else str(Path(chosen).expanduser().absolute())
+    if args.deterministic:
+        options["deterministic"] = True
     return options
 
 

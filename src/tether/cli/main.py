@@ -22,6 +22,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
         from tether.cli.chaos import command
     elif name == "pull":
         from tether.cli.pull import command
+    elif name == "build":
+        from tether.cli.build import command
     else:
         from tether.cli.orphans import command
     return command

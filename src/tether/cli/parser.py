@@ -303,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks by ggml RPC for ranks, attacked with what needs no injected fault); the other targets run the debug "
         "engine",
     )
+    chaos.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|FILE",
+        help="the batch target's model with --engine llama.cpp: a pulled model's name (tether pull --list) or a GGUF "
+        "file (default: the built-in model)",
+    )
 
     pull = sub.add_parser(
         "pull",
@@ -324,6 +331,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("--force", action="store_true", help="fetch it again even when it is there")
     pull.add_argument("--list", action="store_true", help="list the models tether can pull, and which are pulled")
+
+    build = sub.add_parser(
+        "build",
+        help="compile llama.cpp's batch-invariant build, which --deterministic instances load",
+        description="Compile llama.cpp from the installed llama-cpp-python's own source (its sdist, fetched by "
+        "pip) without llamafile's sgemm and AMX, into this environment's share/tether directory: the libraries a "
+        "deterministic instance loads, so that a greedy text and its logprobs never depend on what else runs. Needs "
+        "cmake and a C++ compiler; ~2 min on 2 cores. Does nothing when it is built. "
+        "Exit status: 0 built or there, 2 it could not be built (nothing kept).",
+    )
+    build.add_argument("what", choices=("deterministic",), help="what to build")
+    build.add_argument("--force", action="store_true", help="build it again even when it is there")
 
     orph = sub.add_parser(
         "orphans",
@@ -372,6 +391,13 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str, *,
         metavar="NAME|FILE",
         help="the chat template to write chats with (llama.cpp), for a GGUF that has none (a base model) or a wrong "
         f"one: a built-in ({', '.join(chat_templates.BUILTIN)}) or a Jinja file (default: the GGUF's own)",
+    )
+    command.add_argument(
+        "--deterministic",
+        action="store_true",
+        **default("deterministic"),
+        help="greedy texts and logprobs that never depend on what else runs (llama.cpp's batch-invariant build, "
+        "`tether build deterministic`; slower prompt processing on some models)",
     )
     command.add_argument(
         "--prompt-cache-ram",

@@ -58,7 +58,14 @@ relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that 
 heartbeat deadline, so a frozen peer on this machine is found by its own silence first), chat_template (None: the
 GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``), swa_full (False: a sliding-window
 layer holds the window's cells only, as llama-server's default; True: every position, for prefixes reusable past
-the window at that layer's full KV size).
+the window at that layer's full KV size), deterministic (False: see below).
+
+**Deterministic decoding** (option ``deterministic``): the engine loads llama.cpp's batch-invariant build
+(``llamacpp_invariant``: without llamafile's sgemm, the tiled K-quant matmul, weight repacking and AMX), so every
+row is computed by the same kernels whatever else is in its batch. A greedy text and its logprobs then depend on the
+prompt, the model and the options alone: not on arrivals, other requests, cancellations, where a cached prefix came
+from, the thread count, or restarts. Nothing in the step loop changes for it. CPU only, and one stream per sequence
+(``kv_unified`` false).
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tether.engines import reasoning
+from tether.engines import llamacpp_invariant, reasoning
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateError, resolve
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
@@ -113,6 +120,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "kv_unified": False,  # one cell pool for every sequence: c8 0.78x here (bench/kv_layout.py), same memory
     "swa_full": False,  # sliding-window layers keep every position (more KV; prefixes reusable past the window)
     "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
+    "deterministic": False,  # the batch-invariant build: greedy texts independent of load (``llamacpp_invariant``)
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -193,6 +201,7 @@ class LlamaCppEngine:
             self.adaptive_threads = bool(options["adaptive_threads"])
             self.kv_unified = bool(options["kv_unified"])
             self.swa_full = bool(options["swa_full"])
+            self.deterministic = bool(options["deterministic"])
             chosen = options["chat_template"]
             self.template: ChatTemplate | None = None if chosen is None else resolve(chosen)
         except TemplateError as exc:
@@ -211,6 +220,12 @@ class LlamaCppEngine:
                 f"[1, 4096], n_batch and prefill_chunk in [1, {UINT32_MAX}] (got n_ctx={self.n_ctx}, "
                 f"parallel={self.parallel}, n_threads={self.n_threads}, n_batch={self.n_batch}, "
                 f"prefill_chunk={self.prefill_chunk})"
+            )
+        if self.deterministic and (self.kv_unified or self.n_gpu_layers):
+            raise EngineLoadError(
+                "deterministic decoding needs each sequence's cells in a stream of its own (kv_unified false: a "
+                "shared pool places them by what else runs) and the CPU (n_gpu_layers 0: only ggml's CPU kernels are "
+                f"made batch-invariant here); got kv_unified={self.kv_unified}, n_gpu_layers={self.n_gpu_layers}"
             )
         if not self.repeat_penalty > 0:  # also refuses NaN
             raise EngineLoadError(f"repeat_penalty must be > 0 (1.0 is neutral), got {self.repeat_penalty}")
@@ -235,6 +250,11 @@ class LlamaCppEngine:
         """Open the GGUF and build the model and its context, reporting llama.cpp's real tensor-loading progress (a
         rank above 0 starts its RPC server instead: rank 0 sends it its layers)."""
         rank = self.spec.rank
+        if self.deterministic:  # before llama-cpp-python is imported: it loads the library it names
+            try:
+                llamacpp_invariant.activate()
+            except llamacpp_invariant.InvariantBuildMissing as exc:
+                raise EngineLoadError(str(exc)) from exc
         if rank is not None:
             os.environ["GGML_NO_BACKTRACE"] = "1"  # a peer's death aborts rank 0: in 0.06 s, not 1.3 s of gdb
         if rank is not None and rank.rank > 0:
@@ -257,6 +277,7 @@ class LlamaCppEngine:
         callback = lib.llama_progress_callback(reporter)  # referenced until the load returns
         params = lib.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers
+        params.use_extra_bufts = not self.deterministic  # repacked weights: a GEMM for each 4 rows, a GEMV for the rest
         params.progress_callback = callback
         params.progress_callback_user_data = None
         split = self._join_peers(lib, params, path, progress) if rank is not None else None
