@@ -7,8 +7,10 @@ cancelled, one client gone. After each, every other stream must complete, and ev
 prompt's solo text (greedy, one seed; ``trial.expect_solo_texts``): whole when completed, a prefix when cut.
 
 The debug engine decodes ``parallel`` sequences per step (its option); the real llama.cpp engine (``--engine
-llama.cpp``, the default model) takes only what needs no injected fault: outside signals, worker signals, the
-clients' attacks and the per-sequence faults.
+llama.cpp``, the default model or ``--model``'s) takes only what needs no injected fault: outside signals, worker
+signals, the clients' attacks and the per-sequence faults. Its instances are ``deterministic`` with the prompt cache
+on, so every stream's text is held to its solo text bit for bit whatever arrived beside it, was cancelled beside it,
+or left the cells its prompt's prefix was copied from.
 """
 
 from __future__ import annotations
@@ -84,29 +86,32 @@ def _real(attack: Attack) -> Attack | None:
 REAL_ATTACKS = tuple(a for a in map(_real, DEBUG_ATTACKS) if a is not None)
 
 
-def setup(engine: str, url: str) -> Setup:
+def setup(engine: str, url: str, model: str | None = None) -> Setup:
     """Every trial's instance options and streams; solo texts come from the shared server's ``solo`` instance
-    (the trials' options, no fault), which serves nothing else and is asked one prompt at a time."""
+    (the trials' options, no fault), which serves nothing else and is asked one prompt at a time. ``model``: the
+    real engine's GGUF (None: its default)."""
     solo = Solo(url, SOLO, SOLO_TOKENS, SAMPLING)
     if engine == "debug":
         # 5 ms a step: a 64-token stream lasts 0.3 s, long enough that a cancel not heeded shows
         options = {**OPTIONS, "parallel": PARALLEL, "n_ctx": N_CTX, "token_seconds": 0.005}
         return Setup("debug", options, dict(DEADLINES), PROMPTS, dict(SAMPLING), solo, REFUSED_PROMPT)
     # The real engine on two shared cores: a step of 16 sequences is tens of ms, a load a second; hangs are still
-    # found by the heartbeat. No prompt cache: a cached prefix may (rarely) change a greedy text.
-    options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": 2, "prompt_cache": False}
+    # found by the heartbeat. Deterministic, so that neither the batch nor the prompt cache may change a text.
+    options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": 2, "deterministic": True}
     deadlines = {**DEADLINES, "load_stall": 20.0, "warmup": 20.0, "first_token": 10.0, "token_gap": 5.0}
     # 8 prompts (16 streams ask each twice: equal prompts in one batch must give equal texts): half the solo runs.
     # 16 streams of 32 tokens take ~20 s here (2 shared cores, ~170 ms a step of 8): a request's bound is 60 s.
     prompts = PROMPTS[:8]
-    return Setup("llama.cpp", options, deadlines, prompts, dict(SAMPLING), solo, REFUSED_PROMPT, REAL_REQUEST_BOUND)
+    return Setup(
+        "llama.cpp", options, deadlines, prompts, dict(SAMPLING), solo, REFUSED_PROMPT, REAL_REQUEST_BOUND, model
+    )
 
 
-def serve_args(engine: str) -> tuple[str, ...]:
+def serve_args(engine: str, model: str | None = None) -> tuple[str, ...]:
     if engine == "debug":
         return ("--engine", "debug", "--name", "warm", "--parallel", str(PARALLEL), "--n-ctx", str(N_CTX))
     return ("--engine", "llama.cpp", "--name", "warm", "--parallel", str(PARALLEL), "--n-ctx", str(N_CTX),
-            "--threads", "2")  # fmt: skip
+            "--threads", "2", "--deterministic", *(("--model", model) if model else ()))  # fmt: skip
 
 
 def plan(seed: int, trials: int, only: Only = None, engine: str = "debug") -> list[Trial]:
@@ -118,6 +123,8 @@ def plan(seed: int, trials: int, only: Only = None, engine: str = "debug") -> li
 
 async def _create_solo(url: str, trial_setup: Setup) -> None:
     config = {"id": SOLO, "engine": trial_setup.engine, "options": trial_setup.options}
+    if trial_setup.model is not None:
+        config["model"] = trial_setup.model
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0)) as client:
         created = await client.post("/v1/instances", json=config)
         if created.status_code != 201:
@@ -134,18 +141,19 @@ async def run_campaign(
     only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
+    model: str | None = None,
 ) -> Report:
     """The batch campaign ``seed`` on ``engine`` (or only its trial ``only``); its servers are stopped before it
-    returns."""
-    report = Report(seed, NAME, {"engine": engine, "parallel": PARALLEL})
+    returns. ``model``: the llama.cpp engine's GGUF (None: the default model)."""
+    report = Report(seed, NAME, {"engine": engine, "parallel": PARALLEL, **({"model": model} if model else {})})
     began = time.monotonic()
-    args = serve_args(engine)
+    args = serve_args(engine, model)
     with tempfile.TemporaryDirectory(prefix="tether-chaos-batch-") as tmp:
         workdir = Path(tmp)
         make = functools.partial(Target, workdir / "shared", serve=args, startup=120.0)
         target = await anyio.to_thread.run_sync(make)
         try:
-            trial_setup = setup(engine, target.url)
+            trial_setup = setup(engine, target.url, model)
             await _create_solo(target.url, trial_setup)
 
             async def run(trial: Trial) -> TrialResult:

@@ -94,6 +94,7 @@ class Setup:
     solo: Solo | None = None
     refused_prompt: str = ""  # a prompt the engine refuses alone (longer than the context): a per-sequence error
     request_bound: float = REQUEST_BOUND  # what a request may take: a real engine's 16 streams take longer
+    model: str | None = None  # the GGUF every instance loads (None: the engine's default)
 
 
 class Solo:
@@ -295,6 +296,8 @@ def _config(trial: Trial, iid: str, setup: Setup | None = None) -> dict[str, Any
         "deadlines": setup.deadlines,
         "max_queue": 256,
     }
+    if setup.model is not None:
+        config["model"] = setup.model
     if faults:
         config["faults"] = faults
     if attack.memory_limit is not None:
