@@ -154,6 +154,11 @@ cost) and ``tokens_per_s_ratio_vs_llama_server_VARIANT_cC``; ``json_schema_over_
 Sides: tether and llama-server by default (``--sides`` adds llama_cpp.server, whose keys are the ``baseline_`` and
 ``tokens_per_s_ratio_cC`` ones); ``--quick`` runs all three.
 
+Another model: ``--model NAME|FILE`` (a pulled model's name, or a GGUF file; ``--chat-template NAME`` for one
+without a template, as Gemma 3 270M's base model), for tether and llama-server. ``--deterministic``: tether serves
+with ``--deterministic`` (``bench/deterministic_cost.py`` runs it with and without, alternating, and compares).
+``--conversations``/``--turns``: a shorter ``multi_turn``.
+
 Run: ``.venv/bin/python bench/serve.py [--quick] [--no-build] [--rounds N] [--workloads ...] [--variants ...]``.
 The last line printed is one JSON object.
 """
@@ -182,7 +187,7 @@ import psutil
 
 import llama_server
 from benchstats import PERCENTILE, closed_loop, emit, fmt, ms, percentile, print_rows, private_tether_dirs
-from tether.models import DefaultModelMissing, default_model_path
+from tether.models import PACKAGED, DefaultModelMissing, default_model_path, pulled_path
 
 SIDES = ("baseline", "tether", "llama_server")
 LABELS = {"baseline": "llama_cpp.server", "tether": "tether", "llama_server": "llama-server"}
@@ -336,6 +341,8 @@ class Setup:
     model: Path
     llama_server: Path | None  # the binary, None when that side is skipped
     threads: int | None = THREADS  # None: each server's own default thread count (--cpu-hog)
+    tether_args: tuple[str, ...] = ()  # --model, --chat-template, --deterministic: added to tether's command
+    chat_template: str | None = None  # llama-server's --chat-template (a built-in name), with --chat-template
 
 
 @contextlib.contextmanager
@@ -364,7 +371,7 @@ def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
     if side == "tether":
         cmd = [sys.executable, "-m", "tether", "serve", "--port", str(port), "--n-ctx", str(N_CTX)]
         cmd += ["--threads", str(setup.threads)] if setup.threads else []
-        cmd += ["--parallel", str(PARALLEL)]
+        cmd += ["--parallel", str(PARALLEL), *setup.tether_args]
         return cmd, "/readyz"
     if side == "llama_server":
         assert setup.llama_server is not None
@@ -384,6 +391,7 @@ def server_command(side: str, setup: Setup, port: int) -> tuple[list[str], str]:
             "--cache-reuse",
             "256",
         ]
+        cmd += ["--chat-template", setup.chat_template] if setup.chat_template else []
         return cmd, "/health"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(setup.model), "--n_ctx", str(N_CTX)]
     if setup.threads:
@@ -1051,6 +1059,7 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
             "requests_per_side": sum(len(load.requests) for r in by_side["tether"] for load in r.loads.values()),
             "max_tokens": args.max_tokens,
             "model": setup.model.name,
+            "deterministic": args.deterministic,
             "threads": setup.threads,
             "cpu_hog": args.cpu_hog,
             "n_ctx": N_CTX,
@@ -1122,6 +1131,15 @@ def add_workload_figures(result: dict[str, Any], by_side: dict[str, list[Run]], 
         result["llama_server_json_schema_over_plain"] = result.get(f"llama_server_json_schema_vs_plain_c{top}")
 
 
+def chosen_model(chosen: str) -> Path:
+    """A pulled model's GGUF by its name, else a GGUF file (``DefaultModelMissing``, saying what to do, if absent)."""
+    packaged = PACKAGED.get(chosen)
+    path = pulled_path(packaged) if packaged is not None else Path(chosen).expanduser().absolute()
+    if not path.is_file():
+        raise DefaultModelMissing(f"no model at {path}: run `tether pull {chosen}` or give a GGUF file")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running every server (default 3)")
@@ -1169,6 +1187,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help=f"1 round, R={QUICK_REQUESTS}, {QUICK_MAX_TOKENS} tokens, no build (CI)"
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|FILE",
+        help="a pulled model's name (tether pull --list) or a GGUF file (default: the built-in model)",
+    )
+    parser.add_argument(
+        "--chat-template", default=None, metavar="NAME", help="a built-in chat template, for a GGUF without one"
+    )
+    parser.add_argument("--deterministic", action="store_true", help="tether serves with --deterministic")
+    parser.add_argument(
+        "--conversations",
+        dest="conversations_flag",
+        type=int,
+        default=None,
+        help=f"multi_turn's conversations (default {CONVERSATIONS}; --quick: {QUICK_CONVERSATIONS})",
+    )
+    parser.add_argument(
+        "--turns",
+        dest="turns_flag",
+        type=int,
+        default=None,
+        help=f"multi_turn's turns (default {TURNS}; --quick: {QUICK_TURNS})",
+    )
     args = parser.parse_args(argv)
     args.conversations, args.turns = CONVERSATIONS, TURNS
     args.workload_tokens = dict(WORKLOAD_MAX_TOKENS)
@@ -1176,6 +1218,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.requests, args.max_tokens = 1, QUICK_REQUESTS, QUICK_MAX_TOKENS
         args.conversations, args.turns = QUICK_CONVERSATIONS, QUICK_TURNS
         args.workload_tokens = dict.fromkeys(WORKLOAD_MAX_TOKENS, QUICK_MAX_TOKENS // 2)
+    args.conversations = args.conversations_flag or args.conversations
+    args.turns = args.turns_flag or args.turns
     if args.sides is None:
         args.sides = list(SIDES) if args.quick else ["tether", "llama_server"]
     if args.variants is None:
@@ -1186,13 +1230,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds, --requests, --max-tokens and --concurrency must be at least 1")
     args.concurrency = tuple(args.concurrency)
     try:
-        model = default_model_path()
+        model = default_model_path() if args.model is None else chosen_model(args.model)
     except DefaultModelMissing as exc:
         print(f"skipped: {exc}")
         emit(null_result(args, skipped=str(exc)))
         return 0
     binary, llama_skipped = locate_llama_server(args)
-    setup = Setup(model, binary, None if args.cpu_hog else THREADS)
+    tether_args = ("--model", str(model)) if args.model else ()
+    tether_args += ("--deterministic",) if args.deterministic else ()
+    tether_args += ("--chat-template", args.chat_template) if args.chat_template else ()
+    setup = Setup(model, binary, None if args.cpu_hog else THREADS, tether_args, args.chat_template)
     with private_tether_dirs("tether-bench-serve-"), cpu_hogs((os.cpu_count() or 1) if args.cpu_hog else 0):
         try:
             result = anyio.run(bench, args, setup, llama_skipped)
