@@ -266,7 +266,8 @@ class Batch:
             )
         self.memory = lib.llama_get_memory(self.ctx)
         n_swa = getattr(lib, "llama_model_n_swa", None)
-        self.n_swa = 0 if swa_full or n_swa is None else max(0, int(n_swa(model)))
+        # the model's window even with swa_full: a sequence saved to RAM keeps only its last window in those layers
+        self.n_swa = 0 if n_swa is None else max(0, int(n_swa(model)))
         self.cache = PromptCache(
             lib, self.ctx, self.memory, prompt_cache_ram, enabled=self.prompt_cache, n_swa=self.n_swa
         )

@@ -31,14 +31,17 @@ that passes, else the prompt is prefilled from the start, and the tokens passed 
 (``CacheStats.swa_reread``) and logged at debug; a placement checks it again once the cells are in (a safety
 net: no reuse when it fails). Without the check, the reused prefix decodes against a window with positions missing
 and gives another text, silently (measured: a first token's logprobs moved by ~0.5). A sequence saved to RAM keeps
-only its last window in those layers (llama.cpp saves no more), so a RAM entry serves only a prompt that extends
-all of it (a conversation's next turn); one saved sequence makes another redundant only when its window starts no
-later. A copy between slots keeps the source's cells where they were; a restore packs them from the ring's start,
-so its text may part from the source slot's at a near tie, as any reused prefix's may from a cold prefill.
+only its last window in those layers (llama.cpp saves no more, even with ``swa_full``, whose slots keep every
+position: the rules hold there too, a slot that computed its own cells starting at 0), so a RAM entry serves only a
+prompt that extends all of it (a conversation's next turn); one saved sequence makes another redundant only when its
+window starts no later. A copy between slots keeps the source's cells where they were; a restore packs them from
+the ring's start, so its text may part from the source slot's at a near tie, as any reused prefix's may from a cold
+prefill (with the ``deterministic`` option's build, measured not to: see ``llamacpp_invariant``).
 
 Exactness: cells reused from anywhere were computed in another batch than a cold prefill would be, so a greedy text
-can (rarely) differ from the cold one, as with llama-server's ``cache_prompt``; the copy itself is exact (cells
-copied or restored give bit-identical logits, measured here). ``prompt_cache: false`` prefills every prompt whole.
+can (rarely) differ from the cold one, as with llama-server's ``cache_prompt``, unless the engine is
+``deterministic``; the copy itself is exact (cells copied or restored give bit-identical logits, measured here).
+``prompt_cache: false`` prefills every prompt whole.
 
 Only the engine's thread uses any of this.
 """
@@ -95,7 +98,7 @@ class PromptCache:
     """Slots' and RAM's cached sequences for one llama.cpp context (see the module docstring)."""
 
     def __init__(self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True, n_swa: int = 0) -> None:
-        """``n_swa``: the model's sliding window in tokens (0: none, every layer keeps every position)."""
+        """``n_swa``: the model's sliding window in tokens (0: no sliding-window layers), with ``swa_full`` too."""
         self.lib = lib
         self.ctx = ctx
         self.memory = memory
