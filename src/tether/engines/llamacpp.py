@@ -64,8 +64,10 @@ the window at that layer's full KV size), deterministic (False: see below).
 (``llamacpp_invariant``: without llamafile's sgemm, the tiled K-quant matmul, weight repacking and AMX), so every
 row is computed by the same kernels whatever else is in its batch. A greedy text and its logprobs then depend on the
 prompt, the model and the options alone: not on arrivals, other requests, cancellations, where a cached prefix came
-from, the thread count, or restarts. Nothing in the step loop changes for it. CPU only, and one stream per sequence
-(``kv_unified`` false).
+from, the thread count, or restarts. The attention sums over a sequence's cells in the order of their places in its
+stream, so it needs each position always in the same place: one stream per sequence (``kv_unified`` false) and, on
+a model with sliding-window layers, ``swa_full`` (which it implies): a window's ring puts a position where the
+ring's history left room, and a prefix restored from RAM elsewhere again. CPU only.
 """
 
 from __future__ import annotations
@@ -200,8 +202,8 @@ class LlamaCppEngine:
             self.embedding = bool(options["embedding"])
             self.adaptive_threads = bool(options["adaptive_threads"])
             self.kv_unified = bool(options["kv_unified"])
-            self.swa_full = bool(options["swa_full"])
             self.deterministic = bool(options["deterministic"])
+            self.swa_full = bool(options["swa_full"]) or self.deterministic  # see "Deterministic decoding" above
             chosen = options["chat_template"]
             self.template: ChatTemplate | None = None if chosen is None else resolve(chosen)
         except TemplateError as exc:

@@ -616,7 +616,7 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
         embedding=embedding,
         prompt_cache_ram=prompt_cache_budget(options),
         unified=bool(options.get("kv_unified", False)),
-        swa_full=bool(options.get("swa_full", False)),
+        swa_full=bool(options.get("swa_full", False) or options.get("deterministic", False)),  # it implies swa_full
     )
     if spec.rank is None:
         return whole
