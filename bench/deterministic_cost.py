@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchstats import emit
+from benchstats import RECORD_ENV, emit
 
 SERVE = Path(__file__).resolve().parent / "serve.py"
 WORKLOADS = ("distinct", "shared_prefix", "multi_turn")
@@ -37,7 +38,8 @@ def serve_once(family: str, deterministic: bool) -> dict[str, Any]:
     argv = [sys.executable, str(SERVE), "--rounds", "1", "--sides", "tether", "--variants", "--no-build", *SHAPE]
     argv += ["--workloads", *WORKLOADS, "--concurrency", *map(str, CONCURRENCY), *FAMILIES[family]]
     argv += ["--deterministic"] if deterministic else []
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    env = {k: v for k, v in os.environ.items() if k != RECORD_ENV}  # this bench records the pair, not each run
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         sys.exit(f"{' '.join(argv)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
