@@ -19,6 +19,7 @@ import anyio
 from benchstats import emit
 from tether.chaos.campaign import Report, print_progress
 from tether.chaos.targets import TARGETS, campaign
+from tether.models import named_or_file
 
 
 def per_attack(report: Report) -> dict[str, dict[str, list[int]]]:
@@ -43,10 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=("debug", "llama.cpp"),
         help="the batch or ranks target's engine (default debug; llama.cpp: the default model)",
     )
+    parser.add_argument(
+        "--model", default=None, metavar="NAME|FILE", help="the batch target's llama.cpp model (default: the built-in)"
+    )
     args = parser.parse_args(argv)
     trials = 20 if args.quick else args.trials
     run = campaign(args.target, args.engine)
-    report = anyio.run(lambda: run(args.seed, trials, progress=print_progress, engine=args.engine))
+    extra = {"model": str(named_or_file(args.model))} if args.model else {}
+    report = anyio.run(lambda: run(args.seed, trials, progress=print_progress, engine=args.engine, **extra))
     for line in report.table():
         print(line)
     summary = report.summary()

@@ -187,7 +187,8 @@ import psutil
 
 import llama_server
 from benchstats import PERCENTILE, closed_loop, emit, fmt, ms, percentile, print_rows, private_tether_dirs
-from tether.models import PACKAGED, DefaultModelMissing, default_model_path, pulled_path
+from tether.errors import InvalidModel
+from tether.models import default_model_path, named_or_file
 
 SIDES = ("baseline", "tether", "llama_server")
 LABELS = {"baseline": "llama_cpp.server", "tether": "tether", "llama_server": "llama-server"}
@@ -1131,15 +1132,6 @@ def add_workload_figures(result: dict[str, Any], by_side: dict[str, list[Run]], 
         result["llama_server_json_schema_over_plain"] = result.get(f"llama_server_json_schema_vs_plain_c{top}")
 
 
-def chosen_model(chosen: str) -> Path:
-    """A pulled model's GGUF by its name, else a GGUF file (``DefaultModelMissing``, saying what to do, if absent)."""
-    packaged = PACKAGED.get(chosen)
-    path = pulled_path(packaged) if packaged is not None else Path(chosen).expanduser().absolute()
-    if not path.is_file():
-        raise DefaultModelMissing(f"no model at {path}: run `tether pull {chosen}` or give a GGUF file")
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running every server (default 3)")
@@ -1230,8 +1222,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds, --requests, --max-tokens and --concurrency must be at least 1")
     args.concurrency = tuple(args.concurrency)
     try:
-        model = default_model_path() if args.model is None else chosen_model(args.model)
-    except DefaultModelMissing as exc:
+        model = default_model_path() if args.model is None else named_or_file(args.model)
+    except InvalidModel as exc:
         print(f"skipped: {exc}")
         emit(null_result(args, skipped=str(exc)))
         return 0

@@ -139,6 +139,17 @@ def pulled_path(model: PackagedModel) -> pathlib.Path:
     return models_dir() / model.file
 
 
+def named_or_file(chosen: str) -> pathlib.Path:
+    """A pulled model's GGUF by its name (``gemma3-270m``), else ``chosen`` as a file path, made absolute;
+    ``InvalidModel`` saying what to do when there is no such file."""
+    packaged = PACKAGED.get(chosen)
+    path = pulled_path(packaged) if packaged is not None else pathlib.Path(chosen).expanduser().absolute()
+    if not path.is_file():
+        hint = f"run `tether pull {chosen}`" if packaged is not None else "give a GGUF file or a pulled model's name"
+        raise InvalidModel(f"no model at {path}: {hint}")
+    return path
+
+
 def default_model_path() -> pathlib.Path:
     """The default model's GGUF (pulled, else in the legacy package), or ``DefaultModelMissing`` saying what to do."""
     pulled = pulled_path(PACKAGED[DEFAULT_PULL])

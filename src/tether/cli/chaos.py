@@ -7,22 +7,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import anyio
 
 from tether.chaos.campaign import print_progress
 from tether.chaos.targets import TargetUnavailable, campaign
-from tether.models import PACKAGED, pulled_path
+from tether.errors import InvalidModel
+from tether.models import named_or_file
 
 
 def command(args: argparse.Namespace) -> int:
     try:
         run = campaign(args.target, args.engine)
-        extra = {"model": _model(args.model)} if args.model is not None else {}
+        extra = {"model": str(named_or_file(args.model))} if args.model is not None else {}
         if extra and (args.target != "batch" or args.engine != "llama.cpp"):
             raise TargetUnavailable("--model is for the batch target with --engine llama.cpp")
-    except TargetUnavailable as exc:
+    except (TargetUnavailable, InvalidModel) as exc:
         print(f"tether chaos: {exc}", file=sys.stderr)
         return 2
     report = anyio.run(
@@ -40,13 +40,3 @@ def command(args: argparse.Namespace) -> int:
         )
     print(json.dumps(summary), file=sys.stdout)
     return 1 if report.failed else 0
-
-
-def _model(chosen: str) -> str:
-    """A pulled model's GGUF by its name, else a GGUF file's absolute path; ``TargetUnavailable`` when neither."""
-    packaged = PACKAGED.get(chosen)
-    path = pulled_path(packaged) if packaged is not None else Path(chosen).expanduser().absolute()
-    if not path.is_file():
-        hint = f"run `tether pull {chosen}`" if packaged is not None else "give a GGUF file or a pulled model's name"
-        raise TargetUnavailable(f"no model at {path}: {hint}")
-    return str(path)
