@@ -165,6 +165,28 @@ def test_the_ram_store_keeps_to_its_budget_under_churn_and_restores_exactly(engi
     assert restored == repeats[6]
 
 
+def test_the_entry_chosen_for_a_restore_is_never_evicted_by_saving_the_slot_it_goes_into() -> None:
+    """Regression (``bench/determinism.py``'s prefix scenario, a small RAM store: KeyError, the runner dead): a prompt
+    whose prefix only RAM holds goes into a slot whose own sequence must be saved first, and the store has room for
+    one of the two. Saving evicted the least recently used entry, the very one about to be restored. Now the chosen
+    entry stays, the slot's sequence is not saved (no room beside it), and the prefix is restored."""
+    engine = create_engine(
+        EngineSpec(options={"n_ctx": 1024, "n_threads": 2, "parallel": 1, "prompt_cache_ram": "12M"})
+    )
+    engine.load(lambda f, d: None)
+    try:
+        cache = engine._require_batch().cache
+        alone(engine, chat(QUESTIONS[0], max_tokens=4))  # the slot holds SYSTEM + question 0
+        other = " ".join(f"item-{j}" for j in range(100))  # ~9 MiB of cells: the two do not fit together
+        alone(engine, GenerateParams(messages=(ChatMessage("user", other),), max_tokens=4))  # it is saved to RAM
+        assert cache.ram_entries == 1, cache.stats
+        _, final = alone(engine, chat(QUESTIONS[1], max_tokens=4))  # SYSTEM is only in RAM; the slot's must go
+        assert cache.stats.from_ram > 0 and final.cached_tokens > 0, (cache.stats, final)
+        assert final.finish_reason == "length", final
+    finally:
+        engine.close()
+
+
 def test_a_sequence_cancelled_mid_prefill_leaves_a_prefix_that_continues_exactly(engine: Any, cache: Any) -> None:
     """A neighbour decodes, so a long prompt is prefilled in chunks; cancelled after two chunks, its slot keeps the
     cells it computed, and the same prompt sent again continues from them: chunk for chunk what an uncancelled

@@ -146,7 +146,7 @@ class PromptCache:
             elif others or best.ram:
                 passed = best.length
         keep = reused if source == "own" else 0
-        self._save_before_overwrite(slot, cached, keep)
+        self._save_before_overwrite(slot, cached, keep, protect=saved)
         self.index.remove(slot)
         if donor is not None:
             self.lib.llama_memory_seq_cp(self.memory, donor, slot, -1, -1)
@@ -223,8 +223,10 @@ class PromptCache:
             keep = 0
         del cached[keep:]
 
-    def _save_before_overwrite(self, slot: int, cached: Sequence[int], keep: int) -> None:
-        """Save ``slot``'s sequence to RAM if placing a prompt there loses some of it and nobody else has it."""
+    def _save_before_overwrite(self, slot: int, cached: Sequence[int], keep: int, protect: str | None = None) -> None:
+        """Save ``slot``'s sequence to RAM if placing a prompt there loses some of it and nobody else has it. The
+        entry ``protect`` (the one about to be restored into that slot) is neither evicted for room nor dropped as
+        redundant: without it, the restore that follows would find it gone."""
         if keep >= len(cached) or len(cached) < MIN_SAVE or self.budget <= 0:
             return
         start = self._window_start(slot)
@@ -239,8 +241,11 @@ class PromptCache:
         size = int(self.lib.llama_state_seq_get_size_ext(self.ctx, slot, STATE_FLAGS))
         if size <= 0 or size > self.budget:
             return
-        while self._ram and self._ram_bytes + size > self.budget:
-            self._drop(next(iter(self._ram)))
+        while self._ram_bytes + size > self.budget:
+            oldest = next((key for key in self._ram if key != protect), None)
+            if oldest is None:
+                return  # only the protected entry is left, and the two do not fit together: this one is not saved
+            self._drop(oldest)
             self.stats.evicted += 1
         # Its own anonymous mapping, not malloc's: glibc raises its mmap threshold after a large free, so freed
         # buffers of this size would stay in the heap and the process would hold more than the budget says.
@@ -259,7 +264,12 @@ class PromptCache:
         for prefix in self.index.insert(key, cached):
             # a saved prefix of this one is redundant now, unless it can serve prompts this one cannot: its window
             # starts earlier (this one's moved on)
-            if isinstance(prefix, str) and prefix in self._ram and self._ram[prefix].start >= start:
+            if (
+                isinstance(prefix, str)
+                and prefix != protect
+                and prefix in self._ram
+                and self._ram[prefix].start >= start
+            ):
                 self._drop(prefix)
                 self.stats.redundant += 1
 
