@@ -1,6 +1,6 @@
 """Many users at once: one runner serves up to ``parallel`` generations in one batch, and every promise holds per
-sequence. Real runners throughout; the debug engine rehearses each failure for real, and the real default model
-shows that batching changes no greedy text."""
+sequence. Real runners throughout; the debug engine rehearses each failure for real, and the real default model,
+deterministic, shows that batching changes no greedy text (``test_deterministic`` attacks that promise harder)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from conftest import debug, model_missing
+from tether.engines import llamacpp_invariant
 from tether.engines.text import TextStream
 from tether.node.hangs import Deadlines, stack_dump
 from tether.node.supervisor import Supervisor
@@ -211,7 +212,8 @@ async def test_the_runner_reports_running_and_waiting_and_frees_slots_as_sequenc
 # --------------------------------------------------------------------------------------------------------------
 
 MISSING = model_missing()
-needs_model = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+NOT_BUILT = None if llamacpp_invariant.built() else f"no batch-invariant build: {llamacpp_invariant.BUILD_HINT}"
+needs_model = pytest.mark.skipif(MISSING is not None or NOT_BUILT is not None, reason=MISSING or NOT_BUILT or "")
 SYSTEM = ChatMessage("system", "You are a helpful AI assistant.")
 QUESTIONS = (
     "Write a story about a lighthouse keeper.",
@@ -230,9 +232,9 @@ def chat(i: int, max_tokens: int = 48, stop: tuple[str, ...] = ()) -> GeneratePa
 
 
 def llama(**options: object) -> EngineSpec:
-    """The default model; ``prompt_cache`` off: a reused prefix may (rarely) change a greedy text, as in
-    llama-server, and these tests prove that batching itself never does."""
-    return EngineSpec(options={"n_threads": 2, "n_ctx": 512, "prompt_cache": False, **options})
+    """The default model, ``deterministic``: without it a batch may (rarely) change a greedy text, as in llama-server
+    (``tether.engines.llamacpp_invariant``); with it, nothing may, the prompt cache included."""
+    return EngineSpec(options={"n_threads": 2, "n_ctx": 512, "deterministic": True, **options})
 
 
 @pytest.mark.model

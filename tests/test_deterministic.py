@@ -1,0 +1,272 @@
+"""Deterministic decoding: with the ``deterministic`` option a greedy text and its logprobs are the request's own, bit
+for bit, whatever traffic does around it (``tether.engines.llamacpp_invariant``, ``bench/determinism.py`` for the
+rates with and without it).
+
+Real runners load the batch-invariant build of llama.cpp and serve both families. Traffic attacks the promise as it
+comes: requests arrive at random moments while others decode, share long system prompts (so prefixes are copied
+from busy slots, and restored from RAM once more prompts than slots have come and gone; Gemma's pass its 512-token
+window), some are cancelled midway (often the slot another request copies from), and two busy-looping processes
+hold the cores for a while, so the thread governor steps down to one thread and back. Every answer is compared with
+the same request run alone, one at a time on a runner with no prompt cache: the same text and every logprob bit for
+bit; a cancelled one, a prefix of both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from conftest import gemma_missing, gemma_path, model_missing
+from tether.engines import create_engine, llamacpp_invariant
+from tether.engines.base import EngineLoadError
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import TaskHandle
+from tether.protocol import ChatMessage, Chunk, EngineSpec, GenerateParams, TaskState
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leftover_runners")]
+
+NOT_BUILT = (
+    None if llamacpp_invariant.built() else f"the batch-invariant build is missing: {llamacpp_invariant.BUILD_HINT}"
+)
+TOKENS = 24
+QUESTIONS = (
+    "Why is the sky blue?",
+    "Name three rivers and one fact about each.",
+    "How do bees make honey?",
+    "What is a prime number?",
+    "Describe a lighthouse at night.",
+    "How is bread baked?",
+    "Why do cats purr?",
+    "What makes the sea salty?",
+)
+RULES = " ".join(f"Rule {i}: answer {('clearly', 'kindly', 'briefly', 'honestly')[i % 4]}." for i in range(60))
+SYSTEMS = tuple(f"You are the assistant of a {place}. {RULES}" for place in ("library", "harbour", "bakery"))
+
+
+def test_the_option_refuses_a_shared_cell_pool_and_a_missing_build_says_how_to_build_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(EngineLoadError, match="kv_unified false"):
+        create_engine(EngineSpec(engine="llama.cpp", options={"deterministic": True, "kv_unified": True}))
+    with pytest.raises(EngineLoadError, match="n_gpu_layers 0"):
+        create_engine(EngineSpec(engine="llama.cpp", options={"deterministic": True, "n_gpu_layers": 99}))
+    monkeypatch.setattr(llamacpp_invariant, "library_dir", lambda version=None: tmp_path / "nothing")
+    with pytest.raises(llamacpp_invariant.InvariantBuildMissing, match="tether build deterministic"):
+        llamacpp_invariant.activate()
+
+
+def test_the_fit_check_counts_the_full_window_it_keeps_for_gemma() -> None:
+    """Deterministic keeps every position in sliding-window layers (``swa_full``): the estimate must say so."""
+    missing = gemma_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    from tether.engines.llamacpp import LlamaCppEngine
+
+    def kv(**options: object) -> int:
+        spec = EngineSpec(engine="llama.cpp", model=str(gemma_path()), options={"n_ctx": 8192, **options})
+        return LlamaCppEngine.estimate_memory(spec).kv_cache
+
+    assert kv(deterministic=True) == kv(swa_full=True) > 3 * kv()
+
+
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+def test_a_process_that_loaded_the_default_build_is_refused_rather_than_silently_nondeterministic() -> None:
+    script = (
+        "import llama_cpp.llama_cpp\n"
+        "from tether.engines import llamacpp_invariant\n"
+        "try:\n"
+        "    llamacpp_invariant.activate()\n"
+        "except llamacpp_invariant.InvariantBuildMissing as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert "needs a process of its own" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+def test_the_build_is_the_installed_bindings_source_without_llamafile_or_amx() -> None:
+    where = llamacpp_invariant.built()
+    assert where is not None
+    marker = json.loads((where / llamacpp_invariant.MARKER).read_text())
+    assert marker["version"] == llamacpp_invariant.bindings_version()
+    assert "-DGGML_LLAMAFILE=OFF" in marker["cmake"]
+    script = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(where)}
+    info = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "AVX" in info or "NEON" in info, info  # it loaded, and says what it was built with
+    assert "LLAMAFILE" not in info and "AMX" not in info, info
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Traffic against the promise, on both families
+# --------------------------------------------------------------------------------------------------------------
+
+
+def family_setup(family: str) -> tuple[str, bool]:
+    """The model's path, and whether it is asked by chat (SmolLM2) or raw prompt (Gemma 3 270M, a base model)."""
+    if family == "smollm2":
+        missing = model_missing()
+        if missing is not None:
+            pytest.skip(missing)
+        from tether.models import default_model_path
+
+        return str(default_model_path()), True
+    missing = gemma_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    return str(gemma_path()), False
+
+
+def ask(chat: bool, system: str, question: str) -> GenerateParams:
+    if chat:
+        messages = (ChatMessage("system", system), ChatMessage("user", question))
+        return GenerateParams(messages=messages, max_tokens=TOKENS, temperature=0.0, logprobs=0)
+    return GenerateParams(
+        prompt=f"{system}\nQuestion: {question}\nAnswer:", max_tokens=TOKENS, temperature=0.0, logprobs=0
+    )
+
+
+async def answer(handle: TaskHandle) -> tuple[str, tuple[float, ...], int, TaskState]:
+    chunks = [event async for event in handle if isinstance(event, Chunk) and not event.is_progress]
+    assert handle.final is not None
+    logprobs = tuple(lp.logprob for c in chunks for lp in c.logprobs)
+    cached = sum(c.cached_tokens for c in chunks)
+    return "".join(c.text for c in chunks), logprobs, cached, handle.final.state
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Where a test starts its busy-looping processes; every one is killed and reaped at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+@pytest.mark.parametrize("family", ["smollm2", "gemma3-270m"])
+async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrives_is_cancelled_or_cached(
+    family: str, busy_cores: list[subprocess.Popen[bytes]]
+) -> None:
+    path, chat = family_setup(family)
+    rng = random.Random(f"deterministic:{family}")
+    requests = [(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(24)]
+    cancelled_after = {i: rng.randint(1, 8) for i in rng.sample(range(len(requests)), 5)}  # chunks before cancel
+    delays = sorted(rng.uniform(0.0, 4.0) for _ in requests)
+    common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2}
+    # 4 slots and a RAM store that holds two of the system prompts: copies from busy slots, restores, evictions
+    traffic = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4, "prompt_cache_ram": "40M"})
+    alone = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 1, "prompt_cache": False})
+    with anyio.fail_after(220):
+        async with Supervisor(alone) as sup:
+            await sup.ready()
+            expected = {}
+            for system, question in sorted(set(requests)):
+                expected[(system, question)] = await answer(await sup.generate(ask(chat, system, question)))
+        async with Supervisor(traffic) as sup:
+            await sup.ready()
+            pid = sup.pid
+            assert pid is not None
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert str(llamacpp_invariant.built()) in maps, "the runner did not load the batch-invariant build"
+            results: dict[int, tuple[str, tuple[float, ...], int, TaskState]] = {}
+
+            async def one(i: int) -> None:
+                await anyio.sleep(delays[i])
+                handle = await sup.generate(ask(chat, *requests[i]))
+                if i not in cancelled_after:
+                    results[i] = await answer(handle)
+                    return
+                seen: list[Chunk] = []
+                async for event in handle:
+                    if isinstance(event, Chunk) and not event.is_progress:
+                        seen.append(event)
+                        if len(seen) == cancelled_after[i]:
+                            await sup.cancel(handle.task_id)
+                assert handle.final is not None
+                text = "".join(c.text for c in seen)
+                results[i] = text, tuple(lp.logprob for c in seen for lp in c.logprobs), 0, handle.final.state
+
+            async def contend() -> None:  # two busy loops for 2 s: the governor steps down to 1 thread, later back
+                await anyio.sleep(1.0)
+                busy_cores.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2))
+                await anyio.sleep(2.0)
+                for proc in busy_cores:
+                    proc.kill()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(contend)
+                for i in range(len(requests)):
+                    tg.start_soon(one, i)
+    cached = 0
+    for i, (system, question) in enumerate(requests):
+        text, logprobs, hits, state = results[i]
+        ref_text, ref_logprobs, _, ref_state = expected[(system, question)]
+        assert ref_state is TaskState.COMPLETE
+        cached += hits
+        if i in cancelled_after and state is TaskState.CANCELLED:
+            assert ref_text.startswith(text) and ref_logprobs[: len(logprobs)] == logprobs, (i, text, ref_text)
+        else:
+            assert state is TaskState.COMPLETE, (i, state)
+            assert text == ref_text, f"request {i} ({question!r}) differs from its text alone: {text!r} vs {ref_text!r}"
+            assert logprobs == ref_logprobs, f"request {i}: same text, logprobs not bit-identical"
+    assert cached > 0, "the prompt cache served nothing: the test did not exercise it"
+
+
+THREAD_SWITCH = """
+import json, subprocess, sys
+from tether.engines.llamacpp import LlamaCppEngine
+from tether.protocol import ChatMessage, EngineSpec, GenerateParams
+
+options = {"n_threads": 2, "parallel": 1, "n_ctx": 512, "prompt_cache": False, "deterministic": True}
+engine = LlamaCppEngine(EngineSpec(model=sys.argv[1], options=options))
+engine.load(lambda fraction, detail: None)
+batch = engine._require_batch()
+params = GenerateParams(
+    messages=(ChatMessage("user", "Tell me a long story about a lighthouse."),), max_tokens=160, temperature=0.0,
+    logprobs=0,
+)
+
+def run():
+    deltas = list(engine.generate(params, lambda: False))
+    return "".join(d.text for d in deltas), [lp.logprob for d in deltas for lp in d.logprobs]
+
+reference, before = run(), batch.threads.switches
+hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+try:
+    runs = [run() for _ in range(3)]
+finally:
+    for hog in hogs:
+        hog.kill()
+print(json.dumps({"same": all(r == reference for r in runs), "switches": batch.threads.switches - before}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+def test_the_thread_governor_stepping_down_mid_stream_changes_no_logprob() -> None:
+    """Its own process (a deterministic engine must load its build first): a reference, then three runs beside two
+    busy loops, during which the governor steps down to one thread (and back after its back-off)."""
+    path, _ = family_setup("smollm2")
+    done = subprocess.run(
+        [sys.executable, "-c", THREAD_SWITCH, path], capture_output=True, text=True, timeout=170, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["switches"] >= 1, "the governor never switched: the test proved nothing"
+    assert result["same"], "a run with its threads switched mid-stream differs from the reference"
