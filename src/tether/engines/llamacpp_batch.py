@@ -10,7 +10,8 @@ rows takes ~40 ms, with a 32-token chunk beside them ~140 ms, with 64 ~210 ms, w
 prompt's prefill costs the others about the same in all, spread thinner); with nothing decoding, the chunk is
 up to ``n_batch`` tokens. One prompt per step, not several: measured here, prompts of several sequences prefilled
 in one batch change llama.cpp's arithmetic enough to flip a greedy choice (4 of 8 chat prompts together: one of them
-diverged after ~40 tokens), while one prompt beside decode rows gives exactly the text of the one-at-a-time path.
+diverged after ~40 tokens), and one prompt beside decode rows changes it less often (not never: see the end of the
+next paragraph).
 
 A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first token), and
 not at once. A sequence whose prompt is in its cells but for that token is *ready*; it joins when none of the
@@ -20,8 +21,8 @@ with equal lengths, end together, so the next burst stalls nobody; a later arriv
 a prompt arriving alone joins in the next step. The price is the burst's first tokens, which wait for the burst's
 prefill (as in llama-server, which prefills a burst in one batch), and one step of first-token latency for a prompt
 alone: its last token could go in with its chunk, but measured here, a row computed inside a prompt chunk and the
-same row among decode rows differ in llama.cpp's arithmetic enough to change a greedy text (1 of 8 chats), while a
-row among decode rows is the same whatever its neighbours; so every prompt's last token is a decode row. Every
+same row among decode rows differ in llama.cpp's arithmetic enough to change a greedy text (1 of 8 chats); so every
+prompt's last token is a decode row. Every
 sequence samples with its own sampler chain (its parameters: see Sampling below), decodes its pieces with its own
 ``TextStream`` (UTF-8 and stop strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its
 context.
@@ -32,8 +33,11 @@ or the RAM store) is brought into its slot and only the rest is prefilled; a req
 longest common prefix, the lowest on a tie. With sliding-window layers (``n_swa``), a slot keeps only the last
 window of positions in them, so a prefix is reused only when the window before its end is still held, and is
 prefilled again when not (``llamacpp_cache``). The price, as with llama-server's ``cache_prompt``: a reused prefix's
-cells were computed in another batch, so a greedy answer can (rarely) differ from a cold one. Batching itself changes
-no text. ``prompt_cache=False`` prefills every prompt whole, for texts that depend on nothing but the request.
+cells were computed in another batch, so a greedy answer can (rarely) differ from a cold one; and so can any row
+computed beside others, since llama.cpp's CPU kernels sum a row in an order set by its batch's shape (how many rows,
+how a step's batch splits by sequence). With the batch-invariant build (the engine's ``deterministic`` option,
+``llamacpp_invariant``) neither can: every row is computed by the same kernels, its result its own, so nothing here
+needs to change for it.
 (llama.cpp splits a batch over separate caches into one pass per run of consecutive sequence ids, so a gap among the
 busy slots costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than
 re-prefilling a prompt the cache already holds.) Decode rows go into the batch in slot order for the same reason.
