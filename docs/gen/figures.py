@@ -33,7 +33,7 @@ SPEC = RESULTS / "cited.toml"
 README = ROOT / "README.md"
 START, END = "<!-- figures:start -->", "<!-- figures:end -->"
 PAGE = "benchmarks/index.md"
-PLACEHOLDER = re.compile(r"\{(\w[\w.]*)(?::([^{}]*))?\}")
+PLACEHOLDER = re.compile(r"\{(\w[\w.-]*)(?::([^{}]*))?\}")  # a key may have a hyphen: gemma3-270m
 
 Record = dict[str, Any]
 
