@@ -125,6 +125,7 @@ class Driver:
         deltas: dict[str, list[Any]] = {seq: [] for seq in ids}
         ended: set[str] = set()
         cancelled: set[str] = set()
+        started: set[str] = set()
         busy: list[subprocess.Popen[bytes]] = []
         step = 0
         try:
@@ -132,10 +133,12 @@ class Driver:
                 for i, (at, system, question) in enumerate(arrivals):
                     if at == step:
                         self.engine.start(ids[i], self.params(system, question))
-                if cancel is not None and cancel[0] == step and ids[cancel[1]] not in ended:
-                    self.engine.drop(ids[cancel[1]])
-                    ended.add(ids[cancel[1]])
-                    cancelled.add(ids[cancel[1]])
+                        started.add(ids[i])
+                victim = ids[cancel[1]] if cancel is not None else ""
+                if cancel is not None and step >= cancel[0] and victim in started and victim not in ended:
+                    self.engine.drop(victim)  # at its step, or as soon as it has started when it arrives later
+                    ended.add(victim)
+                    cancelled.add(victim)
                 if contention is not None and step == contention[0]:
                     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
                 if contention is not None and step == contention[1]:
