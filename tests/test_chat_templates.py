@@ -86,6 +86,7 @@ def test_the_flag_sets_the_option_and_a_files_path_is_made_absolute(monkeypatch:
     class Flags:
         n_ctx = threads = parallel = prompt_cache_ram = None
         chat_template = "gemma"
+        deterministic = False
 
     assert engine_options(Flags()) == {"chat_template": "gemma"}  # type: ignore[arg-type]
     Flags.chat_template = "mine.jinja"

@@ -25,8 +25,11 @@ import anyio
 import pytest
 
 from conftest import gemma_missing, gemma_path, model_missing
+from tether.cli.common import engine_options
 from tether.engines import create_engine, llamacpp_invariant
 from tether.engines.base import EngineLoadError
+from tether.errors import InvalidField
+from tether.fleet.catalog import catalog_models
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskHandle
 from tether.protocol import ChatMessage, Chunk, EngineSpec, GenerateParams, TaskState
@@ -61,6 +64,25 @@ def test_the_option_refuses_a_shared_cell_pool_and_a_missing_build_says_how_to_b
     monkeypatch.setattr(llamacpp_invariant, "library_dir", lambda version=None: tmp_path / "nothing")
     with pytest.raises(llamacpp_invariant.InvariantBuildMissing, match="tether build deterministic"):
         llamacpp_invariant.activate()
+    # refused when the instance is created (the worker's estimate), not by its runner once it starts
+    from tether.engines.llamacpp import LlamaCppEngine
+
+    with pytest.raises(InvalidField, match=r"batch-invariant build .* is not at .*nothing: build it once"):
+        LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"deterministic": True}))
+
+
+def test_the_flag_and_the_catalog_field_set_the_option_once(tmp_path: Path) -> None:
+    class Flags:
+        n_ctx = threads = parallel = prompt_cache_ram = chat_template = None
+        deterministic = True
+
+    assert engine_options(Flags()) == {"deterministic": True}  # type: ignore[arg-type]
+    data = {"models": [{"id": "a", "deterministic": True}, {"id": "b"}]}
+    models = catalog_models(data, "catalog.toml", tmp_path, 300.0, False)
+    assert [m.config.options.get("deterministic") for m in models] == [True, None]
+    twice = {"models": [{"id": "c", "deterministic": True, "options": {"deterministic": False}}]}
+    with pytest.raises(InvalidField, match="set deterministic once"):
+        catalog_models(twice, "catalog.toml", tmp_path, 300.0, False)
 
 
 def test_the_fit_check_counts_the_full_window_it_keeps_for_gemma() -> None:

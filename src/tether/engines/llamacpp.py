@@ -92,6 +92,7 @@ from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
 from tether.engines.llamacpp_tools import template_messages, tool_grammar
 from tether.engines.reasoning import ReasoningFormat, Splitter, opens_in_prompt
+from tether.errors import InvalidField
 from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
 
@@ -170,10 +171,15 @@ class LlamaCppEngine:
 
     @staticmethod
     def estimate_memory(spec: EngineSpec) -> ModelEstimate:
-        """Weights + KV cache (parallel x n_ctx) + runtime + headroom, read from the GGUF's header."""
+        """Weights + KV cache (parallel x n_ctx) + runtime + headroom, read from the GGUF's header. Asked when an
+        instance is created: a deterministic one without the build it loads is refused here (``InvalidField``)."""
         from tether.engines.llamacpp_estimate import estimate_for_spec
 
-        return estimate_for_spec(spec, {**OPTION_DEFAULTS, **spec.options})
+        options = {**OPTION_DEFAULTS, **spec.options}
+        why = llamacpp_invariant.missing() if options["deterministic"] else None
+        if why is not None:
+            raise InvalidField("options", why)
+        return estimate_for_spec(spec, options)
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec

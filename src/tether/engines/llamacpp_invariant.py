@@ -91,15 +91,23 @@ def built(version: str | None = None) -> Path | None:
     return where if (where / MARKER).is_file() and (where / LIBRARY).is_file() else None
 
 
+def missing() -> str | None:
+    """Why a deterministic engine cannot load here (None: the build is there): checked when an instance is created,
+    so it is refused at once rather than by its runner."""
+    if built() is not None:
+        return None
+    return (
+        f"deterministic decoding needs tether's batch-invariant build of llama.cpp {bindings_version()}, which is "
+        f"not at {library_dir()}: {BUILD_HINT}"
+    )
+
+
 def activate() -> Path:
     """Make this process load the batch-invariant build when llama-cpp-python is imported; its directory.
     ``InvariantBuildMissing`` when it is not built, or when this process already loaded another llama.cpp."""
     where = built()
     if where is None:
-        raise InvariantBuildMissing(
-            f"deterministic decoding needs tether's batch-invariant build of llama.cpp {bindings_version()}, which "
-            f"is not at {library_dir()}: {BUILD_HINT}"
-        )
+        raise InvariantBuildMissing(missing() or "")
     bindings = sys.modules.get("llama_cpp.llama_cpp")
     if bindings is not None:
         loaded = Path(getattr(bindings, "_base_path", ""))
