@@ -248,6 +248,39 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
     assert cached > 0, "the prompt cache served nothing: the test did not exercise it"
 
 
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read_again_exactly() -> None:
+    """Regression: a RAM entry of a sequence longer than the 512-token window holds only its window in those layers,
+    and a restore packs those cells from the stream's start; the next turn's logprobs then differed from a cold
+    prefill's (the attention sums over cells in the order of their places). A deterministic engine reads such a
+    prefix again instead: the same text and logprobs as cold, and the prompt cache says it supplied (almost) none."""
+    path, _ = family_setup("gemma3-270m")
+    log = " ".join(f"Entry {i}: the ship {i % 7} came in at {i % 24} hours with {i * 3} crates." for i in range(120))
+    other = " ".join(f"Note {i}: the {('north', 'south')[i % 2]} gate opened at {i % 12}." for i in range(120))
+    common = {"deterministic": True, "n_ctx": 4096, "n_threads": 2, "parallel": 1}
+    cached_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache_ram": "256M"})
+    cold_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache": False})
+
+    def params(prompt: str) -> GenerateParams:
+        return GenerateParams(prompt=prompt, max_tokens=16, temperature=0.0, logprobs=0)
+
+    with anyio.fail_after(170):
+        async with Supervisor(cached_spec) as sup:
+            await sup.ready()
+            first, *_ = await answer(await sup.generate(params(log)))
+            await answer(await sup.generate(params(other)))  # the slot's sequence (past the window) goes to RAM
+            turn = log + first + " Entry 120: the ship 1 came in at 0 hours with 360 crates. Summary:"
+            text, logprobs, cached, state = await answer(await sup.generate(params(turn)))
+        async with Supervisor(cold_spec) as sup:
+            await sup.ready()
+            cold_text, cold_logprobs, _, _ = await answer(await sup.generate(params(turn)))
+    assert state is TaskState.COMPLETE and cached < 16, (state, cached)
+    assert (text, logprobs) == (cold_text, cold_logprobs), (text, cold_text)
+
+
 THREAD_SWITCH = """
 import json, subprocess, sys
 from tether.engines.llamacpp import LlamaCppEngine

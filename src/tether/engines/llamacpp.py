@@ -66,8 +66,9 @@ row is computed by the same kernels whatever else is in its batch. A greedy text
 prompt, the model and the options alone: not on arrivals, other requests, cancellations, where a cached prefix came
 from, the thread count, or restarts. The attention sums over a sequence's cells in the order of their places in its
 stream, so it needs each position always in the same place: one stream per sequence (``kv_unified`` false) and, on
-a model with sliding-window layers, ``swa_full`` (which it implies): a window's ring puts a position where the
-ring's history left room, and a prefix restored from RAM elsewhere again. CPU only.
+a model with sliding-window layers, ``swa_full`` (which it implies: a window's ring puts a position where the
+ring's history left room), and no restore from RAM of a sequence whose window has slid (its cells would be packed
+elsewhere: ``llamacpp_cache``). CPU only.
 """
 
 from __future__ import annotations
@@ -321,6 +322,7 @@ class LlamaCppEngine:
             adaptive_threads=self.adaptive_threads,
             unified=self.kv_unified,
             swa_full=self.swa_full,
+            exact_cache=self.deterministic,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model, self.template)
         self._reasoning = reasoning.detect(self._template_text())

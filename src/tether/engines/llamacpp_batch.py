@@ -211,13 +211,15 @@ class Batch:
         pooling: int | None = None,
         adaptive_threads: bool = True,
         swa_full: bool = False,
+        exact_cache: bool = False,
     ) -> None:
         """``embedding``: a context for pooled embeddings (``pooling``: a ``LLAMA_POOLING_TYPE_*``, None for the
         model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``. ``adaptive_threads``:
         one thread while other processes hold the cores (``llamacpp_threads``). ``swa_full``: sliding-window layers
         keep every position as the others do (llama.cpp's C default, and ``llama-server --swa-full``), instead of
         the window's (llama-server's default: for Gemma 3 270M at 8 x 8192 cells, a KV cache of 312 MiB instead of
-        1.1 GiB); the prompt cache reuses less with the window's (see ``llamacpp_cache``)."""
+        1.1 GiB); the prompt cache reuses less with the window's (see ``llamacpp_cache``). ``exact_cache``: the prompt
+        cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's)."""
         self.lib = lib
         self.vocab = vocab
         self.parallel = parallel
@@ -273,7 +275,7 @@ class Batch:
         # the model's window even with swa_full: a sequence saved to RAM keeps only its last window in those layers
         self.n_swa = 0 if n_swa is None else max(0, int(n_swa(model)))
         self.cache = PromptCache(
-            lib, self.ctx, self.memory, prompt_cache_ram, enabled=self.prompt_cache, n_swa=self.n_swa
+            lib, self.ctx, self.memory, prompt_cache_ram, enabled=self.prompt_cache, n_swa=self.n_swa, exact=exact_cache
         )
         self._batch = lib.llama_batch_init(self.n_batch + parallel, 0, 1)
         self._slots = [_Slot(i) for i in range(parallel)]

@@ -38,6 +38,13 @@ window starts no later. A copy between slots keeps the source's cells where they
 the ring's start, so its text may part from the source slot's at a near tie, as any reused prefix's may from a cold
 prefill (with the ``deterministic`` option's build, measured not to: see ``llamacpp_invariant``).
 
+An ``exact`` cache (a ``deterministic`` engine's, whose slots keep every position: ``swa_full``) never restores such a
+windowed entry: the restore packs its window's cells from the stream's start, where a cold prefill puts each
+position at its own place, and the attention sums over cells in the order of their places (measured with the
+batch-invariant build, Gemma 3: logits up to 1.7 apart after 1,500-2,000 tokens, unless the offset happened to be a
+multiple of the SIMD width). Its prefix is prefilled again; copies between slots and a slot's own prefix keep every
+cell in its place, and an entry of a sequence no longer than the window is restored as before.
+
 Exactness: cells reused from anywhere were computed in another batch than a cold prefill would be, so a greedy text
 can (rarely) differ from the cold one, as with llama-server's ``cache_prompt``, unless the engine is
 ``deterministic``; the copy itself is exact (cells copied or restored give bit-identical logits, measured here).
@@ -97,14 +104,19 @@ class CacheStats:
 class PromptCache:
     """Slots' and RAM's cached sequences for one llama.cpp context (see the module docstring)."""
 
-    def __init__(self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True, n_swa: int = 0) -> None:
-        """``n_swa``: the model's sliding window in tokens (0: no sliding-window layers), with ``swa_full`` too."""
+    def __init__(
+        self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True, n_swa: int = 0, exact: bool = False
+    ) -> None:
+        """``n_swa``: the model's sliding window in tokens (0: no sliding-window layers), with ``swa_full`` too.
+        ``exact`` (a deterministic engine's): no RAM entry that holds only a window is restored (see the module
+        docstring)."""
         self.lib = lib
         self.ctx = ctx
         self.memory = memory
         self.budget = budget
         self.enabled = enabled
         self.n_swa = n_swa
+        self.exact = exact
         self.index = PrefixIndex()
         self._ram: OrderedDict[str, _Saved] = OrderedDict()  # least recently used first
         self._ram_bytes = 0
@@ -138,7 +150,7 @@ class PromptCache:
         if best.length >= own + MIN_COPY:
             others = [s for s in best.slots if s != slot]
             usable = [s for s in others if self._usable(best.length, self._window_start(s))]
-            entries = [k for k in best.ram if self._usable(best.length, self._ram[k].start)]
+            entries = [k for k in best.ram if self._usable(best.length, self._ram[k].start) and self._exact_enough(k)]
             if usable:
                 donor, source, reused = min(usable), "slot", best.length
             elif entries:
@@ -205,6 +217,11 @@ class PromptCache:
         if not self.n_swa:
             return 0
         return int(self.lib.llama_memory_seq_pos_min(self.memory, slot))
+
+    def _exact_enough(self, key: str) -> bool:
+        """Whether restoring RAM entry ``key`` gives the cells a cold prefill would, in the places it would put
+        them: always, unless ``exact`` and the entry holds only a window of its sliding-window layers."""
+        return not self.exact or self._ram[key].start == 0
 
     def _usable(self, length: int, start: int) -> int:
         """How much of a holder's ``length``-token prefix can be reused when its window starts at ``start``: all of
