@@ -36,7 +36,7 @@ position: the rules hold there too, a slot that computed its own cells starting 
 prompt that extends all of it (a conversation's next turn); one saved sequence makes another redundant only when its
 window starts no later. A copy between slots keeps the source's cells where they were; a restore packs them from
 the ring's start, so its text may part from the source slot's at a near tie, as any reused prefix's may from a cold
-prefill (with the ``deterministic`` option's build, measured not to: see ``llamacpp_invariant``).
+prefill (a ``deterministic`` engine's cache never restores such an entry: below).
 
 An ``exact`` cache (a ``deterministic`` engine's, whose slots keep every position: ``swa_full``) never restores such a
 windowed entry: the restore packs its window's cells from the stream's start, where a cold prefill puts each
