@@ -230,6 +230,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``tokenizer``: not a generation but a question to the model's tokenizer, answered on the final chunk's
     ``tokenized`` (``TokenizerAnswer``): "encode" tokenizes ``prompt`` (``add_special``: with the BOS the model
     adds, if any) or the rendered ``messages``; "decode" writes ``prompt_ids`` out as the final chunk's text.
+    ``prediction``: text the answer is expected to largely repeat (OpenAI's Predicted Outputs, ``prediction.content``):
+    the engine tokenizes it and drafts tokens from it for the model to verify, so a good guess is generated in fewer
+    steps (the model verifies every drafted token: a greedy answer is the one it gives without a prediction); the
+    final chunk says how many drafted tokens were kept (``prediction_accepted``) and thrown away.
     """
 
     prompt: str | None = None
@@ -256,6 +260,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
     tool_syntax: ToolSyntax | None = None  # tools in the model's native format (a chat): see ``ToolSyntax``
     thinking: bool | None = None  # a reasoning model's template asked to think or not (enable_thinking); None: its own
+    prediction: str | None = None  # the predicted text of the answer, to draft from (Predicted Outputs; see above)
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
     def check(self) -> InvalidField | None:
@@ -277,6 +282,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for i, token in enumerate(self.prompt_ids):
                 if not 0 <= token <= MAX_TOKENS_LIMIT:
                     return InvalidField("prompt", f"token ids must be integers >= 0, got {token} at index {i}")
+        if self.prediction is not None and (self.embed or self.tokenizer is not None):
+            what = "an embedding" if self.embed else "a tokenizer request"
+            return InvalidField("prediction", f"a prediction drafts a generated answer; {what} generates none")
         if self.echo and self.messages is not None:
             return InvalidField("echo", "echo repeats a raw prompt (completions); a chat has none to repeat")
         fewest = 0 if self.echo or self.tokenizer is not None else 1
@@ -551,6 +559,11 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     dropped_messages: int = 0  # ``fit_context``: the chat's oldest turns left out to fit the context (final chunk)
     prefilled: int = 0  # a progress report (no text, no tokens): prompt tokens prefilled so far (``is_progress``)
     reasoning: str = ""  # a reasoning model's thinking these tokens wrote (``text`` is then the answer's part only)
+    draft_tokens: int = 0  # drafted tokens the model verified for this request (speculation; on the final chunk)
+    draft_accepted: int = 0  # of those, the ones it kept
+    prediction_accepted: int = 0  # of draft_accepted, those drawn from the request's ``prediction``
+    prediction_rejected: int = 0  # tokens drafted from ``prediction`` and not kept
+    decode_steps: int = 0  # engine steps that produced this request's completion tokens
 
     @property
     def is_progress(self) -> bool:

@@ -59,6 +59,11 @@ class Delta(msgspec.Struct, frozen=True):
     prefilled: int = 0  # a progress delta (no text, no tokens): the prompt tokens prefilled so far
     tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``GenerateParams.tokenizer``; final)
     reasoning: str = ""  # a reasoning model's thinking in these tokens (``text``: the answer's part; ``reasoning``)
+    draft_tokens: int = 0  # drafted tokens the model verified for this request (speculation; final delta)
+    draft_accepted: int = 0  # of those, the ones it kept
+    prediction_accepted: int = 0  # of draft_accepted, those drawn from the request's ``prediction``
+    prediction_rejected: int = 0  # tokens drafted from ``prediction`` and not kept
+    decode_steps: int = 0  # engine steps that produced this request's completion tokens
 
 
 class RequestError(TetherError):
@@ -216,7 +221,19 @@ def _one(engine: BatchEngine, seq_id: str, cancelled: Callable[[], bool]) -> Ite
             results = [] if cancelled() else engine.step()
             if cancelled():  # before the step, or during a long one: nothing after a cancel is emitted
                 done = True
-                yield Delta("", 0, "cancelled", engine.drop(seq_id).prompt_tokens, emitted)
+                final = engine.drop(seq_id)
+                yield Delta(
+                    "",
+                    0,
+                    "cancelled",
+                    final.prompt_tokens,
+                    emitted,
+                    draft_tokens=final.draft_tokens,
+                    draft_accepted=final.draft_accepted,
+                    prediction_accepted=final.prediction_accepted,
+                    prediction_rejected=final.prediction_rejected,
+                    decode_steps=final.decode_steps,
+                )
                 return
             for sid, result in results:
                 if sid != seq_id:

@@ -20,6 +20,8 @@ What a deterministic engine can honestly say about the rest of a request:
 * ``prompt_ids`` and ``tokenizer`` requests: refused (``RequestError``): words have no token ids.
 * The other sampling parameters (temperature, penalties, ``logit_bias``, top_k, ...) are checked and otherwise
   change nothing: the text depends on the prompt and ``seed`` alone.
+* ``prediction``: accepted and not drafted from: every step gives one token, so the final delta's ``decode_steps``
+  is its completion tokens and its draft and prediction counts stay 0.
 
 Options (``spec.options``):
   load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
@@ -475,7 +477,15 @@ class DebugEngine:
             del self._seqs[seq_id]
             if not stopped:
                 text += seq.text.flush()
-            final = Delta(text, 1, "stop" if stopped else "length", seq.prompt_tokens, seq.done, logprobs=logprobs)
+            final = Delta(
+                text,
+                1,
+                "stop" if stopped else "length",
+                seq.prompt_tokens,
+                seq.done,
+                logprobs=logprobs,
+                decode_steps=seq.done,  # one token a step
+            )
             return final, piece
         return Delta(text, 1, logprobs=logprobs), piece
 

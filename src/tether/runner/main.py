@@ -384,6 +384,11 @@ class Runner:
                         logprobs=result.logprobs,
                         embedding=result.embedding,
                         cached_tokens=result.cached_tokens,
+                        draft_tokens=result.draft_tokens,
+                        draft_accepted=result.draft_accepted,
+                        prediction_accepted=result.prediction_accepted,
+                        prediction_rejected=result.prediction_rejected,
+                        decode_steps=result.decode_steps,
                         dropped_messages=result.dropped_messages,
                         prefilled=result.prefilled,
                         tokenized=result.tokenized,
@@ -402,8 +407,24 @@ class Runner:
 
     def _end_cancelled(self, tid: str, final: Delta | None, out: list[object]) -> None:
         tokens = self.running.pop(tid)
-        prompt_tokens = final.prompt_tokens if final is not None else 0
-        out.append(Chunk(tid, "", 0, "cancelled", prompt_tokens, tokens))
+        if final is None:
+            out.append(Chunk(tid, "", 0, "cancelled", 0, tokens))
+        else:  # what it drafted and stepped until then counts too (the metrics' tokens per step)
+            out.append(
+                Chunk(
+                    tid,
+                    "",
+                    0,
+                    "cancelled",
+                    final.prompt_tokens,
+                    tokens,
+                    draft_tokens=final.draft_tokens,
+                    draft_accepted=final.draft_accepted,
+                    prediction_accepted=final.prediction_accepted,
+                    prediction_rejected=final.prediction_rejected,
+                    decode_steps=final.decode_steps,
+                )
+            )
         out.append(TaskStatus(tid, TaskState.CANCELLED, "cancelled", tokens=tokens))
         self._ended_task(tid)
 
