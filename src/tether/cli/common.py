@@ -42,6 +42,8 @@ class RunnerFlags(Protocol):
     @property
     def deterministic(self) -> bool: ...
     @property
+    def speculation(self) -> bool: ...
+    @property
     def deadlines(self) -> Mapping[str, float] | list[tuple[str, float]]: ...
     @property
     def no_reap(self) -> bool: ...
@@ -51,8 +53,8 @@ class RunnerFlags(Protocol):
 
 def engine_options(args: RunnerFlags) -> dict[str, object]:
     """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``,
-    ``--chat-template``: a file's path made absolute, as the runner reads it; ``--deterministic``), for ``run`` and
-    ``serve`` alike."""
+    ``--chat-template``: a file's path made absolute, as the runner reads it; ``--deterministic``,
+    ``--no-speculation``), for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
@@ -68,6 +70,8 @@ def engine_options(args: RunnerFlags) -> dict[str, object]:
         options["chat_template"] = chosen if builtin else str(Path(chosen).expanduser().absolute())
     if args.deterministic:
         options["deterministic"] = True
+    if not args.speculation:
+        options["speculation"] = False
     return options
 
 

@@ -400,6 +400,14 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str, *,
         "`tether build deterministic`; slower prompt processing on some models)",
     )
     command.add_argument(
+        "--no-speculation",
+        dest="speculation",
+        action="store_false",
+        **default("speculation"),
+        help="no speculative decoding: one token per step, nothing drafted (llama.cpp's option speculation, on by "
+        "default; a request's prediction is then not drafted from)",
+    )
+    command.add_argument(
         "--prompt-cache-ram",
         type=parse_size,
         **default("prompt_cache_ram"),

@@ -15,6 +15,7 @@ A catalog file::
     options = { n_ctx = 2048 }     # engine options, as POST /v1/instances takes them
     chat_template = "gemma"        # a built-in template or a Jinja file (relative to this file): the option
     deterministic = true           # greedy texts independent of load: the option (llama.cpp's batch-invariant build)
+    speculation = false            # no speculative decoding: the option (llama.cpp's; on by default)
     keep_alive = "10m"
     pinned = true                  # loaded at start, never unloaded or evicted
 
@@ -77,6 +78,7 @@ class ModelEntry(InstanceConfig, frozen=True, forbid_unknown_fields=True):
     aliases: tuple[str, ...] = ()
     chat_template: str | None = None  # the engine option of that name, a file's path relative to the catalog
     deterministic: bool | None = None  # the engine option of that name
+    speculation: bool | None = None  # the engine option of that name
     keep_alive: KeepAlive | None = None  # None: the catalog's default
     pinned: bool = False  # loaded at start; never unloaded by keep-alive nor evicted
 
@@ -164,6 +166,10 @@ def entry_model(entry: ModelEntry, default_keep_alive: float, source: str, base:
         if "deterministic" in options:
             raise InvalidField("deterministic", f"{source}: set deterministic once, as a field or as an option")
         options = {**options, "deterministic": entry.deterministic}
+    if entry.speculation is not None:
+        if "speculation" in options:
+            raise InvalidField("speculation", f"{source}: set speculation once, as a field or as an option")
+        options = {**options, "speculation": entry.speculation}
     config = msgspec.structs.replace(entry, model=model_path, options=options)
     problem = config.check()
     if problem is not None:
