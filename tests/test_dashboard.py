@@ -476,3 +476,33 @@ def test_a_clusters_nodes_ranks_replicas_and_gpus_are_shown(page: Page) -> None:
         expect(debug.get_by_test_id("instance-replicas")).to_contain_text("node b2b2b2b2 lost")
         expect(page.get_by_test_id("cluster-events")).to_contain_text("no heartbeat for 3.1 s")
         assert page.evaluate("document.documentElement.scrollWidth <= innerWidth"), "wider than 1366 px"
+
+
+def test_an_instance_shows_the_drafts_kept_and_tokens_per_step_once_it_has_drafted(page: Page, tmp_path: Path) -> None:
+    """A dash while an instance has drafted nothing (the debug engine never drafts, though it counts its steps);
+    once it has, the share of drafted tokens kept and the tokens per step, added to the live server's answer as a
+    llama.cpp instance that speculated reports them."""
+    from playwright.sync_api import Route, expect
+
+    with debug_server() as server:
+        answer = server.http.post("/v1/completions", json={"model": "debug", "prompt": "x", "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        wait_until(lambda: server.instance("debug")["speculation"]["decode_steps"] == 4, 10, "its steps counted")
+        page.goto(server.url)
+        debug = card(page, "debug")
+        expect(debug).to_have_attribute("data-ready", "true")
+        expect(debug.get_by_test_id("instance-drafts-kept")).to_have_text("\N{EN DASH}")
+        expect(debug.get_by_test_id("instance-tokens-per-step")).to_have_text("\N{EN DASH}")
+
+        def drafted(route: Route) -> None:
+            response = route.fetch()
+            body = response.json()
+            speculation = {"draft_tokens": 400, "accepted_tokens": 300, "decode_steps": 200, "completion_tokens": 500}
+            body["data"][0]["speculation"] = speculation
+            route.fulfill(response=response, json=body)
+
+        page.route("**/v1/instances", drafted)
+        expect(debug.get_by_test_id("instance-drafts-kept")).to_have_text("75 %")
+        expect(debug.get_by_test_id("instance-tokens-per-step")).to_have_text("2.50")
+        assert page.evaluate("document.documentElement.scrollWidth <= innerWidth"), "wider than 1366 px"
+        screenshot(page, "drafts", tmp_path)

@@ -218,6 +218,26 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 @dataclass
+class Drafts:
+    """Speculative decoding on one instance, summed over its ended generations: tokens drafted and verified, those
+    the model kept, and the engine steps and completion tokens of the generations that counted their steps (so
+    kept / drafted is the acceptance, and completion tokens / steps the tokens each step gave)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_steps: int = 0
+    completion_tokens: int = 0
+
+    def add(self, drafted: int, accepted: int, steps: int, completion_tokens: int) -> None:
+        """Count one ended generation (its completion tokens only when it counted its steps)."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if steps:
+            self.decode_steps += steps
+            self.completion_tokens += completion_tokens
+
+
+@dataclass
 class Hosted:
     """One instance of the fleet and what the API needs beside it: its config, its replicas and its request queue."""
 
@@ -229,6 +249,7 @@ class Hosted:
     in_flight: int = 0  # generations admitted and not ended (running + waiting in the runner's queue)
     serving: dict[Instance, int] = field(default_factory=dict)  # replica -> generations handed to it, not ended
     tokens_done: int = 0  # completion tokens of the generations that ended (``tokens`` adds those in flight)
+    drafts: Drafts = field(default_factory=Drafts)  # speculative decoding, over the generations that ended
     _stop: anyio.Event = field(default_factory=anyio.Event)
     _done: anyio.Event = field(default_factory=anyio.Event)
 

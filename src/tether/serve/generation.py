@@ -36,6 +36,37 @@ log = logging.getLogger("tether.api")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """What speculative decoding did for one generation, as its final chunk says (all 0 where the engine drafted
+    nothing): tokens drafted and verified, those kept, the kept and the thrown-away ones drawn from the request's
+    ``prediction``, and the engine steps its completion took (fewer than its tokens when drafts were kept)."""
+
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
+    decode_steps: int = 0
+
+    @classmethod
+    def of(cls, chunk: Chunk) -> Speculation:
+        return cls(
+            chunk.draft_tokens,
+            chunk.draft_accepted,
+            chunk.prediction_accepted,
+            chunk.prediction_rejected,
+            chunk.decode_steps,
+        )
+
+    def usage(self) -> dict[str, int]:
+        """tether's extension of a response's ``usage`` (``speculation``), in every OpenAI dialect alike."""
+        return {
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.draft_accepted,
+            "decode_steps": self.decode_steps,
+        }
+
+
 class Shaper(Protocol):
     """One request's response in one dialect. ``feed`` sees every chunk in order (streamed or not: the shaper keeps
     what its whole answer needs) and returns the bytes to stream now; ``opening`` is sent once the status is
@@ -104,6 +135,7 @@ class GenerationResponse(Response):
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.speculation = Speculation()
         self.first_token_at: float | None = None
         self.response_started = False
         self.response_complete = False
@@ -158,6 +190,7 @@ class GenerationResponse(Response):
                     finish = event.finish_reason
                     self.prompt_tokens = event.prompt_tokens
                     self.cached_tokens = event.cached_tokens
+                    self.speculation = Speculation.of(event)
                     self.completion_tokens = event.completion_tokens or self.completion_tokens
                 piece = shaper.feed(event)
                 if not self.stream:
@@ -233,6 +266,15 @@ class GenerationResponse(Response):
         m.tokens.labels(instance, "prompt").inc(self.prompt_tokens)
         m.tokens.labels(instance, "completion").inc(self.completion_tokens)
         m.tokens.labels(instance, "prompt_cached").inc(self.cached_tokens)
+        drafted = self.speculation
+        m.tokens.labels(instance, "drafted").inc(drafted.draft_tokens)
+        m.tokens.labels(instance, "draft_accepted").inc(drafted.draft_accepted)
+        m.tokens.labels(instance, "prediction_accepted").inc(drafted.prediction_accepted)
+        m.tokens.labels(instance, "prediction_rejected").inc(drafted.prediction_rejected)
+        m.decode_steps.labels(instance).inc(drafted.decode_steps)
+        self.hosted.drafts.add(
+            drafted.draft_tokens, drafted.draft_accepted, drafted.decode_steps, self.completion_tokens
+        )
         if self.first_token_at is not None:
             m.ttft.labels(instance).observe(self.first_token_at - self.started)
         m.duration.labels(instance).observe(time.monotonic() - self.started)

@@ -143,8 +143,17 @@ class Metrics:
         )
         self.tokens = Counter(
             "tether_tokens",
-            "Tokens processed, by kind (prompt, completion; prompt_cached: prompt tokens the prompt cache supplied)",
+            "Tokens processed, by kind (prompt, completion; prompt_cached: prompt tokens the prompt cache supplied; "
+            "drafted: tokens speculative decoding drafted and the model verified, draft_accepted: those it kept; "
+            "prediction_accepted, prediction_rejected: drafted from a request's prediction, kept or not)",
             ["instance", "kind"],
+            registry=self.registry,
+        )
+        self.decode_steps = Counter(
+            "tether_decode_steps",
+            "Engine steps that produced completion tokens (with speculative decoding one step may give several: "
+            "completion tokens / steps is the tokens per step)",
+            ["instance"],
             registry=self.registry,
         )
         self.ttft = Histogram(
@@ -255,6 +264,7 @@ class Metrics:
         return [
             self.requests,
             self.tokens,
+            self.decode_steps,
             self.ttft,
             self.duration,
             self.loads,

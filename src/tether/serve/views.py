@@ -109,6 +109,16 @@ def chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
     }
 
 
+class SpeculationUsage(msgspec.Struct):
+    """tether's extension of a response's ``usage`` (chat, completions, Responses): tokens speculative decoding
+    drafted and the model verified, those it kept, and the engine steps the completion took (fewer than its tokens
+    when drafts were kept). All 0 where the engine drafts nothing or counts no steps."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    decode_steps: int
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Models, instances, the node
 # --------------------------------------------------------------------------------------------------------------
@@ -252,6 +262,17 @@ class RequestOut(msgspec.Struct):
     tokens: int
 
 
+class SpeculationOut(msgspec.Struct):
+    """Speculative decoding on an instance, over its ended generations: ``accepted_tokens`` of ``draft_tokens`` were
+    kept (the acceptance); the generations that counted their steps gave ``completion_tokens`` in ``decode_steps``
+    engine steps (the tokens per step). All 0 where the engine drafts nothing."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    decode_steps: int
+    completion_tokens: int
+
+
 class InstanceOut(msgspec.Struct):
     """One instance: its state, its runner (pid, memory, log, cgroup) and every failure of its past lives."""
 
@@ -275,6 +296,7 @@ class InstanceOut(msgspec.Struct):
     life: int | None  # the current life (None once stopped or failed)
     backoff_remaining: float | None  # seconds until a restarting instance's next life starts
     tokens: int  # completion tokens served so far, streams in flight included: two reads give tokens/s
+    speculation: SpeculationOut  # drafted and kept tokens, steps: the dashboard's acceptance and tokens per step
     fit: str | None  # the fit check's verdict, with the numbers
     measured: str | None  # what the runner was measured to hold once ready, against the estimate
     restart: RestartPolicy
@@ -493,6 +515,12 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
             round(max(state.resume_at - time.monotonic(), 0.0), 2) if isinstance(state, InstanceRestarting) else None
         ),
         tokens=hosted.tokens(),
+        speculation=SpeculationOut(
+            draft_tokens=hosted.drafts.draft_tokens,
+            accepted_tokens=hosted.drafts.accepted_tokens,
+            decode_steps=hosted.drafts.decode_steps,
+            completion_tokens=hosted.drafts.completion_tokens,
+        ),
         fit=inst.fit.message if inst.fit is not None else None,
         measured=inst.measured.describe() if inst.measured is not None else None,
         restart=hosted.config.restart,

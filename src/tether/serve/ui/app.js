@@ -122,6 +122,16 @@
     return value >= 100 ? value.toFixed(0) : value >= 10 ? value.toFixed(1) : value.toFixed(2);
   }
 
+  // Speculative decoding on an instance (its ended generations): drafted tokens kept, and completion tokens per engine
+  // step; null for both while it has drafted nothing (an engine that does not speculate, or speculation off).
+  function drafting(spec) {
+    if (!spec || !(spec.draft_tokens > 0)) return null;
+    return {
+      kept: `${((100 * spec.accepted_tokens) / spec.draft_tokens).toFixed(0)} %`,
+      perStep: spec.decode_steps > 0 ? (spec.completion_tokens / spec.decode_steps).toFixed(2) : "–",
+    };
+  }
+
   function plural(n, word) {
     return `${n} ${word}${n === 1 ? "" : "s"}`;
   }
@@ -622,6 +632,8 @@
         stat("tokens/s", "instance-tps", `completion tokens per second over the last ${RATE_SECONDS} s, streams in flight included`),
         stat("footprint", "instance-footprint", "what stopping the runner frees: anonymous + shmem + swap + GPU memory (mapped files are page cache)"),
         stat("RSS", "instance-rss", "resident set: counts mapped weight files, misses GPU/unified memory"),
+        stat("drafts kept", "instance-drafts-kept", "speculative decoding: of the tokens drafted and verified, the share the model kept (ended generations; – while nothing was drafted)"),
+        stat("tokens/step", "instance-tokens-per-step", "speculative decoding: completion tokens per engine step, above 1 when drafts are kept (ended generations; – while nothing was drafted)"),
       ),
       el("div", { class: "charts" }, tps.box, mem.box),
       el("div", { class: "sub requests", testid: "instance-requests", hidden: true }),
@@ -695,6 +707,9 @@
     put("instance-waiting", `${q.waiting ?? 0} of ${q.max_queue ?? "?"}`);
     const last = s.samples[s.samples.length - 1];
     put("instance-tps", typeof inst.tokens === "number" ? rate(last.tps) : "n/a");
+    const drafts = drafting(inst.speculation);
+    put("instance-drafts-kept", drafts ? drafts.kept : "–");
+    put("instance-tokens-per-step", drafts ? drafts.perStep : "–");
     put("instance-footprint", memory ? bytes(memory.footprint) : "–");
     put("instance-rss", memory ? bytes(memory.rss) : "–");
 
