@@ -112,6 +112,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             "echo": Case(True),
             "suffix": Case("", refused="x"),
             "best_of": Case(1, refused=3),
+            "prediction": Case({"type": "content", "content": "x"}),
         },
     ),
     "chat message": (
@@ -177,6 +178,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             "reasoning": Case({"effort": "low"}, refused={"summary": "auto"}),
             "context_management": Case([{"type": "compaction"}]),
             "moderation": Case({"model": "omni-moderation-latest"}),
+            "prediction": Case({"type": "content", "content": "x"}),
         },
     ),
     "responses input item": (

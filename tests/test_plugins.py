@@ -131,6 +131,12 @@ def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_m
             "completion_tokens": 4,
             "total_tokens": 7,
             "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+            "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 0},  # it counts no steps
         }
         instance = server.instance("echo")
         assert instance["engine"] == "echo_engine:EchoEngine"

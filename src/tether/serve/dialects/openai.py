@@ -51,8 +51,16 @@ from tether.serve.dialects.fields import REFUSED as R
 from tether.serve.dialects.fields import FieldPolicy, register
 from tether.serve.dialects.plan import DEFAULT_MAX_TOKENS, Plan, checked, decode_body, schema_text
 from tether.serve.dialects.rules import LOGPROBS_RULE, STRUCTURED_FORMAT, TOOL_CHOICE_RULE, structured_beside_tools
-from tether.serve.dialects.shapes import FunctionTool, MessageIn, Tokens, declared_tools, message_turns
-from tether.serve.generation import Api
+from tether.serve.dialects.shapes import (
+    FunctionTool,
+    MessageIn,
+    Prediction,
+    Tokens,
+    declared_tools,
+    message_turns,
+    prediction_text,
+)
+from tether.serve.generation import Api, Speculation
 from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, json_response, path_parameter, ref, sse_of
 from tether.serve.statuses import Answer
 
@@ -119,6 +127,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repeat_penalty: Annotated[float, documented(exclusiveMinimum=0, maximum=10)] | None = None
     # Ollama's, for the catalog's models
     keep_alive: KeepAlive | None = None
+    # OpenAI's Predicted Outputs (chat's; completions take it too): text the answer is expected to largely repeat
+    prediction: Prediction | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -138,7 +148,6 @@ class ChatRequest(_Sampling, kw_only=True):
     modalities: list[Annotated[str, documented(enum=["text"])]] | None = None
     # refused whenever set: what they ask for does not exist here
     audio: Annotated[Any, documented(type="null", description="audio output is not supported")] = None
-    prediction: Annotated[Any, documented(type="null", description="predicted outputs are not supported")] = None
     # a reasoning model's thinking on ("minimal" to "high") or off ("none"), where its chat template can say so
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     verbosity: Annotated[Any, documented(type="null", description="not supported")] = None
@@ -253,7 +262,11 @@ register(
         "safety_identifier": FieldPolicy(M),
         "modalities": FieldPolicy(L, '`["text"]` only'),
         "audio": FieldPolicy(R),
-        "prediction": FieldPolicy(R),
+        "prediction": FieldPolicy(
+            H,
+            "Predicted Outputs: `{type: content, content}` (a string or text parts) is drafted from by speculative "
+            "decoding; usage reports `accepted_prediction_tokens` and `rejected_prediction_tokens`",
+        ),
         "reasoning_effort": FieldPolicy(
             L, 'thinking on or off: "none" turns it off, any other effort on, where the model\'s template can'
         ),
@@ -274,6 +287,7 @@ register(
         "echo": FieldPolicy(H, "the prompt leads the text; with `logprobs`, its tokens lead them (the first: null)"),
         "suffix": FieldPolicy(L, "empty only"),
         "best_of": FieldPolicy(L, "1 only"),
+        "prediction": FieldPolicy(E, "chat's Predicted Outputs, here too (OpenAI documents it for chat only)"),
     },
 )
 
@@ -335,6 +349,7 @@ def sampling(request: _Sampling, max_tokens: int | None, default_max: int) -> di
         "top_k": request.top_k,
         "min_p": request.min_p,
         "repeat_penalty": request.repeat_penalty,
+        "prediction": prediction_text(request.prediction),
     }
 
 
@@ -358,7 +373,7 @@ def uses_tools(request: ChatRequest) -> bool:
 
 
 def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None) -> Plan:
-    _refuse_set(request, ("audio", "prediction", "web_search_options", "verbosity"), "text only")
+    _refuse_set(request, ("audio", "web_search_options", "verbosity"), "text only")
     _refuse_set(request, ("functions", "function_call"), "deprecated by OpenAI: send tools and tool_choice")
     if request.store:
         raise InvalidField("store", "store must be false or absent: this server stores no completions")
@@ -453,11 +468,19 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # of prompt_tokens, those whose KV the prompt cache supplied (not prefilled)
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int  # of completion_tokens, those that wrote only a reasoning model's thinking
+    accepted_prediction_tokens: int  # tokens drafted from the request's ``prediction`` that the answer kept
+    rejected_prediction_tokens: int  # tokens drafted from it and thrown away (they cost steps, not completion tokens)
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+    speculation: views.SpeculationUsage  # tether's: speculative decoding's drafts and steps for this answer
 
 
 class ChatLogprobs(msgspec.Struct):
@@ -592,12 +615,25 @@ class CompletionChunk(msgspec.Struct):
 _encode = msgspec.json.Encoder().encode
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    reasoning_tokens: int = 0,
+    speculation: Speculation | None = None,
+) -> dict[str, Any]:
+    drafted = speculation or Speculation()
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": reasoning_tokens,
+            "accepted_prediction_tokens": drafted.prediction_accepted,
+            "rejected_prediction_tokens": drafted.prediction_rejected,
+        },
+        "speculation": drafted.usage(),
     }
 
 
@@ -638,6 +674,8 @@ class OpenAIShaper:
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # streamed text so far (completion logprobs' text_offset)
         self.cached_tokens = 0  # from the final chunk
+        self.speculation = Speculation()  # from the final chunk
+        self.reasoning_tokens = 0  # of the completion's tokens, those that wrote only thinking
         self.answer = self.plan.tools.stream() if self.plan.tools is not None else None
 
     # --- generation.Shaper ---------------------------------------------------------------------------------------
@@ -650,9 +688,11 @@ class OpenAIShaper:
         thought = b""
         if chunk.reasoning:
             self.reasoning.append(chunk.reasoning)
+            self.reasoning_tokens += chunk.tokens if not chunk.text else 0
             thought = self._sse(self._chunk_obj({"reasoning_content": chunk.reasoning}))
         if chunk.finish_reason is not None:
             self.cached_tokens = chunk.cached_tokens
+            self.speculation = Speculation.of(chunk)
         if self.plan.logprobs:
             self.logprobs.extend(chunk.logprobs)
         if self.answer is not None:
@@ -694,7 +734,7 @@ class OpenAIShaper:
                 "created": self.created,
                 "model": self.model,
                 "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens, self.cached_tokens),
+                "usage": self._usage(prompt_tokens, completion_tokens),
             }
         )
 
@@ -786,9 +826,12 @@ class OpenAIShaper:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens, self.cached_tokens),
+                "usage": self._usage(prompt_tokens, completion_tokens),
             }
         )
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return usage(prompt_tokens, completion_tokens, self.cached_tokens, self.reasoning_tokens, self.speculation)
 
     @staticmethod
     def _sse(obj: dict[str, Any]) -> bytes:

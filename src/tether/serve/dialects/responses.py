@@ -42,6 +42,7 @@ from tether.serve.dialects.conversation import (
     is_role,
     latest_calls,
 )
+from tether.serve.dialects.fields import EXTENSION as E
 from tether.serve.dialects.fields import HONOURED as H
 from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
@@ -49,8 +50,8 @@ from tether.serve.dialects.fields import REFUSED as R
 from tether.serve.dialects.fields import FieldPolicy, register
 from tether.serve.dialects.plan import DEFAULT_MAX_TOKENS, Plan, checked, decode_body, schema_text
 from tether.serve.dialects.rules import STRUCTURED_FORMAT, TOOL_CHOICE_RULE, structured_beside_tools
-from tether.serve.dialects.shapes import ROLE_ALIASES, Tokens
-from tether.serve.generation import Api
+from tether.serve.dialects.shapes import ROLE_ALIASES, Prediction, Tokens, prediction_text
+from tether.serve.generation import Api, Speculation
 from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, path_parameter, ref
 from tether.serve.statuses import Answer
 
@@ -161,6 +162,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     prompt_cache_retention: Annotated[str, documented(enum=["in_memory", "24h"])] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None
+    # chat completions' Predicted Outputs (not OpenAI's Responses API): text the answer is expected to largely repeat
+    prediction: Prediction | None = None
     # refused whenever set: state tether does not keep, or features it does not have
     previous_response_id: Stateless = None
     conversation: Stateless = None
@@ -240,6 +243,11 @@ register(
         "prompt_cache_retention": FieldPolicy(M),
         "prompt_cache_options": FieldPolicy(M),
         "service_tier": FieldPolicy(M, "one tier here"),
+        "prediction": FieldPolicy(
+            E,
+            "chat completions' Predicted Outputs, here too: drafted from by speculative decoding; "
+            "`usage.output_tokens_details` reports `accepted_prediction_tokens` and `rejected_prediction_tokens`",
+        ),
         "previous_response_id": FieldPolicy(R, "stateless: send the whole conversation"),
         "conversation": FieldPolicy(R, "stateless: send the whole conversation"),
         "prompt": FieldPolicy(R, "no stored prompt templates"),
@@ -452,6 +460,7 @@ def plan(
         json_schema=json_schema,
         tool_syntax=syntax,
         thinking=thinking,
+        prediction=prediction_text(request.prediction),
     )
     text_format = {"type": "text"}
     if request.text is not None and request.text.format is not None:
@@ -485,8 +494,11 @@ class ResponseUsage(msgspec.Struct):
     input_tokens: int
     input_tokens_details: dict[str, int]  # ``cached_tokens`` (from the prompt cache), ``cache_write_tokens`` (0)
     output_tokens: int
-    output_tokens_details: dict[str, int]  # ``reasoning_tokens``: those that wrote only thinking
+    # ``reasoning_tokens``: those that wrote only thinking; ``accepted_prediction_tokens`` and
+    # ``rejected_prediction_tokens``: tokens drafted from the request's ``prediction``, kept or thrown away
+    output_tokens_details: dict[str, int]
     total_tokens: int
+    speculation: views.SpeculationUsage  # tether's: speculative decoding's drafts and steps for this answer
 
 
 class OutputText(msgspec.Struct):
@@ -721,14 +733,24 @@ def new_id(prefix: str) -> str:
 
 
 def response_usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    reasoning_tokens: int = 0,
+    speculation: Speculation | None = None,
 ) -> dict[str, Any]:
+    drafted = speculation or Speculation()
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "output_tokens_details": {
+            "reasoning_tokens": reasoning_tokens,
+            "accepted_prediction_tokens": drafted.prediction_accepted,
+            "rejected_prediction_tokens": drafted.prediction_rejected,
+        },
         "total_tokens": prompt_tokens + completion_tokens,
+        "speculation": drafted.usage(),
     }
 
 
@@ -764,6 +786,7 @@ class ResponsesShaper:
         self._sequence = 0
         self._opened = False
         self.cached_tokens = 0  # from the final chunk
+        self.speculation = Speculation()  # from the final chunk
         self.answer = plan.tools.stream() if plan.tools is not None else None
         self._outputs: list[dict[str, Any]] = []  # a tool answer's items, as opened (their index is their place)
         self._calls: dict[int, dict[str, Any]] = {}  # the function_call items, by the call's index
@@ -777,6 +800,7 @@ class ResponsesShaper:
         self.text.append(chunk.text)
         if chunk.finish_reason is not None:
             self.cached_tokens = chunk.cached_tokens
+            self.speculation = Speculation.of(chunk)
         logprobs = [views.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
         out = self._begin()  # the first chunk is fed before ``opening``: the opening events go first, in sequence
@@ -998,7 +1022,9 @@ class ResponsesShaper:
         done = status in ("completed", "incomplete")
         usage = None
         if prompt_tokens is not None and completion_tokens is not None:
-            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens, self.reasoning_tokens)
+            usage = response_usage(
+                prompt_tokens, completion_tokens, self.cached_tokens, self.reasoning_tokens, self.speculation
+            )
         return {
             "id": self.id,
             "object": "response",

@@ -1,5 +1,6 @@
 """Request shapes several APIs share, and their mapping into the ``conversation``: OpenAI's chat message (vLLM's
-``/tokenize`` takes it too), OpenAI's function tool (Ollama's ``tools`` are the same), a token count.
+``/tokenize`` takes it too), OpenAI's function tool (Ollama's ``tools`` are the same), a token count, OpenAI's
+Predicted Outputs' ``prediction`` (chat completions' field, which completions and the Responses API take too).
 
 A shape lives here, not in the dialect that first spoke it, so that no dialect imports another: each one takes
 what it shares from here and keeps the rest of its wire to itself.
@@ -61,6 +62,39 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
 class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
     function: FunctionDef
     type: Annotated[str, documented(enum=["function"], description="only function tools")] = "function"
+
+
+class PredictionPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[str, documented(enum=["text"], description="only text parts are supported")]
+    text: str
+
+
+class Prediction(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's Predicted Outputs: text the answer is expected to largely repeat (a file being edited), which the
+    engine drafts from; the parts of a list are joined."""
+
+    type: Annotated[str, documented(enum=["content"], description="static predicted content, the only kind")]
+    content: str | list[PredictionPart]
+
+
+def prediction_text(prediction: Prediction | None, field: str = "prediction") -> str | None:
+    """A request's ``prediction`` as the text ``GenerateParams.prediction`` carries (None: none); a refusal names the
+    field (``prediction.content[1].type``)."""
+    if prediction is None:
+        return None
+    if prediction.type != "content":
+        raise InvalidField(
+            f"{field}.type",
+            f'{field}.type must be "content" (static predicted content, the only kind), got {prediction.type!r}',
+        )
+    if isinstance(prediction.content, str):
+        return prediction.content
+    for j, part in enumerate(prediction.content):
+        if part.type != "text":
+            raise InvalidField(
+                f"{field}.content[{j}].type", f"{field}.content[{j}]: only text parts are supported, got {part.type!r}"
+            )
+    return "".join(part.text for part in prediction.content)
 
 
 SCHEMA_RULES: dict[str, dict[str, Any]] = {"MessageIn": ASSISTANT_CALLS_RULE}
