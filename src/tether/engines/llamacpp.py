@@ -125,6 +125,8 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "swa_full": False,  # sliding-window layers keep every position (more KV; prefixes reusable past the window)
     "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
     "deterministic": False,  # the batch-invariant build: greedy texts independent of load (``llamacpp_invariant``)
+    "speculation": True,  # verify draft tokens when the measured cost says it pays (``speculation``)
+    "draft_max": 32,  # the most draft tokens a sequence verifies in one step
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -211,6 +213,8 @@ class LlamaCppEngine:
             self.kv_unified = bool(options["kv_unified"])
             self.deterministic = bool(options["deterministic"])
             self.swa_full = bool(options["swa_full"]) or self.deterministic  # see "Deterministic decoding" above
+            self.speculation = bool(options["speculation"])
+            self.draft_max = int(options["draft_max"])
             chosen = options["chat_template"]
             self.template: ChatTemplate | None = None if chosen is None else resolve(chosen)
         except TemplateError as exc:
@@ -223,12 +227,13 @@ class LlamaCppEngine:
             and 1 <= self.n_threads <= 4096
             and 1 <= self.n_batch <= UINT32_MAX
             and 1 <= self.prefill_chunk <= UINT32_MAX
+            and 0 <= self.draft_max <= 256
         ):
             raise EngineLoadError(
                 f"n_ctx must be in [16, {UINT32_MAX} / parallel], parallel in [1, {MAX_PARALLEL}], n_threads in "
-                f"[1, 4096], n_batch and prefill_chunk in [1, {UINT32_MAX}] (got n_ctx={self.n_ctx}, "
-                f"parallel={self.parallel}, n_threads={self.n_threads}, n_batch={self.n_batch}, "
-                f"prefill_chunk={self.prefill_chunk})"
+                f"[1, 4096], n_batch and prefill_chunk in [1, {UINT32_MAX}], draft_max in [0, 256] (got "
+                f"n_ctx={self.n_ctx}, parallel={self.parallel}, n_threads={self.n_threads}, n_batch={self.n_batch}, "
+                f"prefill_chunk={self.prefill_chunk}, draft_max={self.draft_max})"
             )
         if self.deterministic and (self.kv_unified or self.n_gpu_layers):
             raise EngineLoadError(
@@ -323,6 +328,8 @@ class LlamaCppEngine:
             unified=self.kv_unified,
             swa_full=self.swa_full,
             exact_cache=self.deterministic,
+            speculation=self.speculation,
+            draft_max=self.draft_max,
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model, self.template)
         self._reasoning = reasoning.detect(self._template_text())
@@ -394,7 +401,9 @@ class LlamaCppEngine:
             return
         for _ in self.generate(GenerateParams(prompt="Hello", max_tokens=1, embed=self.embedding), lambda: False):
             pass
-        self._require_batch().clear()
+        batch = self._require_batch()
+        batch.measure_costs()  # speculation's cost curve: this machine's, at this context's shape
+        batch.clear()
 
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
         """One request on its own (a bad request raises ``RequestError`` now, not at the first ``next``)."""
@@ -466,7 +475,10 @@ class LlamaCppEngine:
             ends_on_json=params.tool_syntax is None,
             special_pieces=params.tool_syntax is not None,
         )
-        batch.start(seq_id, prompt_tokens, max_tokens, stop, sampling, echo=echo)
+        predicted = None
+        if params.prediction:  # its tokens as the tokenizer splits the text alone (the output may split it otherwise)
+            predicted = list(self._model.tokenize(params.prediction.encode("utf-8"), add_bos=False, special=False))
+        batch.start(seq_id, prompt_tokens, max_tokens, stop, sampling, echo=echo, prediction=predicted)
         if self._reasoning is not None and params.messages is not None and grammar is None:
             # a grammar holds the whole answer to its shape (JSON, tool calls): there is no thinking to keep apart
             self._splitters[seq_id] = Splitter(self._reasoning, inside=self._opens)
@@ -599,9 +611,7 @@ class LlamaCppEngine:
         self._dropped.pop(seq_id, None)
         self._splitters.pop(seq_id, None)
         self._answers = [answer for answer in self._answers if answer[0] != seq_id]
-        counts = self._require_batch().drop(seq_id)
-        prompt, completion = counts if counts is not None else (0, 0)
-        return Delta("", 0, "cancelled", prompt, completion)
+        return self._require_batch().cancel(seq_id)
 
     def active(self) -> int:
         return self._require_batch().active() + len(self._answers)

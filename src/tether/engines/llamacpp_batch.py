@@ -77,6 +77,25 @@ llama.cpp. The output is tracked, and the sequence finishes ("stop") as soon as 
 the grammar allows nothing after it but one optional space and end-of-generation, so stopping there saves a step or
 two and leaves no trailing space.
 
+**Speculation** (``speculation``; the drafts and how many to verify: ``speculation``). A decoding sequence's row
+may be followed by draft tokens of its own, at the next positions, in the same ``llama_decode``. The sequence then
+samples its row and each draft row in turn, with its own chain, and stops at the first pick that is not the draft's
+next token: every pick is the one the plain path would make there (the same logits, the chain in the same state),
+so a greedy text is the plain one (given the same logits: with the batch-invariant build, always; otherwise the
+rows verified together are one more batch shape, like batching itself), a seeded draw at temperature > 0 draws the
+same values, and the kept tokens are exactly distributed as the plain path's (a draft token is kept with the
+probability the model gives it, and a rejected one is replaced by a draw from the rest: speculative sampling with a
+draft that is certain of its guess). Stop strings, logprobs and ``max_tokens`` apply to each pick as they do
+without drafts. The cells of the rows after the last one sampled are removed (``llama_memory_seq_rm``: the cache's
+head goes back to the first freed cell, so the next token takes the place the plain path gives it). A draft stops
+before an end-of-generation token (the row before it shows whether the sequence ends) and, under a grammar, before
+the first token the grammar refuses (a clone of the sequence's grammar follows the draft), so the grammar's own
+sampler only ever sees the picks. Drafts stop where the plain path would end on the context's length, and within
+``max_tokens``. A sliding-window cache that keeps only the window (``swa_full`` false) may reuse, for a later
+micro-batch of the same step, cells that an earlier one's positions put out of the window: so on such a model every
+drafting sequence of a step drafts the same ``k`` (its draft rows then go in one micro-batch, from the first draft
+token on, and nothing its rollback needs can have been reused) and no step drafts beside a prompt chunk.
+
 **Embeddings.** A batch built with ``embedding=True`` (its context computes pooled embeddings, and it serves only
 ``start_embedding`` sequences) prefills one prompt per step, whole (its micro-batch holds ``n_ctx`` tokens, since
 pooling needs a sequence's every token in one micro-batch), reads the sequence's pooled vector, L2-normalises it (as
@@ -96,12 +115,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from tether.engines.base import Delta, EngineLoadError, RequestError, StepResult
 from tether.engines.llamacpp_cache import PromptCache
 from tether.engines.llamacpp_threads import ThreadGovernor
 from tether.engines.prefix import common_length
+from tether.engines.speculation import (
+    Q_FLOOR,
+    Acceptance,
+    Candidate,
+    CostCurve,
+    Drafter,
+    History,
+    plan,
+    probe_points,
+    ubatches,
+)
 from tether.engines.text import TextStream
 from tether.errors import TetherError
 from tether.protocol import FinishReason, TokenLogprob, TopLogprob
@@ -110,6 +141,8 @@ TOP_K, MIN_P = 40, 0.05  # llama-cpp-python's and llama-server's defaults, for t
 PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size
 PIECE_BUFFER = 256
 GREEDY_SEARCH = 64  # a greedy json_schema pick checks the grammar on this many likeliest tokens before masking all
+PROBE_CONTEXT = 128  # tokens in the slot while micro-batches are timed (attention adds little at this size)
+PROBE_MOST = 64  # the largest micro-batch timed; beyond it the curve is extrapolated
 JSON_VALUE_ENDS = frozenset(b'}]"el')  # a JSON value nothing can extend ends so: {...} [...] "..." true false null
 
 
@@ -169,6 +202,11 @@ class _BatchSequence:
     echoed: list[TokenLogprob] | None = None  # ``echo`` with logprobs: the prompt tokens' entries computed so far
     eog_entry: bool = False  # ``echo`` with logprobs: an end-of-generation token gets an entry too (vLLM's way)
     chunk_rows: tuple[int, int, int] = (0, 0, 0)  # this step's prompt rows with logits: (first row, count, position)
+    drafter: Drafter | None = None  # its draft sources and acceptance (speculation on)
+    draft: list[int] = field(default_factory=list)  # this step: the draft tokens decoded after its row
+    draft_kind: str = ""  # their source's kind
+    steps: int = 0  # steps that sampled a token of it
+    finished: bool = False  # its last sample ended it: dropped once its cells are trimmed
 
     @property
     def decoding(self) -> bool:
@@ -212,6 +250,8 @@ class Batch:
         adaptive_threads: bool = True,
         swa_full: bool = False,
         exact_cache: bool = False,
+        speculation: bool = False,
+        draft_max: int = 32,
     ) -> None:
         """``embedding``: a context for pooled embeddings (``pooling``: a ``LLAMA_POOLING_TYPE_*``, None for the
         model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``. ``adaptive_threads``:
@@ -219,7 +259,9 @@ class Batch:
         keep every position as the others do (llama.cpp's C default, and ``llama-server --swa-full``), instead of
         the window's (llama-server's default: for Gemma 3 270M at 8 x 8192 cells, a KV cache of 312 MiB instead of
         1.1 GiB); the prompt cache reuses less with the window's (see ``llamacpp_cache``). ``exact_cache``: the prompt
-        cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's)."""
+        cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's).
+        ``speculation``: decoding sequences may verify up to ``draft_max`` draft tokens a step (see Speculation in
+        the module docstring), once ``measure_costs`` has timed this context's micro-batches."""
         self.lib = lib
         self.vocab = vocab
         self.parallel = parallel
@@ -286,6 +328,14 @@ class Batch:
         self._one = lib.llama_token_data_array()  # one candidate, for the grammar's check of a pick
         self._one_data = lib.llama_token_data()
         self._ids = np.arange(self.n_vocab, dtype=np.int32)
+        self.speculation = speculation and not embedding
+        self.draft_max = max(0, draft_max)
+        self.n_ubatch = int(params.n_ubatch)
+        self.unified = unified
+        self.windowed = self.n_swa > 0 and not swa_full  # a window's ring: see Speculation in the module docstring
+        self.costs = CostCurve()
+        self.acceptance = Acceptance()
+        self.history = History()
 
     # --- sequences ------------------------------------------------------------------------------------------
 
@@ -297,6 +347,7 @@ class Batch:
         stops: Sequence[str],
         sampling: Sampling,
         echo: str | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> None:
         """Place a sequence in the free slot that shares the longest prefix with ``prompt`` (its first token comes
         with a later step). The caller has checked the prompt fits the context. ``RequestError`` (nothing started)
@@ -304,7 +355,8 @@ class Batch:
 
         ``echo``: the prompt's text, which leads the sequence's first delta; with ``sampling.logprobs`` the prompt's
         tokens' entries lead its logprobs (see "Echo" in the module docstring). ``max_tokens`` 0 (with ``echo``
-        only) ends the sequence once its prompt is in, generating nothing."""
+        only) ends the sequence once its prompt is in, generating nothing. ``prediction``: the tokens the answer is
+        expected to repeat (OpenAI's Predicted Outputs), the first source of its drafts when speculation is on."""
         if self.embedding:
             raise RuntimeError("this batch computes embeddings: use start_embedding")
         if max_tokens < (0 if echo is not None else 1) or not prompt:
@@ -332,6 +384,7 @@ class Batch:
             echo=echo,
             echoed=echoed,
             eog_entry=echoed is not None,
+            drafter=Drafter.start(prompt, prediction) if self.speculation else None,
         )
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
@@ -355,7 +408,17 @@ class Batch:
             self.lib.llama_sampler_free(seq.grammar)
         if seq.placed:  # its slot's cells hold exactly what it computed, a cancelled prefill's part included
             self.cache.register(seq.slot.index, seq.slot.cached)
+        if seq.drafter is not None:  # its completion, for later requests' drafts
+            self.history.add(seq.drafter.context.tokens[len(seq.prompt) :])
         return len(seq.prompt), seq.completion
+
+    def cancel(self, seq_id: str) -> Delta:
+        """End a sequence now: its final delta ("cancelled", its counts so far)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return Delta("", 0, "cancelled")
+        self.drop(seq_id)
+        return msgspec.structs.replace(Delta("", 0, "cancelled", len(seq.prompt), seq.completion), **_step_counts(seq))
 
     def active(self) -> int:
         return len(self._seqs)
@@ -384,6 +447,17 @@ class Batch:
             ),
             key=lambda seq: seq.slot.index,
         )
+        budget = min(self.n_batch, self.prefill_chunk) if rows else self.n_batch
+        prefilling = next((seq for seq in self._seqs.values() if seq.prefilling), None)
+        chunk: list[int] = []
+        if prefilling is not None:  # one prompt per step, and at most one placement: see the module docstring
+            if not prefilling.placed:
+                self._place(prefilling)
+            chunk = prefilling.prompt[
+                prefilling.prefilled : min(prefilling.prefilled + budget, len(prefilling.prompt) - 1)
+            ]
+        drafts = self._drafts(rows, prefilling, len(chunk)) if self.speculation and rows else {}
+        layout: list[tuple[int, int]] = []
         for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
             token, seq.next_token = seq.next_token, None
             joins = token is None
@@ -396,13 +470,14 @@ class Batch:
                 self.cache.register(seq.slot.index, seq.slot.cached)  # the whole prompt now
             seq.row = n
             n += 1
-        budget = min(self.n_batch, self.prefill_chunk) if rows else self.n_batch
-        prefilling = next((seq for seq in self._seqs.values() if seq.prefilling), None)
-        if prefilling is not None:  # one prompt per step, and at most one placement: see the module docstring
+            seq.draft = drafts.get(seq.seq_id, [])
+            for guess in seq.draft:  # its draft, verified by the rows after its own
+                self._put(n, guess, len(seq.slot.cached), seq.slot.index, True)
+                seq.slot.cached.append(guess)
+                n += 1
+            layout.append((seq.slot.index, 1 + len(seq.draft)))
+        if prefilling is not None:
             seq = prefilling
-            if not seq.placed:
-                self._place(seq)
-            chunk = seq.prompt[seq.prefilled : min(seq.prefilled + budget, len(seq.prompt) - 1)]
             logits = seq.echoed is not None  # each prompt row's logits give the next prompt token's logprob
             if logits:
                 seq.chunk_rows = (n, len(chunk), seq.prefilled)
@@ -411,13 +486,19 @@ class Batch:
                 n += 1
             seq.slot.cached.extend(chunk)
             seq.prefilled += len(chunk)
+            layout.append((seq.slot.index, len(chunk)))
             if not seq.prefilling:  # all but its last token: it waits for the prompts queued beside it (docstring)
                 seq.waits_for = frozenset(waiting - {seq.seq_id})
                 self.cache.register(seq.slot.index, seq.slot.cached)
         if n == 0 and not any(seq.echo_only and seq.ready for seq in self._seqs.values()):
             return []
         if n:
-            self._decode(n)
+            threads = self.threads.current
+            seconds = self._decode(n)
+            if self.speculation:  # a step of one micro-batch times that size on this machine, now
+                passes = ubatches(layout, self.n_ubatch, per_stream=not self.unified)
+                if len(passes) == 1:
+                    self.costs.observe(threads, passes[0], seconds)
         if prefilling is not None and prefilling.chunk_rows[1]:
             self._prompt_logprobs(prefilling)
         results: list[StepResult] = []
@@ -425,7 +506,7 @@ class Batch:
             results.append((prefilling.seq_id, Delta("", 0, prefilled=prefilling.prefilled)))
         for seq in list(self._seqs.values()):
             if seq.row >= 0:
-                results.append((seq.seq_id, self._sample(seq)))
+                results.append((seq.seq_id, self._verify(seq)))
                 seq.row = -1
             elif seq.echo_only and seq.ready:  # its prompt is in: it ends, having generated nothing
                 self.drop(seq.seq_id)
@@ -473,17 +554,186 @@ class Batch:
         batch.seq_id[row][0] = seq
         batch.logits[row] = 1 if logits else 0
 
-    def _decode(self, n: int) -> None:
+    def _decode(self, n: int) -> float:
+        """Decode the batch's first ``n`` rows; returns the seconds it took."""
         self._batch.n_tokens = n
         self.threads.before()
         started = time.perf_counter()
         code = self.lib.llama_decode(self.ctx, self._batch)
-        self.threads.after(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.threads.after(seconds)
         if code != 0:
             raise DecodeError(
                 f"llama_decode failed with {code} for a batch of {n} tokens over {len(self._seqs)} sequences "
                 f"({'no free KV cells' if code == 1 else 'see the stderr tail'})"
             )
+        return seconds
+
+    # --- speculation ----------------------------------------------------------------------------------------
+
+    def measure_costs(self) -> dict[int, dict[int, float]]:
+        """Time this context's micro-batches (``speculation.probe_points`` sizes, after ``PROBE_CONTEXT`` tokens)
+        for each thread count the governor may use: the cost curve drafts are planned with. At load, with nothing
+        running; returns {threads: {size: seconds}} ({} when speculation is off)."""
+        if not self.speculation or self._seqs or self.draft_max < 2:
+            return {}
+        lib, slot = self.lib, self._slots[0]
+        context = min(PROBE_CONTEXT, self.n_ctx // 2)
+        points = probe_points(min(PROBE_MOST, self.n_ctx - context - 1, self.n_batch))
+        ids = [(i * 7919 + 13) % self.n_vocab for i in range(context + points[-1])]  # any ids: only time counts
+        lib.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
+        for begin in range(0, context, self.n_batch):
+            part = ids[begin : min(begin + self.n_batch, context)]
+            for i, token in enumerate(part):
+                self._put(i, token, begin + i, slot.index, False)
+            self._batch.n_tokens = len(part)
+            if lib.llama_decode(self.ctx, self._batch) != 0:
+                raise DecodeError(f"llama_decode failed while timing this context ({context} tokens of slot 0)")
+        counts = [self.threads.most] + ([1] if self.threads.enabled and self.threads.most > 1 else [])
+        measured: dict[int, dict[int, float]] = {}
+        try:
+            for threads in counts:
+                lib.llama_set_n_threads(self.ctx, threads, threads)
+                times: dict[int, float] = {}
+                for size in (points[0], *points, *points):  # the fastest of two (a thread count's first warms it)
+                    for i in range(size):
+                        self._put(i, ids[context + i], context + i, slot.index, True)
+                    self._batch.n_tokens = size
+                    started = time.perf_counter()
+                    code = lib.llama_decode(self.ctx, self._batch)
+                    seconds = time.perf_counter() - started
+                    times[size] = min(times.get(size, seconds), seconds)
+                    lib.llama_memory_seq_rm(self.memory, slot.index, context, -1)
+                    if code != 0:
+                        raise DecodeError(f"llama_decode failed with {code} timing a batch of {size} tokens")
+                self.costs.set(threads, times)
+                measured[threads] = times
+        finally:
+            lib.llama_set_n_threads(self.ctx, self.threads.current, self.threads.current)
+            lib.llama_memory_seq_rm(self.memory, slot.index, -1, -1)
+            slot.cached.clear()
+        return measured
+
+    def _drafts(
+        self, rows: list[_BatchSequence], prefilling: _BatchSequence | None, chunk: int
+    ) -> dict[str, list[int]]:
+        """This step's drafts, {sequence id: tokens}: each row's best source, priced by ``speculation.plan``."""
+        threads = self.threads.current
+        if not self.costs.measured(threads) or self.draft_max < 2 or (self.windowed and chunk):
+            return {}  # (a window's ring beside a prompt chunk: see Speculation in the module docstring)
+        cap = min(self.draft_max, (self.n_batch + self.parallel - len(rows) - chunk) // len(rows))
+        if self.windowed:  # every drafting row's tokens in at most two micro-batches, the second from its draft on
+            cap = min(cap, self.n_ubatch // len(rows) - 1)
+        offers: dict[int, tuple[_BatchSequence, str, list[int]]] = {}
+        candidates: list[Candidate] = []
+        for seq in rows:
+            drafter = seq.drafter
+            # no more than it may still write, and its context's end as the plain path finds it (see _verify)
+            room = min(cap, seq.max_tokens - seq.completion - 1, self.n_ctx - len(seq.slot.cached) - 3)
+            if drafter is None or room < 2:
+                continue
+            best: tuple[float, str, list[int]] | None = None
+            for kind, draft in drafter.proposals(self.history, room):
+                q = self.acceptance.q(kind, drafter.own)
+                if best is None or q > best[0]:
+                    best = (q, kind, draft)
+            if best is None or best[0] < Q_FLOOR:
+                continue
+            q, kind, draft = best
+            draft = self._cut(seq, draft)
+            if len(draft) >= 2:
+                offers[seq.slot.index] = (seq, kind, draft)
+                candidates.append(Candidate(seq.slot.index, q, len(draft)))
+        if not candidates:
+            return {}
+        layout = [(seq.slot.index, 1) for seq in rows]
+        if prefilling is not None and chunk:
+            layout.append((prefilling.slot.index, chunk))
+        chosen = plan(
+            layout,
+            len(rows),
+            candidates,
+            lambda size: self.costs.cost(threads, size),
+            self.n_ubatch,
+            exact_lengths=self.windowed,
+            per_stream=not self.unified,
+        )
+        drafts: dict[str, list[int]] = {}
+        for index, k in chosen.items():
+            seq, kind, draft = offers[index]
+            seq.draft_kind = kind
+            drafts[seq.seq_id] = draft[:k]
+        return drafts
+
+    def _cut(self, seq: _BatchSequence, draft: list[int]) -> list[int]:
+        """The draft up to its first end-of-generation token (the row before it shows whether the sequence ends)
+        and, under a grammar, up to its first token the grammar refuses (a clone of it follows the draft)."""
+        lib = self.lib
+        for i, token in enumerate(draft):
+            if lib.llama_vocab_is_eog(self.vocab, token):
+                draft = draft[:i]
+                break
+        if seq.grammar is None or not draft:
+            return draft
+        clone = lib.llama_sampler_clone(seq.grammar)
+        try:
+            for i, token in enumerate(draft):
+                if not self._allows(clone, token):
+                    return draft[:i]
+                lib.llama_sampler_accept(clone, token)
+            return draft
+        finally:
+            lib.llama_sampler_free(clone)
+
+    def _verify(self, seq: _BatchSequence) -> Delta | RequestError:
+        """Sample the sequence's row, then each draft row while its picks repeat the draft (each pick is the one
+        the plain path would make there: same logits, same sampler state); trim the cells of the rows no pick used;
+        end it if it finished. One delta for all the tokens it wrote this step."""
+        draft, first = seq.draft, seq.row
+        base = len(seq.slot.cached) - 1 - len(draft)  # its row's position
+        deltas: list[Delta] = []
+        error: RequestError | None = None
+        accepted = used = 0
+        for i in range(len(draft) + 1):
+            seq.row, used = first + i, i
+            result = self._sample(seq)
+            if isinstance(result, RequestError):
+                error = result
+                break
+            deltas.append(result)
+            if seq.finished or seq.next_token is None:
+                break
+            if seq.drafter is not None:
+                seq.drafter.observe(seq.next_token)
+            if i < len(draft) and seq.next_token == draft[i]:
+                seq.next_token = None  # its cell is in: the next row samples what follows it
+                accepted += 1
+                continue
+            break
+        keep = base + used + 1
+        if len(seq.slot.cached) > keep:  # the rows after the last one sampled: their cells go
+            self.lib.llama_memory_seq_rm(self.memory, seq.slot.index, keep, -1)
+            del seq.slot.cached[keep:]
+        seq.steps += 1
+        if draft and seq.drafter is not None:
+            missed = error is None and not seq.finished and accepted < len(draft)
+            seq.drafter.outcome(self.acceptance, seq.draft_kind, len(draft), accepted, missed)
+        seq.draft = []
+        if seq.finished:
+            self.drop(seq.seq_id)
+        if error is not None:
+            return error
+        delta = deltas[0]
+        if len(deltas) > 1:
+            delta = msgspec.structs.replace(
+                deltas[-1],
+                text="".join(d.text for d in deltas),
+                tokens=sum(d.tokens for d in deltas),
+                logprobs=tuple(entry for d in deltas for entry in d.logprobs),
+            )
+        if delta.finish_reason is not None:
+            delta = msgspec.structs.replace(delta, **_step_counts(seq))
+        return delta
 
     def _embed_step(self) -> list[StepResult]:
         """The earliest queued embedding: its whole prompt in one decode, its pooled vector L2-normalised."""
@@ -511,7 +761,7 @@ class Batch:
         if seq.grammar is not None and seq.output is not None:
             token = self._sample_constrained(seq)
             if token is None:
-                self.drop(seq.seq_id)
+                seq.finished = True
                 return RequestError(
                     f"the {'json_schema' if seq.ends_on_json else 'tool call'} grammar allows no token after "
                     f"{len(seq.output)} bytes of output "
@@ -551,7 +801,7 @@ class Batch:
             seq.echoed = None
         if finish is None:
             return Delta(text, tokens, logprobs=logprobs)
-        self.drop(seq.seq_id)
+        seq.finished = True
         return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs, cached_tokens=seq.reused)
 
     def _prompt_logprobs(self, seq: _BatchSequence) -> None:
@@ -713,6 +963,18 @@ class Batch:
                 lib.llama_sampler_free(grammar)
             raise
         return chain, grammar
+
+
+def _step_counts(seq: _BatchSequence) -> dict[str, int]:
+    """A final delta's step and draft counts for ``seq`` (``Delta``'s fields)."""
+    drafter = seq.drafter
+    return {
+        "decode_steps": seq.steps,
+        "draft_tokens": drafter.drafted if drafter else 0,
+        "draft_accepted": drafter.accepted if drafter else 0,
+        "prediction_accepted": drafter.prediction_accepted if drafter else 0,
+        "prediction_rejected": drafter.prediction_rejected if drafter else 0,
+    }
 
 
 def _plain_greedy(sampling: Sampling) -> bool:

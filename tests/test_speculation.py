@@ -1,0 +1,275 @@
+"""Draftless speculation (``tether.engines.speculation``, verified in ``llamacpp_batch``): drafts are decoded with the
+row before them and kept only while the sequence's own picks repeat them, so nothing a request gets may change.
+
+The planner's arithmetic is checked on its own (pure functions: what llama.cpp's batch split does, when a draft
+pays on a cost curve like this machine's). The promise is checked on real runners: with the batch-invariant build,
+requests built to draft a lot (copying a passage, a code edit with its ``prediction``, JSON that repeats the prompt,
+a stop string and ``max_tokens`` met inside a draft, logprobs, a seeded draw at temperature 0.8), served together
+with speculation on, give token for token and logprob for logprob what each gives alone with it off, on both
+families; and the drafts were really kept (the test counts them, so it cannot pass by never drafting).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from typing import Any
+
+import anyio
+import pytest
+
+from conftest import gemma_missing, gemma_path, model_missing
+from tether.engines import llamacpp_invariant
+from tether.engines.speculation import (
+    Acceptance,
+    Candidate,
+    CostCurve,
+    Drafter,
+    History,
+    NgramIndex,
+    Prediction,
+    expected,
+    plan,
+    ubatches,
+)
+from tether.node.supervisor import Supervisor
+from tether.node.tasks import TaskHandle
+from tether.protocol import ChatMessage, Chunk, EngineSpec, GenerateParams, TaskState
+
+NOT_BUILT = (
+    None if llamacpp_invariant.built() else f"the batch-invariant build is missing: {llamacpp_invariant.BUILD_HINT}"
+)
+# milliseconds of one micro-batch by size, as measured on this project's 2-core machine (SmolLM2-135M, 2 threads)
+CPU_CURVE = {1: 6.5, 2: 12.4, 3: 15.0, 4: 17.8, 6: 24.7, 8: 30.4, 12: 41.7, 16: 52.6, 24: 76.0, 32: 98.2, 64: 176.0}
+
+
+def cpu_cost(size: int) -> float:
+    curve = CostCurve()
+    curve.set(2, CPU_CURVE)
+    return curve.cost(2, size)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The arithmetic
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_the_split_model_is_llama_cpps_sequential_equal_split() -> None:
+    # one sequence: all its tokens in one pass
+    assert ubatches([(0, 9)], 512) == [9]
+    # equal counts over consecutive ids: one pass
+    assert ubatches([(0, 5), (1, 5), (2, 5)], 512) == [15]
+    # a drafting sequence beside plain ones: a pass of one token each, then its draft
+    assert ubatches([(0, 5), (1, 1), (2, 1)], 512) == [3, 4]
+    # a gap in the ids: a run stops at it
+    assert ubatches([(0, 1), (2, 1)], 512) == [1, 1]
+    # the prompt chunk after the decode rows, its slot's id first among them
+    assert ubatches([(1, 1), (2, 1), (0, 32)], 512) == [2, 32]
+    # n_ubatch caps a pass: the same share from each sequence of the run
+    assert ubatches([(0, 300), (1, 300)], 512) == [512, 88]
+    # a unified cache takes the batch in order
+    assert ubatches([(0, 300), (1, 300)], 512, per_stream=False) == [512, 88]
+
+
+def test_a_draft_pays_only_when_long_and_likely_on_a_cpus_cost_curve() -> None:
+    one = [(0, 1)]
+    assert plan(one, 1, [Candidate(0, 0.6, 32)], cpu_cost, 512, exact_lengths=False) == {}
+    chosen = plan(one, 1, [Candidate(0, 0.97, 32)], cpu_cost, 512, exact_lengths=False)
+    assert chosen and chosen[0] >= 8
+    gain = (1 + expected(0.97, chosen[0])) / cpu_cost(1 + chosen[0]) * cpu_cost(1)
+    assert gain > 1.3  # the chosen k's expected speed-up over not drafting
+    # a short draft at 0.7 costs more than it brings here (two rows cost about two steps), a long one at 0.7 too
+    assert plan(one, 1, [Candidate(0, 0.7, 2)], cpu_cost, 512, exact_lengths=False) == {}
+    assert plan(one, 1, [Candidate(0, 0.7, 32)], cpu_cost, 512, exact_lengths=False) == {}
+    # a full batch: verification rows displace nothing cheaper, so only a near-certain draft is taken
+    full = [(i, 1) for i in range(8)]
+    assert plan(full, 8, [Candidate(i, 0.8, 32) for i in range(8)], cpu_cost, 512, exact_lengths=False) == {}
+    # where a few rows are nearly free (a GPU's curve), the same 0.6 draft pays
+    flat = {1: 10.0, 2: 10.2, 4: 10.5, 8: 11.0, 16: 12.0, 32: 15.0, 64: 22.0}
+    curve = CostCurve()
+    curve.set(1, flat)
+    assert plan(one, 1, [Candidate(0, 0.6, 32)], lambda s: curve.cost(1, s), 512, exact_lengths=False)
+
+
+def test_a_windowed_cache_drafts_one_length_for_all() -> None:
+    layout = [(0, 1), (1, 1)]
+    candidates = [Candidate(0, 0.99, 32), Candidate(1, 0.99, 5)]
+    free = plan(layout, 2, candidates, cpu_cost, 512, exact_lengths=False)
+    assert set(free) == {0, 1} and free[1] <= 5
+    windowed = plan(layout, 2, candidates, cpu_cost, 512, exact_lengths=True)
+    assert len(set(windowed.values())) == 1  # one k for every drafting sequence
+    assert all(candidates[seq].available >= k for seq, k in windowed.items())
+
+
+def test_the_cost_curve_interpolates_and_follows_new_timings() -> None:
+    curve = CostCurve()
+    assert not curve.measured(2)
+    curve.set(2, {1: 1.0, 4: 4.0, 8: 6.0})
+    assert curve.cost(2, 2) == pytest.approx(2.0)
+    assert curve.cost(2, 16) == pytest.approx(10.0)  # beyond the largest: the last slope
+    for _ in range(100):
+        curve.observe(2, 4, 2.0)
+    assert curve.cost(2, 4) == pytest.approx(2.0, rel=0.01)
+    curve.observe(2, 5, 3.0)  # a size never timed becomes a point
+    assert curve.cost(2, 5) == 3.0
+
+
+def test_context_lookup_finds_the_longest_earlier_match_and_its_length() -> None:
+    index = NgramIndex((4, 3, 2), [1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4])
+    draft, length = index.follow(index.tokens, 3)
+    assert draft == [5, 6, 7] and length == 3  # "2 3 4" was followed by 5 6 7; "9 2 3 4" never occurred before
+    assert index.follow([8, 8], 3) == ([], 0)
+
+
+def test_a_prediction_finds_its_place_again_after_an_edit() -> None:
+    original = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    prediction = Prediction(original)
+    output: list[int] = []
+
+    def write(token: int) -> None:
+        output.append(token)
+        prediction.observe(token, output)
+
+    assert prediction.propose(4) == [10, 11, 12, 13]
+    for token in (10, 11, 12):
+        write(token)
+    assert prediction.propose(3) == [13, 14, 15] and prediction.run == 3
+    write(99)  # the edit: 13 renamed 99
+    assert prediction.propose(3) == []  # lost
+    write(14)  # the output goes on as the original did: the place is found again right after the edit
+    assert prediction.propose(3) == [15, 16, 17]
+
+
+def test_acceptance_is_learnt_per_kind_and_a_long_match_starts_hopeful() -> None:
+    acceptance = Acceptance()
+    own: dict[str, Any] = {}
+    assert acceptance.q("context:16", own) > 0.85 > 0.5 > acceptance.q("context:0", own)
+    for _ in range(20):
+        acceptance.record("context:16", own, 0, True)  # drafted, first token rejected, twenty times
+    assert acceptance.q("context:16", own) < 0.2
+    assert acceptance.q("context:16", {}) < 0.5  # the engine's estimate moved too, for other sequences
+
+
+def test_earlier_completions_are_drafted_from_and_the_oldest_forgotten() -> None:
+    history = History(budget=40)
+    history.add(list(range(100, 130)))
+    drafter = Drafter.start([1, 2, 100, 101, 102, 103], None)
+    found = dict(drafter.proposals(history, 4))
+    assert found["history:4"] == [104, 105, 106, 107]
+    history.add(list(range(200, 230)))  # over the budget: the first completion goes
+    assert history.follow([100, 101, 102, 103], 4) == ([], 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The promise, on real runners
+# --------------------------------------------------------------------------------------------------------------
+
+PASSAGE = (
+    "The lighthouse stood on a rock at the mouth of the harbour. Every evening the keeper climbed the hundred and "
+    "twelve steps, trimmed the wick, wound the clockwork that turned the lens, and wrote the time in the log. Ships "
+    "that passed at night saw the beam sweep the water once every ten seconds, and knew where the rocks were."
+)
+CODE = textwrap.dedent(inspect.getsource(textwrap.indent))
+RECORD = {"keeper": "Ada", "steps": 112, "period_s": 10, "log": ["wick", "clock", "time"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "keeper": {"type": "string"},
+        "steps": {"type": "integer"},
+        "period_s": {"type": "integer"},
+        "log": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["keeper", "steps", "period_s", "log"],
+}
+
+
+def workload(chat: bool) -> list[GenerateParams]:
+    """Requests that draft: each copies something it was given (a passage, code, a JSON record)."""
+    if chat:
+
+        def ask(text: str, **more: object) -> GenerateParams:
+            return GenerateParams(messages=(ChatMessage("user", text),), **more)  # type: ignore[arg-type]
+
+        quote = "Repeat this passage word for word:\n\n" + PASSAGE
+        edit = f"Rename the function indent to add_prefix and return the whole code:\n\n```python\n{CODE}```"
+        record = "Return this JSON record exactly: " + json.dumps(RECORD)
+    else:
+
+        def ask(text: str, **more: object) -> GenerateParams:
+            return GenerateParams(prompt=text, **more)  # type: ignore[arg-type]
+
+        quote = f"Passage: {PASSAGE}\nThe same passage, copied exactly: "
+        edit = f"Code:\n{CODE}\nThe same code with indent renamed add_prefix:\n"
+        record = f"Record: {json.dumps(RECORD)}\nThe same record: "
+    return [
+        ask(quote, max_tokens=96),
+        ask(quote, max_tokens=96, logprobs=2),
+        ask(quote, max_tokens=96, temperature=0.8, seed=7),
+        ask(quote, max_tokens=37),  # ends inside a draft
+        ask(quote, max_tokens=96, stop=("clockwork",)),  # a stop string inside a draft
+        ask(edit, max_tokens=160, prediction=CODE),
+        ask(edit, max_tokens=160),
+        ask(record, max_tokens=64, json_schema=json.dumps(SCHEMA)),
+    ]
+
+
+async def run(handle: TaskHandle) -> tuple[str, tuple[float, ...], Chunk]:
+    chunks = [event async for event in handle if isinstance(event, Chunk) and not event.is_progress]
+    assert handle.final is not None and handle.final.state is TaskState.COMPLETE, handle.final
+    return "".join(c.text for c in chunks), tuple(lp.logprob for c in chunks for lp in c.logprobs), chunks[-1]
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_leftover_runners")
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+@pytest.mark.parametrize("family", ["smollm2", "gemma3-270m"])
+async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(family: str) -> None:
+    if family == "smollm2":
+        missing, path = model_missing(), None
+    else:
+        missing, path = gemma_missing(), str(gemma_path())
+    if missing is not None:
+        pytest.skip(missing)
+    chat = family == "smollm2"
+    requests = workload(chat)
+    common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2}
+    plain = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 1, "speculation": False})
+    drafting = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4})
+    with anyio.fail_after(280):
+        async with Supervisor(plain) as sup:
+            await sup.ready()
+            alone = [await run(await sup.generate(params)) for params in requests]
+        async with Supervisor(drafting) as sup:
+            await sup.ready()
+            together: dict[int, tuple[str, tuple[float, ...], Chunk]] = {}
+
+            async def one(i: int) -> None:
+                await anyio.sleep(0.05 * i)  # arrivals while others decode, some prefilling beside drafting rows
+                together[i] = await run(await sup.generate(requests[i]))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(one, i)
+            # and each once more alone on the drafting runner: its sequence drafts with the batch to itself
+            again = [await run(await sup.generate(params)) for params in requests]
+    for i, (text, logprobs, final) in enumerate(alone):
+        for label, (spec_text, spec_logprobs, spec_final) in (("together", together[i]), ("alone", again[i])):
+            assert spec_text == text, f"{family} request {i} ({label}) differs with speculation on"
+            assert spec_logprobs == logprobs, f"{family} request {i} ({label}): logprobs not bit-identical"
+            assert spec_final.completion_tokens == final.completion_tokens
+            assert spec_final.finish_reason == final.finish_reason
+            assert spec_final.draft_accepted <= spec_final.draft_tokens
+    assert alone[4][2].finish_reason == "stop" and "clockwork" not in alone[4][0]
+    json.loads(alone[7][0])
+    finals = [final for _, _, final in (*together.values(), *again)]
+    accepted = sum(final.draft_accepted for final in finals)
+    steps = sum(final.decode_steps for final in finals)
+    tokens = sum(final.completion_tokens for final in finals)
+    assert accepted >= tokens // 5, f"only {accepted} of {tokens} tokens came from drafts: speculation barely ran"
+    assert steps < tokens, "no step wrote more than one token of a sequence"
+    assert sum(final.prediction_accepted for final in finals) > 0
+    assert all(final.draft_tokens == 0 for _, _, final in alone)
