@@ -9,8 +9,9 @@ prompt's solo text (greedy, one seed; ``trial.expect_solo_texts``): whole when c
 The debug engine decodes ``parallel`` sequences per step (its option); the real llama.cpp engine (``--engine
 llama.cpp``, the default model or ``--model``'s) takes only what needs no injected fault: outside signals, worker
 signals, the clients' attacks and the per-sequence faults. Its instances are ``deterministic`` with the prompt cache
-on, so every stream's text is held to its solo text bit for bit whatever arrived beside it, was cancelled beside it,
-or left the cells its prompt's prefix was copied from.
+and speculation on, half its prompts copy a line (so streams draft), and its solo instance does not speculate: so
+every stream's text is held to the plain path's bit for bit whatever arrived beside it, was cancelled beside it,
+left the cells its prompt's prefix was copied from, or was drafted and rolled back.
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ PROMPTS = tuple(
         )
     )
 )
+# The real engine's prompts that draft: each asks to copy a line it gives the first words of, so a stream's drafts
+# (from its own context) are long and mostly kept, and a cancel or a neighbour can land between a draft's rows.
+LINES = (
+    "The keeper climbed the hundred and twelve steps, trimmed the wick and wound the clock that turns the lens.",
+    "Ships that pass at night see the beam sweep the water once every ten seconds and know where the rocks are.",
+    "A baker rises at four, lights the oven, weighs the flour and salt, and shapes the loaves before the sun.",
+    "The river bends twice below the mill, runs under the stone bridge and widens into a slow brown lake.",
+)
+COPY_PROMPTS = tuple(
+    f"Copy {i}: repeat the line exactly.\nLine: {line}\nCopy: {' '.join(line.split()[:3])}"
+    for i, line in enumerate(LINES)
+)
 REFUSED_PROMPT = " ".join(["overflow"] * (N_CTX + 64))  # more words (and tokens) than one sequence's context
 
 # One sequence hit alone. A debug-engine ``request_error`` fault would fail a sequence mid-generation, but the HTTP
@@ -101,7 +114,9 @@ def setup(engine: str, url: str, model: str | None = None) -> Setup:
     deadlines = {**DEADLINES, "load_stall": 20.0, "warmup": 20.0, "first_token": 10.0, "token_gap": 5.0}
     # 8 prompts (16 streams ask each twice: equal prompts in one batch must give equal texts): half the solo runs.
     # 16 streams of 32 tokens take ~20 s here (2 shared cores, ~170 ms a step of 8): a request's bound is 60 s.
-    prompts = PROMPTS[:8]
+    # Half of them copy a line (speculation drafts them: see LINES); the solo instance does not speculate, so each
+    # stream's text is held to the plain path's.
+    prompts = PROMPTS[:4] + COPY_PROMPTS
     return Setup(
         "llama.cpp", options, deadlines, prompts, dict(SAMPLING), solo, REFUSED_PROMPT, REAL_REQUEST_BOUND, model
     )
@@ -122,7 +137,10 @@ def plan(seed: int, trials: int, only: Only = None, engine: str = "debug") -> li
 
 
 async def _create_solo(url: str, trial_setup: Setup) -> None:
-    config = {"id": SOLO, "engine": trial_setup.engine, "options": trial_setup.options}
+    options = dict(trial_setup.options)
+    if trial_setup.engine == "llama.cpp":  # the plain path: every trial's drafts are held to it
+        options["speculation"] = False
+    config = {"id": SOLO, "engine": trial_setup.engine, "options": options}
     if trial_setup.model is not None:
         config["model"] = trial_setup.model
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0)) as client:

@@ -57,8 +57,8 @@ MATCHED = (4, 8, 16)  # a proposal's kind says which of these its match reaches 
 MATCH_MOST = 32  # a match is measured back this far at most
 PRIOR = {  # q before a kind has drafted: a long verbatim match is likely to go on; prediction is given for that
     "prediction": (0.7, 0.8, 0.9, 0.95),
-    "context": (0.3, 0.5, 0.75, 0.9),
-    "history": (0.3, 0.5, 0.75, 0.9),
+    "context": (0.3, 0.6, 0.8, 0.9),
+    "history": (0.3, 0.6, 0.8, 0.9),
 }
 PRIOR_WEIGHT = 2.0  # pseudo-events behind a kind's prior
 SEQUENCE_WEIGHT = 4.0  # the engine's estimate for a kind counts as this many of a sequence's own events
