@@ -7,7 +7,9 @@ embedding instance of the same GGUF.
 
 from __future__ import annotations
 
+import inspect
 import json
+import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -228,3 +230,30 @@ def test_langchain_with_structured_output(server: Server) -> None:
     llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=MODEL, temperature=0, max_tokens=64)
     person = llm.with_structured_output(Person).invoke("Invent a person with a name and an age.")
     assert isinstance(person, Person) and person.name
+
+
+def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(server: Server) -> None:
+    """A code edit with the file as its ``prediction``: a good share of the answer's tokens come from drafts (of it,
+    and of the prompt's copy of it), and usage says how many in OpenAI's fields (and tether's speculation counts
+    beside them). On an instance of its own with its two threads fixed: on one thread (the governor's answer to
+    contention) a draft rarely pays on two cores, and the planner rightly drafts nothing."""
+    code = textwrap.dedent(inspect.getsource(textwrap.indent))
+    question = f"Rename the function indent to add_prefix and return the whole code:\n\n```python\n{code}```"
+    options = {"n_ctx": 1024, "parallel": 1, "n_threads": 2, "adaptive_threads": False}
+    server.add_instance({"id": "drafts", "engine": "llama.cpp", "options": options}, 90)
+    client = server.openai()
+    answer = client.chat.completions.create(
+        model="drafts",
+        messages=ask(question),
+        max_tokens=200,
+        temperature=0,
+        prediction={"type": "content", "content": code},
+    )
+    usage = answer.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    accepted = usage.completion_tokens_details.accepted_prediction_tokens or 0
+    rejected = usage.completion_tokens_details.rejected_prediction_tokens or 0
+    drafts = (usage.model_extra or {})["speculation"]
+    assert accepted > 0 and drafts["accepted_tokens"] > usage.completion_tokens // 4, (drafts, usage)
+    assert drafts["accepted_tokens"] >= accepted and drafts["draft_tokens"] >= accepted + rejected
+    assert drafts["decode_steps"] < usage.completion_tokens  # steps that wrote several tokens at once

@@ -28,7 +28,7 @@ from tether.engines.speculation import (
     Drafter,
     History,
     NgramIndex,
-    Prediction,
+    PredictionCursor,
     expected,
     plan,
     ubatches,
@@ -124,7 +124,7 @@ def test_context_lookup_finds_the_longest_earlier_match_and_its_length() -> None
 
 def test_a_prediction_finds_its_place_again_after_an_edit() -> None:
     original = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
-    prediction = Prediction(original)
+    prediction = PredictionCursor(original)
     output: list[int] = []
 
     def write(token: int) -> None:

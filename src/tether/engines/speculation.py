@@ -9,7 +9,7 @@ Three sources, each a lookup of the tokens just written in something already kno
 - the request's ``prediction`` (OpenAI's Predicted Outputs: the text the answer is expected to repeat, as a file
   being edited): a pointer into its tokens advances while the output repeats them; after a difference, the output's
   last tokens find the place again, the nearest match at or after where the pointer left off, so an edit costs one
-  rejected draft, not the rest of the file (:class:`Prediction`);
+  rejected draft, not the rest of the file (:class:`PredictionCursor`);
 - the sequence's own context, prompt and output (prompt lookup decoding): the latest earlier occurrence of its last
   4, 3 or 2 tokens, and what followed it (:class:`NgramIndex`);
 - earlier requests' completions (suffix decoding's idea, across requests): the same lookup, last 4 or 3 tokens,
@@ -128,7 +128,7 @@ class NgramIndex:
         return None
 
 
-class Prediction:
+class PredictionCursor:
     """A request's predicted tokens and where the output stands in them (see the module docstring)."""
 
     def __init__(self, tokens: Sequence[int]) -> None:
@@ -250,7 +250,7 @@ class Drafter:
     """One sequence's sources and its acceptance counts."""
 
     context: NgramIndex
-    prediction: Prediction | None = None
+    prediction: PredictionCursor | None = None
     own: dict[str, _Counts] = field(default_factory=dict)
     drafted: int = 0  # tokens verified, over the sequence
     accepted: int = 0
@@ -259,7 +259,7 @@ class Drafter:
 
     @classmethod
     def start(cls, prompt: Sequence[int], prediction: Sequence[int] | None) -> Drafter:
-        return cls(NgramIndex(CONTEXT_NGRAMS, prompt), Prediction(prediction) if prediction else None)
+        return cls(NgramIndex(CONTEXT_NGRAMS, prompt), PredictionCursor(prediction) if prediction else None)
 
     def observe(self, token: int) -> None:
         """The sequence's next token is known (sampled): it is now the context's last."""
