@@ -11,6 +11,7 @@ families; and the drafts were really kept (the test counts them, so it cannot pa
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import textwrap
@@ -113,6 +114,23 @@ def test_the_cost_curve_interpolates_and_follows_new_timings() -> None:
     assert curve.cost(2, 4) == pytest.approx(2.0, rel=0.01)
     curve.observe(2, 5, 3.0)  # a size never timed becomes a point
     assert curve.cost(2, 5) == 3.0
+
+
+def test_drafting_steps_that_cost_more_than_predicted_are_priced_at_what_they_cost() -> None:
+    curve = CostCurve()
+    curve.set(2, CPU_CURVE)
+    one = [(0, 1)]
+    offer = [Candidate(0, 0.95, 32)]
+    assert plan(one, 1, offer, lambda s: curve.cost(2, s), 512, exact_lengths=False)
+    for _ in range(200):  # plain steps as predicted; steps with drafts twice what the curve said (a second pass...)
+        curve.step(2, [8], CPU_CURVE[8], drafted=False)
+        curve.step(2, [8, 16], (CPU_CURVE[8] + CPU_CURVE[16]) * 2, drafted=True)
+    assert curve.draft_factor() == pytest.approx(2.0, rel=0.05)
+    cost = lambda s: curve.cost(2, s)  # noqa: E731
+    assert plan(one, 1, offer, cost, 512, exact_lengths=False, draft_factor=curve.draft_factor()) == {}
+    for _ in range(3000):  # no drafts for a long while: the old evidence fades
+        curve.step(2, [8], CPU_CURVE[8], drafted=False)
+    assert curve.draft_factor() < 1.1
 
 
 def test_context_lookup_finds_the_longest_earlier_match_and_its_length() -> None:
@@ -273,3 +291,48 @@ async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(fam
     assert steps < tokens, "no step wrote more than one token of a sequence"
     assert sum(final.prediction_accepted for final in finals) > 0
     assert all(final.draft_tokens == 0 for _, _, final in alone)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_leftover_runners")
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(240)
+async def test_drafts_past_gemmas_window_keep_the_copy_whole_on_a_windowed_cache() -> None:
+    """Gemma 3's sliding-window layers keep only their window (``swa_full`` off, the default build): drafts past the
+    512-token window, two sequences drafting at once, are rolled back without losing a cell the next step attends
+    to. A lost cell would show as a copy that goes wrong. The default build's texts may part from the plain ones
+    (rows verified together are another batch shape), so each answer is held to how much of it is the source's
+    text in runs of 20+ characters: as much as without drafts (the model skips a line or repeats a comment either
+    way), over hundreds of characters past the window, most of its tokens from drafts."""
+    missing = gemma_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    source = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._wrap_chunks))
+    starts = [source.index("\n", at) + 1 for at in (40, 400)]  # the copies begin at a line's start
+    prompts = [f"Code:\n{source}\nThe same code, copied exactly:\n{source[:start]}" for start in starts]
+
+    def copied(text: str) -> float:
+        blocks = difflib.SequenceMatcher(None, source, text, autojunk=False).get_matching_blocks()
+        return sum(block.size for block in blocks if block.size >= 20) / max(len(text), 1)
+
+    answers: dict[bool, dict[int, tuple[str, tuple[float, ...], Chunk]]] = {}
+    with anyio.fail_after(220):
+        for drafting in (False, True):
+            options = {"n_ctx": 2048, "parallel": 2, "speculation": drafting}
+            async with Supervisor(EngineSpec(engine="llama.cpp", model=str(gemma_path()), options=options)) as sup:
+                await sup.ready()
+                answers[drafting] = {}
+
+                async def one(i: int, into: dict[int, tuple[str, tuple[float, ...], Chunk]]) -> None:
+                    into[i] = await run(await sup.generate(GenerateParams(prompt=prompts[i], max_tokens=320)))
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i, answers[drafting])
+    for i in range(len(prompts)):
+        text, _, final = answers[True][i]
+        plain = copied(answers[False][i][0])
+        assert len(text) >= 600 and copied(text) >= 0.85 * plain, f"copy {i} strays from the source: {text!r}"
+        assert final.prompt_tokens + final.completion_tokens > 512 + 100  # well past the window
+        assert final.draft_accepted > final.completion_tokens // 2, final

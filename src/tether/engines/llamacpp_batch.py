@@ -495,10 +495,9 @@ class Batch:
         if n:
             threads = self.threads.current
             seconds = self._decode(n)
-            if self.speculation:  # a step of one micro-batch times that size on this machine, now
+            if self.speculation:  # what this step's shape costs on this machine, now
                 passes = ubatches(layout, self.n_ubatch, per_stream=not self.unified)
-                if len(passes) == 1:
-                    self.costs.observe(threads, passes[0], seconds)
+                self.costs.step(threads, passes, seconds, bool(drafts))
         if prefilling is not None and prefilling.chunk_rows[1]:
             self._prompt_logprobs(prefilling)
         results: list[StepResult] = []
@@ -657,6 +656,7 @@ class Batch:
             self.n_ubatch,
             exact_lengths=self.windowed,
             per_stream=not self.unified,
+            draft_factor=self.costs.draft_factor(),
         )
         drafts: dict[str, list[int]] = {}
         for index, k in chosen.items():

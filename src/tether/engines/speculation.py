@@ -38,7 +38,9 @@ A full batch drafts only when acceptance is very high (measured: 8 sequences, 38
 more, 67 ms), a lone sequence with a long likely draft gains up to ~2x.
 
 The cost curve is measured at load (:func:`probe_points`, the micro-batch sizes timed) for each thread count the
-engine may use, and refined as steps run: every step decoded in one micro-batch updates its size's cost.
+engine may use, and refined as steps run: every step decoded in one micro-batch updates its size's cost, and every
+step calibrates the prediction (measured over predicted seconds, for steps with drafts and for steps without), so a
+draft is priced at what drafting steps have really cost here (:meth:`CostCurve.step`).
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ SEQUENCE_WEIGHT = 4.0  # the engine's estimate for a kind counts as this many of
 DECAY = 0.98  # an engine-wide count's weight after each later outcome of its kind
 Q_FLOOR = 0.5  # a proposal less likely than this is not worth pricing (two rows cost two steps here)
 K_CHOICES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the uniform draft lengths a step considers
-MARGIN = 1.03  # drafting must beat not drafting by this much in expected tokens per second
+MARGIN = 1.05  # drafting must beat not drafting by this much in expected tokens per second
 CURVE_EMA = 0.1  # the weight of a new timing of one micro-batch size
+CALIBRATION_EMA = 0.05  # the weight of a step's measured over predicted seconds
+CALIBRATION_DRIFT = 0.002  # per plain step, how far the drafting steps' calibration returns toward the plain ones'
 
 
 def probe_points(most: int) -> tuple[int, ...]:
@@ -299,6 +303,29 @@ class CostCurve:
 
     def __init__(self) -> None:
         self._points: dict[int, dict[int, float]] = {}  # threads -> size -> seconds
+        self._plain = 1.0  # steps without drafts: measured over predicted seconds (EMA)
+        self._drafting = 1.0  # steps with drafts: the same
+
+    def step(self, threads: int, passes: Sequence[int], seconds: float, drafted: bool) -> None:
+        """A step's decode took ``seconds`` in micro-batches of ``passes`` tokens: a single micro-batch refines its
+        size's cost; every step calibrates the curve's prediction for its kind (with drafts or without), so what the
+        curve does not see (a second pass, longer contexts, rows of several sequences) is priced from what steps
+        really took."""
+        if seconds <= 0.0 or not passes or not self.measured(threads):
+            return
+        predicted = sum(self.cost(threads, size) for size in passes)
+        ratio = seconds / predicted
+        if drafted:
+            self._drafting += CALIBRATION_EMA * (ratio - self._drafting)
+        else:
+            self._plain += CALIBRATION_EMA * (ratio - self._plain)
+            self._drafting += CALIBRATION_DRIFT * (self._plain - self._drafting)  # old evidence fades
+        if len(passes) == 1:
+            self.observe(threads, passes[0], seconds)
+
+    def draft_factor(self) -> float:
+        """How much dearer than the curve says a step with drafts has been, relative to one without."""
+        return self._drafting / self._plain if self._plain > 0.0 else 1.0
 
     def measured(self, threads: int) -> bool:
         return threads in self._points
@@ -391,12 +418,14 @@ def plan(
     *,
     exact_lengths: bool,
     per_stream: bool = True,
+    draft_factor: float = 1.0,
 ) -> dict[int, int]:
     """How many draft tokens each sequence verifies this step: {sequence id: k}, empty for none.
 
     ``layout``: the step's batch without drafts, (sequence id, tokens) in batch order; ``producing``: how many of its
     rows make a token (decode rows; a prompt chunk's rows make none); ``cost``: a micro-batch's seconds by size;
-    ``per_stream``: how the cache splits batches (``ubatches``).
+    ``per_stream``: how the cache splits batches (``ubatches``); ``draft_factor``: what steps with drafts have
+    really cost over the curve's prediction, relative to plain steps (``CostCurve.draft_factor``).
     Every drafting sequence drafts the same k, or (unless ``exact_lengths``) all its source has if fewer; with
     ``exact_lengths`` a sequence whose draft is shorter than k does not draft (a sliding-window cache: see
     ``llamacpp_batch``). The choice maximises expected tokens per second (see the module docstring)."""
@@ -406,7 +435,8 @@ def plan(
 
     def seconds(drafts: dict[int, int]) -> float:
         sized = [(seq, count + drafts.get(seq, 0)) for seq, count in layout]
-        return sum(cost(size) for size in ubatches(sized, n_ubatch, per_stream=per_stream))
+        raw = sum(cost(size) for size in ubatches(sized, n_ubatch, per_stream=per_stream))
+        return raw * draft_factor if drafts else raw
 
     best_value = producing / seconds({}) * MARGIN
     best: dict[int, int] = {}
