@@ -175,8 +175,9 @@ def test_earlier_completions_are_drafted_from_and_the_oldest_forgotten() -> None
     drafter = Drafter.start([1, 2, 100, 101, 102, 103], None)
     found = dict(drafter.proposals(history, 4))
     assert found["history:4"] == [104, 105, 106, 107]
-    history.add(list(range(200, 230)))  # over the budget: the first completion goes
+    history.add(list(range(200, 230)))  # over the budget: the first completion goes, and its index entries
     assert history.follow([100, 101, 102, 103], 4) == ([], 0)
+    assert history.entries() == 2 * 30 - 4 - 3  # the second completion's 4-grams and 3-grams, nothing else
 
 
 # --------------------------------------------------------------------------------------------------------------

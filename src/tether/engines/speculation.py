@@ -13,7 +13,8 @@ Three sources, each a lookup of the tokens just written in something already kno
 - the sequence's own context, prompt and output (prompt lookup decoding): the latest earlier occurrence of its last
   4, 3 or 2 tokens, and what followed it (:class:`NgramIndex`);
 - earlier requests' completions (suffix decoding's idea, across requests): the same lookup, last 4 or 3 tokens,
-  over the latest :data:`HISTORY_TOKENS` tokens of finished completions (:class:`History`).
+  over the latest :data:`HISTORY_TOKENS` tokens of finished completions (:class:`History`; a completion's index
+  entries leave with it, so the runner's memory for it is bounded).
 
 Each proposal has a *kind* (below) and the sequence drafts from the kind whose acceptance is highest.
 
@@ -53,7 +54,7 @@ CONTEXT_NGRAMS = (4, 3, 2)  # a sequence's own context: the longest of these tha
 HISTORY_NGRAMS = (4, 3)  # earlier completions: 2 tokens match too much unrelated text
 PREDICTION_NGRAMS = (4, 3, 2, 1)  # re-finding the place in a prediction: one token will do near where it left off
 PREDICTION_REACH = 64  # a re-found place within this many tokens after the pointer's last place (one-token match)
-HISTORY_TOKENS = 1 << 18  # earlier completions' tokens kept for lookups
+HISTORY_TOKENS = 1 << 16  # earlier completions' tokens kept for lookups (their index: ~20 MiB in the runner)
 HISTORY_MIN = 8  # a completion shorter than this teaches nothing
 MATCHED = (4, 8, 16)  # a proposal's kind says which of these its match reaches (the tokens just written, found)
 MATCH_MOST = 32  # a match is measured back this far at most
@@ -182,8 +183,18 @@ class History:
             for end in range(n, len(tokens)):
                 latest[tuple(tokens[end - n : end])] = (doc, end)
         while self._held > self.budget and len(self._docs) > 1:
-            _, old = self._docs.popitem(last=False)
-            self._held -= len(old)  # its index entries are dropped when a lookup meets them
+            gone, old = self._docs.popitem(last=False)
+            self._held -= len(old)
+            for n in HISTORY_NGRAMS:  # its entries go too (those a later completion has not taken over)
+                latest = self._latest[n]
+                for end in range(n, len(old)):
+                    key = tuple(old[end - n : end])
+                    if latest.get(key, (None, 0))[0] == gone:
+                        del latest[key]
+
+    def entries(self) -> int:
+        """Index entries held (bounded by the completions kept)."""
+        return sum(len(latest) for latest in self._latest.values())
 
     def follow(self, tail: Sequence[int], k: int) -> tuple[list[int], int]:
         for n in HISTORY_NGRAMS:
@@ -193,10 +204,7 @@ class History:
             hit = self._latest[n].get(key)
             if hit is None:
                 continue
-            doc = self._docs.get(hit[0])
-            if doc is None:
-                del self._latest[n][key]
-                continue
+            doc = self._docs[hit[0]]
             return doc[hit[1] : hit[1] + k], matched(doc, hit[1], tail)
         return [], 0
 
