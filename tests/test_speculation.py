@@ -23,12 +23,14 @@ import pytest
 from conftest import gemma_missing, gemma_path, model_missing
 from tether.engines import llamacpp_invariant
 from tether.engines.speculation import (
+    EXPLORE,
     Acceptance,
     Candidate,
     CostCurve,
     Drafter,
     History,
     NgramIndex,
+    Payoff,
     PredictionCursor,
     expected,
     plan,
@@ -131,6 +133,21 @@ def test_drafting_steps_that_cost_more_than_predicted_are_priced_at_what_they_co
     for _ in range(3000):  # no drafts for a long while: the old evidence fades
         curve.step(2, [8], CPU_CURVE[8], drafted=False)
     assert curve.draft_factor() < 1.1
+
+
+def test_a_batch_shape_where_drafting_has_not_paid_drafts_only_to_look_again() -> None:
+    payoff = Payoff()
+    shape = (8, False)
+    assert payoff.allows(shape)  # nothing measured yet
+    for _ in range(30):
+        payoff.record(shape, False, 8, 0.030)  # plain steps: 267 tokens/s
+        payoff.record(shape, True, 16, 0.076)  # steps with drafts: 211 tokens/s
+    allowed = sum(payoff.allows(shape) for _ in range(100))
+    assert allowed == 100 // EXPLORE
+    assert payoff.allows((1, False))  # another shape is judged on its own
+    for _ in range(60):
+        payoff.record(shape, True, 30, 0.076)  # drafts start paying (a copy): 395 tokens/s
+    assert payoff.allows(shape)
 
 
 def test_context_lookup_finds_the_longest_earlier_match_and_its_length() -> None:

@@ -129,6 +129,7 @@ from tether.engines.speculation import (
     CostCurve,
     Drafter,
     History,
+    Payoff,
     plan,
     probe_points,
     ubatches,
@@ -336,6 +337,7 @@ class Batch:
         self.costs = CostCurve()
         self.acceptance = Acceptance()
         self.history = History()
+        self.payoff = Payoff()
 
     # --- sequences ------------------------------------------------------------------------------------------
 
@@ -437,6 +439,7 @@ class Batch:
         in an embedding batch, one whole prompt and its vector)."""
         if self.embedding:
             return self._embed_step()
+        started = time.perf_counter()
         n = 0
         waiting = {seq.seq_id for seq in self._seqs.values() if seq.prefilling}
         rows = sorted(
@@ -503,9 +506,12 @@ class Batch:
         results: list[StepResult] = []
         if prefilling is not None and prefilling.prefilling:  # a long prompt advanced: its first-token clock restarts
             results.append((prefilling.seq_id, Delta("", 0, prefilled=prefilling.prefilled)))
+        made = 0
         for seq in list(self._seqs.values()):
             if seq.row >= 0:
-                results.append((seq.seq_id, self._verify(seq)))
+                result = self._verify(seq)
+                made += result.tokens if isinstance(result, Delta) else 0
+                results.append((seq.seq_id, result))
                 seq.row = -1
             elif seq.echo_only and seq.ready:  # its prompt is in: it ends, having generated nothing
                 self.drop(seq.seq_id)
@@ -513,6 +519,8 @@ class Batch:
                 prompt = len(seq.prompt)
                 final = Delta(seq.echo or "", 0, "length", prompt, 0, logprobs=echoed, cached_tokens=seq.reused)
                 results.append((seq.seq_id, final))
+        if self.speculation and rows:  # what this step's shape gave, with its drafts or without
+            self.payoff.record((len(rows), bool(chunk)), bool(drafts), made, time.perf_counter() - started)
         return results
 
     def close(self) -> None:
@@ -620,6 +628,8 @@ class Batch:
         threads = self.threads.current
         if not self.costs.measured(threads) or self.draft_max < 2 or (self.windowed and chunk):
             return {}  # (a window's ring beside a prompt chunk: see Speculation in the module docstring)
+        if not self.payoff.allows((len(rows), bool(chunk))):
+            return {}  # drafting has not paid in steps of this shape (``speculation.Payoff``)
         cap = min(self.draft_max, (self.n_batch + self.parallel - len(rows) - chunk) // len(rows))
         if self.windowed:  # every drafting row's tokens in at most two micro-batches, the second from its draft on
             cap = min(cap, self.n_ubatch // len(rows) - 1)

@@ -35,6 +35,8 @@ drafts ``k`` tokens expects ``q + q^2 + ... + q^k`` more of them, and the step's
 non-unified cache splits a batch into passes that take the same number of tokens from each of a run of consecutive
 sequences, so one drafting sequence beside seven plain ones costs a second pass). Every drafting sequence of a step
 drafts the same ``k`` (fewer passes); the step drafts nothing unless that beats not drafting by :data:`MARGIN`.
+And the plan is checked against what it gets (:class:`Payoff`): per batch shape, steps with drafts must have given
+more tokens per second than steps without, measured, or that shape stops drafting (but for one step in 20).
 A full batch drafts only when acceptance is very high (measured: 8 sequences, 38 ms a step; each drafting one token
 more, 67 ms), a lone sequence with a long likely draft gains up to ~2x.
 
@@ -70,6 +72,8 @@ Q_FLOOR = 0.5  # a proposal less likely than this is not worth pricing (two rows
 K_CHOICES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the uniform draft lengths a step considers
 MARGIN = 1.05  # drafting must beat not drafting by this much in expected tokens per second
 CURVE_EMA = 0.1  # the weight of a new timing of one micro-batch size
+PAYOFF_EMA = 0.1  # the weight of a step's tokens per second in its batch shape's rate
+EXPLORE = 20  # where drafting has not paid, one step in this many still drafts (to see when that changes)
 CALIBRATION_EMA = 0.05  # the weight of a step's measured over predicted seconds
 CALIBRATION_DRIFT = 0.002  # per plain step, how far the drafting steps' calibration returns toward the plain ones'
 
@@ -399,6 +403,36 @@ def ubatches(layout: Sequence[tuple[int, int]], n_ubatch: int, *, per_stream: bo
             if left[seq] <= 0:
                 del left[seq]
     return sizes
+
+
+class Payoff:
+    """Whether drafting has paid here, measured rather than predicted: per batch shape (decode rows, and whether a
+    prompt chunk rode along), the tokens per second that steps with drafts and steps without really gave, from the
+    step's start to its last pick. The plan's estimates can be wrong (acceptance learnt on other sequences, a cost the
+    curve does not see); where steps with drafts have given fewer tokens per second than steps without, a step of
+    that shape drafts only once in :data:`EXPLORE`."""
+
+    def __init__(self) -> None:
+        self._plain: dict[tuple[int, bool], float] = {}
+        self._drafted: dict[tuple[int, bool], float] = {}
+        self._held: dict[tuple[int, bool], int] = {}
+
+    def allows(self, shape: tuple[int, bool]) -> bool:
+        plain, drafted = self._plain.get(shape), self._drafted.get(shape)
+        if plain is None or drafted is None or drafted >= plain:
+            return True
+        held = self._held[shape] = self._held.get(shape, 0) + 1
+        if held < EXPLORE:
+            return False
+        self._held[shape] = 0
+        return True
+
+    def record(self, shape: tuple[int, bool], drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0.0:
+            return
+        rates = self._drafted if drafted else self._plain
+        rate, old = tokens / seconds, rates.get(shape)
+        rates[shape] = rate if old is None else old + PAYOFF_EMA * (rate - old)
 
 
 @dataclass(frozen=True)
