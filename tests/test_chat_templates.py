@@ -87,7 +87,7 @@ def test_the_flag_sets_the_option_and_a_files_path_is_made_absolute(monkeypatch:
         n_ctx = threads = parallel = prompt_cache_ram = None
         chat_template = "gemma"
         deterministic = False
-        speculation = True
+        speculation = False
 
     assert engine_options(Flags()) == {"chat_template": "gemma"}  # type: ignore[arg-type]
     Flags.chat_template = "mine.jinja"

@@ -40,7 +40,7 @@ SAMPLES: dict[str, tuple[list[str], str, str]] = {
     "prompt_cache_ram": (["--prompt-cache-ram", "512M"], "512M", '"512M"'),
     "chat_template": (["--chat-template", "gemma"], "gemma", '"gemma"'),
     "deterministic": (["--deterministic"], "true", "true"),
-    "speculation": (["--no-speculation"], "false", "false"),
+    "speculation": (["--speculation"], "true", "true"),
     "restart": (["--restart", "never"], "never", '"never"'),
     "max_queue": (["--max-queue", "3"], "3", "3"),
     "max_body": (["--max-body", "1M"], "1048576", "1048576"),

@@ -75,7 +75,7 @@ def test_the_flag_and_the_catalog_field_set_the_option_once(tmp_path: Path) -> N
     class Flags:
         n_ctx = threads = parallel = prompt_cache_ram = chat_template = None
         deterministic = True
-        speculation = True
+        speculation = False
 
     assert engine_options(Flags()) == {"deterministic": True}  # type: ignore[arg-type]
     data = {"models": [{"id": "a", "deterministic": True}, {"id": "b"}]}

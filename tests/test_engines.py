@@ -636,7 +636,7 @@ def test_llama_cancel_stops_within_one_delta(llama_engine: object) -> None:
     flag.set()
     rest = list(stream)
     assert len(rest) <= 1
-    assert rest == [Delta("", 0, "cancelled", rest[0].prompt_tokens, 2)]
+    assert rest == [Delta("", 0, "cancelled", rest[0].prompt_tokens, 2, decode_steps=2)]  # 2 tokens, 2 steps
     assert all(d.finish_reason is None for d in received)
 
 

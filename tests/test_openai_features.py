@@ -239,7 +239,7 @@ def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(serve
     contention) a draft rarely pays on two cores, and the planner rightly drafts nothing."""
     code = textwrap.dedent(inspect.getsource(textwrap.indent))
     question = f"Rename the function indent to add_prefix and return the whole code:\n\n```python\n{code}```"
-    options = {"n_ctx": 1024, "parallel": 1, "n_threads": 2, "adaptive_threads": False}
+    options = {"n_ctx": 1024, "parallel": 1, "n_threads": 2, "adaptive_threads": False, "speculation": True}
     server.add_instance({"id": "drafts", "engine": "llama.cpp", "options": options}, 90)
     client = server.openai()
     answer = client.chat.completions.create(
@@ -254,6 +254,7 @@ def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(serve
     accepted = usage.completion_tokens_details.accepted_prediction_tokens or 0
     rejected = usage.completion_tokens_details.rejected_prediction_tokens or 0
     drafts = (usage.model_extra or {})["speculation"]
-    assert accepted > 0 and drafts["accepted_tokens"] > usage.completion_tokens // 4, (drafts, usage)
+    # drafted from the prediction or from the prompt's own copy of the file (whichever the sequence trusts more)
+    assert drafts["accepted_tokens"] > usage.completion_tokens // 4, (drafts, usage)
     assert drafts["accepted_tokens"] >= accepted and drafts["draft_tokens"] >= accepted + rejected
     assert drafts["decode_steps"] < usage.completion_tokens  # steps that wrote several tokens at once

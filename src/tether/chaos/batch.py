@@ -110,7 +110,7 @@ def setup(engine: str, url: str, model: str | None = None) -> Setup:
         return Setup("debug", options, dict(DEADLINES), PROMPTS, dict(SAMPLING), solo, REFUSED_PROMPT)
     # The real engine on two shared cores: a step of 16 sequences is tens of ms, a load a second; hangs are still
     # found by the heartbeat. Deterministic, so that neither the batch nor the prompt cache may change a text.
-    options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": 2, "deterministic": True}
+    options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": 2, "deterministic": True, "speculation": True}
     deadlines = {**DEADLINES, "load_stall": 20.0, "warmup": 20.0, "first_token": 10.0, "token_gap": 5.0}
     # 8 prompts (16 streams ask each twice: equal prompts in one batch must give equal texts): half the solo runs.
     # 16 streams of 32 tokens take ~20 s here (2 shared cores, ~170 ms a step of 8): a request's bound is 60 s.
@@ -126,7 +126,7 @@ def serve_args(engine: str, model: str | None = None) -> tuple[str, ...]:
     if engine == "debug":
         return ("--engine", "debug", "--name", "warm", "--parallel", str(PARALLEL), "--n-ctx", str(N_CTX))
     return ("--engine", "llama.cpp", "--name", "warm", "--parallel", str(PARALLEL), "--n-ctx", str(N_CTX),
-            "--threads", "2", "--deterministic", *(("--model", model) if model else ()))  # fmt: skip
+            "--threads", "2", "--deterministic", "--speculation", *(("--model", model) if model else ()))  # fmt: skip
 
 
 def plan(seed: int, trials: int, only: Only = None, engine: str = "debug") -> list[Trial]:

@@ -54,7 +54,7 @@ class RunnerFlags(Protocol):
 def engine_options(args: RunnerFlags) -> dict[str, object]:
     """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``,
     ``--chat-template``: a file's path made absolute, as the runner reads it; ``--deterministic``,
-    ``--no-speculation``), for ``run`` and ``serve`` alike."""
+    ``--speculation``), for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
@@ -70,8 +70,8 @@ def engine_options(args: RunnerFlags) -> dict[str, object]:
         options["chat_template"] = chosen if builtin else str(Path(chosen).expanduser().absolute())
     if args.deterministic:
         options["deterministic"] = True
-    if not args.speculation:
-        options["speculation"] = False
+    if args.speculation:
+        options["speculation"] = True
     return options
 
 

@@ -400,12 +400,11 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str, *,
         "`tether build deterministic`; slower prompt processing on some models)",
     )
     command.add_argument(
-        "--no-speculation",
-        dest="speculation",
-        action="store_false",
+        "--speculation",
+        action="store_true",
         **default("speculation"),
-        help="no speculative decoding: one token per step, nothing drafted (llama.cpp's option speculation, on by "
-        "default; a request's prediction is then not drafted from)",
+        help="speculative decoding: verify draft tokens (from a request's prediction, its context, earlier "
+        "answers) where this machine's measured cost says it pays (llama.cpp's option speculation, off by default)",
     )
     command.add_argument(
         "--prompt-cache-ram",

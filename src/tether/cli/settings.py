@@ -166,7 +166,7 @@ class ServeSettings(BaseSettings):
     prompt_cache_ram: Size | None = None
     chat_template: str | None = None
     deterministic: bool = False
-    speculation: bool = True
+    speculation: bool = False
     restart: Literal["on-failure", "never"] = "on-failure"
     max_queue: int = Field(16, ge=0)
     max_body: Size = units.parse_size("4M")

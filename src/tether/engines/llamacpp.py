@@ -125,7 +125,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "swa_full": False,  # sliding-window layers keep every position (more KV; prefixes reusable past the window)
     "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
     "deterministic": False,  # the batch-invariant build: greedy texts independent of load (``llamacpp_invariant``)
-    "speculation": True,  # verify draft tokens when the measured cost says it pays (``speculation``)
+    "speculation": False,  # verify draft tokens where the measured cost says it pays (``speculation``): see the docs
     "draft_max": 32,  # the most draft tokens a sequence verifies in one step
 }
 UINT32_MAX = (1 << 32) - 1  # llama.cpp's context and batch sizes are uint32

@@ -236,7 +236,8 @@ class ModelEstimate:
         if self.swa_cells:
             sliding = sum(self.shape.swa_layers)
             ctx += f", {sliding} of {self.shape.n_layers} layers in a {self.swa_cells}-cell sliding window"
-        outputs = f" + outputs {format_bytes(self.outputs)} (embeddings: every token's logits)" if self.outputs else ""
+        kind = "embeddings: every token's logits" if self.embedding else "speculation: every draft row's logits"
+        outputs = f" + outputs {format_bytes(self.outputs)} ({kind})" if self.outputs else ""
         if self.prompt_cache_ram:
             outputs += f" + prompt cache in RAM up to {format_bytes(self.prompt_cache_ram)} (held as it fills)"
         weights = f"weights {format_bytes(self.weights)}"
@@ -618,6 +619,9 @@ def estimate_for_spec(spec: EngineSpec, options: Mapping[str, Any], headroom: in
         unified=bool(options.get("kv_unified", False)),
         swa_full=bool(options.get("swa_full", False) or options.get("deterministic", False)),  # it implies swa_full
     )
+    if options.get("speculation") and not embedding:  # draft rows want logits too: twice, compute and output buffer
+        rows = min(whole.parallel * (int(options.get("draft_max", 32)) + 1), int(options["n_batch"]) + whole.parallel)
+        whole = replace(whole, outputs=whole.outputs + 2 * max(0, rows - whole.parallel) * whole.shape.n_vocab * 4)
     if spec.rank is None:
         return whole
     shares = split_shares(spec.rank, options.get("layer_split"))

@@ -15,7 +15,7 @@ A catalog file::
     options = { n_ctx = 2048 }     # engine options, as POST /v1/instances takes them
     chat_template = "gemma"        # a built-in template or a Jinja file (relative to this file): the option
     deterministic = true           # greedy texts independent of load: the option (llama.cpp's batch-invariant build)
-    speculation = false            # no speculative decoding: the option (llama.cpp's; on by default)
+    speculation = true             # speculative decoding: the option (llama.cpp's; off by default)
     keep_alive = "10m"
     pinned = true                  # loaded at start, never unloaded or evicted
 
