@@ -3,7 +3,7 @@ reports: usage's ``completion_tokens_details`` (Responses: ``output_tokens_detai
 ``/metrics`` and ``GET /v1/instances``.
 
 The shapers are fed final chunks with every count set, so the exact usage each dialect writes is checked here; a live
-``tether serve --engine debug --no-speculation`` proves the field is accepted in every shape, refused naming it in
+``tether serve --engine debug --speculation`` proves the field is accepted in every shape, refused naming it in
 every other, and that the counts cross the runner's pipe (the debug engine drafts nothing: its draft and prediction
 counts are 0, and it takes one step per token). The engine's drafting itself is ``test_speculation``'s.
 """
@@ -203,31 +203,31 @@ def test_an_instances_drafts_count_steps_only_where_they_were_counted() -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_the_flag_and_the_catalog_field_turn_speculation_off_once(tmp_path: Any) -> None:
+def test_the_flag_and_the_catalog_field_turn_speculation_on_once(tmp_path: Any) -> None:
     class Flags:
         n_ctx = threads = parallel = prompt_cache_ram = chat_template = None
         deterministic = False
-        speculation = False
+        speculation = True
 
-    assert engine_options(Flags()) == {"speculation": False}  # type: ignore[arg-type]
-    Flags.speculation = True
-    assert engine_options(Flags()) == {}  # type: ignore[arg-type]  # on by default: the engine's own default
-    data = {"models": [{"id": "a", "speculation": False}, {"id": "b"}]}
+    assert engine_options(Flags()) == {"speculation": True}  # type: ignore[arg-type]
+    Flags.speculation = False
+    assert engine_options(Flags()) == {}  # type: ignore[arg-type]  # off by default: the engine's own default
+    data = {"models": [{"id": "a", "speculation": True}, {"id": "b"}]}
     models = catalog_models(data, "catalog.toml", tmp_path, 300.0, False)
-    assert [m.config.options.get("speculation") for m in models] == [False, None]
+    assert [m.config.options.get("speculation") for m in models] == [True, None]
     twice = {"models": [{"id": "c", "speculation": False, "options": {"speculation": True}}]}
     with pytest.raises(InvalidField, match="set speculation once"):
         catalog_models(twice, "catalog.toml", tmp_path, 300.0, False)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# A live server: the debug engine, speculation switched off by the flag
+# A live server: the debug engine, speculation switched on by the flag (the debug engine drafts nothing either way)
 # --------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with debug_server("--no-speculation") as server:
+    with debug_server("--speculation") as server:
         yield server
 
 
@@ -242,7 +242,7 @@ def metric(server: Server, name: str, **labels: str) -> float | None:
 
 
 def test_the_flag_reaches_the_instances_options(server: Server) -> None:
-    assert server.instance("debug")["options"] == {"speculation": False}
+    assert server.instance("debug")["options"] == {"speculation": True}
 
 
 def test_chat_and_completions_take_a_prediction_and_report_it_streamed_or_not(server: Server) -> None:

@@ -111,7 +111,8 @@ def setup(engine: str, url: str, model: str | None = None) -> Setup:
     # The real engine on two shared cores: a step of 16 sequences is tens of ms, a load a second; hangs are still
     # found by the heartbeat. Deterministic, so that neither the batch nor the prompt cache may change a text.
     options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": 2, "deterministic": True, "speculation": True}
-    deadlines = {**DEADLINES, "load_stall": 20.0, "warmup": 20.0, "first_token": 10.0, "token_gap": 5.0}
+    # warm-up times speculation's cost curve too (two thread counts): seconds more on loaded cores
+    deadlines = {**DEADLINES, "load_stall": 20.0, "warmup": 40.0, "first_token": 10.0, "token_gap": 5.0}
     # 8 prompts (16 streams ask each twice: equal prompts in one batch must give equal texts): half the solo runs.
     # 16 streams of 32 tokens take ~20 s here (2 shared cores, ~170 ms a step of 8): a request's bound is 60 s.
     # Half of them copy a line (speculation drafts them: see LINES); the solo instance does not speculate, so each
