@@ -58,7 +58,9 @@ relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that 
 heartbeat deadline, so a frozen peer on this machine is found by its own silence first), chat_template (None: the
 GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``), swa_full (False: a sliding-window
 layer holds the window's cells only, as llama-server's default; True: every position, for prefixes reusable past
-the window at that layer's full KV size), deterministic (False: see below).
+the window at that layer's full KV size), deterministic (False: see below), speculation (False: draft tokens
+verified in the step where this machine's measured cost says they pay; ``speculation`` and ``llamacpp_batch``),
+draft_max (32: the longest draft).
 
 **Deterministic decoding** (option ``deterministic``): the engine loads llama.cpp's batch-invariant build
 (``llamacpp_invariant``: without llamafile's sgemm, the tiled K-quant matmul, weight repacking and AMX), so every
