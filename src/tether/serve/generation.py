@@ -58,6 +58,15 @@ class Speculation:
             chunk.decode_steps,
         )
 
+    def details(self, reasoning_tokens: int) -> dict[str, int]:
+        """OpenAI's details of the completion's tokens (chat's ``completion_tokens_details``, Responses'
+        ``output_tokens_details``): the reasoning ones, and what the prediction gave."""
+        return {
+            "reasoning_tokens": reasoning_tokens,
+            "accepted_prediction_tokens": self.prediction_accepted,
+            "rejected_prediction_tokens": self.prediction_rejected,
+        }
+
     def usage(self) -> dict[str, int]:
         """tether's extension of a response's ``usage`` (``speculation``), in every OpenAI dialect alike."""
         return {

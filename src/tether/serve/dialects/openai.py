@@ -628,11 +628,7 @@ def usage(
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {
-            "reasoning_tokens": reasoning_tokens,
-            "accepted_prediction_tokens": drafted.prediction_accepted,
-            "rejected_prediction_tokens": drafted.prediction_rejected,
-        },
+        "completion_tokens_details": drafted.details(reasoning_tokens),
         "speculation": drafted.usage(),
     }
 

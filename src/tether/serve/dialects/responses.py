@@ -744,11 +744,7 @@ def response_usage(
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {
-            "reasoning_tokens": reasoning_tokens,
-            "accepted_prediction_tokens": drafted.prediction_accepted,
-            "rejected_prediction_tokens": drafted.prediction_rejected,
-        },
+        "output_tokens_details": drafted.details(reasoning_tokens),
         "total_tokens": prompt_tokens + completion_tokens,
         "speculation": drafted.usage(),
     }
