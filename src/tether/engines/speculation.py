@@ -72,7 +72,8 @@ Q_FLOOR = 0.5  # a proposal less likely than this is not worth pricing (two rows
 K_CHOICES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the uniform draft lengths a step considers
 MARGIN = 1.05  # drafting must beat not drafting by this much in expected tokens per second
 CURVE_EMA = 0.1  # the weight of a new timing of one micro-batch size
-PAYOFF_EMA = 0.1  # the weight of a step's tokens per second in its batch shape's rate
+PAYOFF_DECAY = 0.95  # a step's tokens and seconds weigh this much less with each later step of its kind
+PAYOFF_MIN = 8  # steps of each kind (with drafts, without) a batch shape needs before it is judged
 EXPLORE = 20  # where drafting has not paid, one step in this many still drafts (to see when that changes)
 CALIBRATION_EMA = 0.05  # the weight of a step's measured over predicted seconds
 CALIBRATION_DRIFT = 0.002  # per plain step, how far the drafting steps' calibration returns toward the plain ones'
@@ -408,17 +409,24 @@ def ubatches(layout: Sequence[tuple[int, int]], n_ubatch: int, *, per_stream: bo
 class Payoff:
     """Whether drafting has paid here, measured rather than predicted: per batch shape (decode rows, and whether a
     prompt chunk rode along), the tokens per second that steps with drafts and steps without really gave, from the
-    step's start to its last pick. The plan's estimates can be wrong (acceptance learnt on other sequences, a cost the
-    curve does not see); where steps with drafts have given fewer tokens per second than steps without, a step of
-    that shape drafts only once in :data:`EXPLORE`."""
+    step's start to its last pick: decayed sums of tokens over decayed sums of seconds (a throughput, so a 9-token
+    step weighs as 9 tokens, not as one rate among others). The plan's estimates can be wrong (acceptance learnt on
+    other sequences, a cost the curve does not see); once a shape has :data:`PAYOFF_MIN` steps of each kind and its
+    steps with drafts have given fewer tokens per second than those without, it drafts only once in
+    :data:`EXPLORE` steps. Judged on fewer, one unlucky first draft (a copy's preamble) would stop a copy from
+    drafting."""
 
     def __init__(self) -> None:
-        self._plain: dict[tuple[int, bool], float] = {}
-        self._drafted: dict[tuple[int, bool], float] = {}
+        self._sums: dict[tuple[tuple[int, bool], bool], tuple[float, float, int]] = {}  # tokens, seconds, steps
         self._held: dict[tuple[int, bool], int] = {}
 
+    def rate(self, shape: tuple[int, bool], drafted: bool) -> float | None:
+        """Tokens per second of this shape's steps of this kind, None before :data:`PAYOFF_MIN` of them."""
+        tokens, seconds, steps = self._sums.get((shape, drafted), (0.0, 0.0, 0))
+        return tokens / seconds if steps >= PAYOFF_MIN and seconds > 0.0 else None
+
     def allows(self, shape: tuple[int, bool]) -> bool:
-        plain, drafted = self._plain.get(shape), self._drafted.get(shape)
+        plain, drafted = self.rate(shape, False), self.rate(shape, True)
         if plain is None or drafted is None or drafted >= plain:
             return True
         held = self._held[shape] = self._held.get(shape, 0) + 1
@@ -430,9 +438,12 @@ class Payoff:
     def record(self, shape: tuple[int, bool], drafted: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0.0:
             return
-        rates = self._drafted if drafted else self._plain
-        rate, old = tokens / seconds, rates.get(shape)
-        rates[shape] = rate if old is None else old + PAYOFF_EMA * (rate - old)
+        old_tokens, old_seconds, steps = self._sums.get((shape, drafted), (0.0, 0.0, 0))
+        self._sums[(shape, drafted)] = (
+            old_tokens * PAYOFF_DECAY + tokens,
+            old_seconds * PAYOFF_DECAY + seconds,
+            steps + 1,
+        )
 
 
 @dataclass(frozen=True)
