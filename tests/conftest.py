@@ -473,3 +473,11 @@ async def ready_group(inst: Instance, old: set[int], timeout: float = 30) -> Ran
     sup = inst.supervisor
     assert isinstance(sup, RankGroup)
     return sup
+
+
+def run_options(*flags: str) -> dict[str, object]:
+    """The engine options ``tether run FLAGS prompt`` sets, through the real command line parser."""
+    from tether.cli.common import engine_options
+    from tether.cli.parser import build_parser
+
+    return engine_options(build_parser().parse_args(["run", *flags, "a prompt"]))

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Server, gemma_missing, gemma_path, serving
-from tether.cli.common import engine_options
+from conftest import Server, gemma_missing, gemma_path, run_options, serving
 from tether.engines.chat_templates import BUILTIN, TemplateError, resolve
 from tether.errors import InvalidField
 from tether.fleet.catalog import catalog_models
@@ -83,16 +82,9 @@ def test_the_catalog_field_is_the_option_with_a_file_relative_to_the_catalog(tmp
 
 
 def test_the_flag_sets_the_option_and_a_files_path_is_made_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Flags:
-        n_ctx = threads = parallel = prompt_cache_ram = None
-        chat_template = "gemma"
-        deterministic = False
-        speculation = False
-
-    assert engine_options(Flags()) == {"chat_template": "gemma"}  # type: ignore[arg-type]
-    Flags.chat_template = "mine.jinja"
+    assert run_options("--chat-template", "gemma") == {"chat_template": "gemma"}
     monkeypatch.chdir("/tmp")
-    assert engine_options(Flags()) == {"chat_template": "/tmp/mine.jinja"}  # type: ignore[arg-type]
+    assert run_options("--chat-template", "mine.jinja") == {"chat_template": "/tmp/mine.jinja"}
 
 
 # --------------------------------------------------------------------------------------------------------------

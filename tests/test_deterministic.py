@@ -24,8 +24,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from conftest import gemma_missing, gemma_path, model_missing
-from tether.cli.common import engine_options
+from conftest import gemma_missing, gemma_path, model_missing, run_options
 from tether.engines import create_engine, llamacpp_invariant
 from tether.engines.base import EngineLoadError
 from tether.errors import InvalidField
@@ -72,12 +71,7 @@ def test_the_option_refuses_a_shared_cell_pool_and_a_missing_build_says_how_to_b
 
 
 def test_the_flag_and_the_catalog_field_set_the_option_once(tmp_path: Path) -> None:
-    class Flags:
-        n_ctx = threads = parallel = prompt_cache_ram = chat_template = None
-        deterministic = True
-        speculation = False
-
-    assert engine_options(Flags()) == {"deterministic": True}  # type: ignore[arg-type]
+    assert run_options("--deterministic") == {"deterministic": True}
     data = {"models": [{"id": "a", "deterministic": True}, {"id": "b"}]}
     models = catalog_models(data, "catalog.toml", tmp_path, 300.0, False)
     assert [m.config.options.get("deterministic") for m in models] == [True, None]

@@ -20,8 +20,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 
-from conftest import Server, debug_server, wait_until
-from tether.cli.common import engine_options
+from conftest import Server, debug_server, run_options, wait_until
 from tether.errors import InvalidField
 from tether.fleet.catalog import catalog_models
 from tether.fleet.fleet import Drafts
@@ -204,14 +203,8 @@ def test_an_instances_drafts_count_steps_only_where_they_were_counted() -> None:
 
 
 def test_the_flag_and_the_catalog_field_turn_speculation_on_once(tmp_path: Any) -> None:
-    class Flags:
-        n_ctx = threads = parallel = prompt_cache_ram = chat_template = None
-        deterministic = False
-        speculation = True
-
-    assert engine_options(Flags()) == {"speculation": True}  # type: ignore[arg-type]
-    Flags.speculation = False
-    assert engine_options(Flags()) == {}  # type: ignore[arg-type]  # off by default: the engine's own default
+    assert run_options("--speculation") == {"speculation": True}
+    assert run_options() == {}  # off by default: the engine's own default
     data = {"models": [{"id": "a", "speculation": True}, {"id": "b"}]}
     models = catalog_models(data, "catalog.toml", tmp_path, 300.0, False)
     assert [m.config.options.get("speculation") for m in models] == [True, None]

@@ -44,6 +44,12 @@ class RunnerFlags(Protocol):
     @property
     def speculation(self) -> bool: ...
     @property
+    def n_gpu_layers(self) -> str | None: ...
+    @property
+    def gpu(self) -> str | None: ...
+    @property
+    def gpu_memory_limit(self) -> int | None: ...
+    @property
     def deadlines(self) -> Mapping[str, float] | list[tuple[str, float]]: ...
     @property
     def no_reap(self) -> bool: ...
@@ -54,7 +60,7 @@ class RunnerFlags(Protocol):
 def engine_options(args: RunnerFlags) -> dict[str, object]:
     """The engine options a command line sets (``--n-ctx``, ``--threads``, ``--parallel``, ``--prompt-cache-ram``,
     ``--chat-template``: a file's path made absolute, as the runner reads it; ``--deterministic``,
-    ``--speculation``), for ``run`` and ``serve`` alike."""
+    ``--speculation``; ``--n-gpu-layers``, ``--gpu``, ``--gpu-memory-limit``), for ``run`` and ``serve`` alike."""
     options: dict[str, object] = {}
     if args.n_ctx is not None:
         options["n_ctx"] = args.n_ctx
@@ -72,6 +78,12 @@ def engine_options(args: RunnerFlags) -> dict[str, object]:
         options["deterministic"] = True
     if args.speculation:
         options["speculation"] = True
+    if args.n_gpu_layers is not None:
+        options["n_gpu_layers"] = args.n_gpu_layers if args.n_gpu_layers == "auto" else int(args.n_gpu_layers)
+    if args.gpu is not None:
+        options["gpu"] = args.gpu
+    if args.gpu_memory_limit is not None:
+        options["gpu_memory_limit"] = args.gpu_memory_limit
     return options
 
 

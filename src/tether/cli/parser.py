@@ -44,6 +44,7 @@ parse_deadline = _argument(settings.parse_deadline)
 parse_size = _argument(units.parse_size)
 parse_seconds = _argument(units.parse_duration)
 parse_ranks = _argument(settings.parse_ranks)
+gpu_layers = _argument(settings.gpu_layers)
 
 
 def _trial_indices(text: str) -> tuple[int, ...]:
@@ -405,6 +406,27 @@ def _add_runner_arguments(command: argparse.ArgumentParser, engine_help: str, *,
         **default("speculation"),
         help="speculative decoding: verify draft tokens (from a request's prediction, its context, earlier "
         "answers) where this machine's measured cost says it pays (llama.cpp's option speculation, off by default)",
+    )
+    command.add_argument(
+        "--n-gpu-layers",
+        type=gpu_layers,
+        **default("n_gpu_layers"),
+        metavar="N|auto",
+        help="layers on NVIDIA GPUs (llama.cpp, a CUDA build): auto (default) puts as many as the GPUs' free memory "
+        "holds, less a margin, and says how many; 0: the CPU only",
+    )
+    command.add_argument(
+        "--gpu",
+        **default("gpu"),
+        metavar="INDEXES",
+        help="the GPUs to use, as NVML numbers them: 0, or 0,1 (default: every GPU)",
+    )
+    command.add_argument(
+        "--gpu-memory-limit",
+        type=parse_size,
+        **default("gpu_memory_limit"),
+        metavar="SIZE",
+        help="VRAM per GPU the automatic layer split may plan into (default: its free memory less 1 GiB)",
     )
     command.add_argument(
         "--prompt-cache-ram",

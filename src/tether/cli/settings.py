@@ -88,6 +88,16 @@ def parse_ranks(value: object) -> int | str:
         raise ValueError(f"bad ranks {value!r}: give a number of ranks or 'auto'") from None
 
 
+def gpu_layers(value: object) -> str | None:
+    """``--n-gpu-layers``: ``auto`` or a count of layers >= 0 (kept as text, the engine option's spelling)."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if text == "auto" or (text.isdigit() and not isinstance(value, bool)):
+        return text
+    raise ValueError(f"bad n_gpu_layers {value!r}: give a number of layers (0: the CPU only) or 'auto'")
+
+
 def _seconds(value: object) -> object:
     return units.parse_duration(value) if isinstance(value, str | int | float) else value
 
@@ -167,6 +177,9 @@ class ServeSettings(BaseSettings):
     chat_template: str | None = None
     deterministic: bool = False
     speculation: bool = False
+    n_gpu_layers: Annotated[str | None, BeforeValidator(gpu_layers)] = None
+    gpu: str | None = None
+    gpu_memory_limit: Size | None = None
     restart: Literal["on-failure", "never"] = "on-failure"
     max_queue: int = Field(16, ge=0)
     max_body: Size = units.parse_size("4M")

@@ -51,7 +51,10 @@ once; the KV cache holds parallel x n_ctx cells), n_threads (usable CPUs: affini
 ``llamacpp_threads``), n_batch (512), prefill_chunk (32: prompt tokens per step while other sequences decode),
 prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from RAM, see ``llamacpp_cache``),
 prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or a size such as "512M"; counted
-by the fit check), seed (0), n_gpu_layers (0), repeat_penalty (1.0: neutral, unlike llama-cpp-python's 1.1), verbose
+by the fit check), seed (0), n_gpu_layers ("auto": the layers NVIDIA GPUs hold, chosen by the fit check from
+NVML's free memory less a margin or ``gpu_memory_limit``, on the GPUs ``gpu`` names, shared by ``tensor_split``; 0
+without a GPU or with a CPU build; a count given is kept: see ``llamacpp_estimate``), repeat_penalty (1.0:
+neutral, unlike llama-cpp-python's 1.1), verbose
 (False), embedding (False: serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is
 prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a time), layer_split (None: a
 relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that long mid-step ends rank 0; above the
@@ -98,6 +101,7 @@ from tether.engines.reasoning import ReasoningFormat, Splitter, opens_in_prompt
 from tether.errors import InvalidField
 from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
+from tether.units import parse_size
 
 if TYPE_CHECKING:
     from tether.engines.llamacpp_batch import Batch
@@ -116,7 +120,10 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "prompt_cache_ram": "auto",  # bytes of saved sequences kept in RAM (a size: 1G, 512M; 0: none; auto: the KV's)
     "prefill_chunk": 32,  # prompt tokens beside decode rows: a step then ~140 ms, not ~40 (2 CPU threads)
     "seed": None,  # for unseeded requests: None draws one per request (as OpenAI, llama-server do); an int fixes it
-    "n_gpu_layers": 0,
+    "n_gpu_layers": "auto",  # layers on NVIDIA GPUs: "auto" = as many as NVML's free VRAM holds (the fit check's)
+    "gpu": None,  # GPU indexes to use (None: every GPU NVML lists)
+    "gpu_memory_limit": None,  # VRAM per GPU the "auto" split may plan into (a size; None: free less a margin)
+    "tensor_split": None,  # each GPU's relative share of the layers (None: the fit check's, by free VRAM)
     "repeat_penalty": 1.0,  # neutral, as in OpenAI's API; llama-cpp-python's 1.1 derails small models
     "verbose": False,
     "embedding": False,  # serve embeddings (embed requests) instead of generations: see the module docstring
@@ -195,7 +202,7 @@ class LlamaCppEngine:
                 f"valid options are {', '.join(OPTION_DEFAULTS)}"
             )
         options = {**OPTION_DEFAULTS, **spec.options}
-        from tether.engines.llamacpp_estimate import AUTO_CTX_CAP, prompt_cache_budget
+        from tether.engines.llamacpp_estimate import AUTO_CTX_CAP, gpu_indexes, prompt_cache_budget
 
         try:
             self.n_ctx_auto = options["n_ctx"] == "auto"  # resolved at load from the model (``auto_context``)
@@ -207,7 +214,12 @@ class LlamaCppEngine:
             self.prompt_cache = bool(options["prompt_cache"])
             self.prompt_cache_ram = prompt_cache_budget(options)  # None: the KV cache's size, known at load
             self.seed: int | None = None if options["seed"] is None else int(options["seed"])
-            self.n_gpu_layers = int(options["n_gpu_layers"])
+            # "auto" that reaches the runner unresolved (no fit check ran, or no GPU): the CPU
+            self.n_gpu_layers = 0 if options["n_gpu_layers"] == "auto" else int(options["n_gpu_layers"])
+            self.gpu = None if options["gpu"] is None else gpu_indexes(options["gpu"])
+            self.tensor_split = None if options["tensor_split"] is None else [float(v) for v in options["tensor_split"]]
+            if options["gpu_memory_limit"] is not None:
+                parse_size(options["gpu_memory_limit"])  # the fit check's; refused here when it is not a size
             self.repeat_penalty = float(options["repeat_penalty"])
             self.verbose = bool(options["verbose"])
             self.embedding = bool(options["embedding"])
@@ -230,12 +242,15 @@ class LlamaCppEngine:
             and 1 <= self.n_batch <= UINT32_MAX
             and 1 <= self.prefill_chunk <= UINT32_MAX
             and 0 <= self.draft_max <= 256
+            and self.n_gpu_layers >= 0
+            and (self.tensor_split is None or (0 < len(self.tensor_split) <= 16 and min(self.tensor_split) >= 0))
         ):
             raise EngineLoadError(
                 f"n_ctx must be in [16, {UINT32_MAX} / parallel], parallel in [1, {MAX_PARALLEL}], n_threads in "
                 f"[1, 4096], n_batch and prefill_chunk in [1, {UINT32_MAX}], draft_max in [0, 256] (got "
                 f"n_ctx={self.n_ctx}, parallel={self.parallel}, n_threads={self.n_threads}, n_batch={self.n_batch}, "
-                f"prefill_chunk={self.prefill_chunk}, draft_max={self.draft_max})"
+                f'prefill_chunk={self.prefill_chunk}, draft_max={self.draft_max}); n_gpu_layers >= 0 or "auto", '
+                f"tensor_split up to 16 shares >= 0 (got {self.n_gpu_layers}, {self.tensor_split})"
             )
         if self.deterministic and (self.kv_unified or self.n_gpu_layers):
             raise EngineLoadError(
@@ -277,6 +292,7 @@ class LlamaCppEngine:
             self._serve(rank, progress)
             return
         path = self._resolve_model_path()
+        self._choose_gpus()
         try:
             import llama_cpp
             import llama_cpp._internals as internals
@@ -293,6 +309,11 @@ class LlamaCppEngine:
         callback = lib.llama_progress_callback(reporter)  # referenced until the load returns
         params = lib.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers
+        if self.tensor_split is not None and rank is None:
+            import ctypes
+
+            self._tensor_split = (ctypes.c_float * 16)(*self.tensor_split)  # referenced while llama.cpp may read it
+            params.tensor_split = ctypes.cast(self._tensor_split, ctypes.POINTER(ctypes.c_float))
         params.use_extra_bufts = not self.deterministic  # repacked weights: a GEMM for each 4 rows, a GEMV for the rest
         params.progress_callback = callback
         params.progress_callback_user_data = None
@@ -383,6 +404,17 @@ class LlamaCppEngine:
         params.n_gpu_layers = plan.n_gpu_layers
         params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
         return "; ".join(f"rank {r} holds {layers_words(held, n_layers)}" for r, held in enumerate(plan.layers))
+
+    def _choose_gpus(self) -> None:
+        """The GPUs this runner's llama.cpp sees, set before it is imported (CUDA reads them once): none for 0
+        layers (else a CUDA build still makes a context, ~0.5 GiB of VRAM, and copies large batches' weights to
+        the GPU), the chosen ones in NVML's order otherwise. A runner is a process of its own, so this is its
+        environment alone."""
+        if self.n_gpu_layers == 0:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        elif self.gpu is not None:
+            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu)
 
     def _prompt_cache_budget(self) -> int:
         """The RAM store's budget in bytes: the option's, or (auto) the KV cache's size from the GGUF's header."""
@@ -748,7 +780,7 @@ def _split_options(options: dict[str, Any], spec: EngineSpec) -> tuple[tuple[flo
         raise EngineLoadError(f"rpc_timeout must be a number of seconds, got {timeout!r}") from exc
     if not 0.5 <= seconds <= 3600:
         raise EngineLoadError(f"rpc_timeout must be in [0.5, 3600] seconds, got {timeout!r}")
-    if spec.rank is not None and int(options["n_gpu_layers"]) != 0:
+    if spec.rank is not None and options["n_gpu_layers"] not in ("auto", 0):
         raise EngineLoadError(
             "n_gpu_layers is the layer split's with ranks > 1 (the last layers go to the other ranks): leave it out, "
             "and use layer_split to choose each rank's share"

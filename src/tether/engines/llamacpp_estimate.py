@@ -81,7 +81,16 @@ and the prompt cache's RAM store. :func:`layer_plan` says which layers each rank
 them from ``n_gpu_layers`` and ``tensor_split``; a model whose output layer is tied to its input embeddings (no
 ``output.weight``) gets a copy of the embeddings on whichever rank holds the output layer.
 
-Not modelled (said in :attr:`ModelEstimate.notes` where the metadata shows it): GPU offload, sliding-window layers
+**GPU offload** (``n_gpu_layers`` > 0, a CUDA build): llama.cpp puts the last ``n_gpu_layers`` of the n_layers + 1
+(the output layer first) on the GPUs, shared among them by ``tensor_split`` (the same rule as a split instance's
+ranks: :func:`assign_layers`), with each layer's KV cache on its layer's device; the input embeddings stay on the
+host. A device then holds its layers' weights and cache, a compute scratch (the whole micro-batch's, as the host's:
+ggml sizes each backend's buffer for the largest node it runs) and :data:`CUDA_CONTEXT`; the host keeps the rest,
+plus :data:`CUDA_HOST` for the CUDA libraries. :meth:`ModelEstimate.offloaded` splits an estimate so;
+:func:`fit_layers` finds the most layers whose share fits each device's budget (NVML's free memory less
+:data:`GPU_MARGIN`, or a limit given). Measured on an H100 by ``bench/gpu.py --engine llama.cpp``.
+
+Not modelled (said in :attr:`ModelEstimate.notes` where the metadata shows it): sliding-window layers
 of an architecture whose pattern is not known here (their smaller cache: the estimate is then an upper bound),
 recurrent state of SSM layers, and weights a CPU backend
 repacks into anonymous copies (Q4_0/IQ4_NL/Q4_K on some CPUs: resident weights may then count twice in RSS, the
@@ -91,6 +100,7 @@ file-backed pages being reclaimable page cache).
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import os
 import re
 import struct
@@ -121,6 +131,19 @@ estimate is compared with: +42.2 MiB for Gemma 3's 262,144 entries, a tokenizer 
 VOCAB_BYTES_PER_MERGE = 207
 """A BPE tokenizer's merge table per merge rule (measured the same way: +17.6 MiB for the default model's 49,152
 entries and 48,900 merges, of which the entries take 7.9 MiB at :data:`VOCAB_BYTES_PER_TOKEN`)."""
+
+CUDA_CONTEXT = 512 * MiB
+"""VRAM a runner holds on each device it uses before any tensor: the CUDA context, cuBLAS's handle and workspace
+and ggml's memory pools (a CUDA context alone is ~300-500 MiB on a Hopper GPU; checked against ``nvidia-smi`` by
+``bench/gpu.py --engine llama.cpp``)."""
+
+CUDA_HOST = 256 * MiB
+"""Host memory a runner of a CUDA build holds beyond a CPU build's: the CUDA runtime and cuBLAS libraries mapped and
+initialised, and pinned staging buffers."""
+
+GPU_MARGIN = 1024 * MiB
+"""VRAM the automatic split leaves free on each device (llama.cpp's ``--fit`` leaves 1 GiB too): other processes'
+allocations move, and a step's scratch may grow past the model's estimate."""
 
 ATTENTION_BYTES_PER_SCORE = 6
 """Scratch per attention score (n_ubatch x n_ctx x query heads): the f32 scores in the compute buffer plus their f16
@@ -202,6 +225,7 @@ class ModelEstimate:
     rank: int | None = None  # this estimate is one rank's of a split instance (None: the whole model)
     shares: tuple[float, ...] = ()  # every rank's share of the layers (relative), with ``rank``
     layers: tuple[int, ...] = ()  # the layers this rank holds (n_layers is the output layer), with ``rank``
+    offload: Offload | None = None  # layers on GPUs: this estimate is then the host's share (see ``offloaded``)
 
     @property
     def runtime(self) -> int:
@@ -243,10 +267,12 @@ class ModelEstimate:
         weights = f"weights {format_bytes(self.weights)}"
         if self.rank is not None:
             weights = f"{layers_words(self.layers, self.shape.n_layers)}: {weights}"
+        gpu = f"; {self.offload.describe()}" if self.offload is not None and self.offload.n_gpu_layers else ""
+        host = "on the host " if gpu else ""
         return (
-            f"needs ~{format_bytes(self.total)} ({weights} + KV cache"
+            f"needs ~{format_bytes(self.total)} {host}({weights} + KV cache"
             f"{cache} {format_bytes(self.kv_cache)} at {ctx} + runtime {format_bytes(self.runtime)}{outputs} + "
-            f"headroom {format_bytes(self.headroom)})"
+            f"headroom {format_bytes(self.headroom)}){gpu}"
         )
 
     @property
@@ -302,6 +328,57 @@ class ModelEstimate:
         """The same model at another context size (no file read)."""
         notes = tuple(n for n in self.notes if not n.startswith(_DEFAULT_CTX_NOTE))
         return _estimate(replace(self, notes=notes), n_ctx=n_ctx, n_ctx_from_model=False)
+
+    def offloaded(
+        self,
+        n_gpu_layers: int,
+        devices: Sequence[int] = (0,),
+        split: Sequence[float] = (),
+        budgets: Sequence[int | None] = (),
+        *,
+        auto: bool = False,
+    ) -> ModelEstimate:
+        """This model with its last ``n_gpu_layers`` on the GPUs ``devices`` (shared by relative ``split``, equal
+        when empty; ``budgets``: what each device may use, for the message): the host's share, with ``offload``
+        saying what each device needs. 0 layers: the whole model on the host, no GPU used."""
+        whole = self.whole()
+        if whole.rank is not None:
+            raise ValueError("a rank of a split instance offloads nothing: its layers are the ranks' (layer_split)")
+        n_layers = whole.shape.n_layers
+        count = max(0, min(n_gpu_layers, n_layers + 1))
+        if not count:
+            return replace(whole, offload=Offload(0, n_layers + 1, tuple(devices), (), (), (), (), auto))
+        shares = tuple(split) if split else (1.0,) * len(devices)
+        placed = assign_layers(n_layers + 1, n_layers + 1 - count, shares)
+        vram = []
+        for layers in placed:
+            blocks = [i for i in layers if i < n_layers]
+            scratch = whole.compute if blocks else whole.n_ubatch * whole.shape.n_vocab * 4 if layers else 0
+            vram.append(
+                (CUDA_CONTEXT if layers else 0)
+                + sum(whole.layer_weights[i] for i in layers)
+                + (whole.tied_output if n_layers in layers else 0)
+                + sum(whole.layer_kv[i] for i in blocks)
+                + scratch
+            )
+        on_gpu = {i for layers in placed for i in layers}
+        host_blocks = [i for i in range(n_layers) if i not in on_gpu]
+        offload = Offload(count, n_layers + 1, tuple(devices), shares, tuple(placed), tuple(vram), tuple(budgets), auto)
+        return replace(
+            whole,
+            offload=offload,
+            weights=whole.input_weights + sum(whole.layer_weights[i] for i in range(n_layers + 1) if i not in on_gpu),
+            kv_cache=sum(whole.layer_kv[i] for i in host_blocks),
+            runtime_base=whole.runtime_base + CUDA_HOST,
+            # the host still embeds the input rows; without a layer of its own it needs no attention scratch
+            compute=whole.compute if host_blocks else whole.n_ubatch * whole.shape.n_embd * 4,
+        )
+
+    def whole(self) -> ModelEstimate:
+        """This model with nothing offloaded (the host holds every layer)."""
+        if self.offload is None:
+            return self
+        return _estimate(replace(self, offload=None), n_ctx=self.n_ctx, n_ctx_from_model=self.n_ctx_from_model)
 
 
 def estimate_gguf(
@@ -433,6 +510,7 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
     logits = embedding_outputs(s, n_ctx) if base.embedding else 0
     whole = replace(
         base,
+        weights=base.input_weights + sum(base.layer_weights) if base.layer_weights else base.weights,
         n_ctx=n_ctx,
         n_ctx_cells=cells,
         n_ctx_from_model=n_ctx_from_model,
@@ -445,6 +523,9 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
         outputs=logits // 2 + (n_ctx * s.n_embd * 4 if base.embedding else 0),
         prompt_cache_ram=kv if base.prompt_cache_ram_auto else base.prompt_cache_ram,
     )
+    if base.offload is not None:  # another context: the same layers offloaded, their cache resized
+        o = base.offload
+        return replace(whole, offload=None).offloaded(o.n_gpu_layers, o.devices, o.split, o.budgets, auto=o.auto)
     return whole if base.rank is None else _rank_share(whole, base.rank, base.shares)
 
 
@@ -495,18 +576,7 @@ def layer_plan(n_layers: int, shares: Sequence[float]) -> LayerPlan:
     local = min(max(round(total * shares[0] / sum(shares)), 0), total - (world - 1))
     n_gpu = total - local
     remote = tuple(float(share) for share in shares[1:])
-    splits, running = [], _f32(0.0)
-    for share in remote:
-        running = _f32(running + _f32(share))
-        splits.append(running)
-    splits = [_f32(v / running) for v in splits]
-    layers: list[list[int]] = [[] for _ in range(world)]
-    for il in range(total):
-        if il < local:
-            layers[0].append(il)
-        else:
-            device = bisect.bisect_right(splits, _f32(_f32(il - local) / n_gpu))
-            layers[1 + min(device, len(remote) - 1)].append(il)
+    layers = [list(range(local)), *(list(held) for held in assign_layers(total, local, remote))]
     empty = [rank for rank, held in enumerate(layers) if not held and rank > 0]
     if empty:
         raise ValueError(
@@ -514,6 +584,99 @@ def layer_plan(n_layers: int, shares: Sequence[float]) -> LayerPlan:
             "each rank a larger share (layer_split) or use fewer ranks"
         )
     return LayerPlan(n_gpu, remote, tuple(tuple(held) for held in layers))
+
+
+def assign_layers(total: int, first: int, split: Sequence[float]) -> tuple[tuple[int, ...], ...]:
+    """The layers each device gets when layers ``first``.. of ``total`` leave the host, shared by relative ``split``
+    (one per device): llama.cpp's own rule (``get_layer_buft_list``), its float arithmetic too."""
+    splits, running = [], _f32(0.0)
+    for share in split:
+        running = _f32(running + _f32(float(share)))
+        splits.append(running)
+    splits = [_f32(v / running) for v in splits]
+    held: list[list[int]] = [[] for _ in split]
+    for il in range(first, total):
+        device = bisect.bisect_right(splits, _f32(_f32(il - first) / (total - first)))
+        held[min(device, len(split) - 1)].append(il)
+    return tuple(tuple(layers) for layers in held)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The layers a runner puts on GPUs and what each device needs for them (see ``ModelEstimate.offloaded``)."""
+
+    n_gpu_layers: int
+    layers: int  # the model's n_layers + 1 (the output layer counts as one)
+    devices: tuple[int, ...]  # GPU indexes, as NVML and CUDA_DEVICE_ORDER=PCI_BUS_ID number them
+    split: tuple[float, ...]  # each device's relative share of the offloaded layers (llama.cpp's tensor_split)
+    device_layers: tuple[tuple[int, ...], ...]  # each device's layers (n_layers: the output layer)
+    vram: tuple[int, ...]  # bytes each device needs
+    budgets: tuple[int | None, ...] = ()  # bytes each device may use (None: not known)
+    auto: bool = False  # the count was chosen here (n_gpu_layers "auto"), not given
+
+    def describe(self) -> str:
+        """``31 of 31 layers on GPU 0 (VRAM ~1.2 GiB of 78.1 GiB it may use)``"""
+        chosen = " (auto: the most that fit)" if self.auto and self.n_gpu_layers < self.layers else ""
+        if not self.n_gpu_layers:
+            return f"no layer on a GPU{chosen}"
+        parts = []
+        for i, (device, need) in enumerate(zip(self.devices, self.vram, strict=False)):
+            budget = self.budgets[i] if i < len(self.budgets) else None
+            room = f" of {format_bytes(budget)} it may use" if budget is not None else ""
+            parts.append(f"GPU {device} VRAM ~{format_bytes(need)}{room}")
+        return f"{self.n_gpu_layers} of {self.layers} layers on the GPU{chosen} ({', '.join(parts)})"
+
+    @property
+    def per_layer(self) -> int:
+        """Bytes a layer needs on a device, on average (weights and KV cache; what one fewer layer saves)."""
+        counted = sum(len(layers) for layers in self.device_layers)
+        return (sum(self.vram) - CUDA_CONTEXT * len(self.vram)) // counted if counted else 0
+
+
+def fit_layers(whole: ModelEstimate, budgets: Sequence[int], devices: Sequence[int] = (0,)) -> ModelEstimate:
+    """``whole`` with the most layers on ``devices`` whose share fits each device's budget (bytes; the split is by
+    budget, as llama.cpp splits by free memory), and none when not even one layer fits: the ``n_gpu_layers`` "auto"
+    chooses."""
+    split = tuple(max(float(b), 0.0) for b in budgets)
+    if not any(split):
+        return whole.offloaded(0, devices, budgets=budgets, auto=True)
+    n = whole.shape.n_layers + 1
+    while n > 0:
+        candidate = whole.offloaded(n, devices, split, budgets, auto=True)
+        assert candidate.offload is not None
+        if all(need <= budget for need, budget in zip(candidate.offload.vram, budgets, strict=True)):
+            return candidate
+        n -= 1
+    return whole.offloaded(0, devices, budgets=budgets, auto=True)
+
+
+def gpu_indexes(value: Any) -> list[int]:
+    """The option ``gpu`` as device indexes: [0, 1], "0,1" or 0 (``ValueError`` otherwise)."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list | tuple) else [value]
+    indexes = [int(item) for item in items]
+    if not indexes or any(i < 0 for i in indexes) or len(set(indexes)) != len(indexes):
+        raise ValueError(f'gpu must name distinct device indexes >= 0, e.g. [0] or "0,1"; got {value!r}')
+    return indexes
+
+
+def gpu_build_missing() -> str | None:
+    """Why the llama.cpp this process's runners load cannot offload to an NVIDIA GPU (None: it can), from its files
+    alone: importing it in the worker would load the CUDA libraries there. The runners load ``LLAMA_CPP_LIB_PATH``
+    when set, else llama-cpp-python's own ``lib``."""
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if override:
+        where: Path | None = Path(override)
+    else:
+        found = importlib.util.find_spec("llama_cpp")
+        where = Path(found.origin).parent / "lib" if found is not None and found.origin else None
+    if where is None:
+        return "llama-cpp-python is not installed"
+    if any(where.glob("libggml-cuda*")):
+        return None
+    return (
+        f"the llama.cpp in {where} was built for the CPU only (no libggml-cuda): rebuild it with CUDA "
+        "(`TETHER_GPU=cuda make install`, see the GPU page of the docs)"
+    )
 
 
 def block_count(path: str | os.PathLike[str]) -> int:

@@ -715,9 +715,11 @@ class Scheduler:
         available = node.available - held_back
         if instance.ranks > 1:
             return fit.check_fit(estimate, available, source, override=instance.force)
+        spec, estimate, gpu_note, problem = fit.size_offload(spec, estimate, node)  # n_gpu_layers "auto"
         sized, estimate, note = fit.size_context(spec, estimate, available)  # n_ctx "auto": what the memory holds
         result = fit.check_fit(estimate, available, source, override=instance.force)
-        return replace(result, spec=sized, message=f"{result.message}; {note}" if note else result.message)
+        result = replace(result, spec=sized, message=f"{result.message}; {note}" if note else result.message)
+        return fit.with_gpus(result, gpu_note, problem, instance.force)
 
     def _candidates(self, instance: Instance) -> list[Slot]:
         """Idle, unpinned, loaded catalogued models other than ``instance``'s, least recently used first."""

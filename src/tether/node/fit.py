@@ -23,7 +23,7 @@ from tether.engines.base import Estimate, MemoryEstimate
 from tether.errors import TetherError
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
 from tether.protocol import EngineSpec, RankInfo
-from tether.units import format_bytes
+from tether.units import format_bytes, parse_size
 
 WHAT_TO_DO = "free memory, or pass --force to load anyway"
 
@@ -155,6 +155,102 @@ def size_context(
     return msgspec.structs.replace(spec, options=options), estimate, "; ".join(notes) or None
 
 
+def size_offload(
+    spec: EngineSpec, estimate: MemoryEstimate, node: NodeMemory
+) -> tuple[EngineSpec, MemoryEstimate, str | None, str | None]:
+    """Layers on the GPUs, for an engine whose estimate can offload (llama.cpp): ``n_gpu_layers`` "auto" (the
+    default) becomes the most layers whose share fits each chosen GPU's NVML free memory less a margin (or its
+    ``gpu_memory_limit``), a count given is kept and checked. Returns the spec to run (the count, the devices and
+    their split resolved), the host's share of the estimate (``offload`` says each device's), a note in words, and
+    why the GPUs cannot hold what was asked (None when they can)."""
+    offloaded = getattr(estimate, "offloaded", None)
+    fit_layers, margin, missing, gpu_indexes = _offload_tools()
+    options = dict(spec.options)
+    wanted = options.get("n_gpu_layers", "auto")
+    if offloaded is None or spec.rank is not None:
+        return spec, estimate, None, None
+    if wanted == "auto" and options.get("deterministic"):
+        wanted = 0  # the batch-invariant kernels are the CPU's
+    gpus = {g.index: g for g in node.gpus}
+    chosen = options.get("gpu")
+    try:
+        indexes = sorted(gpus) if chosen is None else gpu_indexes(chosen)
+        limit = parse_size(options["gpu_memory_limit"]) if options.get("gpu_memory_limit") is not None else None
+        count = None if wanted == "auto" else int(wanted)
+    except (TypeError, ValueError) as exc:
+        return spec, estimate, None, f'invalid GPU option ({exc}): gpu is device indexes, e.g. [0] or "0,1"'
+    unknown = [i for i in indexes if i not in gpus]
+    if unknown and gpus:
+        return spec, estimate, None, f"gpu names device {unknown[0]}, and this node's GPUs are {sorted(gpus)} (NVML)"
+    if not gpus or not indexes or (count is not None and count <= 0):
+        if count:  # asked for layers on a GPU this node does not have
+            why = node.gpu_reason or "no GPU"
+            note = f"n_gpu_layers {count} asked, but this node has no NVIDIA GPU to put them on ({why}): all on the CPU"
+            return spec, estimate, note, None
+        return msgspec.structs.replace(spec, options={**options, "n_gpu_layers": 0}), estimate, None, None
+    build = missing()
+    if build is not None:
+        names = ", ".join(f"GPU {i} ({gpus[i].name})" for i in indexes)
+        note = f"{names} visible, but {build}: every layer on the CPU"
+        return msgspec.structs.replace(spec, options={**options, "n_gpu_layers": 0}), estimate, note, None
+    budgets = [max(0, gpus[i].free - margin) for i in indexes]
+    if limit is not None:
+        budgets = [min(budget, limit) for budget in budgets]
+    if count is None:
+        sized = fit_layers(estimate, budgets, indexes)
+    else:
+        sized = offloaded(count, indexes, [float(max(b, 1)) for b in budgets], budgets)
+    offload = getattr(sized, "offload", None)
+    layers = offload.n_gpu_layers if offload is not None else 0
+    options.update(n_gpu_layers=layers, gpu=list(indexes))
+    if len(indexes) > 1 and offload is not None:
+        options["tensor_split"] = list(offload.split)
+    free = ", ".join(
+        f"GPU {i} {format_bytes(gpus[i].free)} free less a {format_bytes(margin)} margin"
+        + (f", limited to {format_bytes(limit)}" if limit is not None else "")
+        for i in indexes
+    )
+    run = msgspec.structs.replace(spec, options=options)
+    if offload is None:
+        return run, sized, None, None
+    per_layer = f"~{format_bytes(offload.per_layer)} a layer" if layers else "not one layer fits"
+    how = "auto" if count is None else "given"
+    note = f"n_gpu_layers {layers} ({how}: {per_layer}; {free})"
+    over = (
+        []
+        if not layers
+        else [
+            f"GPU {i} needs ~{format_bytes(need)} for {layers} layers, {format_bytes(budget)} it may use"
+            for i, need, budget in zip(indexes, offload.vram, budgets, strict=True)
+            if need > budget
+        ]
+    )
+    if over:
+        best = getattr(fit_layers(estimate, budgets, indexes), "offload", None)
+        fewer = f"n_gpu_layers {best.n_gpu_layers} fits (auto)" if best is not None else "fewer layers"
+        return run, sized, note, f"{'; '.join(over)} ({free}): use {fewer}, free VRAM, or pass --force"
+    return run, sized, note, None
+
+
+def _offload_tools() -> tuple[Any, int, Any, Any]:
+    """The llama.cpp estimator's offload helpers (the one engine that offloads), imported when a fit needs them."""
+    from tether.engines.llamacpp_estimate import GPU_MARGIN, fit_layers, gpu_build_missing, gpu_indexes
+
+    return fit_layers, GPU_MARGIN, gpu_build_missing, gpu_indexes
+
+
+def with_gpus(result: FitResult, note: str | None, problem: str | None, override: bool) -> FitResult:
+    """``result`` with the GPU split's note, and refused when the GPUs cannot hold what was asked (unless
+    ``override``)."""
+    message = f"{result.message}; {note}" if note else result.message
+    if problem is None:
+        return replace(result, message=message)
+    subject = result.estimate.subject if result.estimate is not None else "the model"
+    if override:
+        return replace(result, fits=False, overridden=True, message=f"loading {subject} anyway (override): {problem}")
+    return replace(result, fits=False, overridden=False, message=f"{subject} does not fit the GPU: {problem}")
+
+
 def assess(
     spec: EngineSpec,
     *,
@@ -174,11 +270,16 @@ def assess(
         message = f"no memory estimate for engine {engine!r} (it declares none): admitted without a fit check"
         return FitResult(None, None, "none", True, False, message)
     node = node if node is not None else node_memory()
-    if not sized or ranks != 1:
+    if ranks != 1:
         return check_fit(estimate, node.available, node.source, override=override)
+    spec, estimate, gpu_note, problem = size_offload(spec, estimate, node)
+    if not sized:
+        result = check_fit(estimate, node.available, node.source, override=override)
+        return with_gpus(replace(result, spec=spec), gpu_note, problem, override)
     spec, estimate, note = size_context(spec, estimate, node.available)
     result = check_fit(estimate, node.available, node.source, override=override)
-    return replace(result, spec=spec, message=f"{result.message}; {note}" if note else result.message)
+    result = replace(result, spec=spec, message=f"{result.message}; {note}" if note else result.message)
+    return with_gpus(result, gpu_note, problem, override)
 
 
 def admit(

@@ -262,6 +262,39 @@ class RequestOut(msgspec.Struct):
     tokens: int
 
 
+class OffloadOut(msgspec.Struct):
+    """The layers an instance puts on GPUs, as its fit check placed them: ``n_gpu_layers`` of ``layers`` (the output
+    layer counts as one), on ``devices``; ``vram_needed`` each device's estimate, ``vram_budget`` what each may use
+    (its NVML free memory less the margin at placement, or the limit given), ``host`` the estimate left on the host."""
+
+    n_gpu_layers: int
+    layers: int
+    auto: bool
+    devices: list[int]
+    vram_needed: list[int]
+    vram_budget: list[int | None]
+    host: int
+    message: str
+
+
+def offload_of(estimate: object) -> OffloadOut | None:
+    """The offload an estimate carries (the llama.cpp engine's), or None."""
+    offload = getattr(estimate, "offload", None)
+    total = getattr(estimate, "total", None)
+    if offload is None or not isinstance(total, int):
+        return None
+    return OffloadOut(
+        n_gpu_layers=offload.n_gpu_layers,
+        layers=offload.layers,
+        auto=offload.auto,
+        devices=list(offload.devices),
+        vram_needed=list(offload.vram),
+        vram_budget=list(offload.budgets),
+        host=total,
+        message=offload.describe(),
+    )
+
+
 class SpeculationOut(msgspec.Struct):
     """Speculative decoding on an instance, over its ended generations: ``accepted_tokens`` of ``draft_tokens`` were
     kept (the acceptance); the generations that counted their steps gave ``completion_tokens`` in ``decode_steps``
@@ -298,6 +331,7 @@ class InstanceOut(msgspec.Struct):
     tokens: int  # completion tokens served so far, streams in flight included: two reads give tokens/s
     speculation: SpeculationOut  # drafted and kept tokens, steps: the dashboard's acceptance and tokens per step
     fit: str | None  # the fit check's verdict, with the numbers
+    offload: OffloadOut | None  # layers on GPUs, as the fit check placed them (None: no split was made)
     measured: str | None  # what the runner was measured to hold once ready, against the estimate
     restart: RestartPolicy
     deadlines: Deadlines
@@ -522,6 +556,7 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
             completion_tokens=hosted.drafts.completion_tokens,
         ),
         fit=inst.fit.message if inst.fit is not None else None,
+        offload=offload_of(inst.fit.estimate) if inst.fit is not None else None,
         measured=inst.measured.describe() if inst.measured is not None else None,
         restart=hosted.config.restart,
         deadlines=hosted.config.deadlines,
