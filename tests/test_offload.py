@@ -5,6 +5,7 @@ bytes the split moves against what llama.cpp itself allocates for them on this C
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -26,10 +27,12 @@ from tether.engines.llamacpp_estimate import (
     layer_plan,
 )
 from tether.models import default_model_path
+from tether.node.diagnosis import Evidence, diagnose
 from tether.node.fit import assess
 from tether.node.memory import NodeMemory
 from tether.node.nvml import GpuDevice
-from tether.protocol import EngineSpec
+from tether.node.spawn import ExitStatus
+from tether.protocol import CauseKind, EngineSpec, RunnerException
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -222,3 +225,38 @@ def test_the_flags_set_the_gpu_options() -> None:
         "gpu_memory_limit": 2 << 30,
     }
     assert run_options("--n-gpu-layers", "12") == {"n_gpu_layers": 12}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Causes on the GPU: llama.cpp's CUDA backend's own lines (its format strings; a real one is bench/gpu.py's)
+# ----------------------------------------------------------------------------------------------------------
+
+LOAD_OOM = [
+    "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 2048.00 MiB on device 0: cudaMalloc failed: out of memory",
+    "alloc_tensor_range: failed to allocate CUDA0 buffer of size 2147483648",
+    "llama_model_load: error loading model: unable to allocate CUDA0 buffer",
+]
+STEP_OOM = [
+    "CUDA error: out of memory",
+    "  current device: 0, in function alloc at ggml/src/ggml-cuda/ggml-cuda.cu:421",
+    "  cudaMalloc((void **) &ptr, look_ahead_size)",
+    "ggml/src/ggml-cuda/ggml-cuda.cu:88: CUDA error",
+]
+
+
+def test_a_cuda_out_of_memory_is_an_out_of_memory_of_the_gpu_whether_at_load_or_mid_step() -> None:
+    failed = RunnerException(
+        "EngineLoadError", "llama.cpp could not load smollm2 from /m.gguf", "", "load", load_error=True
+    )
+    cause = diagnose(Evidence(ExitStatus(1, None), failed, LOAD_OOM, "load"))
+    assert cause.kind is CauseKind.OUT_OF_MEMORY
+    assert "ran out of GPU memory while load (CUDA out of memory: ggml_backend_cuda" in cause.summary
+    assert any("--n-gpu-layers" in line for line in cause.evidence)
+    aborted = diagnose(Evidence(ExitStatus(None, signal.SIGABRT), None, STEP_OOM, "generate"))
+    assert aborted.kind is CauseKind.OUT_OF_MEMORY and "was killed by SIGABRT" in aborted.summary, aborted.summary
+    # other CUDA failures are the engine's errors, named
+    illegal = ["CUDA error: an illegal memory access was encountered", "ggml-cuda.cu:88: CUDA error"]
+    crashed = diagnose(Evidence(ExitStatus(None, signal.SIGABRT), None, illegal, "generate"))
+    assert crashed.kind is CauseKind.ENGINE_ERROR and "GPU illegal memory access" in crashed.summary
+    ecc = ["CUDA error: uncorrectable ECC error encountered"]
+    assert "GPU ECC error" in diagnose(Evidence(ExitStatus(None, signal.SIGABRT), None, ecc, "generate")).summary

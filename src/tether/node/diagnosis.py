@@ -19,12 +19,17 @@ from tether.units import format_bytes
 CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL"})
 EVIDENCE_LINES = 40
 
+GPU_OOM = "CUDA out of memory"
+
 # Engine messages on stderr that explain a death better than its exit status does.
 ENGINE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (label, re.compile(rx, re.IGNORECASE))
     for label, rx in (
-        ("CUDA out of memory", r"CUDA out of memory|cudaMalloc failed|CUBLAS_STATUS_ALLOC_FAILED"),
-        ("GPU illegal memory access", r"illegal memory access"),
+        (GPU_OOM, r"CUDA out of memory|cudaMalloc failed|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory"),
+        ("GPU illegal memory access", r"illegal memory access|illegal address"),
+        ("GPU ECC error", r"uncorrectable ECC error|\bECC error"),
+        ("GPU Xid error", r"\bXid\b"),  # the driver's error report, where it reaches the process's output
+        ("CUDA error", r"CUDA error"),
         ("GGML assertion", r"GGML_ASSERT"),
         ("llama.cpp error", r"llama_model_load: error|failed to load model"),
         ("NCCL error", r"NCCL error|ncclInternalError|ncclSystemError"),
@@ -65,6 +70,13 @@ def engine_diagnostics(lines: Sequence[str]) -> list[tuple[str, str]]:
     return found
 
 
+def _most_specific(diags: list[tuple[str, str]]) -> str:
+    """The label of the most specific engine line found (the first in ``ENGINE_PATTERNS``: "GPU illegal memory
+    access" over the "CUDA error" llama.cpp's abort prints after it)."""
+    order = {label: i for i, (label, _) in enumerate(ENGINE_PATTERNS)}
+    return min(diags, key=lambda found: order[found[0]])[0]
+
+
 def _faulthandler_stack(lines: Sequence[str]) -> list[str]:
     """What faulthandler printed for the fatal error: its header, then the crashing thread's stack first (it
     is printed last, after every other thread's), then the other threads, up to ``EVIDENCE_LINES`` lines."""
@@ -86,6 +98,9 @@ def diagnose(ev: Evidence) -> Cause:
     diags = engine_diagnostics(ev.output_tail)
     diag_lines = [f"{label}: {line}" for label, line in diags[-5:]]
 
+    gpu_oom = [line for label, line in diags if label == GPU_OOM]
+    if gpu_oom and not (ev.exception is not None and ev.exception.memory_error):
+        return _gpu_oom_cause(ev, where, gpu_oom, diag_lines, tail)
     if ev.exception is not None:
         exc = ev.exception
         if exc.load_error:
@@ -132,7 +147,7 @@ def diagnose(ev: Evidence) -> Cause:
         if diags:
             return Cause(
                 kind=CauseKind.ENGINE_ERROR,
-                summary=f"{ev.runner} was {status.describe()}{where} after {diags[-1][0]}",
+                summary=f"{ev.runner} was {status.describe()}{where} after {_most_specific(diags)}",
                 evidence=tuple(diag_lines + tail[-10:]),
                 signal=name,
                 phase=ev.phase,
@@ -155,7 +170,7 @@ def diagnose(ev: Evidence) -> Cause:
     if diags:
         return Cause(
             kind=CauseKind.ENGINE_ERROR,
-            summary=f"{ev.runner} exited with code {status.code}{where} after {diags[-1][0]}",
+            summary=f"{ev.runner} exited with code {status.code}{where} after {_most_specific(diags)}",
             evidence=tuple(diag_lines + tail[-10:]),
             exit_code=status.code,
             phase=ev.phase,
@@ -165,6 +180,28 @@ def diagnose(ev: Evidence) -> Cause:
         summary=f"{ev.runner} exited with code {status.code}{where}",
         evidence=tuple(tail[-10:]),
         exit_code=status.code,
+        phase=ev.phase,
+    )
+
+
+def _gpu_oom_cause(ev: Evidence, where: str, lines: list[str], diag_lines: list[str], tail: list[str]) -> Cause:
+    """A GPU allocation that failed (llama.cpp's CUDA backend says so, then fails the load or aborts): out of
+    memory, of the GPU's, with the engine's lines as evidence and what to do."""
+    status = ev.exit
+    how = f"was {status.describe()}" if status.signal is not None else f"exited with code {status.code}"
+    if ev.exception is not None:
+        how = f"failed: {ev.exception.message}"
+    return Cause(
+        kind=CauseKind.OUT_OF_MEMORY,
+        summary=f"{ev.runner} ran out of GPU memory{where} (CUDA out of memory: {lines[-1].strip()}) and {how}",
+        evidence=(
+            *diag_lines,
+            "what to do: fewer layers on the GPU (--n-gpu-layers; auto sizes them to the free VRAM), a smaller "
+            "--n-ctx or --parallel, or free the GPU's memory (nvidia-smi lists who holds it)",
+            *tail[-10:],
+        ),
+        exit_code=status.code,
+        signal=status.signal_name,
         phase=ev.phase,
     )
 
