@@ -4,14 +4,29 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.tether-installed
+# TETHER_GPU: "cuda" builds llama.cpp with NVIDIA's CUDA (layers offloaded to the GPU, see docs/gpu.md), "cpu"
+# without; "auto" (the default) is cuda where both nvcc and a working NVIDIA driver are (`nvidia-smi -L`), else cpu.
+# CUDA_ARCHITECTURES: the GPUs to compile for ("native": the ones this machine has; e.g. 90 for an H100).
+TETHER_GPU ?= auto
+CUDA_ARCHITECTURES ?= native
+HAVE_CUDA := $(shell command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+GPU := $(if $(filter auto,$(TETHER_GPU)),$(if $(HAVE_CUDA),cuda,cpu),$(TETHER_GPU))
+ifeq ($(filter cpu cuda,$(GPU)),)
+$(error TETHER_GPU must be auto, cpu or cuda, not "$(TETHER_GPU)")
+endif
+STAMP  := $(VENV)/.tether-installed-$(GPU)
 DEV_STAMP := $(VENV)/.tether-dev-installed
 # llama-cpp-python builds from source here; skip what tether does not use (pip caches the wheel it builds).
 # No AMX on x86: ggml's native build uses AMX tiles wherever the CPU has them, and its AMX matmul segfaults in the
 # first decode on this project's Sapphire Rapids VMs (llama_print_system_info says AMX_INT8 = 1); AVX-512 stays.
 # GGML_RPC: ggml's RPC backend, which splits one model's layers over the ranks of a multi-rank llama.cpp instance.
 NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
-export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_RPC=ON $(if $(NO_AMX),'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
+CUDA_ARGS := $(if $(filter cuda,$(GPU)),-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES))
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_RPC=ON $(CUDA_ARGS) $(if $(NO_AMX),'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)')
+# The built library must be the one asked for: CPU or CUDA (libggml-cuda: llama_supports_gpu_offload is true for
+# any RPC build), with RPC, without AMX.
+WANT_GPU := $(if $(filter cuda,$(GPU)),True,False)
+BUILD_OK := import llama_cpp as l, sys; from tether.engines.llamacpp_estimate import gpu_build_missing as m; sys.exit('AMX_INT8 = 1' in l.llama_print_system_info().decode() or not l.llama_supports_rpc() or (m() is None) != $(WANT_GPU))
 PROMPT ?= What is the capital of France?
 
 .PHONY: install install-dev browser systemd openwebui run ask check test lint format docs docs-build figures bench clean
@@ -23,13 +38,15 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[llama]'
-	# pip reuses a cached llama-cpp-python wheel by version, whatever CMAKE_ARGS built it: rebuild one that has AMX
-	# or lacks RPC, and cache the rebuilt wheel in its place so the next fresh checkout reuses it.
-	$(BIN)/python -c "import llama_cpp as l, sys; sys.exit('AMX_INT8 = 1' in l.llama_print_system_info().decode() or not l.llama_supports_rpc())" || { \
+	# pip reuses a cached llama-cpp-python wheel by version, whatever CMAKE_ARGS built it: rebuild one that has AMX,
+	# lacks RPC or is not the CPU/CUDA build asked for, and cache the rebuilt wheel in its place so the next fresh
+	# checkout reuses it.
+	$(BIN)/python -c "$(BUILD_OK)" || { \
 	  $(BIN)/python -m pip cache remove llama_cpp_python >/dev/null 2>&1; \
 	  $(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
 	    "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"; }
-	$(BIN)/python -c "import llama_cpp as l, sys; sys.exit(None if l.llama_supports_rpc() else 'llama-cpp-python was built without GGML_RPC')"
+	$(BIN)/python -c "$(BUILD_OK)" || { echo "llama-cpp-python is not the $(GPU) build with GGML_RPC asked for" >&2; exit 1; }
+	$(BIN)/python -c "from tether.engines.llamacpp_estimate import gpu_build_missing as m; print('llama.cpp build:', 'CPU only' if m() else 'CUDA (layers offload to NVIDIA GPUs)', '(TETHER_GPU=$(TETHER_GPU))')"
 	$(BIN)/tether pull
 	touch $(STAMP)
 
