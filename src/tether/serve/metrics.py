@@ -68,6 +68,11 @@ class _FleetCollector(Collector):
             labels=["instance"],
         )
         rss = GaugeMetricFamily("tether_runner_rss_bytes", "Resident memory of the runner's group", labels=["instance"])
+        vram = GaugeMetricFamily(
+            "tether_runner_gpu_bytes",
+            "GPU memory the runner's group holds, from NVML per process (absent where NVML cannot say)",
+            labels=["instance"],
+        )
         for hosted in self.fleet.list():
             name = tag_of(hosted.instance.state)
             for candidate in STATES:
@@ -86,6 +91,8 @@ class _FleetCollector(Collector):
             if sup is not None and sup.footprint is not None:
                 footprint.add_metric([hosted.id], sup.footprint.footprint)
                 rss.add_metric([hosted.id], sup.footprint.rss)
+                if sup.footprint.gpu is not None:
+                    vram.add_metric([hosted.id], sup.footprint.gpu)
         yield from (
             state,
             restarts,
@@ -98,6 +105,7 @@ class _FleetCollector(Collector):
             occupancy,
             footprint,
             rss,
+            vram,
         )
 
 
