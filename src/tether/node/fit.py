@@ -26,6 +26,7 @@ from tether.protocol import EngineSpec, RankInfo
 from tether.units import format_bytes, parse_size
 
 WHAT_TO_DO = "free memory, or pass --force to load anyway"
+GPU_PLACED = ("n_gpu_layers", "gpu", "tensor_split")  # the options ``size_offload`` resolves: asked again each life
 
 
 @dataclass(frozen=True)

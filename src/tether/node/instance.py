@@ -297,6 +297,8 @@ class Instance:
         auto_ranks: bool = False,
     ) -> None:
         self.spec = spec
+        # the GPU options as asked: each life's placement sizes "auto" again from the VRAM free then
+        self._gpu_asked = {k: spec.options[k] for k in fit.GPU_PLACED if k in spec.options}
         self.ranks = ranks  # runners per life (a multi-rank instance's group, ``node.ranks``), placed together
         # ``ranks: "auto"`` on a cluster: each placement chooses the ranks of the next life (one runner when a node
         # holds the model whole, else the fewest nodes that hold it split) and sets ``ranks`` to them
@@ -495,16 +497,19 @@ class Instance:
         """Does this life fit the node's memory? Refuse with the numbers (``DoesNotFit``) unless ``force``.
 
         Awaited after the previous life's process group is gone, so what it measures no longer includes the
-        predecessor. Device placement (GPUs) is not decided here yet.
+        predecessor. GPU layers the placement chose ("auto") are chosen again, from the VRAM free now.
         """
         if self._admitted is not None:  # the first life, checked by the caller a moment ago
             self.fit, self._admitted = self._admitted, None
-        elif self._placer is not None:
-            self.fit = await self._placer(self)
         else:
-            self.fit = await anyio.to_thread.run_sync(
-                functools.partial(fit.admit, self.spec, override=self.force, ranks=self.ranks, sized=True)
-            )
+            options = {k: v for k, v in self.spec.options.items() if k not in fit.GPU_PLACED}
+            self.spec = msgspec.structs.replace(self.spec, options={**options, **self._gpu_asked})
+            if self._placer is not None:
+                self.fit = await self._placer(self)
+            else:
+                self.fit = await anyio.to_thread.run_sync(
+                    functools.partial(fit.admit, self.spec, override=self.force, ranks=self.ranks, sized=True)
+                )
         if self.fit.spec is not None:  # the check sized what the engine left to it (n_ctx "auto")
             self.spec = self.fit.spec
         log.info("instance %s: %s", self.name, self.fit.message)
