@@ -194,6 +194,19 @@ def footprint_of(hosted: Hosted) -> int:
     return sup.footprint.footprint
 
 
+def gpu_of(hosted: Hosted) -> int:
+    """The GPU memory (NVML) in ``hosted``'s footprint: what stopping it gives back to the GPUs, not to the host."""
+    sup = hosted.supervisor
+    if sup is None or not sup.alive or sup.footprint is None:
+        return 0
+    return sup.footprint.gpu or 0
+
+
+def host_of(hosted: Hosted) -> int:
+    """What stopping ``hosted``'s runner gives back to the host's memory (its footprint less its VRAM)."""
+    return footprint_of(hosted) - gpu_of(hosted)
+
+
 class Scheduler:
     """The catalog served through ``fleet``, whose placer it becomes. Use as ``async with fleet, Scheduler(fleet,
     catalog) as scheduler:`` (it leaves first: its timers and loads end, then the fleet stops every instance)."""
@@ -778,7 +791,7 @@ class Scheduler:
             return victims
 
         def frees(slot: Slot) -> int:
-            return (footprint_of(slot.hosted) if slot.hosted is not None else 0) + reserved.get(slot.id, 0)
+            return (host_of(slot.hosted) if slot.hosted is not None else 0) + reserved.get(slot.id, 0)
 
         shortfall = estimate.total - (node.available - sum(reserved.values())) - sum(frees(s) for s, _ in victims)
         for slot in candidates[len(victims) :]:
@@ -806,7 +819,7 @@ class Scheduler:
         candidates: list[Slot],
         reserved: dict[str, int],
     ) -> FitResult:
-        evictable = sum(footprint_of(s.hosted) + reserved.get(s.id, 0) for s in candidates if s.hosted is not None)
+        evictable = sum(host_of(s.hosted) + reserved.get(s.id, 0) for s in candidates if s.hosted is not None)
         busy = [h for h in self.fleet.list() if h.instance is not instance and h.id not in {s.id for s in candidates}]
         busy_text = ", ".join(f"{h.id} {format_bytes(footprint_of(h))}" for h in busy) or "none"
         held_back = sum(reserved.values())
@@ -826,14 +839,15 @@ class Scheduler:
     ) -> NodeMemory:
         """Evict ``victims`` (concurrently), await each runner's whole group gone, then node memory risen by what
         they held (or ``need`` bytes available), bounded by ``reclaim_timeout``. Returns node memory after."""
-        expected = 0
+        expected = vram = 0
         began = time.monotonic()
         with contextlib.ExitStack() as unloading:
             stopping: list[Hosted] = []
             for slot, why in victims:
                 assert slot.hosted is not None
                 memory = footprint_of(slot.hosted)
-                expected += memory
+                expected += host_of(slot.hosted)  # what the host gets back; the VRAM goes back to the GPUs
+                vram += gpu_of(slot.hosted)
                 stopping.append(slot.hosted)
                 unloading.enter_context(_unloading(slot))
                 slot.unwant()  # its requests waiting behind this load go on: to wait for the unload, then load it
@@ -856,10 +870,20 @@ class Scheduler:
                 raise
         reaped = time.monotonic() - began
         target = before.available + int(expected * RECLAIMED_SHARE)
-        node = await self._reclaimed(target, need)
+        node = await self._reclaimed(target, need, before, vram)
         waited = time.monotonic() - began
         risen = node.available - before.available
         ids = ", ".join(slot.id for slot, _ in victims)
+        gpu_back = sum(g.free for g in node.gpus) - sum(g.free for g in before.gpus)
+        if vram and gpu_back < vram * RECLAIMED_SHARE:
+            message = (
+                f"evicted {ids} for {for_id} (runner groups gone in {reaped * 1000:.0f} ms), but the GPUs' free memory "
+                f"rose by {format_bytes(gpu_back)} of the {format_bytes(vram)} they held within "
+                f"{self.reclaim_timeout:g} s (--reclaim-timeout, NVML): a process still holds it (nvidia-smi lists "
+                "who)"
+            )
+            self._decide("wait_memory", for_id, message, seconds=waited, bytes=gpu_back)
+            raise Unavailable(message, retry_after=self.reclaim_timeout)
         if node.available < target and node.available < need:
             message = (
                 f"evicted {ids} for {for_id} (runner groups gone in {reaped * 1000:.0f} ms), but node memory rose by "
@@ -872,22 +896,31 @@ class Scheduler:
         self._decide(
             "reclaimed",
             for_id,
-            f"memory back for {for_id}: +{format_bytes(risen)} (expected {format_bytes(expected)}) "
-            f"{waited * 1000:.0f} ms after evicting {ids} (groups gone in {reaped * 1000:.0f} ms)",
+            f"memory back for {for_id}: +{format_bytes(risen)} (expected {format_bytes(expected)})"
+            + (f", GPU +{format_bytes(gpu_back)} (expected {format_bytes(vram)})" if vram else "")
+            + f" {waited * 1000:.0f} ms after evicting {ids} (groups gone in {reaped * 1000:.0f} ms)",
             seconds=waited,
             bytes=max(risen, 0),
         )
         return node
 
-    async def _reclaimed(self, target: int, need: int) -> NodeMemory:
-        """Node memory once it reaches ``target`` (or ``need``), or as it is after ``reclaim_timeout``."""
+    async def _reclaimed(self, target: int, need: int, before: NodeMemory, vram: int = 0) -> NodeMemory:
+        """Node memory once it reaches ``target`` (or ``need``) and the GPUs' free memory has risen by most of
+        ``vram`` (what the evicted runners held there: a driver frees it after the process is gone, not with it),
+        or as it is after ``reclaim_timeout``."""
         read = functools.partial(anyio.to_thread.run_sync, self.memory)
         deadline = time.monotonic() + self.reclaim_timeout
         pause = 0.001
         if self.reclaim_poll is not None:  # the baseline: a ticker, first check one period after the unload
             await anyio.sleep(self.reclaim_poll)
         node = await read()
-        while node.available < target and node.available < need and time.monotonic() < deadline:
+        gpu_target = sum(g.free for g in before.gpus) + int(vram * RECLAIMED_SHARE)
+
+        def short(node: NodeMemory) -> bool:
+            host = node.available < target and node.available < need
+            return host or (vram > 0 and sum(g.free for g in node.gpus) < gpu_target)
+
+        while short(node) and time.monotonic() < deadline:
             # The groups are reaped, so their anonymous memory is freed already; what lags is accounting (per-CPU
             # charge caches) or a driver giving back device memory: short, growing pauses, bounded.
             await anyio.sleep(self.reclaim_poll if self.reclaim_poll is not None else pause)
