@@ -16,6 +16,7 @@ import pytest
 
 from conftest import gemma_missing, gemma_path, model_missing, run_options
 from tether.engines import llamacpp_estimate
+from tether.engines.llamacpp import LlamaCppEngine
 from tether.engines.llamacpp_estimate import (
     CUDA_CONTEXT,
     GPU_MARGIN,
@@ -28,7 +29,7 @@ from tether.engines.llamacpp_estimate import (
 )
 from tether.models import default_model_path
 from tether.node.diagnosis import Evidence, diagnose
-from tether.node.fit import assess
+from tether.node.fit import assess, gpu_shortfall
 from tether.node.memory import NodeMemory
 from tether.node.nvml import GpuDevice
 from tether.node.spawn import ExitStatus
@@ -260,3 +261,27 @@ def test_a_cuda_out_of_memory_is_an_out_of_memory_of_the_gpu_whether_at_load_or_
     assert crashed.kind is CauseKind.ENGINE_ERROR and "GPU illegal memory access" in crashed.summary
     ecc = ["CUDA error: uncorrectable ECC error encountered"]
     assert "GPU ECC error" in diagnose(Evidence(ExitStatus(None, signal.SIGABRT), None, ecc, "generate")).summary
+
+
+@pytest.mark.usefixtures("cuda_build")
+def test_what_the_gpu_lacks_for_every_layer_is_what_evicting_idle_models_must_give_back() -> None:
+    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192})
+    whole = LlamaCppEngine.estimate_memory(spec)
+    short, target = gpu_shortfall(spec, whole, node(80 * GiB))
+    assert short == 0 and target is not None and target.offload is not None and target.offload.n_gpu_layers == 31
+    tight = GPU_MARGIN + CUDA_CONTEXT + 100 * MiB
+    short, target = gpu_shortfall(spec, whole, node(tight))
+    assert target is not None and target.offload is not None
+    assert short == target.offload.vram[0] - (tight - GPU_MARGIN) > 0
+    given = msgspec.structs.replace(spec, options={**spec.options, "n_gpu_layers": 5})
+    short, target = gpu_shortfall(given, whole, node(tight))
+    assert target is not None and target.offload is not None and target.offload.n_gpu_layers == 5
+    # a limit the user set caps the GPU anyway; the batch-invariant build stays on the CPU: nothing to make room for
+    for options in ({"gpu_memory_limit": "1G"}, {"deterministic": True}, {"n_gpu_layers": 0}):
+        other = msgspec.structs.replace(spec, options={**spec.options, **options})
+        assert gpu_shortfall(other, whole, node(tight)) == (0, None), options
+
+
+def test_without_a_cuda_build_there_is_no_gpu_room_to_make() -> None:
+    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192})
+    assert gpu_shortfall(spec, LlamaCppEngine.estimate_memory(spec), node(GPU_MARGIN)) == (0, None)

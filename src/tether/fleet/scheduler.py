@@ -712,12 +712,22 @@ class Scheduler:
                 await sup.sample_memory()
         node = await anyio.to_thread.run_sync(self.memory)
         reserved = {h.id: _reserved(h) for h in self.fleet.list() if h.instance is not instance}
-        victims = self._victims(instance, estimate, node, reserved)
+        host, gpu_victims = estimate, []
+        if estimate is not None and instance.ranks == 1:  # what the host holds once the GPUs hold their layers
+            short, offloaded = fit.gpu_shortfall(spec, estimate, node)
+            gpu_victims = self._gpu_victims(instance, short) if short > 0 else []
+            if offloaded is not None and (short <= 0 or gpu_victims):
+                host = offloaded
+            elif offloaded is not None:  # no room to make there: the layers that fit now
+                host = fit.size_offload(spec, estimate, node)[1]
+        victims = self._victims(instance, host, node, reserved)
+        chosen = {slot.id for slot, _ in victims}
+        victims += [(slot, why) for slot, why in gpu_victims if slot.id not in chosen]
         evicted = {slot.id for slot, _ in victims}
         held_back = sum(room for model_id, room in reserved.items() if model_id not in evicted)  # the staying ones'
         if victims:
-            need = estimate.total + held_back if estimate is not None else 0
-            needs = estimate.describe() if estimate is not None else "needs a slot (no estimate)"
+            need = host.total + held_back if host is not None else 0
+            needs = host.describe() if host is not None else "needs a slot (no estimate)"
             node = await self._evict(instance.name, victims, need, needs, node)
         if estimate is None:
             engine = registry.canonical(spec.engine)
@@ -810,6 +820,20 @@ class Scheduler:
                 raise _MustWait(waiting, f"it {estimate.describe()}, {format_bytes(node.available)} available")
             raise DoesNotFit(self._refusal(instance, estimate, node, candidates, reserved))
         return victims
+
+    def _gpu_victims(self, instance: Instance, short: int) -> list[tuple[Slot, str]]:
+        """Idle models holding VRAM (least recently used first) whose eviction gives the GPUs ``short`` bytes, so a
+        model loads with every layer on them (as Ollama does); none when evicting all of them would not be enough
+        (then the layers that fit go to the GPU, and nothing is evicted for it)."""
+        chosen: list[tuple[Slot, str]] = []
+        for slot in self._candidates(instance):
+            if short <= 0:
+                break
+            held = gpu_of(slot.hosted) if slot.hosted is not None else 0
+            if held > 0:
+                chosen.append((slot, "gpu_memory"))
+                short -= held
+        return chosen if short <= 0 else []
 
     def _refusal(
         self,

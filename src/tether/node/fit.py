@@ -233,6 +233,34 @@ def size_offload(
     return run, sized, note, None
 
 
+def gpu_shortfall(spec: EngineSpec, estimate: MemoryEstimate, node: NodeMemory) -> tuple[int, MemoryEstimate | None]:
+    """What the chosen GPUs lack, beyond their free memory less the margin, to hold every layer ("auto") or the
+    count given: the VRAM that evicting idle models could give back, in bytes (0 when nothing is missing, or when
+    nothing offloads here: no GPU, a CPU build, a deterministic instance, a ``gpu_memory_limit`` that caps it
+    anyway), and the host's share of the estimate with those layers on the GPUs (None when nothing offloads)."""
+    offloaded = getattr(estimate, "offloaded", None)
+    shape = getattr(estimate, "shape", None)
+    options = spec.options
+    if offloaded is None or shape is None or spec.rank is not None or not node.gpus:
+        return 0, None
+    _, margin, missing, gpu_indexes = _offload_tools()
+    if options.get("deterministic") or options.get("gpu_memory_limit") is not None or missing() is not None:
+        return 0, None
+    gpus = {g.index: g for g in node.gpus}
+    wanted = options.get("n_gpu_layers", "auto")
+    try:
+        indexes = sorted(gpus) if options.get("gpu") is None else gpu_indexes(options["gpu"])
+        count = shape.n_layers + 1 if wanted == "auto" else int(wanted)
+    except (TypeError, ValueError):
+        return 0, None
+    if count <= 0 or any(i not in gpus for i in indexes):
+        return 0, None
+    budgets = [max(0, gpus[i].free - margin) for i in indexes]
+    target = offloaded(count, indexes, [float(gpus[i].total) for i in indexes], budgets)
+    needs = getattr(getattr(target, "offload", None), "vram", ())
+    return sum(max(0, need - budget) for need, budget in zip(needs, budgets, strict=False)), target
+
+
 def _offload_tools() -> tuple[Any, int, Any, Any]:
     """The llama.cpp estimator's offload helpers (the one engine that offloads), imported when a fit needs them."""
     from tether.engines.llamacpp_estimate import GPU_MARGIN, fit_layers, gpu_build_missing, gpu_indexes
