@@ -36,6 +36,7 @@ from anyio.abc import SocketStream
 
 from tether.clock import MONOTONIC, Clock
 from tether.cluster import wire
+from tether.engines import registry
 from tether.errors import TetherError
 from tether.kernel.cgroups import MemoryCgroup, create_child_cgroup
 from tether.node import fit
@@ -309,8 +310,9 @@ class NodeAgent:
         """Spawn a runner life and wait for its hello (or its failure to start)."""
         if self.fenced is not None:
             return msgspec.msgpack.encode(Launched(error=f"node agent is fenced: {self.fenced}"))
+        decoded = await anyio.to_thread.run_sync(_place_gpus, msgspec.msgpack.decode(spec, type=EngineSpec))
         sup = Supervisor(
-            msgspec.msgpack.decode(spec, type=EngineSpec),
+            decoded,
             self.supervision,
             runner_id=runner_id,
             deadlines=msgspec.msgpack.decode(deadlines, type=Deadlines),
@@ -471,3 +473,18 @@ def sweep_agent_cgroups(parent: Path) -> int:
                 path.rmdir()
                 removed += 1
     return removed
+
+
+def _place_gpus(spec: EngineSpec) -> EngineSpec:
+    """``spec`` with its GPU layers placed on this node's GPUs (n_gpu_layers "auto": what NVML's free VRAM here
+    holds, ``fit.size_offload``): the coordinator chose the node by its verdict, which counted them; the layers are
+    this node's to place. A rank's layers are the ranks' (``layer_split``); a spec without an estimate runs as is."""
+    if spec.rank is not None:
+        return spec
+    try:
+        estimate = registry.estimate(spec)
+    except TetherError:
+        return spec  # the launch reports what is wrong with it
+    if estimate is None:
+        return spec
+    return fit.size_offload(spec, estimate, node_memory())[0]
