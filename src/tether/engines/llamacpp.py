@@ -412,8 +412,9 @@ class LlamaCppEngine:
         environment alone."""
         if self.n_gpu_layers == 0:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        elif self.gpu is not None:
-            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering
+            return
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, which the fit's tensor_split follows
+        if self.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu)
 
     def _prompt_cache_budget(self) -> int:
