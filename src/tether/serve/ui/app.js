@@ -632,6 +632,8 @@
         stat("tokens/s", "instance-tps", `completion tokens per second over the last ${RATE_SECONDS} s, streams in flight included`),
         stat("footprint", "instance-footprint", "what stopping the runner frees: anonymous + shmem + swap + GPU memory (mapped files are page cache)"),
         stat("RSS", "instance-rss", "resident set: counts mapped weight files, misses GPU/unified memory"),
+        stat("VRAM", "instance-vram", "GPU memory the runner holds, from NVML (– where there is no NVIDIA GPU or NVML cannot say)"),
+        stat("GPU layers", "instance-gpu-layers", "layers on the GPU of the model's layers (the output layer counts as one), as the fit check placed them"),
         stat("drafts kept", "instance-drafts-kept", "speculative decoding: of the tokens drafted and verified, the share the model kept (ended generations; – while nothing was drafted)"),
         stat("tokens/step", "instance-tokens-per-step", "speculative decoding: completion tokens per engine step, above 1 when drafts are kept (ended generations; – while nothing was drafted)"),
       ),
@@ -712,6 +714,8 @@
     put("instance-tokens-per-step", drafts ? drafts.perStep : "–");
     put("instance-footprint", memory ? bytes(memory.footprint) : "–");
     put("instance-rss", memory ? bytes(memory.rss) : "–");
+    put("instance-vram", memory && typeof memory.gpu === "number" ? bytes(memory.gpu) : "–");
+    put("instance-gpu-layers", inst.offload ? `${inst.offload.n_gpu_layers} of ${inst.offload.layers}` : "–");
 
     drawChart(card._charts.tps, s.samples, s.marks, nowMs, rate);
     drawChart(card._charts.mem, s.samples, s.marks, nowMs, bytes);
