@@ -136,8 +136,9 @@ def test_the_page_shows_the_default_instance_ready(page: Page, tmp_path: Path) -
         expect(debug.get_by_test_id("instance-running")).to_have_text("0 of 1")
         expect(debug.get_by_test_id("instance-waiting")).to_have_text("0 of 16")
         expect(debug.get_by_test_id("instance-footprint")).to_have_text(re.compile(r"^[0-9.]+ (KiB|MiB|GiB)$"))
-        expect(debug.get_by_test_id("instance-vram")).to_have_text("–")  # no NVIDIA GPU here (NVML says why)
-        expect(debug.get_by_test_id("instance-gpu-layers")).to_have_text("–")
+        no_figure = "\u2013"  # the page's dash where there is no figure: no NVIDIA GPU here (NVML says why)
+        expect(debug.get_by_test_id("instance-vram")).to_have_text(no_figure)
+        expect(debug.get_by_test_id("instance-gpu-layers")).to_have_text(no_figure)
         expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live")
         expect(page.get_by_test_id("login")).to_be_hidden()
         node = page.get_by_test_id("node").first

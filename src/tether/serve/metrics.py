@@ -207,7 +207,8 @@ class Metrics:
         )
         self.evictions = Counter(
             "tether_model_evictions",
-            "Models unloaded by the scheduler, by reason (memory, gpu_memory, max_loaded, keep_alive, deleted, failed, requested)",
+            "Models unloaded by the scheduler, by reason (memory, gpu_memory, max_loaded, keep_alive, deleted, failed, "
+            "requested)",
             ["model", "reason"],
             registry=self.registry,
         )
