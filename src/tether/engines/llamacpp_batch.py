@@ -144,6 +144,7 @@ PIECE_BUFFER = 256
 GREEDY_SEARCH = 64  # a greedy json_schema pick checks the grammar on this many likeliest tokens before masking all
 PROBE_CONTEXT = 128  # tokens in the slot while micro-batches are timed (attention adds little at this size)
 PROBE_MOST = 64  # the largest micro-batch timed; beyond it the curve is extrapolated
+PROBE_MOST_ONE_THREAD = 8  # on one thread (the governor's answer to busy cores) only short drafts can pay
 JSON_VALUE_ENDS = frozenset(b'}]"el')  # a JSON value nothing can extend ends so: {...} [...] "..." true false null
 
 
@@ -602,7 +603,8 @@ class Batch:
             for threads in counts:
                 lib.llama_set_n_threads(self.ctx, threads, threads)
                 times: dict[int, float] = {}
-                for size in (points[0], *points, *points):  # the fastest of two (a thread count's first warms it)
+                sizes = points if threads > 1 else tuple(p for p in points if p <= PROBE_MOST_ONE_THREAD)
+                for size in (sizes[0], *sizes, *sizes):  # the fastest of two (a thread count's first warms it)
                     for i in range(size):
                         self._put(i, ids[context + i], context + i, slot.index, True)
                     self._batch.n_tokens = size
