@@ -146,6 +146,10 @@ def test_a_count_given_is_kept_and_refused_before_load_when_the_gpu_cannot_hold_
     assert re.search(r"use n_gpu_layers \d+ fits \(auto\)", result.message), result.message
     forced = assess(spec, node=node(GPU_MARGIN + CUDA_CONTEXT + 300 * MiB), sized=True, override=True)
     assert forced.ok and forced.spec is not None and forced.spec.options["n_gpu_layers"] == 31
+    # neither memory holds it: both are named
+    small = NodeMemory(100 * MiB, "host MemAvailable", GiB, 100 * MiB, gpus=node(GPU_MARGIN + 300 * MiB).gpus)
+    both = assess(spec, node=small, sized=True).message
+    assert "does not fit the GPU" in both and "; and the host: " in both and "100 MiB available" in both, both
     # device indexes this node does not have
     other = msgspec.structs.replace(spec, options={"gpu": "0,3"})
     assert "gpu names device 3" in assess(other, node=node(80 * GiB), sized=True).message

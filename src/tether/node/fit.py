@@ -275,9 +275,11 @@ def with_gpus(result: FitResult, note: str | None, problem: str | None, override
     if problem is None:
         return replace(result, message=message)
     subject = result.estimate.subject if result.estimate is not None else "the model"
+    host = "" if result.fits else f"; and the host: {result.message}"  # both memories, when neither holds it
     if override:
-        return replace(result, fits=False, overridden=True, message=f"loading {subject} anyway (override): {problem}")
-    return replace(result, fits=False, overridden=False, message=f"{subject} does not fit the GPU: {problem}")
+        message = f"loading {subject} anyway (override): {problem}{host}"
+        return replace(result, fits=False, overridden=True, message=message)
+    return replace(result, fits=False, overridden=False, message=f"{subject} does not fit the GPU: {problem}{host}")
 
 
 def assess(
