@@ -149,24 +149,15 @@ def check(gib: float) -> dict[str, Any]:
         if free_before - free_loaded < size:
             problems.append(f"NVML's free memory fell by {free_before - free_loaded}, less than {size}")
 
-        server.signal(signal.SIGKILL)
-        server.proc.wait(10)
-        listed = [g for g in _orphans()["orphans"] if g["pid"] == runner]
-        result["orphan_listed"] = bool(listed)
-        result["orphan_gpu"] = listed[0]["memory"]["gpu"] if listed and listed[0]["memory"] else None
-        if not listed:
+        result["orphan_listed"], result["orphan_gpu"] = orphan_after_kill(server, runner)
+        if not result["orphan_listed"]:
             problems.append(f"tether orphans did not list runner {runner} after its worker's SIGKILL")
         elif (result["orphan_gpu"] or 0) < size:
             problems.append(f"tether orphans shows {result['orphan_gpu']} GPU bytes for runner {runner}")
 
         began = time.monotonic()
-        reaped = _orphans("--reap")
-        result["reaped"] = [r["pid"] for r in reaped.get("reaped", [])]
-        free_after = _free()
-        while free_after < free_before - SLACK and time.monotonic() - began < 30:
-            time.sleep(0.05)
-            free_after = _free()
-        result["free_after"] = free_after
+        result["reaped"] = [r["pid"] for r in _orphans("--reap").get("reaped", [])]
+        result["free_after"] = free_after = wait_free(free_before)
         result["reclaimed_ms"] = round((time.monotonic() - began) * 1000, 1)
         if free_after < free_before - SLACK:
             problems.append(f"after the reap NVML's free memory is {free_before - free_after} bytes below the start")
@@ -316,6 +307,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def orphan_after_kill(server: ServeChild, runner: int) -> tuple[bool, int | None]:
+    """SIGKILL the worker (its watchdog off) and ask ``tether orphans``: whether it lists ``runner``, and the GPU
+    bytes it shows for it."""
+    server.signal(signal.SIGKILL)
+    server.proc.wait(10)
+    listed = [o for o in _orphans()["orphans"] if o["pid"] == runner]
+    return bool(listed), listed[0]["memory"]["gpu"] if listed and listed[0]["memory"] else None
+
+
 def wait_free(free_before: int, bound: float = RECLAIM_BOUND, also: Callable[[], bool] = lambda: True) -> int:
     """NVML's free memory, read every 50 ms until it is back within ``SLACK`` of ``free_before`` and ``also()``
     holds, or ``bound`` s passed."""
@@ -452,12 +452,8 @@ def llama_check(model: Path, args: argparse.Namespace, logs: dict[str, list[str]
             http.delete("/v1/instances/limited")
 
         say(f"limited: {result['limited_offload']}; 4. SIGKILL of the worker, tether orphans")
-        server.signal(signal.SIGKILL)
-        server.proc.wait(10)
-        listed = [o for o in _orphans()["orphans"] if o["pid"] == runner]
-        result["orphan_listed"] = bool(listed)
-        result["orphan_vram"] = listed[0]["memory"]["gpu"] if listed and listed[0]["memory"] else None
-        if not listed:
+        result["orphan_listed"], result["orphan_vram"] = orphan_after_kill(server, runner)
+        if not result["orphan_listed"]:
             problems.append(f"tether orphans did not list runner {runner} after its worker's SIGKILL")
         elif (result["orphan_vram"] or 0) < ORPHAN_SHARE * reported:
             problems.append(f"tether orphans shows {result['orphan_vram']} VRAM bytes of runner {runner}'s {reported}")
