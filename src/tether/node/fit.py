@@ -13,6 +13,7 @@ The estimate comes from the engine registry, so every name of an engine (aliases
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from tether.engines import registry
 from tether.engines.base import Estimate, MemoryEstimate
 from tether.errors import TetherError
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
+from tether.node.nvml import GpuDevice
 from tether.protocol import EngineSpec, RankInfo
 from tether.units import format_bytes, parse_size
 
@@ -173,9 +175,8 @@ def size_offload(
     if wanted == "auto" and options.get("deterministic"):
         wanted = 0  # the batch-invariant kernels are the CPU's
     gpus = {g.index: g for g in node.gpus}
-    chosen = options.get("gpu")
     try:
-        indexes = sorted(gpus) if chosen is None else gpu_indexes(chosen)
+        indexes = _chosen(options, gpus, gpu_indexes)
         limit = parse_size(options["gpu_memory_limit"]) if options.get("gpu_memory_limit") is not None else None
         count = None if wanted == "auto" else int(wanted)
     except (TypeError, ValueError) as exc:
@@ -194,9 +195,7 @@ def size_offload(
         names = ", ".join(f"GPU {i} ({gpus[i].name})" for i in indexes)
         note = f"{names} visible, but {build}: every layer on the CPU"
         return msgspec.structs.replace(spec, options={**options, "n_gpu_layers": 0}), estimate, note, None
-    budgets = [max(0, gpus[i].free - margin) for i in indexes]
-    if limit is not None:
-        budgets = [min(budget, limit) for budget in budgets]
+    budgets = _budgets(gpus, indexes, margin, limit)
     if count is None:
         sized = fit_layers(estimate, budgets, indexes)
     else:
@@ -249,16 +248,27 @@ def gpu_shortfall(spec: EngineSpec, estimate: MemoryEstimate, node: NodeMemory) 
     gpus = {g.index: g for g in node.gpus}
     wanted = options.get("n_gpu_layers", "auto")
     try:
-        indexes = sorted(gpus) if options.get("gpu") is None else gpu_indexes(options["gpu"])
+        indexes = _chosen(options, gpus, gpu_indexes)
         count = shape.n_layers + 1 if wanted == "auto" else int(wanted)
     except (TypeError, ValueError):
         return 0, None
     if count <= 0 or any(i not in gpus for i in indexes):
         return 0, None
-    budgets = [max(0, gpus[i].free - margin) for i in indexes]
+    budgets = _budgets(gpus, indexes, margin)
     target = offloaded(count, indexes, [float(gpus[i].total) for i in indexes], budgets)
     needs = getattr(getattr(target, "offload", None), "vram", ())
     return sum(max(0, need - budget) for need, budget in zip(needs, budgets, strict=False)), target
+
+
+def _chosen(options: Mapping[str, Any], gpus: Mapping[int, GpuDevice], gpu_indexes: Any) -> list[int]:
+    """The GPUs the option ``gpu`` names (``ValueError`` when it is not indexes), every one NVML lists without it."""
+    return sorted(gpus) if options.get("gpu") is None else list(gpu_indexes(options["gpu"]))
+
+
+def _budgets(gpus: Mapping[int, GpuDevice], indexes: list[int], margin: int, limit: int | None = None) -> list[int]:
+    """What each chosen GPU may hold: its free memory less the margin, at most ``limit`` (``gpu_memory_limit``)."""
+    budgets = [max(0, gpus[i].free - margin) for i in indexes]
+    return budgets if limit is None else [min(budget, limit) for budget in budgets]
 
 
 def _offload_tools() -> tuple[Any, int, Any, Any]:
