@@ -628,9 +628,11 @@ class Offload:
 
     @property
     def per_layer(self) -> int:
-        """Bytes a layer needs on a device, on average (weights and KV cache; what one fewer layer saves)."""
+        """Bytes a layer needs on a device, on average: its weights and KV cache, and a share of the compute scratch
+        (a device's VRAM less its CUDA context, over its layers; a device given no layer holds neither)."""
         counted = sum(len(layers) for layers in self.device_layers)
-        return (sum(self.vram) - CUDA_CONTEXT * len(self.vram)) // counted if counted else 0
+        used = sum(1 for layers in self.device_layers if layers)
+        return (sum(self.vram) - CUDA_CONTEXT * used) // counted if counted else 0
 
 
 def fit_layers(whole: ModelEstimate, budgets: Sequence[int], devices: Sequence[int] = (0,)) -> ModelEstimate:
