@@ -75,6 +75,10 @@ STOP_TIMEOUT = 2.0  # a SIGSTOPped runner being stopped is SIGKILLed after this
 REQUESTS = (3, 5, 8)
 POLL = 0.01
 MOMENT_ROUNDS = 3  # rounds of requests a trial makes again when its drawn ones never made its moment come
+# An eviction needs two models loaded when the third's load is placed; loads take turns, so on busy cores a load
+# outlasts KEEP_ALIVE and the model before it has unloaded by then. A remade round for an eviction asks with this
+# keep-alive (seconds), under the unload strike's wait (KEEP_ALIVE + 3 s) so a later trial still sees them unload.
+EVICT_KEEP_ALIVE = 3.0
 
 MODEL_ATTACKS: tuple[Attack, ...] = (
     Attack("race", None, ("requests",)),  # no fault: loads, evictions and unloads racing the requests alone
@@ -263,9 +267,16 @@ def _draws(trial: Trial) -> list[tuple[str, float, int]]:
     return asks
 
 
-async def _ask(client: httpx.AsyncClient, model: str, after: float, tokens: int, out: list[Outcome]) -> None:
+async def _ask(
+    client: httpx.AsyncClient,
+    model: str,
+    after: float,
+    tokens: int,
+    out: list[Outcome],
+    keep_alive: float | None = None,
+) -> None:
     await anyio.sleep(after)
-    streams = Streams(client, model, tokens)
+    streams = Streams(client, model, tokens, sampling=None if keep_alive is None else {"keep_alive": keep_alive})
     await streams.one(prompt=f"ask {model}")
     outcome = streams.outcomes[0]
     outcome.prompt = model  # which model it asked, for the checks
@@ -284,9 +295,11 @@ async def _await_unload(watcher: ModelWatcher) -> None:
 async def _make_moment(client: httpx.AsyncClient, watcher: ModelWatcher, out: list[Outcome]) -> int:
     """When the drawn requests ended without the trial's moment (a load, an eviction, an unload: the scheduler
     raced them another way), ask again until it comes, at most ``MOMENT_ROUNDS`` rounds: the models loaded now
-    first, then the others one by one, so one of them loads, and with two loaded the third evicts one; then the
-    keep-alive unloads them. Every request it makes is checked like the drawn ones. The rounds it took."""
+    first, then the others one by one, so one of them loads, and with two loaded the third evicts one (they are
+    asked with ``EVICT_KEEP_ALIVE`` for an eviction); then the keep-alive unloads them. Every request it makes is
+    checked like the drawn ones. The rounds it took."""
     rounds = 0
+    keep_alive = EVICT_KEEP_ALIVE if watcher.moment == "evict" else None
     while watcher.strike is not None and watcher.struck is None and rounds < MOMENT_ROUNDS:
         rounds += 1
         models = watcher.snapshot.get("scheduler", {}).get("models", {})
@@ -294,7 +307,7 @@ async def _make_moment(client: httpx.AsyncClient, watcher: ModelWatcher, out: li
         for model in loaded + sorted(m for m in MODELS if m not in loaded):
             if watcher.struck is not None:
                 break
-            await _ask(client, model, 0.0, 6, out)
+            await _ask(client, model, 0.0, 6, out, keep_alive)
         await _await_unload(watcher)
     return rounds
 
