@@ -17,7 +17,7 @@ import pytest
 
 from conftest import TETHER
 from tether.chaos.plan import BY_NAME, Attack, Trial, draw, plan
-from tether.chaos.target import Target
+from tether.chaos.target import ServeChild, Target
 from tether.chaos.trial import TrialResult, _check_gone, run_on
 from tether.protocol import CauseKind
 
@@ -101,3 +101,15 @@ def test_a_target_finds_its_runners_in_proc(tmp_path: Path) -> None:
     while target.runners() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert target.runners() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_server_that_exits_before_it_listens_is_reported_at_once_not_after_the_whole_startup_wait() -> None:
+    """A refused start (here a bad ``--port``) ends ``ServeChild`` as soon as the server's stderr closes, with its
+    exit code and what it printed; the harness waited its whole ``startup`` before."""
+    began = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        ServeChild("--engine", "debug", "--port", "not-a-port", startup=600)
+    assert time.monotonic() - began < 20, time.monotonic() - began
+    assert "exited with code 2 before printing a line matching" in str(failed.value), failed.value
+    assert "not-a-port" in str(failed.value), failed.value

@@ -63,8 +63,9 @@ class ServeChild:
         if self._reaper is not None and self._reaper.stdin is not None:
             self._reaper.stdin.write(f"{self.proc.pid} {cgroup or ''}\n".encode())
             self._reaper.stdin.flush()
-        self.lines: queue.Queue[str] = queue.Queue()
+        self.lines: queue.Queue[str | None] = queue.Queue()  # None: stderr closed (the server exited)
         self.seen: list[str] = []
+        self._closed = False
         threading.Thread(target=self._pump, daemon=True).start()
         try:
             self.url = self.wait_for(r"listening on (http://\S+)", startup).group(1)
@@ -96,33 +97,45 @@ class ServeChild:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """The first stderr line (seen or to come) matching ``pattern``; ``AssertionError`` after ``timeout`` s."""
+        """The first stderr line (seen or to come) matching ``pattern``; ``AssertionError`` after ``timeout`` s, or
+        as soon as the server's stderr closes without it (it exited: a refused fit need not cost the whole wait)."""
         for line in self.seen:
             if m := re.search(pattern, line):
                 return m
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
+        while not self._closed and (left := deadline - time.monotonic()) > 0:
             try:
-                line = self.lines.get(timeout=left)
+                came = self.lines.get(timeout=left)
             except queue.Empty:
                 break
-            self.seen.append(line)
-            if m := re.search(pattern, line):
+            if came is None:
+                self._closed = True
+                break
+            self.seen.append(came)
+            if m := re.search(pattern, came):
                 return m
-        raise AssertionError(
-            f"tether serve (pid {self.pid}) printed no line matching {pattern!r} within {timeout} s; stderr so far:\n"
-            + "\n".join(self.seen)
-        )
+        if self._closed:
+            code = self.proc.wait()
+            what = f"exited with code {code} before printing a line matching {pattern!r}"
+        else:
+            what = f"printed no line matching {pattern!r} within {timeout} s"
+        raise AssertionError(f"tether serve (pid {self.pid}) {what}; stderr so far:\n" + "\n".join(self.seen))
 
     def drain(self) -> list[str]:
         """Every stderr line so far (those not waited for included)."""
-        while True:
+        while not self._closed:
             try:
-                self.seen.append(self.lines.get_nowait())
+                line = self.lines.get_nowait()
             except queue.Empty:
-                return list(self.seen)
+                break
+            if line is None:
+                self._closed = True
+            else:
+                self.seen.append(line)
+        return list(self.seen)
 
     def fds(self) -> int | None:
         links = self.fd_links()
