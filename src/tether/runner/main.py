@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import NoReturn, cast
+from typing import NoReturn, TypedDict, cast
 
 import msgspec
 
@@ -384,11 +384,7 @@ class Runner:
                         logprobs=result.logprobs,
                         embedding=result.embedding,
                         cached_tokens=result.cached_tokens,
-                        draft_tokens=result.draft_tokens,
-                        draft_accepted=result.draft_accepted,
-                        prediction_accepted=result.prediction_accepted,
-                        prediction_rejected=result.prediction_rejected,
-                        decode_steps=result.decode_steps,
+                        **_speculated(result),
                         dropped_messages=result.dropped_messages,
                         prefilled=result.prefilled,
                         tokenized=result.tokenized,
@@ -410,21 +406,7 @@ class Runner:
         if final is None:
             out.append(Chunk(tid, "", 0, "cancelled", 0, tokens))
         else:  # what it drafted and stepped until then counts too (the metrics' tokens per step)
-            out.append(
-                Chunk(
-                    tid,
-                    "",
-                    0,
-                    "cancelled",
-                    final.prompt_tokens,
-                    tokens,
-                    draft_tokens=final.draft_tokens,
-                    draft_accepted=final.draft_accepted,
-                    prediction_accepted=final.prediction_accepted,
-                    prediction_rejected=final.prediction_rejected,
-                    decode_steps=final.decode_steps,
-                )
-            )
+            out.append(Chunk(tid, "", 0, "cancelled", final.prompt_tokens, tokens, **_speculated(final)))
         out.append(TaskStatus(tid, TaskState.CANCELLED, "cancelled", tokens=tokens))
         self._ended_task(tid)
 
@@ -492,6 +474,25 @@ class Runner:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class _Speculated(TypedDict):
+    draft_tokens: int
+    draft_accepted: int
+    prediction_accepted: int
+    prediction_rejected: int
+    decode_steps: int
+
+
+def _speculated(delta: Delta) -> _Speculated:
+    """A delta's drafting and step counts, as its chunk carries them (a cancelled task's last chunk too)."""
+    return _Speculated(
+        draft_tokens=delta.draft_tokens,
+        draft_accepted=delta.draft_accepted,
+        prediction_accepted=delta.prediction_accepted,
+        prediction_rejected=delta.prediction_rejected,
+        decode_steps=delta.decode_steps,
+    )
 
 
 def _statm() -> tuple[int, int]:
