@@ -15,6 +15,8 @@ import msgspec
 import pytest
 
 from conftest import gemma_missing, gemma_path, model_missing, run_options
+from tether.cluster.agent import Verdict
+from tether.cluster.placement import whole_order
 from tether.engines import llamacpp_estimate
 from tether.engines.llamacpp import LlamaCppEngine
 from tether.engines.llamacpp_estimate import (
@@ -29,7 +31,7 @@ from tether.engines.llamacpp_estimate import (
 )
 from tether.models import default_model_path
 from tether.node.diagnosis import Evidence, diagnose
-from tether.node.fit import assess, gpu_shortfall
+from tether.node.fit import assess, gpu_layers, gpu_shortfall
 from tether.node.memory import NodeMemory
 from tether.node.nvml import GpuDevice
 from tether.node.spawn import ExitStatus
@@ -289,3 +291,24 @@ def test_what_the_gpu_lacks_for_every_layer_is_what_evicting_idle_models_must_gi
 def test_without_a_cuda_build_there_is_no_gpu_room_to_make() -> None:
     spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192})
     assert gpu_shortfall(spec, LlamaCppEngine.estimate_memory(spec), node(GPU_MARGIN)) == (0, None)
+
+
+@pytest.mark.usefixtures("cuda_build")
+def test_a_cluster_places_the_model_on_the_node_whose_gpu_holds_the_most_of_it() -> None:
+    """Each agent's verdict carries the layers its own fit check put on its GPUs (``fit.gpu_layers``); placement
+    prefers the node whose GPU holds every layer over one with more host memory and a GPU that holds fewer, or none."""
+    spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192})
+
+    def verdict(node_id: str, memory: NodeMemory) -> Verdict:
+        result = assess(spec, node=memory)
+        assert result.ok, result.message
+        return Verdict(
+            node_id, True, result.needed, memory.available, memory.source, result.message, gpu_layers(result.estimate)
+        )
+
+    roomy = NodeMemory(200 * GiB, "host MemAvailable", 256 * GiB, 200 * GiB)  # no GPU
+    small_gpu = node(GPU_MARGIN + 1200 * MiB)  # a GPU that holds some layers
+    whole_gpu = node(80 * GiB)
+    verdicts = [verdict("roomy", roomy), verdict("small", small_gpu), verdict("whole", whole_gpu)]
+    assert [v.gpu_layers for v in verdicts][:1] == [0] and 0 < verdicts[1].gpu_layers < verdicts[2].gpu_layers == 31
+    assert [v.node_id for v in whole_order(verdicts, set(), "SPREAD")] == ["whole", "small", "roomy"]

@@ -3,15 +3,18 @@ shares by that memory, the fewest ranks whose every share fits; and ``ranks: "au
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import pytest
 
 from tether.cli.parser import build_parser
-from tether.cluster.placement import Offer, fewest, split_over
+from tether.cluster.placement import Offer, fewest, split_over, whole_order
 from tether.engines.base import Estimate
 from tether.fleet.fleet import InstanceConfig
 
 MiB = 1 << 20
+GiB = 1 << 30
 MODEL = 900 * MiB  # what the whole model's layers need, shared by the ranks
 RUNTIME = 100 * MiB  # what every rank needs beside its layers
 
@@ -79,3 +82,29 @@ def test_ranks_auto_is_for_engines_that_split_the_model() -> None:
         msgspec.json.decode(b'{"ranks": "many"}', type=InstanceConfig)
     assert build_parser().parse_args(["serve", "--ranks", "auto"]).ranks == "auto"
     assert build_parser().parse_args(["serve", "--ranks", "2"]).ranks == 2
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    available: int
+    gpu_layers: int = 0
+
+
+def test_a_whole_model_goes_where_the_gpus_hold_the_most_layers_within_its_replicas_spread() -> None:
+    """Among nodes that each hold the model: the spread's preference first, then the most layers on GPUs (VRAM
+    outranks host memory), then host memory (SPREAD the most, PACK the least); ties by node id."""
+    big_host = Node("a", 100 * GiB)  # no GPU
+    some_gpu = Node("b", 10 * GiB, gpu_layers=12)
+    all_gpu = Node("c", 5 * GiB, gpu_layers=31)
+    all_gpu_more_host = Node("d", 8 * GiB, gpu_layers=31)
+    nodes = [big_host, some_gpu, all_gpu, all_gpu_more_host]
+    assert whole_order(nodes, set(), "SPREAD") == [all_gpu_more_host, all_gpu, some_gpu, big_host]
+    assert whole_order(nodes, set(), "PACK") == [all_gpu, all_gpu_more_host, some_gpu, big_host]
+    # a replica on d: SPREAD goes elsewhere first, PACK joins it, STRICT_SPREAD never uses it
+    assert whole_order(nodes, {"d"}, "SPREAD") == [all_gpu, some_gpu, big_host, all_gpu_more_host]
+    assert whole_order(nodes, {"d"}, "PACK")[0] == all_gpu_more_host
+    assert whole_order(nodes, {"d"}, "STRICT_SPREAD") == [all_gpu, some_gpu, big_host]
+    # equal in everything: by node id, whatever order the agents answered in
+    twins = [Node("z", GiB), Node("y", GiB)]
+    assert [n.node_id for n in whole_order(twins, set(), "SPREAD")] == ["y", "z"]

@@ -75,6 +75,7 @@ class Verdict(msgspec.Struct, frozen=True):
     available: int
     source: str
     message: str
+    gpu_layers: int = 0  # the layers this node's GPUs would hold (its fit check placed them): placement prefers more
 
 
 class Launched(msgspec.Struct, frozen=True):
@@ -302,7 +303,13 @@ class NodeAgent:
             verdict = Verdict(self.settings.node_id, False, None, memory.available, memory.source, str(exc))
         else:
             verdict = Verdict(
-                self.settings.node_id, result.ok, result.needed, memory.available, result.source, result.message
+                self.settings.node_id,
+                result.ok,
+                result.needed,
+                memory.available,
+                result.source,
+                result.message,
+                fit.gpu_layers(result.estimate),
             )
         return msgspec.msgpack.encode(verdict)
 

@@ -12,9 +12,10 @@ placement by true memory.
   fences itself after its lease instead), and each instance's restart policy places a replacement elsewhere.
   A coordinator that was itself paused (SIGSTOP, a long GC) does not blame the agents for its own silence.
 - **Placement** (``place``): every live agent runs the fit check on its own node (the engine's estimate against
-  the node's memory as tether measures it); the instance goes where it fits, by its replicas' ``spread``: SPREAD
-  (prefer nodes without a replica, then the most memory free), STRICT_SPREAD (never two replicas on one node), PACK
-  (prefer nodes that have one, then the least memory that fits). Nowhere: ``DoesNotFit`` with every node's numbers.
+  the node's memory as tether measures it, its GPUs' layers placed by their free VRAM); the instance goes where it
+  fits, by its replicas' ``spread``: SPREAD (prefer nodes without a replica), STRICT_SPREAD (never two replicas on
+  one node), PACK (prefer nodes that have one); then the node whose GPUs hold the most layers; then the most memory
+  free (SPREAD) or the least that fits (PACK). Nowhere: ``DoesNotFit`` with every node's numbers.
   The ranks of an engine that gives each a whole copy (the debug ring) need nodes that each fit the whole model; an
   engine that splits the model (``splits_model``: llama.cpp) needs none that does: its ranks go to the nodes with
   the most memory available, each rank's share of the layers by that memory, and each chosen node's agent checks
@@ -493,12 +494,7 @@ class Cluster:
         fitting = [v for v in verdicts.values() if v.fits]
         if instance.ranks > 1:
             return self._place_ranks(instance, verdicts, links, fitting)
-        if spread == "STRICT_SPREAD":
-            fitting = [v for v in fitting if v.node_id not in siblings]
-        if spread == "PACK":
-            fitting.sort(key=lambda v: (v.node_id not in siblings, v.available))
-        else:
-            fitting.sort(key=lambda v: (v.node_id in siblings, -v.available))
+        fitting = placement.whole_order(fitting, siblings, spread)
         if not fitting:
             raise DoesNotFit(self._refusal(instance, verdicts, links, siblings, spread))
         chosen = fitting[0]

@@ -17,14 +17,29 @@ agent confirm its share's fit on its own memory before anything starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from tether.engines.base import MemoryEstimate
 from tether.errors import TetherError
 from tether.units import format_bytes
 
 Estimator = Callable[[int, int, tuple[float, ...]], MemoryEstimate | None]  # (rank, world, shares) -> its estimate
+
+
+class Whole(Protocol):
+    """A node that holds a model whole, as its agent's fit check found it."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def available(self) -> int: ...  # host memory available, bytes
+    @property
+    def gpu_layers(self) -> int: ...  # layers its GPUs would hold
+
+
+W = TypeVar("W", bound=Whole)
 
 
 @dataclass(frozen=True)
@@ -120,3 +135,15 @@ def fewest(offers: Sequence[Offer], estimate: Estimator, max_ranks: int) -> tupl
         if split.fits:
             return split, tried
     return None, tried
+
+
+def whole_order(fitting: Sequence[W], siblings: Collection[str], spread: str) -> list[W]:
+    """Nodes that each hold the model whole, best first, by its replicas' ``spread``: SPREAD prefers nodes without a
+    replica, PACK nodes with one, STRICT_SPREAD drops nodes with one. Then the node whose GPUs hold the most layers
+    (a layer on a GPU decodes many times faster than on the host, so VRAM outranks host memory), then host memory:
+    the most (SPREAD) or the least that fits (PACK); ties by node id, not by who answered first."""
+    if spread == "STRICT_SPREAD":
+        fitting = [n for n in fitting if n.node_id not in siblings]
+    if spread == "PACK":
+        return sorted(fitting, key=lambda n: (n.node_id not in siblings, -n.gpu_layers, n.available, n.node_id))
+    return sorted(fitting, key=lambda n: (n.node_id in siblings, -n.gpu_layers, -n.available, n.node_id))

@@ -201,7 +201,7 @@ def size_offload(
     else:
         sized = offloaded(count, indexes, [float(max(b, 1)) for b in budgets], budgets)
     offload = getattr(sized, "offload", None)
-    layers = offload.n_gpu_layers if offload is not None else 0
+    layers = gpu_layers(sized)
     options.update(n_gpu_layers=layers, gpu=list(indexes))
     if len(indexes) > 1 and offload is not None:
         options["tensor_split"] = list(offload.split)
@@ -230,6 +230,12 @@ def size_offload(
         fewer = f"n_gpu_layers {best.n_gpu_layers} fits (auto)" if best is not None else "fewer layers"
         return run, sized, note, f"{'; '.join(over)} ({free}): use {fewer}, free VRAM, or pass --force"
     return run, sized, note, None
+
+
+def gpu_layers(estimate: MemoryEstimate | None) -> int:
+    """The layers an estimate puts on GPUs (``size_offload``'s choice); 0 for one that offloads nothing."""
+    offload = getattr(estimate, "offload", None)
+    return int(offload.n_gpu_layers) if offload is not None else 0
 
 
 def gpu_shortfall(spec: EngineSpec, estimate: MemoryEstimate, node: NodeMemory) -> tuple[int, MemoryEstimate | None]:
