@@ -232,6 +232,7 @@ def test_langchain_with_structured_output(server: Server) -> None:
     assert isinstance(person, Person) and person.name
 
 
+@pytest.mark.timeout(300)  # ~40 s alone; 86 s in CI beside the suite
 def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(server: Server) -> None:
     """A code edit with the file as its ``prediction``: a good share of the answer's tokens come from drafts (of it,
     and of the prompt's copy of it), and usage says how many in OpenAI's fields (and tether's speculation counts
@@ -240,7 +241,7 @@ def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(serve
     code = textwrap.dedent(inspect.getsource(textwrap.indent))
     question = f"Rename the function indent to add_prefix and return the whole code:\n\n```python\n{code}```"
     options = {"n_ctx": 1024, "parallel": 1, "n_threads": 2, "adaptive_threads": False, "speculation": True}
-    server.add_instance({"id": "drafts", "engine": "llama.cpp", "options": options}, 90)
+    server.add_instance({"id": "drafts", "engine": "llama.cpp", "options": options}, 180)
     client = server.openai()
     answer = client.chat.completions.create(
         model="drafts",

@@ -138,6 +138,7 @@ def churn(i: int) -> GenerateParams:
     return chat(f"Question {i}: " + " ".join(f"item{i}-{j}" for j in range(100)), max_tokens=4)
 
 
+@pytest.mark.timeout(240)  # 67 s in CI beside the suite (the default is 120)
 def test_the_ram_store_keeps_to_its_budget_under_churn_and_restores_exactly(engine: Any, cache: Any) -> None:
     """Eight distinct long prompts: the slot they share is overwritten again and again, each overwrite saves its
     sequence to RAM, and the budget (64 MiB, ~3 sequences) makes the store evict. The store's bytes and the
