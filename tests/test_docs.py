@@ -57,6 +57,7 @@ def test_the_site_builds_strict_with_every_page_in_the_nav(site: Path) -> None:
     assert (site / "reference" / "openapi.json").is_file()
 
 
+@pytest.mark.serial  # it edits docs/serving.md for its build: a site built beside it would see the broken link
 @pytest.mark.timeout(150)
 def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
     page = ROOT / "docs" / "serving.md"

@@ -141,6 +141,7 @@ def test_beside_a_busy_looping_process_per_core_the_engine_decodes_on_one_thread
 
 @pytest.mark.model
 @pytest.mark.slow
+@pytest.mark.serial  # its 4 s deadline bounds one step: beside the suite's runners a step once took longer
 @pytest.mark.timeout(240)
 def test_a_long_prompt_read_beside_a_stream_restarts_its_first_token_deadline_and_is_answered() -> None:
     """A 3,000-token prompt sent while another request streams is prefilled 32 tokens a step beside it (~95 steps,
