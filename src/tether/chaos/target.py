@@ -106,15 +106,7 @@ class ServeChild:
             if m := re.search(pattern, line):
                 return m
         deadline = time.monotonic() + timeout
-        while not self._closed and (left := deadline - time.monotonic()) > 0:
-            try:
-                came = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if came is None:
-                self._closed = True
-                break
-            self.seen.append(came)
+        while (left := deadline - time.monotonic()) > 0 and (came := self._next(left)) is not None:
             if m := re.search(pattern, came):
                 return m
         if self._closed:
@@ -126,16 +118,24 @@ class ServeChild:
 
     def drain(self) -> list[str]:
         """Every stderr line so far (those not waited for included)."""
-        while not self._closed:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                break
-            if line is None:
-                self._closed = True
-            else:
-                self.seen.append(line)
+        while self._next(None) is not None:
+            pass
         return list(self.seen)
+
+    def _next(self, timeout: float | None) -> str | None:
+        """The next stderr line, kept in ``seen``, waiting up to ``timeout`` s (None: not at all); None when none
+        came in time or stderr closed (then ``_closed``)."""
+        if self._closed:
+            return None
+        try:
+            line = self.lines.get(timeout=timeout) if timeout is not None else self.lines.get_nowait()
+        except queue.Empty:
+            return None
+        if line is None:
+            self._closed = True
+            return None
+        self.seen.append(line)
+        return line
 
     def fds(self) -> int | None:
         links = self.fd_links()
