@@ -39,6 +39,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 FUNCTION_CALL = {"role": None, "content": None, "type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+REASONING = {"role": None, "content": None, "type": "reasoning", "summary": []}
 FUNCTION_CALL_OUTPUT = {"role": None, "content": None, "type": "function_call_output", "call_id": "c", "output": "42"}
 
 
@@ -51,6 +52,18 @@ def responses_item_plan(body: bytes) -> Any:
         if exc.field is not None and exc.field.startswith("input[1]."):
             raise InvalidField(exc.field.removeprefix("input[1]."), str(exc)) from None
         raise
+
+
+def unprefixed(plan: Callable[[bytes], Any], prefix: str) -> Callable[[bytes], Any]:
+    """A nested body's refusals name ``<prefix>field`` (``options.num_ctx``): here, the field alone."""
+
+    def planned(body: bytes) -> Any:
+        try:
+            return plan(body)
+        except InvalidField as exc:
+            raise InvalidField((exc.field or "").removeprefix(prefix), exc.why) from None
+
+    return planned
 
 
 SAMPLING = {
@@ -96,6 +109,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             "audio": Case({"voice": "alloy", "format": "wav"}),
             "prediction": Case({"type": "content", "content": "x"}),
             "reasoning_effort": Case("low", refused="extreme"),
+            "chat_template_kwargs": Case({"custom_flag": True}, refused={"messages": []}),
             "verbosity": Case("low"),
             "web_search_options": Case({}),
             "functions": Case([{"name": "f"}]),
@@ -117,11 +131,14 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
     ),
     "chat message": (
         {"role": "assistant", "content": "hi"},
-        lambda body: openai.chat_plan(
-            decode_body(
-                openai._chat_decoder,
-                json.dumps({"messages": [{"role": "user", "content": "q"}, json.loads(body)]}).encode(),
-            )
+        unprefixed(
+            lambda body: openai.chat_plan(
+                decode_body(
+                    openai._chat_decoder,
+                    json.dumps({"messages": [{"role": "user", "content": "q"}, json.loads(body)]}).encode(),
+                )
+            ),
+            "messages[1].",
         ),
         {
             "role": Case("user"),
@@ -130,6 +147,11 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             "tool_calls": Case([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
             "tool_call_id": Case("call_1", base={"role": "tool", "content": "42"}),
             "refusal": Case("no"),
+            "reasoning_content": Case("I should greet."),
+            "reasoning": Case("I should greet."),
+            "annotations": Case([]),
+            "audio": Case(None, refused={"id": "audio_1"}),
+            "function_call": Case(None, refused={"name": "f", "arguments": "{}"}),
         },
     ),
     "POST /v1/embeddings": (
@@ -159,7 +181,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             "tools": Case([RESPONSES_TOOL]),
             "tool_choice": Case("required", base={"tools": [RESPONSES_TOOL]}),
             "parallel_tool_calls": Case(False, base={"tools": [RESPONSES_TOOL]}),
-            "include": Case(["message.output_text.logprobs"], refused=["reasoning.encrypted_content"]),
+            "include": Case(["message.output_text.logprobs"], refused=["file_search_call.results"]),
             "top_logprobs": Case(3),
             "metadata": Case({"k": "v"}),
             "store": Case(False, refused=True),
@@ -194,6 +216,11 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
             "output": Case("43", base=FUNCTION_CALL_OUTPUT),
             "id": Case("msg_1"),
             "status": Case("completed"),
+            "summary": Case([{"type": "summary_text", "text": "I should greet."}], base=REASONING),
+            "encrypted_content": Case("gAAAAB-opaque"),
+            "phase": Case("final_answer"),
+            "caller": Case(None, refused={"type": "program", "caller_id": "p1"}),
+            "namespace": Case(None, refused="billing"),
         },
     ),
 }
@@ -237,18 +264,6 @@ CASES.update(
         ),
     }
 )
-
-
-def unprefixed(plan: Callable[[bytes], Any], prefix: str) -> Callable[[bytes], Any]:
-    """A nested body's refusals name ``<prefix>field`` (``options.num_ctx``): here, the field alone."""
-
-    def planned(body: bytes) -> Any:
-        try:
-            return plan(body)
-        except InvalidField as exc:
-            raise InvalidField((exc.field or "").removeprefix(prefix), exc.why) from None
-
-    return planned
 
 
 def ollama_chat(body: bytes) -> Any:

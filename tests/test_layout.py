@@ -283,7 +283,16 @@ def misleading_aliases(root: Path) -> list[str]:
     return found
 
 
-SHARED_DIALECT_MODULES = ("conversation", "fields", "plan", "rules", "shapes", "thinking", "tools")
+SHARED_DIALECT_MODULES = (
+    "conversation",
+    "fields",
+    "plan",
+    "rules",
+    "shapes",
+    "template_args",
+    "thinking",
+    "tools",
+)
 """The modules of ``tether.serve.dialects`` every dialect may use; each other module there is a dialect."""
 
 

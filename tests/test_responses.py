@@ -135,7 +135,7 @@ def test_state_tether_does_not_keep_is_refused_naming_the_field(server: Server) 
         assert "stateless" in error["message"] and "stores no responses" in error["message"], error
     for body, param in (
         ({"input": "hi", "truncation": "auto"}, "truncation"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
         ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning.effort"),  # the debug model does not think
         ({"input": "hi", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"input": "hi", "seed": 1}, "seed"),  # not a Responses field: refused as unknown

@@ -163,13 +163,16 @@ class MessageCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One turn of a chat. ``tool_calls`` (an assistant's), ``tool_call_id`` and ``name`` (a "tool" turn's: the call
     it answers) are set only for a model whose template renders tools natively; otherwise the serving side has
-    already written them into ``content`` in the generic format."""
+    already written them into ``content`` in the generic format. ``reasoning``: an assistant turn's thinking as the
+    client sent it back, which the template reads as ``reasoning_content`` (one that keeps a turn's thinking shows
+    it; one that drops it drops it)."""
 
     role: str
     content: str
     tool_calls: tuple[MessageCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
 
 
 def call_lead(open_: str, before: str) -> str:
@@ -260,6 +263,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
     tool_syntax: ToolSyntax | None = None  # tools in the model's native format (a chat): see ``ToolSyntax``
     thinking: bool | None = None  # a reasoning model's template asked to think or not (enable_thinking); None: its own
+    template_kwargs: str | None = None  # JSON text of an object: more variables for the chat template (a chat's)
     prediction: str | None = None  # the predicted text of the answer, to draft from (Predicted Outputs; see above)
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
@@ -285,6 +289,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.prediction is not None and (self.embed or self.tokenizer is not None):
             what = "an embedding" if self.embed else "a tokenizer request"
             return InvalidField("prediction", f"a prediction drafts a generated answer; {what} generates none")
+        if self.template_kwargs is not None and self.messages is None:
+            return InvalidField("chat_template_kwargs", "chat_template_kwargs are a chat template's: send messages")
         if self.echo and self.messages is not None:
             return InvalidField("echo", "echo repeats a raw prompt (completions); a chat has none to repeat")
         fewest = 0 if self.echo or self.tokenizer is not None else 1

@@ -155,13 +155,44 @@ def _from_file(path: str, size: int, _mtime_ns: int) -> ChatTemplate:
 
 def checked(text: str, name: str) -> str:
     """``text`` once Jinja has parsed it (where Jinja is installed: it comes with llama-cpp-python), so a broken file
-    is refused when the instance is created, not at its first chat. Parsed with the extensions the renderer has:
-    loop controls, and Hugging Face's ``{% generation %}`` block."""
+    is refused when the instance is created, not at its first chat."""
+    environment = _environment()
+    if environment is None:
+        return text
+    import jinja2
+
+    try:
+        environment.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"chat_template {name} is not a valid Jinja template: line {exc.lineno}: {exc}") from exc
+    return text
+
+
+@functools.lru_cache(maxsize=32)
+def variables(text: str) -> frozenset[str] | None:
+    """The variables a template reads from what it is given (``messages``, ``tools``, ``enable_thinking``, ...):
+    what a request's ``chat_template_kwargs`` can set. None where Jinja is missing or the text does not parse."""
+    environment = _environment()
+    if environment is None:
+        return None
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(text)))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+@functools.cache
+def _environment() -> Any:
+    """A Jinja environment that parses what the renderer renders: loop controls, and Hugging Face's
+    ``{% generation %}`` block (None without Jinja)."""
     try:
         import jinja2.ext
         import jinja2.sandbox
     except ImportError:
-        return text
+        return None
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -170,9 +201,4 @@ def checked(text: str, name: str) -> str:
             parser.stream.skip(1)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[Generation, jinja2.ext.loopcontrols])
-    try:
-        environment.parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise TemplateError(f"chat_template {name} is not a valid Jinja template: line {exc.lineno}: {exc}") from exc
-    return text
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[Generation, jinja2.ext.loopcontrols])

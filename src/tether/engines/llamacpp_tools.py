@@ -20,8 +20,9 @@ ROOT = "tether-answer"  # the grammar's start rule (the JSON Schema converter's 
 
 def template_messages(messages: tuple[ChatMessage, ...] | list[ChatMessage]) -> list[dict[str, Any]]:
     """The chat as a Jinja chat template reads it: role and content, an assistant's ``tool_calls`` (OpenAI's shape,
-    arguments as an object where they are JSON, as Hugging Face templates write them with ``tojson``), a tool
-    result's ``tool_call_id`` and ``name``."""
+    arguments as an object where they are JSON, as Hugging Face templates write them with ``tojson``) and its
+    thinking as ``reasoning_content`` (the name Qwen3's and DeepSeek's templates read), a tool result's
+    ``tool_call_id`` and ``name``."""
     out: list[dict[str, Any]] = []
     for m in messages:
         turn: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -34,6 +35,8 @@ def template_messages(messages: tuple[ChatMessage, ...] | list[ChatMessage]) -> 
             turn["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             turn["name"] = m.name
+        if m.reasoning is not None:
+            turn["reasoning_content"] = m.reasoning
         out.append(turn)
     return out
 
@@ -68,17 +71,23 @@ def _wrap(
     if text or max_calls == 0:
         rules.append(f"{ROOT}-text ::= {_not_starting_with(lead)}")
         answers.append(f"{ROOT}-text")
-    rules.append(f"{ROOT} ::= {' | '.join(answers)}")
+    # a few newlines or spaces may lead either (a model writes some after its thinking): never a call in the text
+    rules.append(f"{ROOT} ::= {LEADING_SPACE} ( {' | '.join(answers)} )")
     return "\n".join(rules) + "\n"
 
 
+LEADING_SPACE = "[ \\t\\n]{0,8}"
+
+
 def _not_starting_with(lead: str) -> str:
-    """A GBNF alternative of every text that does not start with ``lead`` (the empty text included): it leaves the
-    lead at some character ``i`` (``lead[:i]``, then any other character, then anything), or ends inside it."""
+    """A GBNF alternative of every text that does not start with ``lead`` once its leading whitespace is left out
+    (the empty text included): its first character is neither whitespace nor the lead's, or it leaves the lead at
+    some character ``i`` (``lead[:i]``, then any other character, then anything), or ends inside it."""
     alternatives = []
     for i, c in enumerate(lead):
         start = f"{_literal(lead[:i])} " if i else ""
-        alternatives.append(f"{start}[^{_char(c)}] .*")
+        other = f"{_char(c)}\\x20\\x09\\x0A\\x0D" if i == 0 else _char(c)
+        alternatives.append(f"{start}[^{other}] .*")
         if i:
             alternatives.append(_literal(lead[:i]))
     return "( " + " | ".join(alternatives) + " )?"

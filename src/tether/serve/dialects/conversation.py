@@ -35,8 +35,9 @@ class Call:
 @dataclass(frozen=True)
 class Turn:
     """One turn. ``calls``: an assistant's; ``answers`` (the call's id) and ``tool`` (the function's name, when the
-    client names it): a tool result's. ``reasoning``: an assistant's thinking as a client sends it back, carried for
-    the template that renders it (none does yet: it is not shown to the model)."""
+    client names it): a tool result's. ``reasoning``: an assistant's thinking as a client sends it back, given to the
+    template as ``reasoning_content`` (Qwen3's keep the thinking of the turns since the last user message; most drop
+    it)."""
 
     role: Role
     text: str = ""

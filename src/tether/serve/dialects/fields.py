@@ -33,8 +33,12 @@ METADATA: Final[Kind] = "metadata"
 
 @dataclass(frozen=True)
 class FieldPolicy:
+    """``returned``: tether's own replies carry the field, so a client sends it back on its next turn (a reply is
+    always valid input): it is honoured, or metadata, never refused."""
+
     kind: Kind
     note: str = ""
+    returned: bool = False
 
 
 _REGISTRY: dict[str, tuple[type[msgspec.Struct], dict[str, FieldPolicy]]] = {}
@@ -59,9 +63,10 @@ def markdown() -> str:
     """The field reference: every registered body, every field, what tether does with it."""
     lines: list[str] = []
     for title, (struct, policies) in _REGISTRY.items():
-        lines += [f"**{title}**", "", "| field | tether | note |", "|---|---|---|"]
+        lines += [f"**{title}**", "", "| field | tether | in replies | note |", "|---|---|---|---|"]
         for attr in struct.__struct_fields__:
             policy = policies[attr]
-            lines.append(f"| `{encoded_name(struct, attr)}` | {policy.kind} | {policy.note} |")
+            back = "round-trip" if policy.returned else ""
+            lines.append(f"| `{encoded_name(struct, attr)}` | {policy.kind} | {back} | {policy.note} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -86,8 +86,8 @@ from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import REFUSED as R
 from tether.serve.dialects.fields import FieldPolicy, register
 from tether.serve.dialects.plan import MAX_INPUTS, Plan, decode_body, embedding_tasks, schema_text
-from tether.serve.dialects.rules import ASSISTANT_CALLS_RULE, LOGPROBS_RULE
-from tether.serve.dialects.shapes import FunctionTool, declared_tools
+from tether.serve.dialects.rules import ASSISTANT_CALLS_RULE, LOGPROBS_RULE, assistant_only
+from tether.serve.dialects.shapes import THINKING, FunctionTool, declared_tools, thinking_of
 from tether.serve.generation import Api
 from tether.serve.routes import GENERATION_ERRORS, NDJSON, Route, json_answer, json_response, ref
 from tether.serve.statuses import Answer
@@ -279,7 +279,7 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
             },
         ]
     },
-    "OllamaMessage": ASSISTANT_CALLS_RULE,
+    "OllamaMessage": {"allOf": [ASSISTANT_CALLS_RULE, assistant_only("thinking")]},
 }
 
 _GENERATION_POLICY = {
@@ -353,13 +353,13 @@ register(
     "Ollama chat message",
     OllamaMessage,
     {
-        "role": FieldPolicy(H),
-        "content": FieldPolicy(H),
+        "role": FieldPolicy(H, returned=True),
+        "content": FieldPolicy(H, returned=True),
         "images": FieldPolicy(L, "empty only: text models"),
-        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model"),
+        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model", returned=True),
         "tool_name": FieldPolicy(H, "the tool a result comes from, shown to the model"),
         "tool_call_id": FieldPolicy(H, "the call a result answers, shown to the model"),
-        "thinking": FieldPolicy(M, "an earlier turn's reasoning is not shown to the model (chat templates drop it)"),
+        "thinking": FieldPolicy(H, THINKING, returned=True),
     },
 )
 _EMBED_POLICY = {
@@ -526,7 +526,8 @@ def chat_turns(messages: list[OllamaMessage]) -> list[Turn]:
         calls = tuple(Call(c.function.name, c.function.arguments, c.id) for c in message.tool_calls or ())
         result = role == "tool"  # a tool's result: the call it answers, and the tool's name as the client gives it
         answers, tool = (message.tool_call_id, message.tool_name) if result else (None, None)
-        turns.append(Turn(role, message.content, calls, answers=answers, tool=tool, reasoning=message.thinking))
+        reasoning = thinking_of(message.thinking, None, role, f"messages[{i}]", "thinking")
+        turns.append(Turn(role, message.content, calls, answers=answers, tool=tool, reasoning=reasoning))
     for i, turn in enumerate(turns):
         if turn.calls and turn.role != "assistant":
             raise InvalidField(f"messages[{i}].tool_calls", f"messages[{i}]: only assistant turns carry tool_calls")

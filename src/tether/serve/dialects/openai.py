@@ -40,7 +40,7 @@ from tether.protocol import (
     tag_of,
 )
 from tether.serve import views
-from tether.serve.dialects import thinking
+from tether.serve.dialects import template_args, thinking
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.conversation import NamedTool, latest_calls
 from tether.serve.dialects.fields import EXTENSION as E
@@ -150,6 +150,8 @@ class ChatRequest(_Sampling, kw_only=True):
     audio: Annotated[Any, documented(type="null", description="audio output is not supported")] = None
     # a reasoning model's thinking on ("minimal" to "high") or off ("none"), where its chat template can say so
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's, SGLang's and llama-server's: more variables for the model's chat template ({"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     verbosity: Annotated[Any, documented(type="null", description="not supported")] = None
     web_search_options: Annotated[Any, documented(type="null", description="web search is not supported")] = None
     functions: Annotated[Any, documented(type="null", description="deprecated: send tools")] = None
@@ -188,6 +190,8 @@ BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the API fuzzer acc
     "tool_choice": "a named tool_choice must name one of the request's tools",
     "tools": "tool names must be unique",
     "reasoning_effort": "thinking on or off only where the model's chat template can say so",
+    "chat_template_kwargs": "a variable the model's chat template reads, named as an identifier, "
+    "enable_thinking a boolean agreeing with reasoning_effort",
 }
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)
@@ -269,6 +273,11 @@ register(
         ),
         "reasoning_effort": FieldPolicy(
             L, 'thinking on or off: "none" turns it off, any other effort on, where the model\'s template can'
+        ),
+        "chat_template_kwargs": FieldPolicy(
+            E,
+            "variables for the model's chat template, each one it reads (others are refused, naming those it "
+            "reads); `enable_thinking` is the thinking switch and must agree with `reasoning_effort`",
         ),
         "verbosity": FieldPolicy(R),
         "web_search_options": FieldPolicy(R),
@@ -392,12 +401,14 @@ def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, t
     if tools is not None:
         json_schema, syntax = tools.apply(messages, json_schema, "response_format")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    _, template_kwargs = thinking_wanted(request)
     params = GenerateParams(
         messages=tuple(messages),
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         json_schema=json_schema,
         tool_syntax=syntax,
         thinking=thinking,
+        template_kwargs=template_kwargs,
         **sampling(request, max_tokens, DEFAULT_MAX_TOKENS),
     )
     return Plan(
@@ -409,6 +420,12 @@ def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, t
         tools,
         keep_alive_seconds(request.keep_alive),
     )
+
+
+def thinking_wanted(request: ChatRequest) -> tuple[bool | None, str | None]:
+    """Thinking on, off or unsaid (``reasoning_effort``, and ``chat_template_kwargs.enable_thinking``, which must
+    agree), and the JSON text of the template's other variables (``template_args.split``)."""
+    return template_args.split(request.chat_template_kwargs, thinking.wanted(request.reasoning_effort))
 
 
 def completion_prompt(prompt: str | list[str | int | list[int]]) -> str | tuple[int, ...]:
@@ -903,8 +920,10 @@ def routes(api: Api) -> list[Route]:
         if isinstance(body, ChatRequest):
             if uses_tools(body):
                 fmt = await toolkit.format_for(scheduler, model_id)
-            effort = thinking.wanted(body.reasoning_effort)
-            think = await thinking.switch(scheduler, model_id, effort, "reasoning_effort")
+            want, _ = thinking_wanted(body)
+            switch = "reasoning_effort" if body.reasoning_effort is not None else template_args.ENABLE_THINKING
+            think = await thinking.switch(scheduler, model_id, want, switch)
+            await template_args.check(scheduler, model_id, body.chat_template_kwargs)
         planned = api.planned(model_id, endpoint, lambda: plan(body, fmt, think))
         request_id = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
         shaper = OpenAIShaper(kind, request_id, model_id, planned)

@@ -56,10 +56,15 @@ from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, path
 from tether.serve.statuses import Answer
 
 ENDPOINT = "responses"  # the metrics' endpoint label
-LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value with a meaning here
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+LOGPROBS = "message.output_text.logprobs"  # the logprobs ``include`` value
+# the thinking to send back on the next turn, which a stateless client asks for: tether returns it in the reasoning
+# item's plain ``content`` (accepted back as it came), so there is nothing to encrypt
+ENCRYPTED = "reasoning.encrypted_content"
+INCLUDES = (LOGPROBS, ENCRYPTED)
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 ITEM_ROLES = ("user", "system", "developer", "assistant")
-PART_TYPES = ("input_text", "output_text")
+PART_TYPES = ("input_text", "output_text")  # a message's
+REASONING_PART, SUMMARY_PART = "reasoning_text", "summary_text"  # a reasoning item's content and summary
 STATELESS = "tether is stateless: it stores no responses or conversations"
 
 # --------------------------------------------------------------------------------------------------------------
@@ -68,7 +73,7 @@ STATELESS = "tether is stateless: it stores no responses or conversations"
 
 
 class ResponsesInputText(msgspec.Struct, forbid_unknown_fields=True):
-    type: Annotated[str, documented(enum=list(PART_TYPES), description="text parts only")]
+    type: Annotated[str, documented(enum=[*PART_TYPES, REASONING_PART, SUMMARY_PART], description="text parts only")]
     text: str
     annotations: list[Any] | None = None  # an earlier answer's output_text sent back: changes nothing
     logprobs: list[Any] | None = None
@@ -78,8 +83,9 @@ Text = str | list[ResponsesInputText]
 
 
 class ResponsesInputItem(msgspec.Struct, forbid_unknown_fields=True):
-    """One item of ``input``: a message, an earlier ``function_call``, or a ``function_call_output`` (the fields
-    each type takes are in ``SCHEMA_RULES``; a field of another type must be absent or null)."""
+    """One item of ``input``: a message, an earlier ``function_call``, a ``function_call_output``, or an earlier
+    answer's ``reasoning`` (the fields each type takes are in ``SCHEMA_RULES``; a field of another type must be
+    absent or null). Every item a response's ``output`` holds comes back as it was returned."""
 
     type: Annotated[str, documented(enum=list(ITEM_TYPES))] = "message"
     role: Annotated[str, documented(enum=list(ITEM_ROLES))] | None = None
@@ -90,6 +96,14 @@ class ResponsesInputItem(msgspec.Struct, forbid_unknown_fields=True):
     output: Text | None = None
     id: str | None = None
     status: Annotated[str, documented(enum=["in_progress", "completed", "incomplete"])] | None = None
+    summary: list[ResponsesInputText] | None = None
+    encrypted_content: Annotated[
+        Any, documented(type="null", description="another server's encrypted reasoning cannot be read here")
+    ] = None
+    # what the openai SDK's items carry besides (its ``model_dump()`` sends them back as null)
+    phase: Literal["commentary", "final_answer"] | None = None
+    caller: Annotated[Any, documented(type="null", description="calls are made by the model directly")] = None
+    namespace: Annotated[Any, documented(type="null", description="tools have no namespaces here")] = None
 
 
 class ResponsesTextFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -149,7 +163,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Annotated[str, documented(enum=["none", "auto", "required"])] | ResponsesNamedChoice | None = None
     parallel_tool_calls: bool | None = None
-    include: list[Annotated[str, documented(enum=[LOGPROBS])]] | None = None
+    include: list[Annotated[str, documented(enum=list(INCLUDES))]] | None = None
     top_logprobs: Annotated[int, documented(minimum=0, maximum=MAX_TOP_LOGPROBS)] | None = None
     metadata: dict[str, str] | None = None
     store: Annotated[bool, documented(enum=[False], description="tether stores no responses")] | None = None
@@ -176,9 +190,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 _STRUCTURED_TEXT = {"type": "object", "required": ["format"], "properties": {"format": STRUCTURED_FORMAT}}
 
 
-def _item_rule(kind: str, needs: dict[str, Any]) -> dict[str, Any]:
-    """An item of type ``kind`` takes ``needs`` (required, typed) and none of the other types' fields."""
-    foreign = {"role", "content", "call_id", "name", "arguments", "output"} - set(needs)
+def _item_rule(kind: str, needs: dict[str, Any], takes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An item of type ``kind`` takes ``needs`` (required, typed), may take ``takes``, and none of the other types'
+    fields."""
+    foreign = {"role", "content", "call_id", "name", "arguments", "output", "summary"} - set(needs) - set(takes)
     condition: dict[str, Any] = {"properties": {"type": {"const": kind}}}
     if kind != "message":  # an item without a type is a message
         condition["required"] = ["type"]
@@ -201,6 +216,7 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
                 {"call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"}},
             ),
             _item_rule("function_call_output", {"call_id": {"type": "string"}, "output": _TEXT_SCHEMA}),
+            _item_rule("reasoning", {"summary": {"type": "array"}}, ("content",)),
         ]
     },
     "ResponsesTextFormat": {
@@ -230,7 +246,11 @@ register(
         "tools": FieldPolicy(H, "function tools (the model's own format or generic JSON): `function_call` items"),
         "tool_choice": FieldPolicy(H, "`none`, `auto`, `required`, a named function"),
         "parallel_tool_calls": FieldPolicy(H, "false: at most one call"),
-        "include": FieldPolicy(L, f"`{LOGPROBS}` only"),
+        "include": FieldPolicy(
+            L,
+            f"`{LOGPROBS}`, and `{ENCRYPTED}`: the thinking is returned in plain `content`, which the next turn "
+            "accepts back (nothing is encrypted)",
+        ),
         "top_logprobs": FieldPolicy(H, "0 to 20 alternatives per token; logprobs without `include` too"),
         "metadata": FieldPolicy(H, "echoed in the response (stored nowhere)"),
         "store": FieldPolicy(L, "false or absent only: tether stores nothing"),
@@ -262,17 +282,32 @@ register(
     "responses input item",
     ResponsesInputItem,
     {
-        "type": FieldPolicy(L, "`message` (the default), `function_call`, `function_call_output` only"),
-        "role": FieldPolicy(H, "`user`, `system`, `developer` (as system), `assistant`"),
-        "content": FieldPolicy(
-            H, "a string or `input_text`/`output_text` parts (their `annotations`, `logprobs`: metadata)"
+        "type": FieldPolicy(
+            L, "`message` (the default), `function_call`, `function_call_output`, `reasoning` only", returned=True
         ),
-        "call_id": FieldPolicy(H, "pairs an output with its call, shown to the model"),
-        "name": FieldPolicy(H, "an earlier call's function"),
-        "arguments": FieldPolicy(H, "an earlier call's arguments"),
+        "role": FieldPolicy(H, "`user`, `system`, `developer` (as system), `assistant`", returned=True),
+        "content": FieldPolicy(
+            H,
+            "a string or `input_text`/`output_text` parts (their `annotations`, `logprobs`: metadata); a reasoning "
+            "item's `reasoning_text` parts: the next assistant turn's thinking, given to the chat template as "
+            "`reasoning_content`",
+            returned=True,
+        ),
+        "call_id": FieldPolicy(H, "pairs an output with its call, shown to the model", returned=True),
+        "name": FieldPolicy(H, "an earlier call's function", returned=True),
+        "arguments": FieldPolicy(H, "an earlier call's arguments", returned=True),
         "output": FieldPolicy(H, "a call's result, shown to the model"),
-        "id": FieldPolicy(M),
-        "status": FieldPolicy(M),
+        "id": FieldPolicy(M, returned=True),
+        "status": FieldPolicy(M, returned=True),
+        "summary": FieldPolicy(
+            H, "a reasoning item's `summary_text` parts: its thinking when it has no `content`", returned=True
+        ),
+        "encrypted_content": FieldPolicy(
+            R, "another server's encrypted thinking cannot be read: tether returns its own in plain `content`"
+        ),
+        "phase": FieldPolicy(M, "a message's label (commentary or final answer): not shown to the model"),
+        "caller": FieldPolicy(L, "null only: the model calls tools directly (the openai SDK sends it back as null)"),
+        "namespace": FieldPolicy(L, "null only: tools have no namespaces here (the openai SDK sends it back as null)"),
     },
 )
 
@@ -295,67 +330,110 @@ class ResponsesPlan(Plan):
     echo: dict[str, Any] = field(default_factory=dict)
 
 
-def _text(value: Text, where: str) -> str:
+def _text(value: Text, where: str, kinds: tuple[str, ...] = PART_TYPES) -> str:
+    """Text, or ``kinds`` parts joined (a message's input_text/output_text, a reasoning item's reasoning_text)."""
     if isinstance(value, str):
         return value
     for j, part in enumerate(value):
-        if part.type not in PART_TYPES:
+        if part.type not in kinds:
             raise InvalidField(
-                f"{where}[{j}].type", f"{where}[{j}]: only text parts (input_text, output_text), got {part.type!r}"
+                f"{where}[{j}].type", f"{where}[{j}]: only text parts ({', '.join(kinds)}) here, got {part.type!r}"
             )
     return "".join(part.text for part in value)
 
 
+_FIELDS = ("role", "content", "call_id", "name", "arguments", "output", "summary")
+_NEEDS = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+    "reasoning": ("summary",),
+}
+_TAKES = {"reasoning": ("content",)}  # optional fields of a type
+
+
 def _check_item(item: ResponsesInputItem, at: str) -> None:
-    needs = {
-        "message": ("role", "content"),
-        "function_call": ("call_id", "name", "arguments"),
-        "function_call_output": ("call_id", "output"),
-    }
-    if item.type not in needs:
-        why = "item references and reasoning items refer to stored state" if item.type == "item_reference" else ""
+    if item.type not in _NEEDS:
+        why = "an item reference refers to stored state" if item.type == "item_reference" else ""
         raise InvalidField(
             f"{at}.type",
             f"{at}.type must be one of {', '.join(ITEM_TYPES)}, got {item.type!r}" + (f" ({why})" if why else ""),
         )
-    for name in needs[item.type]:
+    needs = _NEEDS[item.type]
+    for name in needs:
         if getattr(item, name) is None:
             raise InvalidField(f"{at}.{name}", f"{at}: a {item.type} item needs {name}")
-    for name in ("role", "content", "call_id", "name", "arguments", "output"):
-        if name not in needs[item.type] and getattr(item, name) is not None:
+    for name in _FIELDS:
+        if name not in needs and name not in _TAKES.get(item.type, ()) and getattr(item, name) is not None:
             raise InvalidField(f"{at}.{name}", f"{at}: a {item.type} item takes no {name}: remove it")
     if item.role is not None and item.role not in ITEM_ROLES:
         raise InvalidField(f"{at}.role", f"{at}.role must be one of {', '.join(ITEM_ROLES)}, got {item.role!r}")
+    for name, why in (("caller", "the model calls tools directly"), ("namespace", "tools have no namespaces here")):
+        if getattr(item, name) is not None:
+            raise InvalidField(f"{at}.{name}", f"{at}.{name} must be null or absent ({why})")
+    if item.encrypted_content is not None:
+        raise InvalidField(
+            f"{at}.encrypted_content",
+            f"{at}.encrypted_content: encrypted reasoning (another server's) cannot be read here; tether returns its "
+            "own thinking in the reasoning item's plain content, which it accepts back: send that item as tether "
+            "returned it, or leave the item out",
+        )
 
 
 def input_turns(items: str | list[ResponsesInputItem]) -> list[Turn]:
     """``input`` as the conversation: messages as they are (``developer`` is ``system``), each run of function
-    calls one assistant turn (after the assistant message it follows, if any), each output a tool result."""
+    calls one assistant turn (after the assistant message it follows, if any), each output a tool result. A
+    reasoning item is the thinking of the assistant turn that follows it (its message, or its calls); with none
+    after it, a turn of thinking alone."""
     if isinstance(items, str):
         return [Turn("user", items)]
     if not items:
         raise InvalidField("input", "input must be a string or hold at least one item")
     turns: list[Turn] = []
+    thought: str | None = None  # a reasoning item's, for the assistant turn that follows it
     for i, item in enumerate(items):
         at = f"input[{i}]"
         _check_item(item, at)
+        if item.type == "reasoning":
+            text = _reasoning_text(item, at)
+            thought = text if thought is None else thought + text
+            continue
         if item.type == "message":
             assert item.role is not None and item.content is not None
             role = ROLE_ALIASES.get(item.role, item.role)
             assert is_role(role)  # _check_item allows only ITEM_ROLES
-            turns.append(Turn(role, _text(item.content, f"{at}.content")))
+            turn = Turn(role, _text(item.content, f"{at}.content"))
+            if role == "assistant" and thought is not None:
+                turn, thought = replace(turn, reasoning=thought), None
+            elif thought is not None:
+                turns.append(Turn("assistant", reasoning=thought))
+                thought = None
+            turns.append(turn)
         elif item.type == "function_call":
             assert item.name is not None and item.arguments is not None
             call = Call(item.name, arguments_of(item.arguments), item.call_id)
             last = turns[-1] if turns else None
-            if last is not None and last.role == "assistant":
+            if thought is None and last is not None and last.role == "assistant":
                 turns[-1] = replace(last, calls=(*last.calls, call))
             else:
-                turns.append(Turn("assistant", calls=(call,)))
+                turns.append(Turn("assistant", calls=(call,), reasoning=thought))
+                thought = None
         else:
             assert item.output is not None
+            if thought is not None:
+                turns.append(Turn("assistant", reasoning=thought))
+                thought = None
             turns.append(Turn("tool", _text(item.output, f"{at}.output"), answers=item.call_id))
+    if thought is not None:
+        turns.append(Turn("assistant", reasoning=thought))
     return turns
+
+
+def _reasoning_text(item: ResponsesInputItem, at: str) -> str:
+    """A reasoning item's thinking: its ``reasoning_text`` content, else its summary's ``summary_text`` parts."""
+    if item.content:
+        return _text(item.content, f"{at}.content", (REASONING_PART,))
+    return _text(item.summary or [], f"{at}.summary", (SUMMARY_PART,))
 
 
 def text_schema(text: ResponsesTextConfig | None) -> str | None:
@@ -403,8 +481,8 @@ def _refuse(request: ResponsesRequest) -> None:
             f'truncation must be "disabled" (an input over the context is a 400), got {request.truncation!r}',
         )
     for value in request.include or ():
-        if value != LOGPROBS:
-            raise InvalidField("include", f"include takes only {LOGPROBS!r} here, got {value!r}")
+        if value not in INCLUDES:
+            raise InvalidField("include", f"include takes only {' and '.join(map(repr, INCLUDES))} here, got {value!r}")
     tokens = request.max_output_tokens
     if tokens is not None and not 1 <= tokens <= MAX_TOKENS_LIMIT:
         raise InvalidField("max_output_tokens", f"max_output_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {tokens}")
@@ -417,7 +495,8 @@ def effort(request: ResponsesRequest) -> str | None:
 def uses_tools(request: ResponsesRequest) -> bool:
     """Whether the request declares tools or its input carries earlier calls or their outputs."""
     items = request.input
-    return bool(request.tools) or (not isinstance(items, str) and any(i.type != "message" for i in items))
+    calls = ("function_call", "function_call_output")
+    return bool(request.tools) or (not isinstance(items, str) and any(i.type in calls for i in items))
 
 
 def plan(

@@ -16,6 +16,16 @@ ASSISTANT_CALLS_RULE = {  # only an assistant turn carries tool_calls (OpenAI's 
     "if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
     "then": {"properties": {"role": {"const": "assistant"}}},
 }
+
+
+def assistant_only(field: str) -> dict[str, Any]:
+    """Only an assistant turn carries ``field`` (its thinking, sent back)."""
+    return {
+        "if": {"required": [field], "properties": {field: {"type": "string"}}},
+        "then": ASSISTANT_CALLS_RULE["then"],
+    }
+
+
 TOOL_CHOICE_RULE = {  # a tool_choice that demands a call needs tools to call (chat, and the Responses API)
     "if": {
         "required": ["tool_choice"],

@@ -15,10 +15,12 @@ import msgspec
 from tether.errors import InvalidField
 from tether.protocol import MAX_TOKENS_LIMIT, documented
 from tether.serve.dialects.conversation import ROLES, Call, Tool, Turn, arguments_of, is_role
+from tether.serve.dialects.fields import EXTENSION as E
 from tether.serve.dialects.fields import HONOURED as H
+from tether.serve.dialects.fields import LIMITED as L
 from tether.serve.dialects.fields import METADATA as M
 from tether.serve.dialects.fields import FieldPolicy, register
-from tether.serve.dialects.rules import ASSISTANT_CALLS_RULE
+from tether.serve.dialects.rules import ASSISTANT_CALLS_RULE, assistant_only
 
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions; chat templates know "system"
 
@@ -36,20 +38,33 @@ class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
-    """A call an earlier assistant turn made (sent back with the conversation)."""
+    """A call an earlier assistant turn made (sent back with the conversation); ``index``: its place among a streamed
+    answer's calls, which clients that join the stream's deltas keep (metadata)."""
 
     function: FunctionCallIn
     id: str | None = None
     type: Annotated[str, documented(enum=["function"])] = "function"
+    index: int | None = None
+
+
+NullOnly = Annotated[Any, documented(type="null")]
 
 
 class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    """One message. The fields an answer's message carries (``reasoning_content``, and the nulls the openai SDK's
+    ``model_dump()`` writes: ``annotations``, ``audio``, ``function_call``) come back with it on the next turn."""
+
     role: Annotated[str, documented(enum=[*ROLES, *ROLE_ALIASES])]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    annotations: list[Any] | None = None
+    audio: NullOnly = None
+    function_call: NullOnly = None
 
 
 class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
@@ -97,17 +112,29 @@ def prediction_text(prediction: Prediction | None, field: str = "prediction") ->
     return "".join(part.text for part in prediction.content)
 
 
-SCHEMA_RULES: dict[str, dict[str, Any]] = {"MessageIn": ASSISTANT_CALLS_RULE}
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    "MessageIn": {"allOf": [ASSISTANT_CALLS_RULE, assistant_only("reasoning_content"), assistant_only("reasoning")]}
+}
+THINKING = (
+    "an earlier turn's thinking, given to the chat template as `reasoning_content` (templates that keep it show it)"
+)
 register(
     "chat message",
     MessageIn,
     {
-        "role": FieldPolicy(H, "`developer` is `system`"),
-        "content": FieldPolicy(H, "a string or text parts"),
+        "role": FieldPolicy(H, "`developer` is `system`", returned=True),
+        "content": FieldPolicy(H, "a string or text parts", returned=True),
         "name": FieldPolicy(M),
-        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model"),
+        "tool_calls": FieldPolicy(H, "an earlier assistant turn's calls, shown to the model", returned=True),
         "tool_call_id": FieldPolicy(H, "a tool result's call, shown to the model"),
-        "refusal": FieldPolicy(M),
+        "refusal": FieldPolicy(M, "an answer's refusal: tether's answers refuse nothing", returned=True),
+        "reasoning_content": FieldPolicy(H, THINKING, returned=True),
+        "reasoning": FieldPolicy(E, "vLLM's and OpenRouter's name for `reasoning_content`"),
+        "annotations": FieldPolicy(M, "an answer's citations (the openai SDK sends them back): not shown to the model"),
+        "audio": FieldPolicy(L, "null only: audio answers are not supported"),
+        "function_call": FieldPolicy(
+            L, "null only (the openai SDK sends it back): deprecated by OpenAI, send `tool_calls`"
+        ),
     },
 )
 
@@ -133,11 +160,37 @@ def message_turns(messages: list[MessageIn], field: str = "messages") -> list[Tu
             content = "".join(part.text or "" for part in content)
         if message.tool_calls and role != "assistant":
             raise InvalidField(f"{field}[{i}].tool_calls", f"{field}[{i}]: only assistant turns carry tool_calls")
+        for name in ("audio", "function_call"):
+            if getattr(message, name) is not None:
+                raise InvalidField(
+                    f"{field}[{i}].{name}",
+                    f"{field}[{i}].{name} must be null or absent (tether's answers carry none): "
+                    + ("audio answers are not supported" if name == "audio" else "send the call in tool_calls"),
+                )
         calls = tuple(Call(c.function.name, arguments_of(c.function.arguments), c.id) for c in message.tool_calls or ())
         result = role == "tool"  # a tool's result: the call it answers, and the tool's name as the client gives it
         answers, tool = (message.tool_call_id, message.name) if result else (None, None)
-        turns.append(Turn(role, content or "", calls, answers=answers, tool=tool))
+        reasoning = thinking_of(message.reasoning_content, message.reasoning, role, f"{field}[{i}]")
+        turns.append(Turn(role, content or "", calls, answers=answers, tool=tool, reasoning=reasoning))
     return turns
+
+
+def thinking_of(
+    given: str | None, alias: str | None, role: str, at: str, name: str = "reasoning_content"
+) -> str | None:
+    """An assistant turn's thinking as a message sends it back (``name``, or vLLM's ``reasoning``): only an
+    assistant's, and one text when both are given."""
+    if given is not None and alias is not None and given != alias:
+        raise InvalidField(
+            f"{at}.reasoning",
+            f"{at}: {name} and reasoning are two names for the turn's thinking and differ: send one",
+        )
+    text = given if given is not None else alias
+    if text is not None and role != "assistant":
+        raise InvalidField(
+            f"{at}.{name if given is not None else 'reasoning'}", f"{at}: only assistant turns carry thinking"
+        )
+    return text
 
 
 def declared_tools(tools: list[FunctionTool] | None) -> list[Tool]:

@@ -309,6 +309,7 @@ def _message(turn: Turn, calls: list[tuple[str, str, Any]], name: str | None, fm
             tool_calls=tuple(MessageCall(short(i), n, _json(a)) for i, n, a in calls),
             tool_call_id=short(answers) if answers is not None else None,
             name=name,
+            reasoning=turn.reasoning,
         )
     if calls:
         written = _json({"tool_calls": [{"name": n, "arguments": a} for _, n, a in calls]})
@@ -316,7 +317,7 @@ def _message(turn: Turn, calls: list[tuple[str, str, Any]], name: str | None, fm
     if turn.role == "tool":
         result = {"tool_call_id": turn.answers, "name": name, "content": text}
         return ChatMessage(role="user", content=_json({"tool_response": result}))
-    return ChatMessage(role=turn.role, content=text)
+    return ChatMessage(role=turn.role, content=text, reasoning=turn.reasoning)
 
 
 def _json(value: Any) -> str:
