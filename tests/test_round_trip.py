@@ -156,10 +156,8 @@ def generations(draw: st.DrawFn) -> Generation:
     tools = draw(st.booleans())
     fmt = draw(st.sampled_from(sorted(FORMATS))) if tools else "generic"
     thinking = draw(st.lists(words, max_size=3))
-    calls = draw(
-        st.lists(st.tuples(st.sampled_from(NAMES), st.dictionaries(st.text(max_size=6), json_values, max_size=3)),
-                 max_size=1 if fmt == "llama3" else 3)  # fmt: skip
-    ) if tools and draw(st.booleans()) else []  # fmt: skip
+    call = st.tuples(st.sampled_from(NAMES), st.dictionaries(st.text(max_size=6), json_values, max_size=3))
+    calls = draw(st.lists(call, max_size=1 if fmt == "llama3" else 3)) if tools and draw(st.booleans()) else []
     text = draw(words).lstrip()
     answer = written(fmt, tools, text, calls)
     finish = draw(st.sampled_from(["stop", "stop", "length"]))

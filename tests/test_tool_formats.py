@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from test_tool_stream import ADD, told
-from tether.engines.llamacpp_tools import ROOT, template_messages, tool_grammar
+from tether.engines.llamacpp_tools import LEADING_SPACE, ROOT, template_messages, tool_grammar
 from tether.protocol import ChatMessage, MessageCall, ToolSyntax
 from tether.serve.dialects import openai as openai_dialect
 from tether.serve.dialects import tools as toolkit
@@ -200,19 +200,91 @@ def test_the_runner_grammar_is_calls_in_the_syntax_or_text_that_does_not_start_a
     )
     grammar = tool_grammar(hermes, call)
     rules = dict(line.split(" ::= ", 1) for line in grammar.strip().splitlines())
-    assert rules[ROOT] == f"{ROOT}-calls | {ROOT}-text"
+    assert rules[ROOT] == f"{LEADING_SPACE} ( {ROOT}-calls | {ROOT}-text )"  # a few newlines may lead either
     assert rules[f"{ROOT}-calls"] == f'{ROOT}-call ("\\x0A" {ROOT}-call){{0,2}}'
     assert rules[f"{ROOT}-call"] == '"\\x3Ctool\\x5Fcall\\x3E\\x0A" root "\\x0A\\x3C\\x2Ftool\\x5Fcall\\x3E"'
-    # A text may not begin "<tool_call>" (a start of it, then anything else, or a cut inside it).
-    assert rules[f"{ROOT}-text"].startswith("( [^\\x3C] .* | ") and rules[f"{ROOT}-text"].endswith(")?")
+    # A text may not begin "<tool_call>" once its leading whitespace is left out (its first character is neither
+    # whitespace nor "<"; or a start of the lead, then anything else; or a cut inside it).
+    assert rules[f"{ROOT}-text"].startswith("( [^\\x3C\\x20\\x09\\x0A\\x0D] .* | ")
+    assert rules[f"{ROOT}-text"].endswith(")?")
     assert rules[f"{ROOT}-text"].count("[^") == len("<tool_call>")
     only_calls = tool_grammar(msgspec.structs.replace(hermes, text=False), call)
-    assert f"{ROOT}-text" not in only_calls and f"{ROOT} ::= {ROOT}-calls\n" in only_calls
+    assert f"{ROOT}-text" not in only_calls and f"{ROOT} ::= {LEADING_SPACE} ( {ROOT}-calls )\n" in only_calls
     only_text = tool_grammar(msgspec.structs.replace(hermes, max_calls=0), call)
-    assert f"{ROOT}-calls" not in only_text and f"{ROOT} ::= {ROOT}-text\n" in only_text
+    assert f"{ROOT}-calls" not in only_text and f"{ROOT} ::= {LEADING_SPACE} ( {ROOT}-text )\n" in only_text
     assert ToolSyntax(tools="[]", call_schema="{}").lead == "{"  # a bare call (Llama 3) starts with its object
 
 
 def test_generic_messages_do_not_carry_native_fields() -> None:
     message = ChatMessage(role="user", content="hi")
     assert template_messages([message]) == [{"role": "user", "content": "hi"}]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The grammar as llama.cpp reads it: which answers it lets through, token by token
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Any:
+    """The default model's vocabulary (``vocab_only``: no weights), to run grammars over real tokens."""
+    from conftest import model_missing
+    from tether.models import default_model_path
+
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    import llama_cpp.llama_cpp as lib
+
+    lib.llama_backend_init()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(default_model_path()).encode(), params)
+    assert model, "the default model's vocabulary did not load"
+    yield lib, model, lib.llama_model_get_vocab(model)
+    lib.llama_model_free(model)
+
+
+def grammar_takes(vocab: Any, grammar: str, root: str, text: str) -> bool:
+    """Whether llama.cpp's grammar sampler lets ``text`` through (as the tokenizer splits it) to a state where it
+    may end: each token checked against the grammar's state, then accepted."""
+    import ctypes
+
+    lib, _, vocab_ = vocab
+    sampler = lib.llama_sampler_init_grammar(vocab_, grammar.encode(), root.encode())
+    assert sampler, grammar
+    try:
+        ids = (lib.llama_token * (len(text) + 8))()
+        count = lib.llama_tokenize(vocab_, text.encode(), len(text.encode()), ids, len(ids), False, True)
+        candidates = [*ids[:count], lib.llama_vocab_eos(vocab_)]
+        for position, token in enumerate(candidates):
+            data = lib.llama_token_data(token, 1.0, 0.0)
+            array = lib.llama_token_data_array(ctypes.pointer(data), 1, -1, False)
+            lib.llama_sampler_apply(sampler, ctypes.byref(array))
+            if data.logit == float("-inf"):
+                return False
+            if position < count:
+                lib.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        lib.llama_sampler_free(sampler)
+
+
+@pytest.mark.model
+def test_no_call_slips_through_as_text_behind_leading_whitespace(vocab: Any) -> None:
+    """A text answer may not start as a call does even after newlines (a model writes some after its thinking):
+    else the serving side would read a call the grammar never held to its schema. Calls may follow newlines."""
+    from tether.engines.llamacpp import schema_grammar
+
+    hermes = ToolSyntax(
+        tools="[]", call_schema=json.dumps(WEATHER["function"]["parameters"]), before="<tool_call>\n",
+        after="\n</tool_call>", separator="\n", max_calls=2,
+    )  # fmt: skip
+    grammar = tool_grammar(hermes, schema_grammar(hermes.call_schema))
+    call = '<tool_call>\n{"city": "Paris"}\n</tool_call>'
+    assert grammar_takes(vocab, grammar, ROOT, "It is sunny.")
+    assert grammar_takes(vocab, grammar, ROOT, call)
+    assert grammar_takes(vocab, grammar, ROOT, f"\n\n{call}")
+    assert not grammar_takes(vocab, grammar, ROOT, '\n\n<tool_call>\n{"town": 1}\n</tool_call>')  # the schema holds
+    assert not grammar_takes(vocab, grammar, ROOT, "\n\n<tool_call> not a call")
+    assert not grammar_takes(vocab, grammar, ROOT, " <tool_call>")

@@ -284,7 +284,10 @@ def fields_page() -> str:
             "Generated from tether's field registry (`tether.serve.dialects.fields`) at every docs build. Every field "
             "of every request body is honoured (it changes the answer as its API documents), refused (a `400` "
             "naming it, never ignored) or accepted with a stated note; a new field cannot land without a policy "
-            "here and a test case (`tests/test_fields.py`).",
+            "here and a test case (`tests/test_fields.py`). A field marked `round-trip` is one tether's own replies "
+            "carry: a client sends it back on its next turn (the openai SDK's message, the Responses API's output "
+            "items, Ollama's message), so it is always accepted, and its note says what it means there "
+            "(`tests/test_round_trip.py` feeds generated replies of every dialect back).",
             "",
             fields.markdown(),
         ]

@@ -95,16 +95,16 @@ from tether.engines import llamacpp_invariant, reasoning
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateError, resolve
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
+from tether.engines.llamacpp_tools import LEADING_SPACE, template_messages, tool_grammar
 from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
-from tether.engines.llamacpp_tools import template_messages, tool_grammar
-from tether.engines.reasoning import ReasoningFormat, Splitter, opens_in_prompt
+from tether.engines.reasoning import Block, ReasoningFormat, Splitter, closes_in_prompt, opens_in_prompt
 from tether.errors import InvalidField
 from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
 from tether.units import parse_size
 
 if TYPE_CHECKING:
-    from tether.engines.llamacpp_batch import Batch
+    from tether.engines.llamacpp_batch import Batch, Thought
     from tether.engines.llamacpp_estimate import ModelEstimate
 
 INSTALL_HINT = "install tether's llama extra (`make install`, or `pip install '.[llama]'` in the checkout)"
@@ -273,7 +273,7 @@ class LlamaCppEngine:
         self._dropped: dict[str, int] = {}  # sequence id -> turns a fitted chat left out (until its final delta)
         self._reasoning: ReasoningFormat | None = None  # the template's, when its model thinks (``reasoning``)
         self._splitters: dict[str, Splitter] = {}  # sequence id -> its thinking kept apart from its answer
-        self._opens = False  # the prompt ``_render_chat`` wrote last leaves its answer inside a thinking block
+        self._block: Block = None  # how the prompt ``_render_chat`` wrote last leaves its thinking block
 
     # -------------------------------------------------------------------------------------------------------
 
@@ -468,11 +468,18 @@ class LlamaCppEngine:
             self._start_embedding(batch, seq_id, params)
             return
         grammar = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
+        root = TOOLS_ROOT if params.tool_syntax is not None else "root"
         stop = list(params.stop)
         window = min(params.context or self.n_ctx, self.n_ctx)  # a request's own context (num_ctx) within n_ctx
+        thought: Thought | None = None
         if params.messages is not None:
             prompt_tokens, template_stop = self._fitted_chat(seq_id, params, window)
             stop += template_stop
+            if grammar is not None and self._reasoning is not None and self._block != "closed":
+                room = min(params.max_tokens, window - len(prompt_tokens))
+                prompt_tokens, thought = self._think_first(prompt_tokens, self._reasoning, room)
+                if params.tool_syntax is None:  # a tool grammar allows the whitespace itself
+                    grammar, root = after_thought(grammar, root)
         elif params.prompt_ids is not None:
             prompt_tokens = self._known_ids(params.prompt_ids, "prompt")
         else:
@@ -506,17 +513,30 @@ class LlamaCppEngine:
             logit_bias=params.logit_bias,
             grammar=grammar,
             logprobs=params.logprobs,
-            grammar_root=TOOLS_ROOT if params.tool_syntax is not None else "root",
+            grammar_root=root,
             ends_on_json=params.tool_syntax is None,
-            special_pieces=params.tool_syntax is not None,
+            special_pieces=params.tool_syntax is not None or thought is not None,
+            thought=thought,
         )
         predicted = None
         if params.prediction:  # its tokens as the tokenizer splits the text alone (the output may split it otherwise)
             predicted = list(self._model.tokenize(params.prediction.encode("utf-8"), add_bos=False, special=False))
         batch.start(seq_id, prompt_tokens, max_tokens, stop, sampling, echo=echo, prediction=predicted)
-        if self._reasoning is not None and params.messages is not None and grammar is None:
-            # a grammar holds the whole answer to its shape (JSON, tool calls): there is no thinking to keep apart
-            self._splitters[seq_id] = Splitter(self._reasoning, inside=self._opens)
+        if self._reasoning is not None and params.messages is not None and (grammar is None or thought is not None):
+            # a grammar from the first token (thinking off) holds the whole answer: there is no thinking to keep apart
+            self._splitters[seq_id] = Splitter(self._reasoning, inside=thought is not None or self._block == "open")
+
+    def _think_first(self, prompt: list[int], fmt: ReasoningFormat, room: int) -> tuple[list[int], Thought]:
+        """A structured answer from a model that thinks: the prompt with its thinking block open (opened here where
+        the template leaves that to the model, so the answer's start is known), and the ``Thought`` the grammar
+        waits for, which may take half the ``room`` the answer has (tokens; the answer keeps the rest)."""
+        from tether.engines.llamacpp_batch import Thought
+
+        if self._block != "open":
+            opening = self._model.tokenize(f"{fmt.open}\n".encode(), add_bos=False, special=True)
+            prompt = [*prompt, *opening]
+        close = tuple(self._model.tokenize(fmt.close.encode(), add_bos=False, special=True))
+        return prompt, Thought(fmt.close.encode(), close, max(1, room // 2))
 
     def _check_sampling(self, params: GenerateParams) -> str | None:
         """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` or of the tool syntax
@@ -744,13 +764,19 @@ class LlamaCppEngine:
                 f"{describe_model(self.model_path or '?')} has no chat template (a base model's GGUF carries none), "
                 f"so a chat cannot be written as the model reads one: {HOW_TO_SET}. Or send a raw 'prompt' instead"
             )
-        switch = {} if params.thinking is None else {reasoning.SWITCH: params.thinking}
+        variables = json.loads(params.template_kwargs) if params.template_kwargs is not None else {}
+        if params.thinking is not None:
+            variables[reasoning.SWITCH] = params.thinking
         try:
-            result = self._chat_formatter(messages=messages, tools=tools, **switch)
+            result = self._chat_formatter(messages=messages, tools=tools, **variables)
         except Exception as exc:  # template errors (e.g. unsupported roles) are the request's fault
             raise RequestError(f"the model's chat template rejected these messages: {exc}") from exc
         tokens = self._model.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
-        self._opens = self._reasoning is not None and opens_in_prompt(result.prompt, self._reasoning)
+        self._block = None
+        if self._reasoning is not None and opens_in_prompt(result.prompt, self._reasoning):
+            self._block = "open"
+        elif self._reasoning is not None and closes_in_prompt(result.prompt, self._reasoning):
+            self._block = "closed"
         stop = result.stop
         template_stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         if self.template is not None:
@@ -822,6 +848,15 @@ def schema_grammar(schema: str) -> str:
     if "\x00" in grammar:  # llama.cpp reads the grammar as a C string: it would end there
         raise RequestError("json_schema asks for a NUL character (U+0000), which no token of the model can produce")
     return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
+
+
+AFTER_THOUGHT = "tether-after-thought"  # the start rule of a JSON Schema's grammar that follows the thinking
+
+
+def after_thought(grammar: str, root: str) -> tuple[str, str]:
+    """A grammar whose answer follows a closed thinking block: the few newlines or spaces a model writes after the
+    tag, then ``root``'s answer (the start rule it returns)."""
+    return f"{grammar.rstrip()}\n{AFTER_THOUGHT} ::= {LEADING_SPACE} {root}\n", AFTER_THOUGHT
 
 
 def _pooling(lib: Any, model: Any) -> int | None:

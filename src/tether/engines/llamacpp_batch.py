@@ -77,6 +77,14 @@ llama.cpp. The output is tracked, and the sequence finishes ("stop") as soon as 
 the grammar allows nothing after it but one optional space and end-of-generation, so stopping there saves a step or
 two and leaves no trailing space.
 
+**Thinking first** (``Sampling.thought``): a reasoning model's structured answer follows its thinking, so the
+grammar waits. While the thinking block is open the sequence samples with its chain alone; once its output holds the
+block's closing tag, the grammar holds what follows. Where the model would end its turn inside the block (an
+end-of-generation pick), or would close it and begin its answer in one token, the closing tag's tokens are written
+for it instead, one a step, as if it had picked them (each with its own logprob): the answer is owed, and a
+grammar cannot start inside a token. So they are once the thinking has taken its ``budget`` of tokens (half the
+room the request has: the answer keeps the rest).
+
 **Speculation** (``speculation``; the drafts and how many to verify: ``speculation``). A decoding sequence's row
 may be followed by draft tokens of its own, at the next positions, in the same ``llama_decode``. The sequence then
 samples its row and each draft row in turn, with its own chain, and stops at the first pick that is not the draft's
@@ -153,6 +161,17 @@ class DecodeError(TetherError):
 
 
 @dataclass(frozen=True)
+class Thought:
+    """A structured answer waits for the thinking (see "Thinking first"): ``tag``, the closing tag's bytes; ``close``,
+    its tokens, written for the model where it would end its turn inside the block, or once the thinking has taken
+    ``budget`` tokens."""
+
+    tag: bytes
+    close: tuple[int, ...]
+    budget: int
+
+
+@dataclass(frozen=True)
 class Sampling:
     """One sequence's sampling parameters (the chain they build: see the module docstring)."""
 
@@ -170,6 +189,7 @@ class Sampling:
     grammar_root: str = "root"  # the grammar's start rule
     ends_on_json: bool = True  # the grammar's output is one JSON value: the sequence stops once it is complete
     special_pieces: bool = False  # control tokens' text is output (a native tool format's markers can be such)
+    thought: Thought | None = None  # the grammar waits for the thinking block to close
 
 
 @dataclass
@@ -209,6 +229,9 @@ class _BatchSequence:
     draft_kind: str = ""  # their source's kind
     steps: int = 0  # steps that sampled a token of it
     finished: bool = False  # its last sample ended it: dropped once its cells are trimmed
+    thought: Thought | None = None  # while its thinking block is open: the grammar waits (see "Thinking first")
+    thought_tail: bytes = b""  # the thinking's last bytes, where the closing tag may have begun
+    forced: list[int] = field(default_factory=list)  # the closing tag's tokens still to write for it
 
     @property
     def decoding(self) -> bool:
@@ -388,6 +411,7 @@ class Batch:
             echoed=echoed,
             eog_entry=echoed is not None,
             drafter=Drafter.start(prompt, prediction) if self.speculation else None,
+            thought=sampling.thought if grammar is not None else None,
         )
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
@@ -685,8 +709,8 @@ class Batch:
             if lib.llama_vocab_is_eog(self.vocab, token):
                 draft = draft[:i]
                 break
-        if seq.grammar is None or not draft:
-            return draft
+        if seq.grammar is None or seq.thought is not None or not draft:
+            return draft  # (while the thinking is open, each row's pick decides whether the grammar holds the next)
         clone = lib.llama_sampler_clone(seq.grammar)
         try:
             for i, token in enumerate(draft):
@@ -770,9 +794,11 @@ class Batch:
 
     def _sample(self, seq: _BatchSequence) -> Delta | RequestError:
         lib = self.lib
-        if seq.grammar is not None and seq.output is not None:
-            token = self._sample_constrained(seq)
-            if token is None:
+        if seq.forced or seq.thought is not None:
+            token = self._sample_thinking(seq)
+        elif seq.grammar is not None and seq.output is not None:
+            held = self._sample_constrained(seq)
+            if held is None:
                 seq.finished = True
                 return RequestError(
                     f"the {'json_schema' if seq.ends_on_json else 'tool call'} grammar allows no token after "
@@ -780,6 +806,7 @@ class Batch:
                     f"({bytes(seq.output[-40:]).decode('utf-8', 'replace')!r} at its end): the schema cannot be "
                     "completed with this model's vocabulary"
                 )
+            token = held
         else:
             token = lib.llama_sampler_sample(seq.sampler, self.ctx, seq.row)
         finish: FinishReason | None = None
@@ -796,7 +823,9 @@ class Batch:
             if seq.logprobs is not None:
                 logprobs = (self._logprob(seq.row, token, piece, seq.logprobs),)
             text, stopped = seq.text.feed(piece)
-            if seq.output is not None:
+            if seq.thought is not None:
+                self._thinking_wrote(seq, piece)
+            elif seq.output is not None:
                 seq.output += piece
             if stopped:
                 finish = "stop"
@@ -815,6 +844,44 @@ class Batch:
             return Delta(text, tokens, logprobs=logprobs)
         seq.finished = True
         return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs, cached_tokens=seq.reused)
+
+    def _sample_thinking(self, seq: _BatchSequence) -> int:
+        """A pick while the grammar waits for the thinking: the chain's, or the closing tag's next token where the
+        pick would end the turn inside the block or begin the answer in the token that closes it."""
+        lib = self.lib
+        if seq.forced:
+            token = seq.forced.pop(0)
+        else:
+            assert seq.thought is not None
+            token, _ = self._apply(seq.sampler, self._logits(seq.row), None)
+            spent = seq.completion >= seq.thought.budget
+            if spent or token < 0 or lib.llama_vocab_is_eog(self.vocab, token) or self._closes_into_answer(seq, token):
+                seq.forced = list(seq.thought.close)
+                token = seq.forced.pop(0)
+        lib.llama_sampler_accept(seq.sampler, token)
+        return token
+
+    def _closes_into_answer(self, seq: _BatchSequence, token: int) -> bool:
+        """Whether ``token`` closes the thinking block and writes some of the answer after the tag (which the
+        grammar, starting after the tag, would not have held)."""
+        assert seq.thought is not None
+        tag = seq.thought.tag
+        tail = seq.thought_tail + self._token_piece(token, special=True)
+        end = tail.find(tag)
+        return end >= 0 and bool(tail[end + len(tag) :].strip())
+
+    def _thinking_wrote(self, seq: _BatchSequence, piece: bytes) -> None:
+        """The thinking went on by ``piece``: once it holds the closing tag, the grammar holds the rest (the
+        whitespace after the tag in the same piece is the answer's output)."""
+        assert seq.thought is not None
+        tag = seq.thought.tag
+        tail = seq.thought_tail + piece
+        end = tail.find(tag)
+        if end < 0:
+            seq.thought_tail = tail[-(len(tag) - 1) :] if len(tag) > 1 else b""
+            return
+        seq.thought, seq.thought_tail, seq.forced = None, b"", []
+        seq.output = bytearray(tail[end + len(tag) :])
 
     def _prompt_logprobs(self, seq: _BatchSequence) -> None:
         """The entries of the prompt tokens this step's chunk rows predict: row ``i`` (position ``p``) gives the

@@ -10,13 +10,20 @@ The runner renders the prompt and sees the text, so it splits (``Splitter``): ev
 reasoning and answer, a tag cut between two deltas held back until it is whole, the tags themselves in neither. The
 serving side reads ``detect`` on the same template to refuse ``think: false`` where the template cannot honour it, and
 to list the "thinking" capability.
+
+A structured answer (a JSON schema, tool calls) comes after the thinking: its grammar waits until the block closes.
+Where the template leaves it to the model to open the block, the runner opens it in the prompt (as the R1 distills'
+templates do), so the answer's start is known; where it wrote the block closed (thinking off), the grammar holds the
+answer from its first token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 OPEN, CLOSE = "<think>", "</think>"
+Block = Literal["open", "closed"] | None  # how a rendered prompt leaves the thinking block (None: without one)
 SWITCH = "enable_thinking"  # the template variable Qwen3's templates (and vLLM's, llama.cpp's) turn thinking off with
 
 
@@ -40,6 +47,12 @@ def detect(template: str | None) -> ReasoningFormat | None:
 def opens_in_prompt(prompt: str, fmt: ReasoningFormat) -> bool:
     """Whether a rendered prompt leaves its answer inside a thinking block (the template opened it, not closed it)."""
     return prompt.rfind(fmt.open) > prompt.rfind(fmt.close)
+
+
+def closes_in_prompt(prompt: str, fmt: ReasoningFormat) -> bool:
+    """Whether a rendered prompt ends with a closed thinking block: the template wrote the thinking (an empty block,
+    Qwen3's way of turning it off), and the answer comes next."""
+    return prompt.rstrip().endswith(fmt.close)
 
 
 class Splitter:

@@ -89,8 +89,8 @@ async def check(scheduler: Scheduler, model_id: str, kwargs: dict[str, Any] | No
             known = ", ".join(sorted(read - RESERVED)) or "none but the request's own"
             raise InvalidField(
                 f"{FIELD}.{key}",
-                f"{FIELD}.{key}: model {model_id!r}'s chat template reads no variable {key!r}, so it would change "
-                f"nothing; the variables it reads: {known}",
+                f"{FIELD}.{key}: the chat template of model {model_id!r} reads no variable {key!r}, so it would "
+                f"change nothing; the variables it reads: {known}",
             )
 
 
