@@ -10,10 +10,10 @@ process each, 2 threads, ``-c 2048``). Every request is greedy. The scenarios, o
 
 - ``chat_loop``: a 5-turn openai-SDK agent loop with one tool (``get_weather``) on the Qwen3-style template: each turn
   appends the returned message object as it came (the SDK's idiom) and answers its calls; turns 1 and 4 ask
-  ``tool_choice: required`` (an agent's first step, and a check), the rest ``auto``. Counted: errors, turns with thinking, turns
-  whose calls came after visible thinking. tether's rendered prompt of turn 5 (what its runner renders from that
-  history: turn 4's thinking and call, which the template keeps after the last user message) is printed and kept
-  in the record.
+  ``tool_choice: required`` (an agent's first step, and a check), the rest ``auto``. Counted: errors, turns with
+  thinking, turns whose calls came after visible thinking. tether's rendered prompt of turn 5 (what its runner
+  renders from that history: turn 4's thinking and call, which the template keeps after the last user message) is
+  printed and kept in the record.
 - ``responses_loop``: the same five turns through the Responses API, stateless: each next input is the previous one
   plus ``response.output`` as the SDK returned it, plus the calls' outputs. Counted: errors.
 - ``template_kwargs``: ``chat_template_kwargs: {"enable_thinking": false}`` and ``true`` on the R1-style template:

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -386,9 +387,10 @@ def beyond_schema(status: int, body: bytes) -> bool:
     error = error_of(body) if status == 400 else None
     if error is None:
         return False
-    param = error.get("param")
+    param = re.sub(r"\[\d+\]", "", error.get("param") or "")  # messages[3].reasoning: messages.reasoning
     beyond = (*openai.BEYOND_SCHEMA, *ollama.BEYOND_SCHEMA, *responses.BEYOND_SCHEMA)
-    return error.get("code") == ENGINE_REFUSED or param in beyond
+    named = param in beyond or any(param.startswith(f"{rule}.") for rule in beyond)  # chat_template_kwargs.KEY
+    return error.get("code") == ENGINE_REFUSED or named
 
 
 def wait_ready(http: httpx.Client, instance_id: str, timeout: float = 30.0) -> None:

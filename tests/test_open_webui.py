@@ -163,6 +163,11 @@ class Recorder:
             response.close()
             exchange.done.set()
 
+    def of_model(self, model: str) -> list[Exchange]:
+        """The generations asked of ``model``, in the order Open WebUI sent them."""
+        with self.lock:
+            return [e for e in self.exchanges if isinstance(e.body, dict) and e.body.get("model") == model]
+
     def of_kind(self, kind: str) -> list[Exchange]:
         with self.lock:
             return [e for e in self.exchanges if e.kind() == kind]
@@ -410,8 +415,8 @@ class Answer:
     text: str  # the page's final text of the answer
 
 
-def chat(stack: Stack, page: Page, model_id: str) -> Answer:
-    """Pick ``model_id`` in Open WebUI's model selector, send MESSAGE as a user would, wait (bounded) for the
+def chat(stack: Stack, page: Page, model_id: str, message: str = MESSAGE) -> Answer:
+    """Pick ``model_id`` in Open WebUI's model selector, send ``message`` as a user would, wait (bounded) for the
     answer to be done; what the page showed meanwhile, and what Open WebUI stored."""
     from playwright.sync_api import expect
 
@@ -422,7 +427,7 @@ def chat(stack: Stack, page: Page, model_id: str) -> Answer:
     expect(selector).to_have_attribute("aria-label", f"Selected model: {model_id}")
     page.evaluate(WATCH)
     page.locator("#chat-input").click()
-    page.keyboard.type(MESSAGE)
+    page.keyboard.type(message)
     sent = time.monotonic()
     page.locator("#send-message-button").click()
     expect(page.locator(".copy-response-button")).to_be_visible(timeout=ANSWER_S * 1000)
@@ -499,3 +504,43 @@ def test_a_chat_streams_with_tether_as_the_openai_backend(stack: Stack, page: Pa
     assert len(request.body["tools"]) >= 30, "Open WebUI's default setup attaches its built-in tools"
     assert_streamed(answer, request)
     assert request.text.rstrip().endswith("data: [DONE]"), request.text[-500:]
+
+
+THINKER = "thinker"
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
+SCREENSHOT = "open-webui-thinking.png"
+
+
+def test_a_thinking_model_shows_its_thinking_and_a_tool_call_after_it_runs(
+    stack: Stack, page: Page, tmp_path: Path
+) -> None:
+    """A reasoning model (a Qwen3-style template with Hermes calls over the default model's weights) as Open WebUI's
+    Ollama backend, its built-in tools attached: the thinking shows in Open WebUI's collapsible thinking block with
+    the answer below it, and the tool call the model makes after its thinking runs; Open WebUI then sends the turn
+    back with its ``thinking`` (an Ollama message's), which tether accepts."""
+    options = {"chat_template": str(TEMPLATES / "think-tools.jinja"), "parallel": 2}
+    stack.server.add_instance({"id": THINKER, "options": options}, 90)
+    answer = chat(stack, page, THINKER, "What time is it now?")
+    first = stack.recorder.of_model(THINKER)[0]
+    assert first.done.wait(5) and first.status == 200, f"tether answered {first.status}: {first.text[:2000]}"
+    lines = [json.loads(line) for line in first.text.splitlines() if line.strip()]
+    thought = [i for i, line in enumerate(lines) if line.get("message", {}).get("thinking")]
+    called = [i for i, line in enumerate(lines) if line.get("message", {}).get("tool_calls")]
+    assert thought and called and max(thought) < min(called), "the model thought, then called a tool"
+    name = lines[called[0]]["message"]["tool_calls"][0]["function"]["name"]
+    assert len(first.body["tools"]) >= 30 and name in [t["function"]["name"] for t in first.body["tools"]], name
+    wait_until(lambda: len(stack.recorder.of_model(THINKER)) > 1, ANSWER_S, "Open WebUI sends the tool's result")
+    follow = stack.recorder.of_model(THINKER)[1]
+    assert follow.done.wait(ANSWER_S) and follow.status == 200, f"{follow.status}: {follow.text[:2000]}"
+    sent = [m for m in follow.body["messages"] if m.get("role") == "assistant" and m.get("tool_calls")]
+    assert sent and sent[0].get("thinking"), "Open WebUI sends the thinking back (an Ollama message's)"
+    assert any(m.get("role") == "tool" for m in follow.body["messages"]), "the tool ran and its result came back"
+    assert not answer.message.get("error"), answer.message
+    from playwright.sync_api import expect
+
+    expect(page.get_by_text("Thought for").first).to_be_visible()  # Open WebUI's collapsible thinking block
+    assert answer.text, "the answer is empty in the page"
+    folder = Path(os.environ.get("TETHER_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / SCREENSHOT), full_page=True)
+    print(f"screenshot: {folder / SCREENSHOT}")

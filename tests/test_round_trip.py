@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import msgspec
@@ -437,3 +437,21 @@ def test_every_reply_is_accepted_back_and_means_what_it_meant(dialect: str) -> N
         same_meaning(said, sent, truth(generation), generation.finish == "stop" or idiom != "stream")
 
     round_trip()
+
+
+@settings(max_examples=200, deadline=None)
+@given(generation=generations().filter(lambda g: not g.tools), stream=st.booleans())
+def test_a_completion_fed_back_into_the_next_prompt_is_that_prompt(generation: Generation, stream: bool) -> None:
+    """The legacy completions API's loop: the choice's text appended to the prompt is the next request's prompt (a raw
+    prompt is not a chat: nothing is split from it as thinking)."""
+    generation = replace(generation, reasoning=[])
+    prompt = "Once upon a time"
+    plan = openai.completion_plan(openai.decode("completion", json.dumps({"prompt": prompt}).encode()))
+    shaper = openai.OpenAIShaper("completion", "cmpl-1", "m", plan)
+    body = shaped(shaper, generation, stream)
+    choices = [c for chunk in sse(body) for c in chunk["choices"]] if stream else json.loads(body)["choices"]
+    text = "".join(choice["text"] for choice in choices)
+    assert text == "".join(generation.answer)
+    again = {"prompt": prompt + text, "max_tokens": 4}
+    params = openai.completion_plan(openai.decode("completion", json.dumps(again).encode())).params
+    assert params.prompt == prompt + text

@@ -192,6 +192,7 @@ BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the API fuzzer acc
     "reasoning_effort": "thinking on or off only where the model's chat template can say so",
     "chat_template_kwargs": "a variable the model's chat template reads, named as an identifier, "
     "enable_thinking a boolean agreeing with reasoning_effort",
+    "messages.reasoning": "reasoning_content and reasoning, when both are sent, the same text",
 }
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     # what one field's type cannot say, for /openapi.json (the plan's checks enforce it, with a message)

@@ -190,18 +190,25 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 _STRUCTURED_TEXT = {"type": "object", "required": ["format"], "properties": {"format": STRUCTURED_FORMAT}}
 
 
-def _item_rule(kind: str, needs: dict[str, Any], takes: tuple[str, ...] = ()) -> dict[str, Any]:
-    """An item of type ``kind`` takes ``needs`` (required, typed), may take ``takes``, and none of the other types'
-    fields."""
+def _item_rule(kind: str, needs: dict[str, Any], takes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An item of type ``kind`` takes ``needs`` (required, typed), may take ``takes`` (typed), and none of the other
+    types' fields."""
+    takes = takes or {}
     foreign = {"role", "content", "call_id", "name", "arguments", "output", "summary"} - set(needs) - set(takes)
     condition: dict[str, Any] = {"properties": {"type": {"const": kind}}}
     if kind != "message":  # an item without a type is a message
         condition["required"] = ["type"]
-    properties = {**needs, **{name: {"type": "null"} for name in sorted(foreign)}}
+    properties = {**needs, **takes, **{name: {"type": "null"} for name in sorted(foreign)}}
     return {"if": condition, "then": {"required": list(needs), "properties": properties}}
 
 
-_TEXT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array"}]}
+def _parts(*kinds: str) -> dict[str, Any]:
+    """Text, or a list of parts of ``kinds``."""
+    part = {"type": "object", "properties": {"type": {"enum": list(kinds)}}}
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+
+
+_TEXT_SCHEMA = _parts(*PART_TYPES)
 BEYOND_SCHEMA = {  # 400s for rules JSON Schema cannot state (the fuzzer accepts them; each says what to do)
     "reasoning.effort": "thinking on or off only where the model's chat template can say so",
 }
@@ -216,7 +223,11 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
                 {"call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"}},
             ),
             _item_rule("function_call_output", {"call_id": {"type": "string"}, "output": _TEXT_SCHEMA}),
-            _item_rule("reasoning", {"summary": {"type": "array"}}, ("content",)),
+            _item_rule(
+                "reasoning",
+                {"summary": {"type": "array", "items": {"properties": {"type": {"const": SUMMARY_PART}}}}},
+                {"content": {"anyOf": [_parts(REASONING_PART), {"type": "null"}]}},
+            ),
         ]
     },
     "ResponsesTextFormat": {
