@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -518,10 +519,13 @@ def test_a_thinking_model_shows_its_thinking_and_a_tool_call_after_it_runs(
     Ollama backend, its built-in tools attached: the thinking shows in Open WebUI's collapsible thinking block with
     the answer below it, and the tool call the model makes after its thinking runs; Open WebUI then sends the turn
     back with its ``thinking`` (an Ollama message's), which tether accepts."""
-    options = {"chat_template": str(TEMPLATES / "think-tools.jinja"), "parallel": 2}
+    # deterministic: the greedy answer (this 135M model's call) is the request's own, whatever its 7k-token prompt's
+    # prefill shared a batch with or took from the cache (greedy alone, it differed between a cold and a warm run)
+    options = {"chat_template": str(TEMPLATES / "think-tools.jinja"), "parallel": 2, "deterministic": True}
     stack.server.add_instance({"id": THINKER, "options": options}, 90)
-    answer = chat(stack, page, THINKER, "What time is it now?")
-    first = stack.recorder.of_model(THINKER)[0]
+    answer = chat(stack, page, THINKER, "Call get_current_timestamp.")
+    asked = [e for e in stack.recorder.of_model(THINKER) if e.body.get("tools")]  # the chat (not its title task)
+    first = asked[0]
     assert first.done.wait(5) and first.status == 200, f"tether answered {first.status}: {first.text[:2000]}"
     lines = [json.loads(line) for line in first.text.splitlines() if line.strip()]
     thought = [i for i, line in enumerate(lines) if line.get("message", {}).get("thinking")]
@@ -529,18 +533,30 @@ def test_a_thinking_model_shows_its_thinking_and_a_tool_call_after_it_runs(
     assert thought and called and max(thought) < min(called), "the model thought, then called a tool"
     name = lines[called[0]]["message"]["tool_calls"][0]["function"]["name"]
     assert len(first.body["tools"]) >= 30 and name in [t["function"]["name"] for t in first.body["tools"]], name
-    wait_until(lambda: len(stack.recorder.of_model(THINKER)) > 1, ANSWER_S, "Open WebUI sends the tool's result")
-    follow = stack.recorder.of_model(THINKER)[1]
+
+    def results() -> list[Exchange]:
+        return [e for e in stack.recorder.of_model(THINKER) if any(m.get("role") == "tool" for m in e.body["messages"])]
+
+    wait_until(results, ANSWER_S, "Open WebUI sends the tool's result")
+    follow = results()[0]
     assert follow.done.wait(ANSWER_S) and follow.status == 200, f"{follow.status}: {follow.text[:2000]}"
     sent = [m for m in follow.body["messages"] if m.get("role") == "assistant" and m.get("tool_calls")]
     assert sent and sent[0].get("thinking"), "Open WebUI sends the thinking back (an Ollama message's)"
-    assert any(m.get("role") == "tool" for m in follow.body["messages"]), "the tool ran and its result came back"
     assert not answer.message.get("error"), answer.message
+    assert answer.text, "the answer is empty in the page"
     from playwright.sync_api import expect
 
-    expect(page.get_by_text("Thought for").first).to_be_visible()  # Open WebUI's collapsible thinking block
-    assert answer.text, "the answer is empty in the page"
+    # Open WebUI folds the thinking and the call into one group ("Explored get_current_timestamp") above the
+    # answer: opened, it shows the thinking block, and that opened, the thinking
+    page.get_by_role("button", name="Toggle details").first.click()
+    before_call = page.get_by_text("Thought", exact=True).first  # the thinking that led to the call
+    expect(before_call).to_be_visible()
+    expect(page.get_by_text("View Result from get_current_timestamp").first).to_be_visible()  # the call that ran
+    before_call.click()
+    expect(page.get_by_text("Thought for").first).to_be_visible()  # and the thinking after the tool's result
     folder = Path(os.environ.get("TETHER_SCREENSHOTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / SCREENSHOT), full_page=True)
+    page.screenshot(path=str(folder / SCREENSHOT), full_page=True, animations="disabled")
     print(f"screenshot: {folder / SCREENSHOT}")
+    if os.environ.get("TETHER_UPDATE_DOCS") == "1":  # the clients page's picture
+        shutil.copyfile(folder / SCREENSHOT, ROOT / "docs" / SCREENSHOT)

@@ -288,3 +288,8 @@ def test_no_call_slips_through_as_text_behind_leading_whitespace(vocab: Any) -> 
     assert not grammar_takes(vocab, grammar, ROOT, '\n\n<tool_call>\n{"town": 1}\n</tool_call>')  # the schema holds
     assert not grammar_takes(vocab, grammar, ROOT, "\n\n<tool_call> not a call")
     assert not grammar_takes(vocab, grammar, ROOT, " <tool_call>")
+    # after the model's thinking the answer is owed: no empty text
+    owed = tool_grammar(hermes, schema_grammar(hermes.call_schema), owed=True)
+    assert grammar_takes(vocab, grammar, ROOT, "") and grammar_takes(vocab, grammar, ROOT, "\n")
+    assert not grammar_takes(vocab, owed, ROOT, "") and not grammar_takes(vocab, owed, ROOT, "\n\n")
+    assert grammar_takes(vocab, owed, ROOT, "\n\nIt is sunny.") and grammar_takes(vocab, owed, ROOT, f"\n{call}")

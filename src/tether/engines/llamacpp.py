@@ -480,6 +480,9 @@ class LlamaCppEngine:
                 prompt_tokens, thought = self._think_first(prompt_tokens, self._reasoning, room)
                 if params.tool_syntax is None:  # a tool grammar allows the whitespace itself
                     grammar, root = after_thought(grammar, root)
+                else:  # and, the answer being owed, not an empty text
+                    syntax = params.tool_syntax
+                    grammar = tool_grammar(syntax, schema_grammar(syntax.call_schema), owed=True)
         elif params.prompt_ids is not None:
             prompt_tokens = self._known_ids(params.prompt_ids, "prompt")
         else:

@@ -48,18 +48,28 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def tool_grammar(syntax: ToolSyntax, call_grammar: str) -> str:
+def tool_grammar(syntax: ToolSyntax, call_grammar: str, owed: bool = False) -> str:
     """The GBNF of an answer under ``syntax`` (start rule :data:`ROOT`), given ``call_grammar``: the GBNF of one
-    call's JSON Schema, whose start rule is ``root``."""
+    call's JSON Schema, whose start rule is ``root``. ``owed``: the answer follows the model's thinking, so it is
+    not empty (a text answer has a character besides whitespace)."""
     return _wrap(
         call_grammar, syntax.open, syntax.before, syntax.after, syntax.separator, syntax.close, syntax.max_calls,
-        syntax.text, syntax.lead,
+        syntax.text, syntax.lead, owed,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
 def _wrap(
-    call: str, open_: str, before: str, after: str, separator: str, close: str, max_calls: int, text: bool, lead: str
+    call: str,
+    open_: str,
+    before: str,
+    after: str,
+    separator: str,
+    close: str,
+    max_calls: int,
+    text: bool,
+    lead: str,
+    owed: bool,
 ) -> str:
     rules = [call.rstrip("\n")]
     answers = []
@@ -69,7 +79,7 @@ def _wrap(
         rules.append(f"{ROOT}-calls ::= {_seq(open_, ROOT + '-call')}{more} {_seq(close)}".rstrip())
         answers.append(f"{ROOT}-calls")
     if text or max_calls == 0:
-        rules.append(f"{ROOT}-text ::= {_not_starting_with(lead)}")
+        rules.append(f"{ROOT}-text ::= {_not_starting_with(lead, owed)}")
         answers.append(f"{ROOT}-text")
     # a few newlines or spaces may lead either (a model writes some after its thinking): never a call in the text
     rules.append(f"{ROOT} ::= {LEADING_SPACE} ( {' | '.join(answers)} )")
@@ -79,10 +89,11 @@ def _wrap(
 LEADING_SPACE = "[ \\t\\n]{0,8}"
 
 
-def _not_starting_with(lead: str) -> str:
+def _not_starting_with(lead: str, nonempty: bool = False) -> str:
     """A GBNF alternative of every text that does not start with ``lead`` once its leading whitespace is left out
-    (the empty text included): its first character is neither whitespace nor the lead's, or it leaves the lead at
-    some character ``i`` (``lead[:i]``, then any other character, then anything), or ends inside it."""
+    (the empty text included unless ``nonempty``): its first character is neither whitespace nor the lead's, or it
+    leaves the lead at some character ``i`` (``lead[:i]``, then any other character, then anything), or ends inside
+    it."""
     alternatives = []
     for i, c in enumerate(lead):
         start = f"{_literal(lead[:i])} " if i else ""
@@ -90,7 +101,7 @@ def _not_starting_with(lead: str) -> str:
         alternatives.append(f"{start}[^{other}] .*")
         if i:
             alternatives.append(_literal(lead[:i]))
-    return "( " + " | ".join(alternatives) + " )?"
+    return "( " + " | ".join(alternatives) + (" )" if nonempty else " )?")
 
 
 def _seq(*parts: str) -> str:
