@@ -21,19 +21,12 @@ import openai
 import pytest
 
 from conftest import Server, model_missing, serving
+from test_tool_formats import WEATHER
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(240)]
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
 QWEN, R1, LLAMA3 = "qwen-style", "r1-style", "llama3-style"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CITY = {
     "type": "object",
