@@ -467,8 +467,7 @@ class LlamaCppEngine:
         if self.embedding:
             self._start_embedding(batch, seq_id, params)
             return
-        grammar = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
-        root = TOOLS_ROOT if params.tool_syntax is not None else "root"
+        grammar, root = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
         stop = list(params.stop)
         window = min(params.context or self.n_ctx, self.n_ctx)  # a request's own context (num_ctx) within n_ctx
         thought: Thought | None = None
@@ -478,11 +477,7 @@ class LlamaCppEngine:
             if grammar is not None and self._reasoning is not None and self._block != "closed":
                 room = min(params.max_tokens, window - len(prompt_tokens))
                 prompt_tokens, thought = self._think_first(prompt_tokens, self._reasoning, room)
-                if params.tool_syntax is None:  # a tool grammar allows the whitespace itself
-                    grammar, root = after_thought(grammar, root)
-                else:  # and, the answer being owed, not an empty text
-                    syntax = params.tool_syntax
-                    grammar = tool_grammar(syntax, schema_grammar(syntax.call_schema), owed=True)
+                grammar, root = answer_grammar(params, after_thought=True)  # (its pieces cached: built above)
         elif params.prompt_ids is not None:
             prompt_tokens = self._known_ids(params.prompt_ids, "prompt")
         else:
@@ -541,20 +536,16 @@ class LlamaCppEngine:
         close = tuple(self._model.tokenize(fmt.close.encode(), add_bos=False, special=True))
         return prompt, Thought(fmt.close.encode(), close, max(1, room // 2))
 
-    def _check_sampling(self, params: GenerateParams) -> str | None:
-        """Refuse token ids outside the vocabulary; return the GBNF grammar of ``json_schema`` or of the tool syntax
-        (None without either)."""
+    def _check_sampling(self, params: GenerateParams) -> tuple[str | None, str]:
+        """Refuse token ids outside the vocabulary; return the answer's grammar and its start rule
+        (``answer_grammar``)."""
         for token, _ in params.logit_bias:
             if token >= self._n_vocab:
                 raise RequestError(
                     f"logit_bias names token {token}, but {describe_model(self.model_path or '?')} has "
                     f"{self._n_vocab} tokens (n_vocab; ids 0 to {self._n_vocab - 1})"
                 )
-        if params.tool_syntax is not None:
-            return tool_grammar(params.tool_syntax, schema_grammar(params.tool_syntax.call_schema))
-        if params.json_schema is None:
-            return None
-        return schema_grammar(params.json_schema)
+        return answer_grammar(params)
 
     def _start_embedding(self, batch: Batch, seq_id: str, params: GenerateParams) -> None:
         if params.messages is not None:
@@ -856,10 +847,19 @@ def schema_grammar(schema: str) -> str:
 AFTER_THOUGHT = "tether-after-thought"  # the start rule of a JSON Schema's grammar that follows the thinking
 
 
-def after_thought(grammar: str, root: str) -> tuple[str, str]:
-    """A grammar whose answer follows a closed thinking block: the few newlines or spaces a model writes after the
-    tag, then ``root``'s answer (the start rule it returns)."""
-    return f"{grammar.rstrip()}\n{AFTER_THOUGHT} ::= {LEADING_SPACE} {root}\n", AFTER_THOUGHT
+def answer_grammar(params: GenerateParams, after_thought: bool = False) -> tuple[str | None, str]:
+    """The GBNF grammar an answer is held to and its start rule: the tool syntax's, else the ``json_schema``'s (None
+    without either). ``after_thought``: the answer follows a closed thinking block, so the few newlines or spaces a
+    model writes after the tag may lead it, and it is owed (a tool answer's text is not empty)."""
+    syntax = params.tool_syntax
+    if syntax is not None:  # (a tool grammar lets the whitespace lead either way)
+        return tool_grammar(syntax, schema_grammar(syntax.call_schema), owed=after_thought), TOOLS_ROOT
+    if params.json_schema is None:
+        return None, "root"
+    grammar = schema_grammar(params.json_schema)
+    if not after_thought:
+        return grammar, "root"
+    return f"{grammar.rstrip()}\n{AFTER_THOUGHT} ::= {LEADING_SPACE} root\n", AFTER_THOUGHT
 
 
 def _pooling(lib: Any, model: Any) -> int | None:

@@ -794,7 +794,7 @@ class Batch:
 
     def _sample(self, seq: _BatchSequence) -> Delta | RequestError:
         lib = self.lib
-        if seq.forced or seq.thought is not None:
+        if seq.thought is not None:  # (its forced tokens are the closing tag's: they end with the thinking)
             token = self._sample_thinking(seq)
         elif seq.grammar is not None and seq.output is not None:
             held = self._sample_constrained(seq)
@@ -848,40 +848,43 @@ class Batch:
     def _sample_thinking(self, seq: _BatchSequence) -> int:
         """A pick while the grammar waits for the thinking: the chain's, or the closing tag's next token where the
         pick would end the turn inside the block or begin the answer in the token that closes it."""
-        lib = self.lib
+        lib, thought = self.lib, seq.thought
+        assert thought is not None
         if seq.forced:
             token = seq.forced.pop(0)
         else:
-            assert seq.thought is not None
             token, _ = self._apply(seq.sampler, self._logits(seq.row), None)
-            spent = seq.completion >= seq.thought.budget
-            if spent or token < 0 or lib.llama_vocab_is_eog(self.vocab, token) or self._closes_into_answer(seq, token):
-                seq.forced = list(seq.thought.close)
+            after = self._after_tag(seq, self._token_piece(token, special=True)) if token >= 0 else None
+            closes_into_answer = after is not None and bool(after.strip())
+            spent = seq.completion >= thought.budget
+            if spent or token < 0 or lib.llama_vocab_is_eog(self.vocab, token) or closes_into_answer:
+                # (a token that closes the block and writes some of the answer after the tag: the grammar, which
+                # starts after the tag, would not have held that part)
+                seq.forced = list(thought.close)
                 token = seq.forced.pop(0)
         lib.llama_sampler_accept(seq.sampler, token)
         return token
 
-    def _closes_into_answer(self, seq: _BatchSequence, token: int) -> bool:
-        """Whether ``token`` closes the thinking block and writes some of the answer after the tag (which the
-        grammar, starting after the tag, would not have held)."""
+    @staticmethod
+    def _after_tag(seq: _BatchSequence, piece: bytes) -> bytes | None:
+        """What follows the closing tag once the thinking goes on by ``piece`` (None: the tag is not whole yet)."""
         assert seq.thought is not None
         tag = seq.thought.tag
-        tail = seq.thought_tail + self._token_piece(token, special=True)
+        tail = seq.thought_tail + piece
         end = tail.find(tag)
-        return end >= 0 and bool(tail[end + len(tag) :].strip())
+        return None if end < 0 else tail[end + len(tag) :]
 
     def _thinking_wrote(self, seq: _BatchSequence, piece: bytes) -> None:
         """The thinking went on by ``piece``: once it holds the closing tag, the grammar holds the rest (the
         whitespace after the tag in the same piece is the answer's output)."""
         assert seq.thought is not None
-        tag = seq.thought.tag
-        tail = seq.thought_tail + piece
-        end = tail.find(tag)
-        if end < 0:
-            seq.thought_tail = tail[-(len(tag) - 1) :] if len(tag) > 1 else b""
+        after = self._after_tag(seq, piece)
+        if after is None:
+            tail, keep = seq.thought_tail + piece, len(seq.thought.tag) - 1
+            seq.thought_tail = tail[-keep:] if keep else b""
             return
         seq.thought, seq.thought_tail, seq.forced = None, b"", []
-        seq.output = bytearray(tail[end + len(tag) :])
+        seq.output = bytearray(after)
 
     def _prompt_logprobs(self, seq: _BatchSequence) -> None:
         """The entries of the prompt tokens this step's chunk rows predict: row ``i`` (position ``p``) gives the

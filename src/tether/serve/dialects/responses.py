@@ -402,23 +402,27 @@ def input_turns(items: str | list[ResponsesInputItem]) -> list[Turn]:
         raise InvalidField("input", "input must be a string or hold at least one item")
     turns: list[Turn] = []
     thought: str | None = None  # a reasoning item's, for the assistant turn that follows it
+
+    def thought_alone() -> None:  # a reasoning item with no assistant turn after it: a turn of thinking alone
+        nonlocal thought
+        if thought is not None:
+            turns.append(Turn("assistant", reasoning=thought))
+            thought = None
+
     for i, item in enumerate(items):
         at = f"input[{i}]"
         _check_item(item, at)
         if item.type == "reasoning":
             text = _reasoning_text(item, at)
             thought = text if thought is None else thought + text
-            continue
-        if item.type == "message":
+        elif item.type == "message":
             assert item.role is not None and item.content is not None
             role = ROLE_ALIASES.get(item.role, item.role)
             assert is_role(role)  # _check_item allows only ITEM_ROLES
             turn = Turn(role, _text(item.content, f"{at}.content"))
             if role == "assistant" and thought is not None:
                 turn, thought = replace(turn, reasoning=thought), None
-            elif thought is not None:
-                turns.append(Turn("assistant", reasoning=thought))
-                thought = None
+            thought_alone()
             turns.append(turn)
         elif item.type == "function_call":
             assert item.name is not None and item.arguments is not None
@@ -431,12 +435,9 @@ def input_turns(items: str | list[ResponsesInputItem]) -> list[Turn]:
                 thought = None
         else:
             assert item.output is not None
-            if thought is not None:
-                turns.append(Turn("assistant", reasoning=thought))
-                thought = None
+            thought_alone()
             turns.append(Turn("tool", _text(item.output, f"{at}.output"), answers=item.call_id))
-    if thought is not None:
-        turns.append(Turn("assistant", reasoning=thought))
+    thought_alone()
     return turns
 
 

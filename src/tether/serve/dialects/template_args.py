@@ -9,7 +9,6 @@ names the renderer itself sets (``messages``, ``tools``, ...) are the request's 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgspec
@@ -68,9 +67,7 @@ def split(kwargs: dict[str, Any] | None, effort: bool | None) -> tuple[bool | No
                 )
             want = value
             continue
-        if not _json_value(value):
-            raise InvalidField(at, f"{at} must be a JSON value (no NaN or Infinity), got {value!r}")
-        rest[key] = value
+        rest[key] = value  # JSON as it came: the body's decoder refused NaN, Infinity and numbers out of range
     return want, (msgspec.json.encode(rest).decode() if rest else None)
 
 
@@ -92,17 +89,3 @@ async def check(scheduler: Scheduler, model_id: str, kwargs: dict[str, Any] | No
                 f"{FIELD}.{key}: the chat template of model {model_id!r} reads no variable {key!r}, so it would "
                 f"change nothing; the variables it reads: {known}",
             )
-
-
-def _json_value(value: Any) -> bool:
-    """Whether ``value`` (decoded JSON) encodes back as JSON: finite numbers, strings, lists and objects of them."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            return False
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return True
