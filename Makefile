@@ -26,7 +26,7 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXA
 # The built library must be the one asked for: CPU or CUDA (libggml-cuda: llama_supports_gpu_offload is true for
 # any RPC build), with RPC, without AMX.
 WANT_GPU := $(if $(filter cuda,$(GPU)),True,False)
-BUILD_OK := import llama_cpp as l, sys; from tether.engines.llamacpp_estimate import gpu_build_missing as m; sys.exit('AMX_INT8 = 1' in l.llama_print_system_info().decode() or not l.llama_supports_rpc() or (m() is None) != $(WANT_GPU))
+BUILD_OK := import llama_cpp as l, sys; from tether.engines.llamacpp.estimate import gpu_build_missing as m; sys.exit('AMX_INT8 = 1' in l.llama_print_system_info().decode() or not l.llama_supports_rpc() or (m() is None) != $(WANT_GPU))
 PROMPT ?= What is the capital of France?
 
 .PHONY: install install-dev browser systemd openwebui run ask check test lint format docs docs-build figures bench clean
@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml Makefile
 	  $(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
 	    "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"; }
 	$(BIN)/python -c "$(BUILD_OK)" || { echo "llama-cpp-python is not the $(GPU) build with GGML_RPC asked for" >&2; exit 1; }
-	$(BIN)/python -c "from tether.engines.llamacpp_estimate import gpu_build_missing as m; print('llama.cpp build:', 'CPU only' if m() else 'CUDA (layers offload to NVIDIA GPUs)', '(TETHER_GPU=$(TETHER_GPU))')"
+	$(BIN)/python -c "from tether.engines.llamacpp.estimate import gpu_build_missing as m; print('llama.cpp build:', 'CPU only' if m() else 'CUDA (layers offload to NVIDIA GPUs)', '(TETHER_GPU=$(TETHER_GPU))')"
 	$(BIN)/tether pull
 	touch $(STAMP)
 

@@ -273,7 +273,7 @@ def rendered_prompt(messages: list[dict[str, Any]]) -> str:
     answer."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from tether.engines.llamacpp_tools import template_messages
+    from tether.engines.llamacpp.tools import template_messages
     from tether.serve.dialects import openai as dialect
     from tether.serve.dialects import tools as toolkit
     from tether.serve.dialects.plan import decode_body

@@ -189,12 +189,12 @@ def main() -> None:
         print(json.dumps(run_probes(args.child[0], args.child[1] == "1")))
         return
     from benchstats import emit
-    from tether.engines import llamacpp_invariant
+    from tether.engines.llamacpp import invariant
     from tether.models import PACKAGED, default_model_path, pulled_path
 
-    library = llamacpp_invariant.built()
+    library = invariant.built()
     if library is None:
-        sys.exit(f"the batch-invariant build is missing: {llamacpp_invariant.BUILD_HINT}")
+        sys.exit(f"the batch-invariant build is missing: {invariant.BUILD_HINT}")
     gemma = pulled_path(PACKAGED["gemma3-270m"])
     models = {"smollm2-135m": default_model_path(), "gemma3-270m": gemma if gemma.is_file() else None}
     configs = {"default": (None, True), "deterministic": (library, False)}
@@ -209,7 +209,7 @@ def main() -> None:
             env.pop("LLAMA_CPP_LIB_PATH", None)
             if lib_dir is not None:
                 env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-                env.update(llamacpp_invariant.RUNTIME_ENV)
+                env.update(invariant.RUNTIME_ENV)
             done = subprocess.run(
                 [sys.executable, __file__, "--child", str(path), "1" if repack else "0"],
                 env=env,

@@ -197,7 +197,7 @@ class _Switches(logging.Handler):
 def run_child(family: str, deterministic: bool, requests: int, seed: int) -> dict[str, Any]:
     began = time.monotonic()
     driver = Driver(family, deterministic)
-    governor = logging.getLogger("tether.engines.llamacpp_threads")
+    governor = logging.getLogger("tether.engines.llamacpp.threads")
     governor.setLevel(logging.INFO)
     governor.addHandler(_Switches(driver))
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from conftest import debug, model_missing
-from tether.engines import llamacpp_invariant
+from tether.engines.llamacpp import invariant
 from tether.engines.text import TextStream
 from tether.node.hangs import Deadlines, stack_dump
 from tether.node.supervisor import Supervisor
@@ -212,7 +212,7 @@ async def test_the_runner_reports_running_and_waiting_and_frees_slots_as_sequenc
 # --------------------------------------------------------------------------------------------------------------
 
 MISSING = model_missing()
-NOT_BUILT = None if llamacpp_invariant.built() else f"no batch-invariant build: {llamacpp_invariant.BUILD_HINT}"
+NOT_BUILT = None if invariant.built() else f"no batch-invariant build: {invariant.BUILD_HINT}"
 needs_model = pytest.mark.skipif(MISSING is not None or NOT_BUILT is not None, reason=MISSING or NOT_BUILT or "")
 SYSTEM = ChatMessage("system", "You are a helpful AI assistant.")
 QUESTIONS = (
@@ -233,7 +233,7 @@ def chat(i: int, max_tokens: int = 48, stop: tuple[str, ...] = ()) -> GeneratePa
 
 def llama(**options: object) -> EngineSpec:
     """The default model, ``deterministic``: without it a batch may (rarely) change a greedy text, as in llama-server
-    (``tether.engines.llamacpp_invariant``); with it, nothing may, the prompt cache included."""
+    (``tether.engines.llamacpp.invariant``); with it, nothing may, the prompt cache included."""
     return EngineSpec(options={"n_threads": 2, "n_ctx": 512, "deterministic": True, **options})
 
 

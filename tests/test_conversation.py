@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tether.engines.llamacpp_tools import template_messages
+from tether.engines.llamacpp.tools import template_messages
 from tether.protocol import ChatMessage, MessageCall
 from tether.serve.dialects import ollama, openai, responses, shapes
 from tether.serve.dialects import tools as toolkit

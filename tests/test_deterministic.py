@@ -1,5 +1,5 @@
 """Deterministic decoding: with the ``deterministic`` option a greedy text and its logprobs are the request's own, bit
-for bit, whatever traffic does around it (``tether.engines.llamacpp_invariant``, ``bench/determinism.py`` for the
+for bit, whatever traffic does around it (``tether.engines.llamacpp.invariant``, ``bench/determinism.py`` for the
 rates with and without it).
 
 Real runners load the batch-invariant build of llama.cpp and serve both families. Traffic attacks the promise as it
@@ -25,8 +25,9 @@ import anyio
 import pytest
 
 from conftest import gemma_missing, gemma_path, model_missing, run_options
-from tether.engines import create_engine, llamacpp_invariant
+from tether.engines import create_engine
 from tether.engines.base import EngineLoadError
+from tether.engines.llamacpp import invariant
 from tether.errors import InvalidField
 from tether.fleet.catalog import catalog_models
 from tether.node.supervisor import Supervisor
@@ -35,9 +36,7 @@ from tether.protocol import ChatMessage, Chunk, EngineSpec, GenerateParams, Task
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leftover_runners")]
 
-NOT_BUILT = (
-    None if llamacpp_invariant.built() else f"the batch-invariant build is missing: {llamacpp_invariant.BUILD_HINT}"
-)
+NOT_BUILT = None if invariant.built() else f"the batch-invariant build is missing: {invariant.BUILD_HINT}"
 TOKENS = 24
 QUESTIONS = (
     "Why is the sky blue?",
@@ -60,11 +59,11 @@ def test_the_option_refuses_a_shared_cell_pool_and_a_missing_build_says_how_to_b
         create_engine(EngineSpec(engine="llama.cpp", options={"deterministic": True, "kv_unified": True}))
     with pytest.raises(EngineLoadError, match="n_gpu_layers 0"):
         create_engine(EngineSpec(engine="llama.cpp", options={"deterministic": True, "n_gpu_layers": 99}))
-    monkeypatch.setattr(llamacpp_invariant, "library_dir", lambda version=None: tmp_path / "nothing")
-    with pytest.raises(llamacpp_invariant.InvariantBuildMissing, match="tether build deterministic"):
-        llamacpp_invariant.activate()
+    monkeypatch.setattr(invariant, "library_dir", lambda version=None: tmp_path / "nothing")
+    with pytest.raises(invariant.InvariantBuildMissing, match="tether build deterministic"):
+        invariant.activate()
     # refused when the instance is created (the worker's estimate), not by its runner once it starts
-    from tether.engines.llamacpp import LlamaCppEngine
+    from tether.engines.llamacpp.engine import LlamaCppEngine
 
     with pytest.raises(InvalidField, match=r"batch-invariant build .* is not at .*nothing: build it once"):
         LlamaCppEngine.estimate_memory(EngineSpec(engine="llama.cpp", options={"deterministic": True}))
@@ -85,7 +84,7 @@ def test_the_fit_check_counts_the_full_window_it_keeps_for_gemma() -> None:
     missing = gemma_missing()
     if missing is not None:
         pytest.skip(missing)
-    from tether.engines.llamacpp import LlamaCppEngine
+    from tether.engines.llamacpp.engine import LlamaCppEngine
 
     def kv(**options: object) -> int:
         spec = EngineSpec(engine="llama.cpp", model=str(gemma_path()), options={"n_ctx": 8192, **options})
@@ -98,10 +97,10 @@ def test_the_fit_check_counts_the_full_window_it_keeps_for_gemma() -> None:
 def test_a_process_that_loaded_the_default_build_is_refused_rather_than_silently_nondeterministic() -> None:
     script = (
         "import llama_cpp.llama_cpp\n"
-        "from tether.engines import llamacpp_invariant\n"
+        "from tether.engines.llamacpp import invariant\n"
         "try:\n"
-        "    llamacpp_invariant.activate()\n"
-        "except llamacpp_invariant.InvariantBuildMissing as exc:\n"
+        "    invariant.activate()\n"
+        "except invariant.InvariantBuildMissing as exc:\n"
         "    print(exc)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
@@ -111,10 +110,10 @@ def test_a_process_that_loaded_the_default_build_is_refused_rather_than_silently
 
 @pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
 def test_the_build_is_the_installed_bindings_source_without_llamafile_or_amx() -> None:
-    where = llamacpp_invariant.built()
+    where = invariant.built()
     assert where is not None
-    marker = json.loads((where / llamacpp_invariant.MARKER).read_text())
-    assert marker["version"] == llamacpp_invariant.bindings_version()
+    marker = json.loads((where / invariant.MARKER).read_text())
+    assert marker["version"] == invariant.bindings_version()
     assert "-DGGML_LLAMAFILE=OFF" in marker["cmake"]
     script = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(where)}
@@ -198,7 +197,7 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
             pid = sup.pid
             assert pid is not None
             maps = Path(f"/proc/{pid}/maps").read_text()
-            assert str(llamacpp_invariant.built()) in maps, "the runner did not load the batch-invariant build"
+            assert str(invariant.built()) in maps, "the runner did not load the batch-invariant build"
             results: dict[int, tuple[str, tuple[float, ...], int, TaskState]] = {}
 
             async def one(i: int) -> None:
@@ -278,7 +277,7 @@ async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read
 
 THREAD_SWITCH = """
 import json, subprocess, sys
-from tether.engines.llamacpp import LlamaCppEngine
+from tether.engines.llamacpp.engine import LlamaCppEngine
 from tether.protocol import ChatMessage, EngineSpec, GenerateParams
 
 options = {"n_threads": 2, "parallel": 1, "n_ctx": 512, "prompt_cache": False, "deterministic": True}

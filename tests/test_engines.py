@@ -564,7 +564,7 @@ def test_the_debug_engines_gpu_memory_needs_cuda_and_says_so() -> None:
 
 @pytest.mark.timeout(10)
 def test_llama_engine_load_errors_say_what_to_do(tmp_path: Path) -> None:
-    from tether.engines.llamacpp import LlamaCppEngine
+    from tether.engines.llamacpp.engine import LlamaCppEngine
 
     missing = tmp_path / "nope.gguf"
     with pytest.raises(EngineLoadError, match=r"nope\.gguf does not exist"):

@@ -12,8 +12,8 @@ import pytest
 from conftest import gemma_missing, gemma_path
 from tether.engines.base import EngineLoadError
 from tether.engines.gguf import GgufArray, GgufError, read_gguf
-from tether.engines.llamacpp import PARALLEL_DEFAULT, LlamaCppEngine
-from tether.engines.llamacpp_estimate import DEFAULT_HEADROOM, estimate_gguf
+from tether.engines.llamacpp.engine import PARALLEL_DEFAULT, LlamaCppEngine
+from tether.engines.llamacpp.estimate import DEFAULT_HEADROOM, estimate_gguf
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node.fit import DoesNotFit, check_fit, ensure_fits, record_measured
 from tether.node.memory import process_memory
@@ -397,7 +397,7 @@ async def test_refused_model_loads_with_override_and_estimate_matches_the_runner
     It is compared with the runner's RSS, which counts resident weights whether file-backed or not plus its private
     memory: right after ready (below: the attention scratch is not touched yet; within +-30%) and at its peak
     (VmHWM) after a prompt that fills ~90% of the context: within 10%, for both families. Measured here: see the
-    module docstring of ``llamacpp_estimate``."""
+    module docstring of ``engines/llamacpp/estimate``."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: run `make install`")
     estimate = estimate_gguf(family, 2048)
     available = estimate.total // 2
@@ -454,7 +454,7 @@ def test_an_auto_context_is_the_models_own_and_the_fit_check_lowers_it_to_what_m
     """n_ctx "auto" (the default) is the context the model was trained for (8192 for the default model); the fit
     check pins it in the spec it hands on, and on a node that cannot hold it lowers it to the largest that fits and
     says so with the numbers; a context the user chose is never changed."""
-    from tether.engines.llamacpp_estimate import estimate_for_spec
+    from tether.engines.llamacpp.estimate import estimate_for_spec
     from tether.node import fit
     from tether.node.memory import NodeMemory
 

@@ -2,7 +2,7 @@
 template), served by ``tether serve`` with the prompt cache on.
 
 Its sliding-window layers keep only a ring of 1,024 cells a slot (the 512-token window plus a micro-batch), so a
-cached prefix can be reused only while the 512 positions before its end are still held (``llamacpp_cache``). These
+cached prefix can be reused only while the 512 positions before its end are still held (``llamacpp/cache``). These
 tests make the window move (sequences past 1,024 tokens) and check both sides: what can be reused is (a growing
 prompt, a prefix copied from a busy slot, one restored from RAM: ``cached_tokens`` > 0), what cannot is prefilled
 again (``cached_tokens`` 0, the cold text exactly), and no request fails and no instance restarts.

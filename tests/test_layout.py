@@ -113,7 +113,7 @@ def test_the_check_catches_runner_code_that_imports_worker_code(tmp_path: Path) 
 def test_a_runner_imports_nothing_of_the_worker_side() -> None:
     """What a real runner process has imported once it serves (both built-in engines' modules loaded)."""
     code = (
-        "import sys, tether.runner.main, tether.engines.debug, tether.engines.llamacpp\n"
+        "import sys, tether.runner.main, tether.engines.debug, tether.engines.llamacpp.engine\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('tether'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True)
@@ -375,3 +375,45 @@ def test_no_class_name_means_two_things() -> None:
 @pytest.mark.timeout(30)
 def test_no_module_is_imported_under_another_ones_name() -> None:
     assert misleading_aliases(SRC) == []
+
+
+ENGINE_PACKAGE = "tether.engines.llamacpp"
+ENGINE_PACKAGE_USERS = {
+    "tether.cli.build": "`tether build deterministic` compiles this engine's batch-invariant library",
+    "tether.node.fit": "sizes a llama.cpp instance's GPU layers",
+}
+"""Who outside ``engines/llamacpp/`` may import it, and why. The registry names it by a string, never by an import."""
+
+
+def engine_package_users(root: Path, package: str = ENGINE_PACKAGE) -> set[str]:
+    """The modules outside ``package`` that import it (or any module in it)."""
+    graph = import_graph(root)
+    return {
+        m
+        for m, targets in graph.items()
+        if not (m == package or m.startswith(package + "."))
+        and any(t == package or t.startswith(package + ".") for t in targets)
+    }
+
+
+@pytest.mark.timeout(30)
+def test_only_the_registry_names_the_llamacpp_engine() -> None:
+    """``engines/`` shows the plugin contract apart from its one engine: everything else reaches llama.cpp through
+    the contract and the registry (which names ``tether.engines.llamacpp.engine:LlamaCppEngine`` as a string)."""
+    assert engine_package_users(SRC) <= set(ENGINE_PACKAGE_USERS)
+    registry = (SRC / "engines" / "registry.py").read_text()
+    assert f'"{ENGINE_PACKAGE}.engine:LlamaCppEngine"' in registry
+
+
+@pytest.mark.timeout(30)
+def test_the_engine_package_check_catches_a_borrower(tmp_path: Path) -> None:
+    package = tmp_path / "tether"
+    engine = package / "engines" / "llamacpp"
+    engine.mkdir(parents=True)
+    (package / "serve").mkdir()
+    for folder in (package, package / "engines", engine, package / "serve"):
+        (folder / "__init__.py").write_text("")
+    (engine / "batch.py").write_text("")
+    (engine / "engine.py").write_text("from tether.engines.llamacpp import batch\n")
+    (package / "serve" / "app.py").write_text("def f():\n    from tether.engines.llamacpp.batch import Batch\n")
+    assert engine_package_users(package) == {"tether.serve.app"}

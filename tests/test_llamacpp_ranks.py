@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from conftest import free_rank_ports, model_missing, pid_alive, rank_group, rank_pids, ready_group
-from tether.engines.llamacpp_estimate import estimate_for_spec, layer_plan
+from tether.engines.llamacpp.estimate import estimate_for_spec, layer_plan
 from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.kernel.pids import holds_listener
 from tether.node.hangs import Deadlines
@@ -231,7 +231,7 @@ async def test_a_held_port_is_a_retried_load_error_naming_its_holder() -> None:
 
 FORKING_RANK = """
 import os, subprocess, time
-from tether.engines.llamacpp import LlamaCppEngine
+from tether.engines.llamacpp.engine import LlamaCppEngine
 
 
 class ForkingRank(LlamaCppEngine):

@@ -17,9 +17,8 @@ import pytest
 from conftest import gemma_missing, gemma_path, model_missing, run_options
 from tether.cluster.agent import Verdict
 from tether.cluster.placement import whole_order
-from tether.engines import llamacpp_estimate
-from tether.engines.llamacpp import LlamaCppEngine
-from tether.engines.llamacpp_estimate import (
+from tether.engines.llamacpp.engine import LlamaCppEngine
+from tether.engines.llamacpp.estimate import (
     CUDA_CONTEXT,
     GPU_MARGIN,
     ModelEstimate,
@@ -56,7 +55,7 @@ def node(*free: int, total: int = 80 * GiB) -> NodeMemory:
 @pytest.fixture
 def cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine's llama.cpp is a CPU build; the split is judged here as a CUDA build's would be."""
-    monkeypatch.setattr(llamacpp_estimate, "gpu_build_missing", lambda: None)
+    monkeypatch.setattr("tether.engines.llamacpp.estimate.gpu_build_missing", lambda: None)
 
 
 def test_layers_leave_the_host_from_the_output_layer_down_and_share_by_split() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.engines.prefix import Holder, PrefixIndex
+from tether.engines.llamacpp.prefix import Holder, PrefixIndex
 
 TOKENS = st.lists(st.integers(0, 3), max_size=12)  # a tiny vocabulary: many shared prefixes and splits
 HOLDERS = st.one_of(st.integers(0, 3), st.sampled_from(["ram-1", "ram-2", "ram-3"]))

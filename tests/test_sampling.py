@@ -23,7 +23,7 @@ from conftest import model_missing
 from tether.engines import create_engine
 from tether.engines.base import Delta, EngineLoadError, RequestError
 from tether.engines.debug import DebugEngine, embedding_vector
-from tether.engines.llamacpp import LlamaCppEngine, schema_grammar
+from tether.engines.llamacpp.engine import LlamaCppEngine, schema_grammar
 from tether.node.supervisor import Supervisor
 from tether.protocol import CauseKind, ChatMessage, Chunk, EngineSpec, Fault, GenerateParams, TaskState
 
@@ -394,14 +394,14 @@ async def test_logprobs_and_json_schema_through_a_runner() -> None:
 def test_a_grammar_with_no_way_on_or_that_does_not_parse_fails_its_request_alone(llama: Any) -> None:
     """Accepting a token the grammar refuses would abort the process inside llama.cpp: such a sequence ends with a
     RequestError instead, and one beside it completes."""
-    from tether.engines.llamacpp_batch import Sampling  # numpy comes with llama-cpp-python
+    from tether.engines.llamacpp.batch import Sampling  # numpy comes with llama-cpp-python
 
     batch = llama._batch
     prompt = llama._tokenize("hello")
     batch.start("dead", prompt, 8, [], Sampling(0.0, 1.0, 0, grammar='root ::= "\\x00"'))  # no token's piece is NUL
     batch.start("alive", prompt, 4, [], Sampling(0.0, 1.0, 0))
     first: dict[str, Any] = {}
-    for _ in range(4):  # both prompts prefilled, then their first tokens in one step (see llamacpp_batch)
+    for _ in range(4):  # both prompts prefilled, then their first tokens in one step (see engines/llamacpp/batch)
         first = dict(batch.step())
         if first:
             break

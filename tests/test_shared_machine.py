@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from conftest import model_missing, serving
-from tether.engines import llamacpp_threads
-from tether.engines.llamacpp_threads import BACKOFF, WINDOW, ThreadGovernor
+from tether.engines.llamacpp import threads
+from tether.engines.llamacpp.threads import BACKOFF, WINDOW, ThreadGovernor
 
 
 class FakeLib:
@@ -37,8 +37,8 @@ class Clock:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.delay_ns = 0
         self.now = 1000.0
-        monkeypatch.setattr(llamacpp_threads, "run_delay_ns", lambda: self.delay_ns)
-        monkeypatch.setattr(llamacpp_threads.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(threads, "run_delay_ns", lambda: self.delay_ns)
+        monkeypatch.setattr(threads.time, "monotonic", lambda: self.now)
 
     def window(self, governor: ThreadGovernor, waited_share: float) -> None:
         """One window of decoding in which each thread waited ``waited_share`` of the step time for a CPU."""
@@ -97,7 +97,7 @@ def test_a_pause_between_decodes_is_not_weighed_and_one_thread_or_no_schedstat_l
     assert governor.current == 2
     assert not ThreadGovernor(FakeLib(), object(), 1).enabled
     assert not ThreadGovernor(FakeLib(), object(), 2, adaptive=False).enabled
-    monkeypatch.setattr(llamacpp_threads, "run_delay_ns", lambda: None)
+    monkeypatch.setattr(threads, "run_delay_ns", lambda: None)
     assert not ThreadGovernor(FakeLib(), object(), 2).enabled
 
 
@@ -122,7 +122,7 @@ def test_beside_a_busy_looping_process_per_core_the_engine_decodes_on_one_thread
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    from tether.engines.llamacpp import LlamaCppEngine
+    from tether.engines.llamacpp.engine import LlamaCppEngine
     from tether.protocol import ChatMessage, EngineSpec, GenerateParams
 
     engine = LlamaCppEngine(EngineSpec(options={"n_threads": 2, "parallel": 1, "n_ctx": 512, "prompt_cache": False}))

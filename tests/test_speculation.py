@@ -1,4 +1,4 @@
-"""Draftless speculation (``tether.engines.speculation``, verified in ``llamacpp_batch``): drafts are decoded with the
+"""Draftless speculation (``engines/llamacpp/speculation``, verified in its ``batch``): drafts are decoded with the
 row before them and kept only while the sequence's own picks repeat them, so nothing a request gets may change.
 
 The planner's arithmetic is checked on its own (pure functions: what llama.cpp's batch split does, when a draft
@@ -21,8 +21,8 @@ import anyio
 import pytest
 
 from conftest import gemma_missing, gemma_path, model_missing
-from tether.engines import llamacpp_invariant
-from tether.engines.speculation import (
+from tether.engines.llamacpp import invariant
+from tether.engines.llamacpp.speculation import (
     EXPLORE,
     Acceptance,
     Candidate,
@@ -40,9 +40,7 @@ from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskHandle
 from tether.protocol import ChatMessage, Chunk, EngineSpec, GenerateParams, TaskState
 
-NOT_BUILT = (
-    None if llamacpp_invariant.built() else f"the batch-invariant build is missing: {llamacpp_invariant.BUILD_HINT}"
-)
+NOT_BUILT = None if invariant.built() else f"the batch-invariant build is missing: {invariant.BUILD_HINT}"
 # milliseconds of one micro-batch by size, as measured on this project's 2-core machine (SmolLM2-135M, 2 threads)
 CPU_CURVE = {1: 6.5, 2: 12.4, 3: 15.0, 4: 17.8, 6: 24.7, 8: 30.4, 12: 41.7, 16: 52.6, 24: 76.0, 32: 98.2, 64: 176.0}
 

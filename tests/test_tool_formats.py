@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from test_tool_stream import ADD, told
-from tether.engines.llamacpp_tools import LEADING_SPACE, ROOT, template_messages, tool_grammar
+from tether.engines.llamacpp.tools import LEADING_SPACE, ROOT, template_messages, tool_grammar
 from tether.protocol import ChatMessage, MessageCall, ToolSyntax
 from tether.serve.dialects import openai as openai_dialect
 from tether.serve.dialects import tools as toolkit
@@ -274,7 +274,7 @@ def grammar_takes(vocab: Any, grammar: str, root: str, text: str) -> bool:
 def test_no_call_slips_through_as_text_behind_leading_whitespace(vocab: Any) -> None:
     """A text answer may not start as a call does even after newlines (a model writes some after its thinking):
     else the serving side would read a call the grammar never held to its schema. Calls may follow newlines."""
-    from tether.engines.llamacpp import schema_grammar
+    from tether.engines.llamacpp.engine import schema_grammar
 
     hermes = ToolSyntax(
         tools="[]", call_schema=json.dumps(WEATHER["function"]["parameters"]), before="<tool_call>\n",

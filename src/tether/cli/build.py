@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tether.cli.common import EXIT_FAILED, EXIT_OK, fail
-from tether.engines import llamacpp_invariant
+from tether.engines.llamacpp import invariant
 
 
 def command(args: argparse.Namespace) -> int:
@@ -14,8 +14,8 @@ def command(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        where = llamacpp_invariant.build(force=args.force, log=log)
-    except llamacpp_invariant.InvariantBuildFailed as exc:
+        where = invariant.build(force=args.force, log=log)
+    except invariant.InvariantBuildFailed as exc:
         return fail(str(exc), EXIT_FAILED)
     print(where)
     return EXIT_OK

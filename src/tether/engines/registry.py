@@ -54,7 +54,7 @@ class EngineEntry:
 
 
 BUILT_IN = (
-    EngineEntry("llama.cpp", "tether.engines.llamacpp:LlamaCppEngine", aliases=("llamacpp", "llama")),
+    EngineEntry("llama.cpp", "tether.engines.llamacpp.engine:LlamaCppEngine", aliases=("llamacpp", "llama")),
     EngineEntry("debug", "tether.engines.debug:DebugEngine"),
 )
 

@@ -1,7 +1,7 @@
 """The fit check before load: what the engine says a runner will need, compared with what this node can give it.
 
 A model is admitted only when the engine's estimate (for llama.cpp: weights + KV cache + runtime + headroom, see
-``tether.engines.llamacpp_estimate``) fits the available memory; otherwise the refusal says every number (``needs
+``tether.engines.llamacpp.estimate``) fits the available memory; otherwise the refusal says every number (``needs
 ~556 MiB (weights 92.1 MiB + KV cache 180 MiB at n_ctx 8192 + runtime 284 MiB + headroom 128 MiB), 300 MiB
 available (cgroup limit)``) and what to do, and an explicit override loads it anyway. An engine that declares no
 estimator is admitted with that said, never silently. After load, :func:`record_measured` puts the runner's
@@ -279,7 +279,7 @@ def _budgets(gpus: Mapping[int, GpuDevice], indexes: list[int], margin: int, lim
 
 def _offload_tools() -> tuple[Any, int, Any, Any]:
     """The llama.cpp estimator's offload helpers (the one engine that offloads), imported when a fit needs them."""
-    from tether.engines.llamacpp_estimate import GPU_MARGIN, fit_layers, gpu_build_missing, gpu_indexes
+    from tether.engines.llamacpp.estimate import GPU_MARGIN, fit_layers, gpu_build_missing, gpu_indexes
 
     return fit_layers, GPU_MARGIN, gpu_build_missing, gpu_indexes
 

@@ -21,7 +21,7 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
   for a whole batch, 96 MiB for the default model), but the engine asks for logits of one token per sequence only,
   so those pages are never touched.
 * prompt cache in RAM: the budget of sequences the engine's prompt cache may save to RAM (option
-  ``prompt_cache_ram``; ``llamacpp_cache``). It is empty at load and grows as requests come, so it is not part of
+  ``prompt_cache_ram``; ``cache``). It is empty at load and grows as requests come, so it is not part of
   what the runner holds (:attr:`ModelEstimate.held`, what measurements are compared with), but under churn it fills,
   so the fit check reserves it (:attr:`ModelEstimate.expected` and ``total`` count it): a model admitted beside this
   one cannot take the room it will grow into. "auto" is at most the KV cache's size and at most the room the rest
@@ -75,7 +75,7 @@ their file pages stay mapped (RSS counts them twice, though the file pages are r
 scratch the model above leaves out.
 
 **A rank of a split instance** (``ranks`` > 1: the model's layers shared over ranks through ggml's RPC backend, see
-``llamacpp_rpc``) holds its layers' weights and their KV cache (llama.cpp keeps a layer's cache on the layer's
+``rpc``) holds its layers' weights and their KV cache (llama.cpp keeps a layer's cache on the layer's
 device), a compute scratch of its own, and the runtime base; rank 0 alone holds the input embeddings, the vocabulary
 and the prompt cache's RAM store. :func:`layer_plan` says which layers each rank holds, exactly as llama.cpp assigns
 them from ``n_gpu_layers`` and ``tensor_split``; a model whose output layer is tied to its input embeddings (no

@@ -1,7 +1,7 @@
 """The llama.cpp engine (llama-cpp-python's bindings), serving the built-in SmolLM2 model or any GGUF file.
 
 It generates through llama.cpp's own batch API, not llama-cpp-python's ``Llama`` generator: up to ``parallel``
-sequences are decoded together, one ``llama_decode`` per step (``llamacpp_batch``), each request with its own
+sequences are decoded together, one ``llama_decode`` per step (``batch``), each request with its own
 sampling, stop strings, token counts and cancel. (For a single stream the two are as fast: profiled here, 98% of a
 step is ``llama_decode`` itself.)
 
@@ -17,7 +17,7 @@ Three deliberate choices, each for the supervisor's sake:
   before generating: a prompt that does not fit a sequence's context is a ``RequestError`` with numbers, and the
   final delta reports real ``prompt_tokens``.
 
-Requests map onto each sequence's own sampler chain (``llamacpp_batch`` gives its order and the semantics of
+Requests map onto each sequence's own sampler chain (``batch`` gives its order and the semantics of
 logprobs): ``temperature`` 0 is greedy; ``top_k`` and ``min_p`` default to llama.cpp's 40 and 0.05 (for
 temperature > 0); ``repeat_penalty`` defaults to the engine option; ``logit_bias`` ids must be below the model's
 vocabulary size; ``json_schema`` is converted to a GBNF grammar by llama-cpp-python's converter (here, in the
@@ -26,7 +26,7 @@ control characters so the output is strict JSON.
 
 **Token ids, echo and the tokenizer.** A raw prompt may come as token ids (``prompt_ids``: used as they are, no BOS
 added; an id outside the vocabulary is a ``RequestError`` naming it and ``n_vocab``); ``echo`` leads the answer with
-the prompt, and with logprobs its tokens' (``llamacpp_batch``'s Echo). Tokenizer requests
+the prompt, and with logprobs its tokens' (``batch``'s Echo). Tokenizer requests
 (``GenerateParams.tokenizer``) are answered at ``start`` from the model's own vocabulary by any instance, an
 embedding one too, and returned by the next ``step``.
 
@@ -37,9 +37,9 @@ requests; each error says which instance to start. Pooling is the model's own (`
 last), else mean, as llama-server's ``--embedding`` does for a generative model like the default one. Vectors are
 L2-normalised; their dimension is the model's embedding width (576 for SmolLM2-135M).
 
-**Split over ranks** (``ranks`` > 1; ``llamacpp_rpc``): rank 0 is this engine as above, holding the tokenizer, the
+**Split over ranks** (``ranks`` > 1; ``rpc``): rank 0 is this engine as above, holding the tokenizer, the
 sampler, the batch loop, the prompt cache and the first layers; every other rank serves its CPU as a ggml RPC device
-and holds a share of the last layers (``llamacpp_estimate.layer_plan``), by ``layer_split`` when given, else by the
+and holds a share of the last layers (``estimate.layer_plan``), by ``layer_split`` when given, else by the
 share the placement gave it (its node's free memory), else equally. Rank 0 waits for its peers to listen, registers
 them, loads, then bounds its connections to them (``rpc_timeout``). A layer split is a pipeline: it adds memory, not
 speed, for one sequence.
@@ -48,12 +48,12 @@ Options (``spec.options``): n_ctx ("auto": per sequence, the model's trained con
 embedding instance —, which the worker's fit check lowers to what memory holds, saying so), parallel (8 sequences at
 once; the KV cache holds parallel x n_ctx cells), n_threads (usable CPUs: affinity, cpuset and CPU quota; at most
 8), adaptive_threads (True: one thread while other processes hold the cores, all again once they are free; see
-``llamacpp_threads``), n_batch (512), prefill_chunk (32: prompt tokens per step while other sequences decode),
-prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from RAM, see ``llamacpp_cache``),
+``threads``), n_batch (512), prefill_chunk (32: prompt tokens per step while other sequences decode),
+prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from RAM, see ``cache``),
 prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or a size such as "512M"; counted
 by the fit check), seed (0), n_gpu_layers ("auto": the layers NVIDIA GPUs hold, chosen by the fit check from
 NVML's free memory less a margin or ``gpu_memory_limit``, on the GPUs ``gpu`` names, shared by ``tensor_split``; 0
-without a GPU or with a CPU build; a count given is kept: see ``llamacpp_estimate``), repeat_penalty (1.0:
+without a GPU or with a CPU build; a count given is kept: see ``estimate``), repeat_penalty (1.0:
 neutral, unlike llama-cpp-python's 1.1), verbose
 (False), embedding (False: serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is
 prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a time), layer_split (None: a
@@ -62,18 +62,18 @@ heartbeat deadline, so a frozen peer on this machine is found by its own silence
 GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``), swa_full (False: a sliding-window
 layer holds the window's cells only, as llama-server's default; True: every position, for prefixes reusable past
 the window at that layer's full KV size), deterministic (False: see below), speculation (False: draft tokens
-verified in the step where this machine's measured cost says they pay; ``speculation`` and ``llamacpp_batch``),
+verified in the step where this machine's measured cost says they pay; ``speculation`` and ``batch``),
 draft_max (32: the longest draft).
 
 **Deterministic decoding** (option ``deterministic``): the engine loads llama.cpp's batch-invariant build
-(``llamacpp_invariant``: without llamafile's sgemm, the tiled K-quant matmul, weight repacking and AMX), so every
+(``invariant``: without llamafile's sgemm, the tiled K-quant matmul, weight repacking and AMX), so every
 row is computed by the same kernels whatever else is in its batch. A greedy text and its logprobs then depend on the
 prompt, the model and the options alone: not on arrivals, other requests, cancellations, where a cached prefix came
 from, the thread count, or restarts. The attention sums over a sequence's cells in the order of their places in its
 stream, so it needs each position always in the same place: one stream per sequence (``kv_unified`` false) and, on
 a model with sliding-window layers, ``swa_full`` (which it implies: a window's ring puts a position where the
 ring's history left room), and no restore from RAM of a sequence whose window has slid (its cells would be packed
-elsewhere: ``llamacpp_cache``). CPU only.
+elsewhere: ``cache``). CPU only.
 """
 
 from __future__ import annotations
@@ -91,12 +91,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tether.engines import llamacpp_invariant, reasoning
+from tether.engines import reasoning
 from tether.engines.base import Delta, EngineLoadError, ProgressCallback, RequestError, StepResult, generate_one
 from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateError, resolve
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
-from tether.engines.llamacpp_tools import LEADING_SPACE, template_messages, tool_grammar
-from tether.engines.llamacpp_tools import ROOT as TOOLS_ROOT
+from tether.engines.llamacpp import invariant
+from tether.engines.llamacpp.tools import LEADING_SPACE, template_messages, tool_grammar
+from tether.engines.llamacpp.tools import ROOT as TOOLS_ROOT
 from tether.engines.reasoning import Block, ReasoningFormat, Splitter, closes_in_prompt, opens_in_prompt
 from tether.errors import InvalidField
 from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
@@ -104,8 +105,8 @@ from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, T
 from tether.units import parse_size
 
 if TYPE_CHECKING:
-    from tether.engines.llamacpp_batch import Batch, Thought
-    from tether.engines.llamacpp_estimate import ModelEstimate
+    from tether.engines.llamacpp.batch import Batch, Thought
+    from tether.engines.llamacpp.estimate import ModelEstimate
 
 INSTALL_HINT = "install tether's llama extra (`make install`, or `pip install '.[llama]'` in the checkout)"
 PARALLEL_DEFAULT = 8
@@ -129,11 +130,11 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "embedding": False,  # serve embeddings (embed requests) instead of generations: see the module docstring
     "layer_split": None,  # ranks > 1: each rank's relative share of the layers (None: by placement, else equal)
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
-    "adaptive_threads": True,  # one thread while other processes hold the cores (``llamacpp_threads``)
+    "adaptive_threads": True,  # one thread while other processes hold the cores (``threads``)
     "kv_unified": False,  # one cell pool for every sequence: c8 0.78x here (bench/kv_layout.py), same memory
     "swa_full": False,  # sliding-window layers keep every position (more KV; prefixes reusable past the window)
     "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
-    "deterministic": False,  # the batch-invariant build: greedy texts independent of load (``llamacpp_invariant``)
+    "deterministic": False,  # the batch-invariant build: greedy texts independent of load (``invariant``)
     "speculation": False,  # verify draft tokens where the measured cost says it pays (``speculation``): see the docs
     "draft_max": 32,  # the most draft tokens a sequence verifies in one step
 }
@@ -185,10 +186,10 @@ class LlamaCppEngine:
     def estimate_memory(spec: EngineSpec) -> ModelEstimate:
         """Weights + KV cache (parallel x n_ctx) + runtime + headroom, read from the GGUF's header. Asked when an
         instance is created: a deterministic one without the build it loads is refused here (``InvalidField``)."""
-        from tether.engines.llamacpp_estimate import estimate_for_spec
+        from tether.engines.llamacpp.estimate import estimate_for_spec
 
         options = {**OPTION_DEFAULTS, **spec.options}
-        why = llamacpp_invariant.missing() if options["deterministic"] else None
+        why = invariant.missing() if options["deterministic"] else None
         if why is not None:
             raise InvalidField("options", why)
         return estimate_for_spec(spec, options)
@@ -202,7 +203,7 @@ class LlamaCppEngine:
                 f"valid options are {', '.join(OPTION_DEFAULTS)}"
             )
         options = {**OPTION_DEFAULTS, **spec.options}
-        from tether.engines.llamacpp_estimate import AUTO_CTX_CAP, gpu_indexes, prompt_cache_budget
+        from tether.engines.llamacpp.estimate import AUTO_CTX_CAP, gpu_indexes, prompt_cache_budget
 
         try:
             self.n_ctx_auto = options["n_ctx"] == "auto"  # resolved at load from the model (``auto_context``)
@@ -261,7 +262,7 @@ class LlamaCppEngine:
         if not self.repeat_penalty > 0:  # also refuses NaN
             raise EngineLoadError(f"repeat_penalty must be > 0 (1.0 is neutral), got {self.repeat_penalty}")
         self.layer_split, self.rpc_timeout = _split_options(options, spec)
-        self._server: Any = None  # a rank above 0: its RPC server (``llamacpp_rpc.Server``)
+        self._server: Any = None  # a rank above 0: its RPC server (``rpc.Server``)
         self.model_path: Path | None = None
         self._model: Any = None  # llama-cpp-python's LlamaModel: weights, vocabulary, tokenizer, metadata
         self._batch: Batch | None = None
@@ -283,8 +284,8 @@ class LlamaCppEngine:
         rank = self.spec.rank
         if self.deterministic:  # before llama-cpp-python is imported: it loads the library it names
             try:
-                llamacpp_invariant.activate()
-            except llamacpp_invariant.InvariantBuildMissing as exc:
+                invariant.activate()
+            except invariant.InvariantBuildMissing as exc:
                 raise EngineLoadError(str(exc)) from exc
         if rank is not None:
             os.environ["GGML_NO_BACKTRACE"] = "1"  # a peer's death aborts rank 0: in 0.06 s, not 1.3 s of gdb
@@ -299,7 +300,7 @@ class LlamaCppEngine:
             import llama_cpp.llama_cpp as lib
         except ImportError as exc:
             raise EngineLoadError(f"llama-cpp-python is not installed ({exc}): {INSTALL_HINT}") from exc
-        from tether.engines.llamacpp_batch import Batch
+        from tether.engines.llamacpp.batch import Batch
 
         described = describe_model(path)
         progress(0.0, f"opening {described}")
@@ -331,7 +332,7 @@ class LlamaCppEngine:
         self._model = model
         self._n_vocab = int(lib.llama_vocab_n_tokens(model.vocab))
         if self.n_ctx_auto:
-            from tether.engines.llamacpp_estimate import auto_context
+            from tether.engines.llamacpp.estimate import auto_context
 
             self.n_ctx = auto_context(int(lib.llama_model_n_ctx_train(model.model)), self.embedding)
         self._batch = Batch(
@@ -358,21 +359,21 @@ class LlamaCppEngine:
         self._reasoning = reasoning.detect(self._template_text())
         where = ""
         if rank is not None and split is not None:
-            from tether.engines import llamacpp_rpc
+            from tether.engines.llamacpp import rpc
 
-            llamacpp_rpc.bound_peer_sockets(list(rank.peers[1:]), self.rpc_timeout)
+            rpc.bound_peer_sockets(list(rank.peers[1:]), self.rpc_timeout)
             where = f", {split}"
         progress(1.0, f"loaded {described} in {time.monotonic() - started:.1f} s{where}")
 
     def _serve(self, rank: RankInfo, progress: ProgressCallback) -> None:
         """A rank above 0: serve this CPU as an RPC device on the rank's own address until the process ends."""
-        from tether.engines import llamacpp_rpc
+        from tether.engines.llamacpp import rpc
 
         who = f"rank {rank.rank} of {rank.world_size}"
         host, port = rank.address()
         progress(0.0, f"{who}: starting ggml's RPC server on {host}:{port}")
         try:
-            server = llamacpp_rpc.Server(host, port, self.n_threads, who)
+            server = rpc.Server(host, port, self.n_threads, who)
         except ImportError as exc:
             raise EngineLoadError(f"llama-cpp-python is not installed ({exc}): {INSTALL_HINT}") from exc
         server.start()
@@ -384,9 +385,9 @@ class LlamaCppEngine:
         split in words."""
         import ctypes
 
-        from tether.engines import llamacpp_rpc
         from tether.engines.gguf import GgufError
-        from tether.engines.llamacpp_estimate import block_count, layer_plan, layers_words, split_shares
+        from tether.engines.llamacpp import rpc
+        from tether.engines.llamacpp.estimate import block_count, layer_plan, layers_words, split_shares
 
         rank = self.spec.rank
         assert rank is not None
@@ -397,8 +398,8 @@ class LlamaCppEngine:
             raise EngineLoadError(f"cannot split {describe_model(path)} over {rank.world_size} ranks: {exc}") from exc
         peers = list(rank.peers[1:])
         progress(0.0, f"waiting for the RPC servers of ranks 1-{rank.world_size - 1} ({', '.join(peers)})")
-        llamacpp_rpc.wait_listening(peers, self.rpc_timeout * 3, f"rank 0 of {rank.world_size}")
-        llamacpp_rpc.add_servers(peers)
+        rpc.wait_listening(peers, self.rpc_timeout * 3, f"rank 0 of {rank.world_size}")
+        rpc.add_servers(peers)
         split = (ctypes.c_float * 16)(*plan.tensor_split)
         self._tensor_split = split  # referenced while llama.cpp may read it
         params.n_gpu_layers = plan.n_gpu_layers
@@ -422,7 +423,7 @@ class LlamaCppEngine:
         if self.prompt_cache_ram is not None:
             return self.prompt_cache_ram
         from tether.engines.gguf import GgufError
-        from tether.engines.llamacpp_estimate import estimate_for_spec
+        from tether.engines.llamacpp.estimate import estimate_for_spec
 
         try:
             return estimate_for_spec(self.spec, {**OPTION_DEFAULTS, **self.spec.options}).prompt_cache_ram
@@ -447,7 +448,7 @@ class LlamaCppEngine:
 
     def start(self, seq_id: str, params: GenerateParams) -> None:
         """Check the request and its prompt length (``RequestError``), then add it to the batch."""
-        from tether.engines.llamacpp_batch import Sampling
+        from tether.engines.llamacpp.batch import Sampling
 
         batch = self._require_batch()
         problem = params.check()
@@ -528,7 +529,7 @@ class LlamaCppEngine:
         """A structured answer from a model that thinks: the prompt with its thinking block open (opened here where
         the template leaves that to the model, so the answer's start is known), and the ``Thought`` the grammar
         waits for, which may take half the ``room`` the answer has (tokens; the answer keeps the rest)."""
-        from tether.engines.llamacpp_batch import Thought
+        from tether.engines.llamacpp.batch import Thought
 
         if self._block != "open":
             opening = self._model.tokenize(f"{fmt.open}\n".encode(), add_bos=False, special=True)

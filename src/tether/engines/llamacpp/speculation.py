@@ -1,9 +1,9 @@
 """Draftless speculation: where a sequence's draft tokens come from, and how many of them a step verifies.
 
-Runs in the runner, on the engine's step thread (``llamacpp_batch`` calls it); pure Python, no llama.cpp here.
+Runs in the runner, on the engine's step thread (``batch`` calls it); pure Python, no llama.cpp here.
 
 **Drafts** are guesses at a sequence's next tokens that cost no model: a step decodes them after the sequence's
-last sampled token, and the sequence keeps the longest run of them that its own sampling picks (``llamacpp_batch``).
+last sampled token, and the sequence keeps the longest run of them that its own sampling picks (``batch``).
 Three sources, each a lookup of the tokens just written in something already known:
 
 - the request's ``prediction`` (OpenAI's Predicted Outputs: the text the answer is expected to repeat, as a file
@@ -483,7 +483,7 @@ def plan(
     really cost over the curve's prediction, relative to plain steps (``CostCurve.draft_factor``).
     Every drafting sequence drafts the same k, or (unless ``exact_lengths``) all its source has if fewer; with
     ``exact_lengths`` a sequence whose draft is shorter than k does not draft (a sliding-window cache: see
-    ``llamacpp_batch``). The choice maximises expected tokens per second (see the module docstring)."""
+    ``batch``). The choice maximises expected tokens per second (see the module docstring)."""
     worth = sorted((c for c in candidates if c.q >= Q_FLOOR and c.available >= 2), key=lambda c: -c.q)
     if not worth or producing == 0:
         return {}

@@ -2,7 +2,7 @@
 
 Runs inside runner processes. A rank above 0 serves its CPU as an RPC device (``Server``); rank 0 registers every
 peer's device (``add_servers``) before it loads the model, and llama.cpp then places the last layers on them
-(``llamacpp_estimate.layer_plan`` says which). llama-cpp-python 0.3.36 accepts ``rpc_servers`` and ignores it, so
+(``estimate.layer_plan`` says which). llama-cpp-python 0.3.36 accepts ``rpc_servers`` and ignores it, so
 this goes through ggml's C API, found on ggml's RPC registration (``ggml_backend_reg_by_name("RPC")``).
 
 What ggml leaves out, and what this module adds, each for a promise:

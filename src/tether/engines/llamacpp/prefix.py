@@ -1,6 +1,6 @@
 """Which cached token sequence shares the longest prefix with a prompt: a radix tree keyed by token ids.
 
-The llama.cpp batch (``llamacpp_batch``) keeps KV cells in two places: its slots (one sequence each, busy or idle)
+The llama.cpp batch (``batch``) keeps KV cells in two places: its slots (one sequence each, busy or idle)
 and a RAM store of sequences saved from slots that a new request took over. Each is a *holder* here, registered
 with the exact tokens whose cells it holds. ``match(prompt)`` walks the prompt down the tree once: its cost is the
 prompt's length (plus one step per tree node on the way), whatever the number of holders, and it returns the

@@ -27,16 +27,16 @@ sequence samples with its own sampler chain (its parameters: see Sampling below)
 ``TextStream`` (UTF-8 and stop strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its
 context.
 
-A slot keeps the cells of the tokens its last sequence saw, and the prompt cache (``llamacpp_cache``) reuses them:
+A slot keeps the cells of the tokens its last sequence saw, and the prompt cache (``cache``) reuses them:
 when a sequence's prefill begins, its prompt's longest cached prefix (from its own slot, another slot, busy or not,
 or the RAM store) is brought into its slot and only the rest is prefilled; a request goes to the free slot with the
 longest common prefix, the lowest on a tie. With sliding-window layers (``n_swa``), a slot keeps only the last
 window of positions in them, so a prefix is reused only when the window before its end is still held, and is
-prefilled again when not (``llamacpp_cache``). The price, as with llama-server's ``cache_prompt``: a reused prefix's
+prefilled again when not (``cache``). The price, as with llama-server's ``cache_prompt``: a reused prefix's
 cells were computed in another batch, so a greedy answer can (rarely) differ from a cold one; and so can any row
 computed beside others, since llama.cpp's CPU kernels sum a row in an order set by its batch's shape (how many rows,
 how a step's batch splits by sequence). With the batch-invariant build (the engine's ``deterministic`` option,
-``llamacpp_invariant``) neither can: every row is computed by the same kernels, its result its own, so nothing here
+``invariant``) neither can: every row is computed by the same kernels, its result its own, so nothing here
 needs to change for it.
 (llama.cpp splits a batch over separate caches into one pass per run of consecutive sequence ids, so a gap among the
 busy slots costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than
@@ -127,10 +127,9 @@ import msgspec
 import numpy as np
 
 from tether.engines.base import Delta, EngineLoadError, RequestError, StepResult
-from tether.engines.llamacpp_cache import PromptCache
-from tether.engines.llamacpp_threads import ThreadGovernor
-from tether.engines.prefix import common_length
-from tether.engines.speculation import (
+from tether.engines.llamacpp.cache import PromptCache
+from tether.engines.llamacpp.prefix import common_length
+from tether.engines.llamacpp.speculation import (
     Q_FLOOR,
     Acceptance,
     Candidate,
@@ -142,6 +141,7 @@ from tether.engines.speculation import (
     probe_points,
     ubatches,
 )
+from tether.engines.llamacpp.threads import ThreadGovernor
 from tether.engines.text import TextStream
 from tether.errors import TetherError
 from tether.protocol import FinishReason, TokenLogprob, TopLogprob
@@ -184,7 +184,7 @@ class Sampling:
     top_k: int | None = None  # None: TOP_K; 0 keeps every token
     min_p: float | None = None  # None: MIN_P; 0 keeps every token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): the caller has checked the ids are < n_vocab
-    grammar: str | None = None  # GBNF (a json_schema converted, or a tool syntax's: see ``llamacpp_tools``)
+    grammar: str | None = None  # GBNF (a json_schema converted, or a tool syntax's: see ``tools``)
     logprobs: int | None = None  # None: none; else how many alternatives beside each chosen token
     grammar_root: str = "root"  # the grammar's start rule
     ends_on_json: bool = True  # the grammar's output is one JSON value: the sequence stops once it is complete
@@ -216,7 +216,7 @@ class _BatchSequence:
     ends_on_json: bool = True  # with ``output``: stop once it is one complete JSON value
     special_pieces: bool = False  # control tokens' pieces are output as text
     plain_greedy: bool = False  # temperature 0 and nothing else in the chain: the allowed argmax is searched for
-    placed: bool = False  # its prefix brought into its slot (when its prefill begins: see llamacpp_cache)
+    placed: bool = False  # its prefix brought into its slot (when its prefill begins: see cache)
     reused: int = 0  # prompt tokens whose cells came from the cache, not prefilled
 
     waits_for: frozenset[str] = frozenset()  # once ready: the sequences prefilling then (see the module docstring)
@@ -280,10 +280,10 @@ class Batch:
     ) -> None:
         """``embedding``: a context for pooled embeddings (``pooling``: a ``LLAMA_POOLING_TYPE_*``, None for the
         model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``. ``adaptive_threads``:
-        one thread while other processes hold the cores (``llamacpp_threads``). ``swa_full``: sliding-window layers
+        one thread while other processes hold the cores (``threads``). ``swa_full``: sliding-window layers
         keep every position as the others do (llama.cpp's C default, and ``llama-server --swa-full``), instead of
         the window's (llama-server's default: for Gemma 3 270M at 8 x 8192 cells, a KV cache of 312 MiB instead of
-        1.1 GiB); the prompt cache reuses less with the window's (see ``llamacpp_cache``). ``exact_cache``: the prompt
+        1.1 GiB); the prompt cache reuses less with the window's (see ``cache``). ``exact_cache``: the prompt
         cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's).
         ``speculation``: decoding sequences may verify up to ``draft_max`` draft tokens a step (see Speculation in
         the module docstring), once ``measure_costs`` has timed this context's micro-batches."""

@@ -1,6 +1,6 @@
 """The prompt cache of a llama.cpp batch: a prompt's longest cached prefix, from any slot or from RAM.
 
-A slot keeps the KV cells of the tokens its last sequence saw. When a request is placed (``llamacpp_batch``: when
+A slot keeps the KV cells of the tokens its last sequence saw. When a request is placed (``batch``: when
 its prefill begins, so a prompt admitted in the same burst as another sharing its prefix finds that prefix computed),
 its prompt is matched against every slot, busy ones included, and the RAM store (``PrefixIndex``: a radix tree, one
 walk of the prompt). The longest match is brought into the request's own slot and only the rest is prefilled:
@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tether.engines.prefix import PrefixIndex, common_length
+from tether.engines.llamacpp.prefix import PrefixIndex, common_length
 
 MIN_COPY = 16  # tokens a copy from another slot or from RAM must save over the slot's own prefix
 MIN_SAVE = 32  # shorter sequences are not worth RAM: prefilling them costs ~0.15 s here
