@@ -1,71 +1,12 @@
 """A model-free engine for rehearsing the supervisor: deterministic tokens and real, injectable faults.
 
-Output is a pseudo-random word sequence seeded by a stable hash of the prompt (and ``params.seed``), so the
-same request always produces the same text, in any process, without a model. Faults come from the engine spec
-(load, warmup, generate and idle phases; generate faults apply to every request) and from each request's params;
-in a multi-rank instance, ``Fault.rank`` says which rank fires one (see ring mode below).
-
-What a deterministic engine can honestly say about the rest of a request:
-
-* ``embed``: an embedding of the prompt (or the chat, rendered as ``role: content`` lines) in one step: a unit
-  vector of ``embedding_dim`` numbers drawn from a stable hash of that text, so the same text always gives the same
-  vector and different texts (almost surely) different ones. ``generate`` faults fire at that step as at a
-  generation's first token, so supervision can be rehearsed for embedding requests too.
-* ``logprobs``: every word is the only possible one, so each token's logprob is 0.0 (probability 1) and ``top``
-  holds just that token when the request asks for one or more alternatives.
-* ``json_schema``: refused (``RequestError``): the word stream cannot follow a schema.
-* ``echo``: the prompt's text leads the first delta; with ``logprobs``, one entry per whitespace-separated word of
-  it (its prompt tokens), the first with logprob NaN (nothing precedes it), the others 0.0. ``max_tokens`` 0 ends
-  the request with the echo alone.
-* ``prompt_ids`` and ``tokenizer`` requests: refused (``RequestError``): words have no token ids.
-* The other sampling parameters (temperature, penalties, ``logit_bias``, top_k, ...) are checked and otherwise
-  change nothing: the text depends on the prompt and ``seed`` alone.
-* ``prediction``: accepted and not drafted from: every step gives one token, so the final delta's ``decode_steps``
-  is its completion tokens and its draft and prediction counts stay 0.
-
-Options (``spec.options``):
-  load_steps         number of load progress steps (default 5: progress 0.2, 0.4, ... 1.0)
-  load_step_seconds  delay per load step (default 0.001)
-  token_seconds      delay per step (default 0): one step advances every running sequence by one token, so a
-                     batch of 8 produces 8 tokens per ``token_seconds``, as a real engine's batched decode does
-  parallel           sequences served at once (default 1); beyond it requests wait in the runner's queue
-  n_ctx              if set, prompts longer than this many (whitespace) tokens fail with RequestError, and a
-                     generation ends ("length") when prompt and output fill it, as a real engine's context does
-  helpers            number of helper processes to start at the beginning of load (default 0), like an engine's
-                     tokenizer or compile workers; they live until close() and prove a runner's group dies with it
-  helper_kind        "exec" (a fresh ``sleep`` program, default), "fork" (a forked copy of the runner that keeps every
-                     inherited descriptor, as multiprocessing's fork start method does), or one that leaves the
-                     runner's process group, out of reach of a group kill (only the runner's cgroup still holds it):
-                     "setsid" (``sleep`` in a session of its own), "setpgid" (``sleep`` in a process group of its own)
-                     or "double_fork" (a daemon: fork, setsid, fork again, the middle process exits, so ``sleep`` is
-                     reparented to init and nothing links it to the runner but its cgroup); a comma-separated list
-                     gives helper ``i`` the kind ``i`` modulo its length
-  embedding_dim      the dimension of ``embed`` vectors (default 64)
-  gpu_bytes          if set, allocate (and touch) this many bytes of GPU memory with ``torch.cuda`` at load and hold
-                     them until close(): what a real engine's weights do to a GPU, for checking that GPU memory is
-                     reported and given back (needs torch with CUDA; without it the load fails saying so)
-  close_seconds      delay in close() (default 0): a runner slow to shut down, so an unload can be raced
-  hold_bytes         if set, allocate and touch this many bytes of anonymous memory at load and hold them until
-                     close(): a model's weights and KV cache, for rehearsing memory-aware loading and eviction
-  ring_timeout       ring mode: how long forming the ring, and one step's round trip, may take (default 30.0 s)
-
-Ring mode, for rehearsing multi-rank instances (as exo's MLX ring): on when ``spec.rank`` says ``world_size`` > 1.
-Every rank listens on its ``host:port`` from load on (a port another live process holds fails the load with an
-ordinary ``RuntimeError``, which a restart policy retries: what an orphan of an earlier life does to its
-replacement), and warm-up forms a TCP ring (``ring``): each rank connects to the next, rank 0 sends a frame round
-it. Rank 0 serves the requests; each of its steps then sends the step's tokens (sequence, index, text piece) round
-the ring and returns them only once they are back, so every token visibly passes every rank, at one round trip per
-step. The other ranks forward frames in ``follow()``; any broken connection is ``PeerLost`` naming both ranks.
-Rank 0's clean close says goodbye round the ring, so the others do not count it as a failure.
-
-Faults target ranks with ``Fault.rank``: a rank fires only the faults whose ``rank`` is None (every rank) or its
-own (a runner without ``spec.rank`` is rank 0). A rank above 0 fires its generate faults, from its spec and from
-the request (rank 0 carries a request's faults for other ranks in each token's frame), as each token passes it,
-at that token's index, with rank 0's semantics: a fault ``after_tokens=3`` lets exactly three tokens through
-(``slow`` applies from it on). ``request_error`` fires on rank 0 only, which alone has requests to fail.
-
-The engine declares a memory estimate (``estimate_memory``): the runner's own interpreter (``RUNTIME_BYTES``) plus
-``hold_bytes``, so the fit check and the scheduler's eviction see a debug model as they see a real one.
+Output is a pseudo-random word sequence seeded by a stable hash of the prompt (and ``params.seed``), so the same
+request always produces the same text, in any process, without a model. Faults come from the engine spec (load,
+warmup, generate and idle phases; generate faults apply to every request) and from each request's params, and are
+performed for real (``tether.runner.faults``). The engine says about the rest of a request only what a
+deterministic engine honestly can (``DebugEngine._start``), and declares a memory estimate (the interpreter plus
+``hold_bytes``) so the fit check and the scheduler see a debug model as they see a real one. With ``spec.rank`` its
+ranks form a ring (``ring``), for rehearsing multi-rank instances. Its options: ``DebugEngine.options``.
 """
 
 from __future__ import annotations
@@ -159,26 +100,48 @@ class RingFrame(msgspec.Struct, frozen=True, array_like=True):
 
 
 class DebugEngine:
-    """Deterministic fake engine; see the module docstring for options and fault semantics."""
+    """Deterministic fake engine, batched as llama.cpp's: one step advances every running sequence by one token.
+
+    Ring mode (as exo's MLX ring), on when ``spec.rank`` says ``world_size`` > 1: every rank listens on its
+    ``host:port`` from load on (a port another live process holds fails the load with an ordinary ``RuntimeError``,
+    which a restart policy retries: what an orphan of an earlier life does to its replacement), and warm-up forms a
+    TCP ring. Rank 0 serves the requests; each of its steps sends the step's tokens round the ring and returns them
+    only once they are back, so every token visibly passes every rank. The other ranks forward frames in
+    ``follow()``; any broken connection is ``PeerLost`` naming both ranks. Rank 0's clean close says goodbye round
+    the ring, so the others do not count it as a failure.
+
+    A rank fires only the faults whose ``rank`` is None (every rank) or its own (a runner without ``spec.rank`` is
+    rank 0). A rank above 0 fires its generate faults, from its spec and from the request (rank 0 carries a
+    request's faults for other ranks in each token's frame), as each token passes it, at that token's index, with
+    rank 0's semantics: a fault ``after_tokens=3`` lets exactly three tokens through (``slow`` applies from it on).
+    ``request_error`` fires on rank 0 only, which alone has requests to fail."""
 
     name = "debug"
     options = MappingProxyType(
         {
-            "load_steps": 5,
-            "load_step_seconds": 0.001,
-            "token_seconds": 0.0,
-            "parallel": 1,
+            "load_steps": 5,  # load progress steps: 0.2, 0.4, ... 1.0
+            "load_step_seconds": 0.001,  # delay per load step
+            "token_seconds": 0.0,  # delay per step: a batch of 8 makes 8 tokens per token_seconds, as a real one
+            "parallel": 1,  # sequences served at once; beyond it requests wait in the runner's queue
+            # if set, longer prompts (in whitespace tokens) fail with RequestError, and a generation ends ("length")
+            # when prompt and output fill it, as a real engine's context does
             "n_ctx": None,
+            # helper processes started at load, like an engine's tokenizer or compile workers: they live until
+            # close() and prove a runner's group dies with it (their kinds: ``_start_helper``)
             "helpers": 0,
-            "helper_kind": "exec",
-            "embedding_dim": 64,
+            "helper_kind": "exec",  # a kind, or a comma-separated list: helper i gets kind i modulo its length
+            "embedding_dim": 64,  # the dimension of ``embed`` vectors
+            # GPU memory allocated (and touched) with torch.cuda at load and held until close(), as a real engine's
+            # weights: for checking GPU memory is reported and given back (needs torch with CUDA)
             "gpu_bytes": 0,
+            # anonymous memory allocated and touched at load and held until close(): a model's weights and KV
+            # cache, for rehearsing memory-aware loading and eviction
             "hold_bytes": 0,
-            "close_seconds": 0.0,
-            "ring_timeout": 30.0,
+            "close_seconds": 0.0,  # delay in close(): a runner slow to shut down, so an unload can be raced
+            "ring_timeout": 30.0,  # ring mode: how long forming the ring, and one step's round trip, may take
         }
     )
-    distributed = True  # ranks of a multi-rank instance form a ring (see the module docstring)
+    distributed = True  # ranks of a multi-rank instance form a ring (see the class docstring)
 
     @staticmethod
     def estimate_memory(spec: EngineSpec) -> Estimate:
@@ -411,6 +374,17 @@ class DebugEngine:
         carried: tuple[Fault, ...] = (),
         ringed: bool = True,
     ) -> None:
+        """Check a request and add its sequence. What a deterministic engine can honestly say about each field:
+
+        * ``embed``: a unit vector of ``embedding_dim`` numbers from a stable hash of the prompt (or the chat, as
+          ``role: content`` lines), in one step, at which ``generate`` faults fire as at a first token;
+        * ``logprobs``: every word is the only possible one: logprob 0.0, and ``top`` holds just that token;
+        * ``echo``: the prompt's text leads the first delta; with ``logprobs``, one entry per word of it, the first
+          NaN (nothing precedes it); ``max_tokens`` 0 ends the request with the echo alone;
+        * ``json_schema``, tools, ``prompt_ids`` and ``tokenizer``: refused (``RequestError``): words follow no
+          schema and have no ids;
+        * ``prediction``: accepted, never drafted from (its draft counts stay 0); the other sampling parameters are
+          checked and change nothing: the text depends on the prompt and ``seed`` alone."""
         self._require_loaded()
         problem = params.check()
         if problem is not None:
@@ -522,7 +496,10 @@ def _hold_gpu_memory(n: int) -> object:
 
 
 def _start_helper(kind: str) -> int:
-    """Start one helper process of ``kind`` (see the module docstring) and return its pid."""
+    """Start one helper process of ``kind`` and return its pid: "exec" (a fresh ``sleep``), "fork" (a forked copy of
+    the runner that keeps every inherited descriptor, as multiprocessing's fork does), or one that leaves the runner's
+    process group, out of reach of a group kill (only the runner's cgroup still holds it): "setsid" (``sleep`` in a
+    session of its own), "setpgid" (in a process group of its own) or "double_fork" (a daemon reparented to init)."""
     if kind in ("exec", "setsid", "setpgid"):
         return subprocess.Popen(
             ["sleep", "infinity"],

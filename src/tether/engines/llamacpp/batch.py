@@ -1,114 +1,16 @@
 """The llama.cpp step loop: several sequences decoded in one ``llama_decode`` batch per step (continuous batching).
 
-One llama.cpp context holds ``parallel`` sequences, each in a *slot* (a sequence id with its own KV cells: the
-cache is not unified, so a sequence attends only to its own cells and ``n_ctx`` is per sequence). Each step builds
-one batch: one row (logits on) for every decoding sequence, its last sampled token, and a chunk of one prefilling
-sequence's prompt (the earliest admitted). While any row decodes, that chunk is at most ``prefill_chunk`` tokens, so
-a prompt arriving mid-stream delays the running streams by one short chunk per step instead of its whole prefill:
-that is the bound on what an arrival adds to a step (measured here, default model, 2 threads: a step of 7 decode
-rows takes ~40 ms, with a 32-token chunk beside them ~140 ms, with 64 ~210 ms, with 16 ~95 ms: the
-prompt's prefill costs the others about the same in all, spread thinner); with nothing decoding, the chunk is
-up to ``n_batch`` tokens. One prompt per step, not several: measured here, prompts of several sequences prefilled
-in one batch change llama.cpp's arithmetic enough to flip a greedy choice (4 of 8 chat prompts together: one of them
-diverged after ~40 tokens), and one prompt beside decode rows changes it less often (not never: see the end of the
-next paragraph).
+One context holds ``parallel`` sequences, each in a *slot* (a sequence id with KV cells of its own: ``n_ctx`` is per
+sequence). Each step builds one batch: a row for every decoding sequence (its last sampled token, and any draft
+tokens after it) and a chunk of one prefilling sequence's prompt, at most ``prefill_chunk`` tokens while any row
+decodes, so an arrival delays the running streams by one short chunk per step, not by its whole prefill.
 
-A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first token), and
-not at once. A sequence whose prompt is in its cells but for that token is *ready*; it joins when none of the
-sequences that were prefilling (or waiting to) when it became ready still is. So a burst of arrivals is prefilled
-back to back with the whole ``n_batch`` budget while nothing decodes, then all its sequences decode together and,
-with equal lengths, end together, so the next burst stalls nobody; a later arrival never holds back a ready one, and
-a prompt arriving alone joins in the next step. The price is the burst's first tokens, which wait for the burst's
-prefill (as in llama-server, which prefills a burst in one batch), and one step of first-token latency for a prompt
-alone: its last token could go in with its chunk, but measured here, a row computed inside a prompt chunk and the
-same row among decode rows differ in llama.cpp's arithmetic enough to change a greedy text (1 of 8 chats); so every
-prompt's last token is a decode row. Every
-sequence samples with its own sampler chain (its parameters: see Sampling below), decodes its pieces with its own
-``TextStream`` (UTF-8 and stop strings), and ends on end-of-generation, a stop string, ``max_tokens`` or its
-context.
-
-A slot keeps the cells of the tokens its last sequence saw, and the prompt cache (``cache``) reuses them:
-when a sequence's prefill begins, its prompt's longest cached prefix (from its own slot, another slot, busy or not,
-or the RAM store) is brought into its slot and only the rest is prefilled; a request goes to the free slot with the
-longest common prefix, the lowest on a tie. With sliding-window layers (``n_swa``), a slot keeps only the last
-window of positions in them, so a prefix is reused only when the window before its end is still held, and is
-prefilled again when not (``cache``). The price, as with llama-server's ``cache_prompt``: a reused prefix's
-cells were computed in another batch, so a greedy answer can (rarely) differ from a cold one; and so can any row
-computed beside others, since llama.cpp's CPU kernels sum a row in an order set by its batch's shape (how many rows,
-how a step's batch splits by sequence). With the batch-invariant build (the engine's ``deterministic`` option,
-``invariant``) neither can: every row is computed by the same kernels, its result its own, so nothing here
-needs to change for it.
-(llama.cpp splits a batch over separate caches into one pass per run of consecutive sequence ids, so a gap among the
-busy slots costs a second pass; measured here, decoding is compute-bound on a CPU, so that costs far less than
-re-prefilling a prompt the cache already holds.) Decode rows go into the batch in slot order for the same reason.
-
-**Sampling.** Each sequence's chain (``Batch._sampler``), in this order: ``logit_bias`` (added to the logits);
-the repeat penalty over the last 64 tokens the model saw (its prompt's tail included, as llama.cpp does);
-``frequency_penalty`` and ``presence_penalty`` over every token of the completion so far (OpenAI's definition: a
-window of ``n_ctx``, the prompt not counted); the ``json_schema`` grammar (tokens it does not allow get -inf: see
-below); then greedy at temperature 0, else top-k (``TOP_K`` unless the request says; 0 keeps all), top-p, min-p
-(``MIN_P`` unless the request says), temperature and a seeded draw. Each stage is left out when neutral, so a plain
-request pays for none of them.
-
-**Logprobs** are those of the *raw* model distribution at the position: the log-softmax of the logits
-``llama_decode`` produced, before penalties, bias, grammar and truncation (vLLM's default, and what llama-server
-calls ``post_sampling_probs: false``), computed with numpy on a view of llama.cpp's logits row (no copy into
-Python). So a token the grammar or a bias forced can have a low logprob, and a greedy choice is always the top-1
-alternative only when nothing but the model shaped the choice. Nothing is computed for a request without
-``logprobs``.
-
-**Echo** (``start(echo=...)``, the completions API's ``echo``): the prompt's text leads the sequence's first delta.
-With logprobs, so do its tokens' entries, computed as a generated token's are: each prompt chunk row is decoded with
-its logits on, and row ``p``'s distribution gives the entry of prompt token ``p + 1`` (the first token's logprob is
-NaN: nothing precedes it), so such a prompt reuses nothing from the prompt cache (cached cells have no logits); an
-end-of-generation token then gets an entry too (vLLM's way: lm-eval drops the last entry of an echo as the generated
-one). ``max_tokens`` 0 ends the sequence once its prompt is in, with the echo alone (lm-eval's loglikelihood). A
-prompt token's logprob comes from a prompt chunk's row and the same token generated from a decode row: measured
-here (default model) the two are the same to every digit, but llama.cpp's arithmetic does not promise it.
-
-**Structured output.** A ``json_schema`` sequence samples under a grammar (a GBNF text whose root rule is ``root``)
-as llama.cpp's own common sampler does: the chain picks a token from the unconstrained logits, the grammar checks
-that one token, and only when it refuses it are the logits masked by the grammar (every token's piece matched
-against it: measured here, ~14 ms a token for the default model's 49,152-token vocabulary, more than a decode step)
-and the chain applied again. A greedy choice is the same either way (the argmax, when the grammar allows it, is the
-argmax of the allowed); a seeded draw may differ from masking first, as in llama.cpp. A pick the grammar leaves at
--inf (it allows nothing at all) fails that request alone, where accepting it would abort the process inside
-llama.cpp. The output is tracked, and the sequence finishes ("stop") as soon as its text is one complete JSON value:
-the grammar allows nothing after it but one optional space and end-of-generation, so stopping there saves a step or
-two and leaves no trailing space.
-
-**Thinking first** (``Sampling.thought``): a reasoning model's structured answer follows its thinking, so the
-grammar waits. While the thinking block is open the sequence samples with its chain alone; once its output holds the
-block's closing tag, the grammar holds what follows. Where the model would end its turn inside the block (an
-end-of-generation pick), or would close it and begin its answer in one token, the closing tag's tokens are written
-for it instead, one a step, as if it had picked them (each with its own logprob): the answer is owed, and a
-grammar cannot start inside a token. So they are once the thinking has taken its ``budget`` of tokens (half the
-room the request has: the answer keeps the rest).
-
-**Speculation** (``speculation``; the drafts and how many to verify: ``speculation``). A decoding sequence's row
-may be followed by draft tokens of its own, at the next positions, in the same ``llama_decode``. The sequence then
-samples its row and each draft row in turn, with its own chain, and stops at the first pick that is not the draft's
-next token: every pick is the one the plain path would make there (the same logits, the chain in the same state),
-so a greedy text is the plain one (given the same logits: with the batch-invariant build, always; otherwise the
-rows verified together are one more batch shape, like batching itself), a seeded draw at temperature > 0 draws the
-same values, and the kept tokens are exactly distributed as the plain path's (a draft token is kept with the
-probability the model gives it, and a rejected one is replaced by a draw from the rest: speculative sampling with a
-draft that is certain of its guess). Stop strings, logprobs and ``max_tokens`` apply to each pick as they do
-without drafts. The cells of the rows after the last one sampled are removed (``llama_memory_seq_rm``: the cache's
-head goes back to the first freed cell, so the next token takes the place the plain path gives it). A draft stops
-before an end-of-generation token (the row before it shows whether the sequence ends) and, under a grammar, before
-the first token the grammar refuses (a clone of the sequence's grammar follows the draft), so the grammar's own
-sampler only ever sees the picks. Drafts stop where the plain path would end on the context's length, and within
-``max_tokens``. A sliding-window cache that keeps only the window (``swa_full`` false) may reuse, for a later
-micro-batch of the same step, cells that an earlier one's positions put out of the window: so on such a model every
-drafting sequence of a step drafts the same ``k`` (its draft rows then go in one micro-batch, from the first draft
-token on, and nothing its rollback needs can have been reused) and no step drafts beside a prompt chunk.
-
-**Embeddings.** A batch built with ``embedding=True`` (its context computes pooled embeddings, and it serves only
-``start_embedding`` sequences) prefills one prompt per step, whole (its micro-batch holds ``n_ctx`` tokens, since
-pooling needs a sequence's every token in one micro-batch), reads the sequence's pooled vector, L2-normalises it (as
-llama-server does by default), frees the slot's cells and ends the sequence in that step. Its cache is unified and
-only ``n_ctx`` cells in all: one prompt is in it at a time.
+llama.cpp sums a row in an order set by its batch's shape, so a greedy text can change with what was computed
+beside it. The rules ``step`` keeps so that it changes as rarely as it can (with the batch-invariant build,
+``invariant``, it never does): one prompt per step; a prompt's last token is a decode row, never part of its
+chunk; decode rows in slot order; a draft row's pick is the one the plain path would make there (``_verify``).
+Each sequence samples with its own chain (``_sampler``), reuses a cached prefix (``cache``) and decodes its pieces
+with its own ``TextStream``. Why, with the figures measured: docs/design.md, "The llama.cpp step loop".
 
 Only the thread that owns the engine touches any of this (llama.cpp contexts are not thread-safe).
 """
@@ -162,9 +64,12 @@ class DecodeError(TetherError):
 
 @dataclass(frozen=True)
 class Thought:
-    """A structured answer waits for the thinking (see "Thinking first"): ``tag``, the closing tag's bytes; ``close``,
-    its tokens, written for the model where it would end its turn inside the block, or once the thinking has taken
-    ``budget`` tokens."""
+    """A reasoning model's structured answer follows its thinking, so its grammar waits: while the block is open the
+    sequence samples with its chain alone, and once its output holds the closing tag (``tag``, its bytes) the grammar
+    holds what follows. Where the model would end its turn inside the block, or close it and begin its answer in one
+    token, the tag's tokens (``close``) are written for it instead, one a step, each with its own logprob: the answer
+    is owed, and a grammar cannot start inside a token. So they are once the thinking has taken ``budget`` tokens
+    (half the room the request has: the answer keeps the rest)."""
 
     tag: bytes
     close: tuple[int, ...]
@@ -173,7 +78,7 @@ class Thought:
 
 @dataclass(frozen=True)
 class Sampling:
-    """One sequence's sampling parameters (the chain they build: see the module docstring)."""
+    """One sequence's sampling parameters (the chain they build: ``Batch._sampler``)."""
 
     temperature: float
     top_p: float
@@ -219,7 +124,7 @@ class _BatchSequence:
     placed: bool = False  # its prefix brought into its slot (when its prefill begins: see cache)
     reused: int = 0  # prompt tokens whose cells came from the cache, not prefilled
 
-    waits_for: frozenset[str] = frozenset()  # once ready: the sequences prefilling then (see the module docstring)
+    waits_for: frozenset[str] = frozenset()  # once ready: the sequences prefilling then (see ``Batch.step``)
     echo: str | None = None  # the prompt's text, to lead the first delta (``echo``; None once sent, or not asked)
     echoed: list[TokenLogprob] | None = None  # ``echo`` with logprobs: the prompt tokens' entries computed so far
     eog_entry: bool = False  # ``echo`` with logprobs: an end-of-generation token gets an entry too (vLLM's way)
@@ -229,7 +134,7 @@ class _BatchSequence:
     draft_kind: str = ""  # their source's kind
     steps: int = 0  # steps that sampled a token of it
     finished: bool = False  # its last sample ended it: dropped once its cells are trimmed
-    thought: Thought | None = None  # while its thinking block is open: the grammar waits (see "Thinking first")
+    thought: Thought | None = None  # while its thinking block is open: the grammar waits (see ``Thought``)
     thought_tail: bytes = b""  # the thinking's last bytes, where the closing tag may have begun
     forced: list[int] = field(default_factory=list)  # the closing tag's tokens still to write for it
 
@@ -254,7 +159,7 @@ class _BatchSequence:
 
 
 class Batch:
-    """The step loop over one llama.cpp context (see the module docstring)."""
+    """The step loop over one llama.cpp context (the rules it keeps: the module docstring)."""
 
     def __init__(
         self,
@@ -285,8 +190,8 @@ class Batch:
         the window's (llama-server's default: for Gemma 3 270M at 8 x 8192 cells, a KV cache of 312 MiB instead of
         1.1 GiB); the prompt cache reuses less with the window's (see ``cache``). ``exact_cache``: the prompt
         cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's).
-        ``speculation``: decoding sequences may verify up to ``draft_max`` draft tokens a step (see Speculation in
-        the module docstring), once ``measure_costs`` has timed this context's micro-batches."""
+        ``speculation``: decoding sequences may verify up to ``draft_max`` draft tokens a step (``_verify``), once
+        ``measure_costs`` has timed this context's micro-batches."""
         self.lib = lib
         self.vocab = vocab
         self.parallel = parallel
@@ -357,7 +262,7 @@ class Batch:
         self.draft_max = max(0, draft_max)
         self.n_ubatch = int(params.n_ubatch)
         self.unified = unified
-        self.windowed = self.n_swa > 0 and not swa_full  # a window's ring: see Speculation in the module docstring
+        self.windowed = self.n_swa > 0 and not swa_full  # a window's ring: see ``_drafts``
         self.costs = CostCurve()
         self.acceptance = Acceptance()
         self.history = History()
@@ -379,9 +284,13 @@ class Batch:
         with a later step). The caller has checked the prompt fits the context. ``RequestError`` (nothing started)
         when llama.cpp cannot build its sampler (a grammar it cannot parse).
 
-        ``echo``: the prompt's text, which leads the sequence's first delta; with ``sampling.logprobs`` the prompt's
-        tokens' entries lead its logprobs (see "Echo" in the module docstring). ``max_tokens`` 0 (with ``echo``
-        only) ends the sequence once its prompt is in, generating nothing. ``prediction``: the tokens the answer is
+        ``echo`` (the completions API's): the prompt's text, which leads the sequence's first delta. With
+        ``sampling.logprobs`` so do its tokens' entries, computed as a generated token's are: each prompt chunk row
+        is decoded with its logits on, and row ``p`` gives the entry of prompt token ``p + 1`` (the first one's
+        logprob is NaN: nothing precedes it), so such a prompt reuses nothing from the cache (cached cells have no
+        logits); an end-of-generation token then gets an entry too (vLLM's way: lm-eval drops an echo's last entry
+        as the generated one). ``max_tokens`` 0 (with ``echo`` only) ends the sequence once its prompt is in,
+        generating nothing (lm-eval's loglikelihood). ``prediction``: the tokens the answer is
         expected to repeat (OpenAI's Predicted Outputs), the first source of its drafts when speculation is on."""
         if self.embedding:
             raise RuntimeError("this batch computes embeddings: use start_embedding")
@@ -416,7 +325,8 @@ class Batch:
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
         """Queue an embedding of ``prompt`` (at most ``n_ctx`` tokens: the caller has checked): a later step
-        prefills it whole and ends it with its vector."""
+        prefills it whole and ends it with its vector (``_embed_step``). An embedding batch's cache is unified and
+        only ``n_ctx`` cells in all: one prompt is in it at a time."""
         if not self.embedding:
             raise RuntimeError("this batch generates: build it with embedding=True for embeddings")
         if not 0 < len(prompt) <= self.n_ctx:
@@ -460,8 +370,19 @@ class Batch:
     # --- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[StepResult]:
-        """One ``llama_decode``: a token for every decoding sequence, prompt chunks for the prefilling ones (or,
-        in an embedding batch, one whole prompt and its vector)."""
+        """One ``llama_decode``: a token for every decoding sequence, a prompt chunk for the earliest prefilling one
+        (or, in an embedding batch, one whole prompt and its vector).
+
+        One prompt per step, never several: prompts prefilled together change llama.cpp's arithmetic enough to flip
+        a greedy choice. Its chunk is at most ``prefill_chunk`` tokens while any row decodes, else up to ``n_batch``.
+        A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first
+        token), since a row computed inside a chunk and the same row among decode rows can give another text. A
+        sequence whose prompt is in but for that token is *ready*, and joins once none of the sequences that were
+        prefilling (or waiting to) when it became ready still is (``waits_for``): a burst of arrivals is prefilled
+        back to back with the whole ``n_batch`` while nothing decodes, then decodes together and, with equal lengths,
+        ends together, so the next burst stalls nobody. The price: a burst's first tokens wait for its prefill (as in
+        llama-server), and a prompt alone waits one step. Decode rows go in slot order: llama.cpp splits a batch over
+        separate caches into one pass per run of consecutive sequence ids."""
         if self.embedding:
             return self._embed_step()
         started = time.perf_counter()
@@ -478,7 +399,7 @@ class Batch:
         budget = min(self.n_batch, self.prefill_chunk) if rows else self.n_batch
         prefilling = next((seq for seq in self._seqs.values() if seq.prefilling), None)
         chunk: list[int] = []
-        if prefilling is not None:  # one prompt per step, and at most one placement: see the module docstring
+        if prefilling is not None:  # one prompt per step, and at most one placement (see the docstring)
             if not prefilling.placed:
                 self._place(prefilling)
             chunk = prefilling.prompt[
@@ -570,6 +491,7 @@ class Batch:
         seq.placed = True
 
     def _free_slot(self, seq_id: str, prompt: Sequence[int]) -> _Slot:
+        """The free slot whose cached tokens share the longest prefix with ``prompt`` (the lowest on a tie)."""
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already running")
         busy = {seq.slot.index for seq in self._seqs.values()}
@@ -650,10 +572,17 @@ class Batch:
     def _drafts(
         self, rows: list[_BatchSequence], prefilling: _BatchSequence | None, chunk: int
     ) -> dict[str, list[int]]:
-        """This step's drafts, {sequence id: tokens}: each row's best source, priced by ``speculation.plan``."""
+        """This step's drafts, {sequence id: tokens}: each row's best source, priced by ``speculation.plan``, none
+        past where the plain path would end on the context's length or ``max_tokens``.
+
+        A sliding-window cache that keeps only the window (``swa_full`` false: ``windowed``) may reuse, for a later
+        micro-batch of the same step, cells that an earlier one's positions put out of the window. So there every
+        drafting sequence of a step drafts the same ``k`` (its draft rows then go in one micro-batch, from the first
+        draft token on, and nothing its rollback needs can have been reused), and no step drafts beside a prompt
+        chunk."""
         threads = self.threads.current
         if not self.costs.measured(threads) or self.draft_max < 2 or (self.windowed and chunk):
-            return {}  # (a window's ring beside a prompt chunk: see Speculation in the module docstring)
+            return {}  # (a window's ring beside a prompt chunk: see the docstring)
         if not self.payoff.allows((len(rows), bool(chunk))):
             return {}  # drafting has not paid in steps of this shape (``speculation.Payoff``)
         cap = min(self.draft_max, (self.n_batch + self.parallel - len(rows) - chunk) // len(rows))
@@ -722,9 +651,16 @@ class Batch:
             lib.llama_sampler_free(clone)
 
     def _verify(self, seq: _BatchSequence) -> Delta | RequestError:
-        """Sample the sequence's row, then each draft row while its picks repeat the draft (each pick is the one
-        the plain path would make there: same logits, same sampler state); trim the cells of the rows no pick used;
-        end it if it finished. One delta for all the tokens it wrote this step."""
+        """Sample the sequence's row, then each draft row while its picks repeat the draft; trim the cells of the rows
+        no pick used; end it if it finished. One delta for all the tokens it wrote this step.
+
+        Each pick is the one the plain path would make there (the same logits, the chain in the same state): a greedy
+        text is the plain one (given the same logits: always with the batch-invariant build, otherwise the rows
+        verified together are one more batch shape), a seeded draw draws the same values, and the kept tokens are
+        distributed exactly as the plain path's (speculative sampling with a draft certain of its guess). Stop
+        strings, logprobs and ``max_tokens`` apply to each pick as without drafts. ``llama_memory_seq_rm`` of the
+        unused rows moves the cache's head back to the first freed cell, so the next token takes the place the
+        plain path gives it."""
         draft, first = seq.draft, seq.row
         base = len(seq.slot.cached) - 1 - len(draft)  # its row's position
         deltas: list[Delta] = []
@@ -772,7 +708,8 @@ class Batch:
         return delta
 
     def _embed_step(self) -> list[StepResult]:
-        """The earliest queued embedding: its whole prompt in one decode, its pooled vector L2-normalised."""
+        """The earliest queued embedding: its whole prompt in one decode (pooling needs a sequence's every token in
+        one micro-batch), its pooled vector L2-normalised (as llama-server does by default), its cells freed."""
         seq = next(iter(self._seqs.values()), None)
         if seq is None:
             return []
@@ -898,9 +835,15 @@ class Batch:
             seq.echoed.append(self._logprob(first + i, token, self._token_piece(token, special=True), seq.logprobs))
 
     def _sample_constrained(self, seq: _BatchSequence) -> int | None:
-        """Sample under the grammar (see the module docstring): the chain's pick if the grammar allows it, else the
-        chain's pick among what the grammar allows; None when it allows nothing (accepting a token it refuses would
-        abort the process in llama.cpp)."""
+        """Sample under the grammar as llama.cpp's common sampler does: the chain's pick if the grammar allows it,
+        else the chain's pick among what the grammar allows; None when it allows nothing (accepting a token it
+        refuses would abort the process in llama.cpp: that request alone fails).
+
+        Checking one pick is cheap; masking every token's piece against the grammar costs more than a decode step,
+        so it is done only when the pick is refused. A greedy choice is the same either way (the argmax, when the
+        grammar allows it, is the argmax of the allowed); a seeded draw may differ from masking first, as in
+        llama.cpp. A JSON sequence stops once its text is one complete value (``_json_done``): the grammar allows
+        nothing after it but a space and end-of-generation."""
         lib = self.lib
         logits = self._logits(seq.row)
         token = self._allowed_argmax(seq.grammar, logits) if seq.plain_greedy else -1
@@ -962,7 +905,12 @@ class Batch:
     def _logprob(self, row: int, token: int, piece: bytes, n: int) -> TokenLogprob:
         """The chosen token's log-probability under the raw distribution at ``row`` and the ``n`` likeliest tokens
         there (descending; ties by token id). Alternatives are rendered with special tokens named (``<|im_end|>``);
-        the chosen token's text is exactly what it added to the output."""
+        the chosen token's text is exactly what it added to the output.
+
+        *Raw*: the log-softmax of the logits ``llama_decode`` produced, before penalties, bias, grammar and truncation
+        (vLLM's default; llama-server's ``post_sampling_probs: false``), computed on a view of llama.cpp's row. So a
+        token the grammar or a bias forced can have a low logprob, and a greedy pick is the top-1 alternative only
+        when nothing but the model shaped it."""
         logits = self._logits(row)
         top = float(logits.max())
         log_z = top + math.log(float(np.exp(logits - top).sum(dtype=np.float64)))
@@ -992,8 +940,14 @@ class Batch:
         return buffer.raw[: max(size, 0)]
 
     def _sampler(self, sampling: Sampling, prompt: Sequence[int]) -> tuple[Any, Any]:
-        """The sequence's chain, in the order the module docstring gives, and its grammar sampler apart (None
-        without ``grammar``); ``RequestError`` for a grammar llama.cpp cannot parse."""
+        """The sequence's chain and its grammar sampler apart (None without ``grammar``); ``RequestError`` for a
+        grammar llama.cpp cannot parse.
+
+        The chain, in order: ``logit_bias``; the repeat penalty over the last ``PENALTY_LAST_N`` tokens the model saw
+        (the prompt's tail included, as llama.cpp does); ``frequency_penalty`` and ``presence_penalty`` over the
+        completion so far (OpenAI's definition: the prompt not counted); then greedy at temperature 0, else top-k,
+        top-p, min-p, temperature and a seeded draw. Each stage is left out when neutral, so a plain request pays for
+        none. The grammar is applied apart (``_sample_constrained``)."""
         lib = self.lib
         grammar: Any = None
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())

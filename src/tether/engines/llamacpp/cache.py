@@ -1,54 +1,16 @@
 """The prompt cache of a llama.cpp batch: a prompt's longest cached prefix, from any slot or from RAM.
 
-A slot keeps the KV cells of the tokens its last sequence saw. When a request is placed (``batch``: when
-its prefill begins, so a prompt admitted in the same burst as another sharing its prefix finds that prefix computed),
-its prompt is matched against every slot, busy ones included, and the RAM store (``PrefixIndex``: a radix tree, one
-walk of the prompt). The longest match is brought into the request's own slot and only the rest is prefilled:
+A slot keeps the KV cells of the tokens its last sequence saw. When a prompt's prefill begins (``batch``), it is
+matched against every slot, busy ones included, and the RAM store (``PrefixIndex``: one walk of the prompt); the
+longest usable match is brought into the prompt's own slot (``place``) and only the rest is prefilled. A slot's
+sequence is saved to RAM before its cells are overwritten, within the ``prompt_cache_ram`` budget the fit check
+counts (``_save_before_overwrite``).
 
-- from its own slot: nothing to do (the tail is removed);
-- from another slot: ``llama_memory_seq_cp`` of the whole sequence, then the tail removed (the cache is not unified,
-  and a partial copy between streams is not supported). llama.cpp copies the stream's buffer at the next decode,
-  before that step's rows are computed, so a busy source is copied as it stood. Measured here (default model,
-  2 threads, 2048 cells a slot): ~6 ms, against ~4.4 ms of prefill per token; so a copy is made when it saves at
-  least ``MIN_COPY`` tokens over the slot's own prefix. (A unified cache makes the copy metadata only, but
-  measured the same way its decode steps were ~7% and its prefill ~15% slower: the cache stays per slot.)
-- from RAM: ``llama_state_seq_set_data_ext`` of a saved sequence (~4 ms for 841 tokens), then the tail removed.
-
-Before a slot's cells are overwritten, its whole sequence is saved to RAM (``llama_state_seq_get_data_ext``, ~23 KB
-a token for the default model, ~16 ms for 841 tokens) unless another holder already has all of it, it is shorter
-than ``MIN_SAVE`` tokens, or it does not fit the byte budget (``prompt_cache_ram``, counted by the fit check). A
-saved sequence makes any saved one that is its prefix redundant (a conversation's next turn extends its last):
-that one is dropped. When the budget is full, the least recently used entries go first.
-
-**Sliding-window attention** (Gemma 2/3, Cohere 2, gpt-oss, ...): the engine's context keeps, for its sliding-window
-layers, only ``n_swa + n_ubatch`` cells a slot (llama-server's default, not ``swa_full``), a ring that overwrites a
-position once it has slid out of the window of the sequence's last one, and purges every position below it, so a
-slot holds all positions from ``llama_memory_seq_pos_min`` (its *window start*) to its last. Removing a tail is then
-not enough to reuse a prefix: the token after it attends to the ``n_swa`` positions before it, and those may be
-gone (a longer sequence moved the window on). So a prefix of ``keep`` tokens is reused from a holder only when its
-window start is 0 or at most ``keep - n_swa`` (llama-server's rule); a holder that fails it is passed over for one
-that passes, else the prompt is prefilled from the start, and the tokens passed over are counted
-(``CacheStats.swa_reread``) and logged at debug; a placement checks it again once the cells are in (a safety
-net: no reuse when it fails). Without the check, the reused prefix decodes against a window with positions missing
-and gives another text, silently (measured: a first token's logprobs moved by ~0.5). A sequence saved to RAM keeps
-only its last window in those layers (llama.cpp saves no more, even with ``swa_full``, whose slots keep every
-position: the rules hold there too, a slot that computed its own cells starting at 0), so a RAM entry serves only a
-prompt that extends all of it (a conversation's next turn); one saved sequence makes another redundant only when its
-window starts no later. A copy between slots keeps the source's cells where they were; a restore packs them from
-the ring's start, so its text may part from the source slot's at a near tie, as any reused prefix's may from a cold
-prefill (a ``deterministic`` engine's cache never restores such an entry: below).
-
-An ``exact`` cache (a ``deterministic`` engine's, whose slots keep every position: ``swa_full``) never restores such a
-windowed entry: the restore packs its window's cells from the stream's start, where a cold prefill puts each
-position at its own place, and the attention sums over cells in the order of their places (measured with the
-batch-invariant build, Gemma 3: logits up to 1.7 apart after 1,500-2,000 tokens, unless the offset happened to be a
-multiple of the SIMD width). Its prefix is prefilled again; copies between slots and a slot's own prefix keep every
-cell in its place, and an entry of a sequence no longer than the window is restored as before.
-
-Exactness: cells reused from anywhere were computed in another batch than a cold prefill would be, so a greedy text
-can (rarely) differ from the cold one, as with llama-server's ``cache_prompt``, unless the engine is
-``deterministic``; the copy itself is exact (cells copied or restored give bit-identical logits, measured here).
-``prompt_cache: false`` prefills every prompt whole.
+The rules a change must keep: on a model with sliding-window layers a prefix is reused only where the window before
+its end is still held (``_usable``), else it decodes against missing positions and silently gives another text; an
+``exact`` (deterministic) cache restores only what puts every cell where a cold prefill would (``_exact_enough``).
+The copy itself is exact; a reused prefix was computed in another batch, so a greedy text can (rarely) part from a
+cold prefill's unless the engine is deterministic. Figures: docs/design.md, "The prompt cache".
 
 Only the engine's thread uses any of this.
 """
@@ -102,14 +64,13 @@ class CacheStats:
 
 
 class PromptCache:
-    """Slots' and RAM's cached sequences for one llama.cpp context (see the module docstring)."""
+    """Slots' and RAM's cached sequences for one llama.cpp context (the rules it keeps: the module docstring)."""
 
     def __init__(
         self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True, n_swa: int = 0, exact: bool = False
     ) -> None:
         """``n_swa``: the model's sliding window in tokens (0: no sliding-window layers), with ``swa_full`` too.
-        ``exact`` (a deterministic engine's): no RAM entry that holds only a window is restored (see the module
-        docstring)."""
+        ``exact`` (a deterministic engine's): no RAM entry that holds only a window is restored (``_exact_enough``)."""
         self.lib = lib
         self.ctx = ctx
         self.memory = memory
@@ -135,7 +96,14 @@ class PromptCache:
         """Bring ``prompt``'s longest cached prefix into ``slot`` (whose cells hold ``cached``, a list this updates
         to what they hold after) and leave the rest of its cells empty; returns that prefix's length. ``slots[i]``
         is slot i's token list (the source of a copy). The last prompt token is never reused: its logits make the
-        first token."""
+        first token.
+
+        From its own slot: the tail removed. From another slot: ``llama_memory_seq_cp`` of the whole sequence (a
+        partial copy between streams is not supported), then the tail removed; llama.cpp copies at the next decode,
+        before that step's rows are computed, so a busy source is copied as it stood. From RAM:
+        ``llama_state_seq_set_data_ext``, then the tail removed. A holder whose window has moved on is passed over for
+        one that passes ``_usable``, else the prompt is prefilled from the start, and the tokens passed over are
+        counted (``CacheStats.swa_reread``)."""
         limit = len(prompt) - 1
         if not self.enabled:
             self._overwrite(slot, cached, 0)
@@ -220,13 +188,22 @@ class PromptCache:
 
     def _exact_enough(self, key: str) -> bool:
         """Whether restoring RAM entry ``key`` gives the cells a cold prefill would, in the places it would put
-        them: always, unless ``exact`` and the entry holds only a window of its sliding-window layers."""
+        them: always, unless ``exact`` and the entry holds only a window of its sliding-window layers. A restore packs
+        a window's cells from the stream's start, where a cold prefill puts each position at its own place, and the
+        attention sums over cells in the order of their places; so such an entry's prefix is prefilled again. Copies
+        between slots and a slot's own prefix keep every cell in its place."""
         return not self.exact or self._ram[key].start == 0
 
     def _usable(self, length: int, start: int) -> int:
         """How much of a holder's ``length``-token prefix can be reused when its window starts at ``start``: all of
         it when the ``n_swa`` positions before its end are held (llama-server's rule), else none (a shorter prefix
-        needs older positions still)."""
+        needs older positions still).
+
+        Without ``swa_full`` a sliding-window layer keeps ``n_swa + n_ubatch`` cells a slot, a ring that overwrites
+        a position once it has slid out of the window of the sequence's last one: a slot holds every position from
+        its window start (``_window_start``) to its last. Removing a tail is then not enough: the token after the
+        prefix attends to the ``n_swa`` positions before it, and a longer sequence may have moved the window past
+        them."""
         return length if start == 0 or 0 < start <= length - self.n_swa else 0
 
     def _overwrite(self, slot: int, cached: list[int], keep: int) -> None:
@@ -241,9 +218,14 @@ class PromptCache:
         del cached[keep:]
 
     def _save_before_overwrite(self, slot: int, cached: Sequence[int], keep: int, protect: str | None = None) -> None:
-        """Save ``slot``'s sequence to RAM if placing a prompt there loses some of it and nobody else has it. The
-        entry ``protect`` (the one about to be restored into that slot) is neither evicted for room nor dropped as
-        redundant: without it, the restore that follows would find it gone."""
+        """Save ``slot``'s sequence to RAM if placing a prompt there loses some of it and nobody else has it (not when
+        shorter than ``MIN_SAVE`` or larger than the budget; least recently used entries go first for room). A saved
+        sequence makes a saved prefix of it redundant (a conversation's next turn extends its last), unless that one's
+        window starts earlier. The entry ``protect`` (the one about to be restored into that slot) is neither evicted
+        for room nor dropped as redundant: without it, the restore that follows would find it gone.
+
+        llama.cpp saves only the last window of a sliding-window layer, even with ``swa_full``, so such an entry
+        serves only a prompt that extends all of it."""
         if keep >= len(cached) or len(cached) < MIN_SAVE or self.budget <= 0:
             return
         start = self._window_start(slot)

@@ -1,79 +1,20 @@
 """The llama.cpp engine (llama-cpp-python's bindings), serving the built-in SmolLM2 model or any GGUF file.
 
-It generates through llama.cpp's own batch API, not llama-cpp-python's ``Llama`` generator: up to ``parallel``
-sequences are decoded together, one ``llama_decode`` per step (``batch``), each request with its own
-sampling, stop strings, token counts and cancel. (For a single stream the two are as fast: profiled here, 98% of a
-step is ``llama_decode`` itself.)
+It generates through llama.cpp's batch API (``batch``), not llama-cpp-python's ``Llama`` generator: up to
+``parallel`` sequences decoded together, each request with its own sampling, stop strings, token counts and cancel.
+Three choices, each for the supervisor's sake:
 
-Three deliberate choices, each for the supervisor's sake:
-
-* The model is loaded with llama-cpp-python's stderr suppression off. With it on, ``dup2`` points fds 1 and 2 at
-  /dev/null for the whole load, process-wide: a crash during load would lose its native stack (faulthandler
-  writes to fd 2) and every other thread's output would vanish. Instead llama.cpp's log callback is replaced by one
-  that forwards only warnings and errors (everything when the ``verbose`` option is set).
+* llama-cpp-python's stderr suppression stays off: it points fds 1 and 2 at /dev/null process-wide for the whole
+  load, which would lose a crash's native stack (faulthandler writes to fd 2) and every other thread's output.
+  llama.cpp's log callback forwards warnings and errors instead (everything with ``verbose``).
 * Load progress is real: ``llama_model_params.progress_callback`` is wired through ctypes.
-* Chat prompts are rendered here with the GGUF's own chat template, or the ``chat_template`` option's
-  (``chat_templates``), as llama-cpp-python's chat handler renders them, so the prompt's exact token count is known
-  before generating: a prompt that does not fit a sequence's context is a ``RequestError`` with numbers, and the
-  final delta reports real ``prompt_tokens``.
+* Chat prompts are rendered here with the GGUF's chat template (or ``chat_template``'s: ``chat_templates``), so a
+  prompt's exact token count is known before generating: one too long is a ``RequestError`` with both numbers.
 
-Requests map onto each sequence's own sampler chain (``batch`` gives its order and the semantics of
-logprobs): ``temperature`` 0 is greedy; ``top_k`` and ``min_p`` default to llama.cpp's 40 and 0.05 (for
-temperature > 0); ``repeat_penalty`` defaults to the engine option; ``logit_bias`` ids must be below the model's
-vocabulary size; ``json_schema`` is converted to a GBNF grammar by llama-cpp-python's converter (here, in the
-engine's process: a schema it cannot convert is that request's ``RequestError``), with strings kept free of raw
-control characters so the output is strict JSON.
-
-**Token ids, echo and the tokenizer.** A raw prompt may come as token ids (``prompt_ids``: used as they are, no BOS
-added; an id outside the vocabulary is a ``RequestError`` naming it and ``n_vocab``); ``echo`` leads the answer with
-the prompt, and with logprobs its tokens' (``batch``'s Echo). Tokenizer requests
-(``GenerateParams.tokenizer``) are answered at ``start`` from the model's own vocabulary by any instance, an
-embedding one too, and returned by the next ``step``.
-
-**Embeddings** need an instance of their own (option ``embedding``): llama.cpp computes pooled embeddings in a
-context built for them (``embeddings`` on, every prompt token an output), which a generating context is not. Such an
-instance serves only ``embed`` requests and refuses generations, and a generating instance refuses ``embed``
-requests; each error says which instance to start. Pooling is the model's own (``{arch}.pooling_type``: mean, cls or
-last), else mean, as llama-server's ``--embedding`` does for a generative model like the default one. Vectors are
-L2-normalised; their dimension is the model's embedding width (576 for SmolLM2-135M).
-
-**Split over ranks** (``ranks`` > 1; ``rpc``): rank 0 is this engine as above, holding the tokenizer, the
-sampler, the batch loop, the prompt cache and the first layers; every other rank serves its CPU as a ggml RPC device
-and holds a share of the last layers (``estimate.layer_plan``), by ``layer_split`` when given, else by the
-share the placement gave it (its node's free memory), else equally. Rank 0 waits for its peers to listen, registers
-them, loads, then bounds its connections to them (``rpc_timeout``). A layer split is a pipeline: it adds memory, not
-speed, for one sequence.
-
-Options (``spec.options``): n_ctx ("auto": per sequence, the model's trained context up to 8192 — 2048 for an
-embedding instance —, which the worker's fit check lowers to what memory holds, saying so), parallel (8 sequences at
-once; the KV cache holds parallel x n_ctx cells), n_threads (usable CPUs: affinity, cpuset and CPU quota; at most
-8), adaptive_threads (True: one thread while other processes hold the cores, all again once they are free; see
-``threads``), n_batch (512), prefill_chunk (32: prompt tokens per step while other sequences decode),
-prompt_cache (True: reuse a prompt's longest cached prefix from any slot or from RAM, see ``cache``),
-prompt_cache_ram ("auto": the RAM store's budget, the KV cache's size; or bytes, or a size such as "512M"; counted
-by the fit check), seed (0), n_gpu_layers ("auto": the layers NVIDIA GPUs hold, chosen by the fit check from
-NVML's free memory less a margin or ``gpu_memory_limit``, on the GPUs ``gpu`` names, shared by ``tensor_split``; 0
-without a GPU or with a CPU build; a count given is kept: see ``estimate``), repeat_penalty (1.0:
-neutral, unlike llama-cpp-python's 1.1), verbose
-(False), embedding (False: serve embeddings instead of generations; n_batch is then n_ctx, since a prompt is
-prefilled in one micro-batch, and the cache holds n_ctx cells in all, one prompt at a time), layer_split (None: a
-relative share per rank, ranks > 1 only), rpc_timeout (10 s: a peer silent that long mid-step ends rank 0; above the
-heartbeat deadline, so a frozen peer on this machine is found by its own silence first), chat_template (None: the
-GGUF's own; a built-in template's name or a Jinja file, see ``chat_templates``), swa_full (False: a sliding-window
-layer holds the window's cells only, as llama-server's default; True: every position, for prefixes reusable past
-the window at that layer's full KV size), deterministic (False: see below), speculation (False: draft tokens
-verified in the step where this machine's measured cost says they pay; ``speculation`` and ``batch``),
-draft_max (32: the longest draft).
-
-**Deterministic decoding** (option ``deterministic``): the engine loads llama.cpp's batch-invariant build
-(``invariant``: without llamafile's sgemm, the tiled K-quant matmul, weight repacking and AMX), so every
-row is computed by the same kernels whatever else is in its batch. A greedy text and its logprobs then depend on the
-prompt, the model and the options alone: not on arrivals, other requests, cancellations, where a cached prefix came
-from, the thread count, or restarts. The attention sums over a sequence's cells in the order of their places in its
-stream, so it needs each position always in the same place: one stream per sequence (``kv_unified`` false) and, on
-a model with sliding-window layers, ``swa_full`` (which it implies: a window's ring puts a position where the
-ring's history left room), and no restore from RAM of a sequence whose window has slid (its cells would be packed
-elsewhere: ``cache``). CPU only.
+An ``embedding`` instance serves embeddings only, from a context built for pooling. With ranks > 1 the model's
+layers are split over the ranks through ggml RPC (``rpc``): rank 0 is this engine, holding the tokenizer, the
+sampler, the batch loop, the prompt cache and the first layers. ``deterministic`` loads the batch-invariant build
+(``invariant``). The options: ``OPTION_DEFAULTS``, and docs/serving.md for what each does.
 """
 
 from __future__ import annotations

@@ -2,48 +2,15 @@
 
 Runs in the runner, on the engine's step thread (``batch`` calls it); pure Python, no llama.cpp here.
 
-**Drafts** are guesses at a sequence's next tokens that cost no model: a step decodes them after the sequence's
-last sampled token, and the sequence keeps the longest run of them that its own sampling picks (``batch``).
-Three sources, each a lookup of the tokens just written in something already known:
+*Drafts* are guesses at a sequence's next tokens that cost no model: a step decodes them after the sequence's last
+sampled token, and the sequence keeps the longest run of them its own sampling picks (``batch``). Three sources, each
+a lookup of the tokens just written in something already known: the request's ``prediction``
+(:class:`PredictionCursor`), the sequence's own context (:class:`NgramIndex`) and earlier completions
+(:class:`History`). Acceptance is learnt per kind of proposal (:class:`Acceptance`).
 
-- the request's ``prediction`` (OpenAI's Predicted Outputs: the text the answer is expected to repeat, as a file
-  being edited): a pointer into its tokens advances while the output repeats them; after a difference, the output's
-  last tokens find the place again, the nearest match at or after where the pointer left off, so an edit costs one
-  rejected draft, not the rest of the file (:class:`PredictionCursor`);
-- the sequence's own context, prompt and output (prompt lookup decoding): the latest earlier occurrence of its last
-  4, 3 or 2 tokens, and what followed it (:class:`NgramIndex`);
-- earlier requests' completions (suffix decoding's idea, across requests): the same lookup, last 4 or 3 tokens,
-  over the latest :data:`HISTORY_TOKENS` tokens of finished completions (:class:`History`; a completion's index
-  entries leave with it, so the runner's memory for it is bounded).
-
-Each proposal has a *kind* (below) and the sequence drafts from the kind whose acceptance is highest.
-
-**Acceptance** is learnt per kind, per sequence and per engine (:class:`Acceptance`): the chance ``q`` that a
-drafted token is kept when the ones before it were, as accepted / (accepted + mismatches), counts decayed so that
-it follows the traffic, a sequence's own counts weighed against the engine's for that kind. The first drafts of a
-kind start from :data:`PRIOR`. A kind is a source and how long its match is (``context:8`` is a context match of 8
-to 15 tokens, ``prediction:0`` a prediction the output has not followed yet): a copy 16 tokens long is far likelier
-to go on than a 2-token coincidence, and learning them apart lets the long ones draft from the start.
-
-**How many** (:func:`plan`). Verifying drafts makes a step's decode bigger, and on a CPU that is not free: measured
-on this project's 2-core machine (SmolLM2-135M, 2 threads, context 256), a micro-batch of 2 tokens costs 2.1x one,
-4 tokens 3.1x, 8 4.7x, 16 8.1x, 32 15x, 64 27x: two rows cost as much as two steps, only long batches amortise the
-weights. (On a GPU the first few rows are nearly free: that is why llama-server's and vLLM's defaults, tuned there,
-lose here.) So each step chooses the drafts that maximise the step's expected tokens per second: a sequence that
-drafts ``k`` tokens expects ``q + q^2 + ... + q^k`` more of them, and the step's cost is the measured cost curve
-(:class:`CostCurve`) summed over the micro-batches llama.cpp will split the batch into (:func:`ubatches`: a
-non-unified cache splits a batch into passes that take the same number of tokens from each of a run of consecutive
-sequences, so one drafting sequence beside seven plain ones costs a second pass). Every drafting sequence of a step
-drafts the same ``k`` (fewer passes); the step drafts nothing unless that beats not drafting by :data:`MARGIN`.
-And the plan is checked against what it gets (:class:`Payoff`): per batch shape, steps with drafts must have given
-more tokens per second than steps without, measured, or that shape stops drafting (but for one step in 20).
-A full batch drafts only when acceptance is very high (measured: 8 sequences, 38 ms a step; each drafting one token
-more, 67 ms), a lone sequence with a long likely draft gains up to ~2x.
-
-The cost curve is measured at load (:func:`probe_points`, the micro-batch sizes timed) for each thread count the
-engine may use, and refined as steps run: every step decoded in one micro-batch updates its size's cost, and every
-step calibrates the prediction (measured over predicted seconds, for steps with drafts and for steps without), so a
-draft is priced at what drafting steps have really cost here (:meth:`CostCurve.step`).
+On a CPU, verifying a draft is not free (two rows cost about two steps), so each step drafts only where the measured
+cost curve (:class:`CostCurve`) says it pays (:func:`plan`), and a batch shape where drafting has not paid, measured,
+stops drafting (:class:`Payoff`). The curve and why: docs/speculation.md.
 """
 
 from __future__ import annotations
@@ -141,7 +108,10 @@ class NgramIndex:
 
 
 class PredictionCursor:
-    """A request's predicted tokens and where the output stands in them (see the module docstring)."""
+    """A request's predicted tokens (OpenAI's Predicted Outputs: the text the answer is expected to repeat, as a file
+    being edited) and where the output stands in them: a pointer advances while the output repeats them; after a
+    difference, the output's last tokens find the place again, the nearest match at or after where the pointer left
+    off, so an edit costs one rejected draft, not the rest of the file."""
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.index = NgramIndex(PREDICTION_NGRAMS, tokens, all_positions=True)
@@ -170,7 +140,9 @@ class PredictionCursor:
 
 
 class History:
-    """Earlier completions of this engine, for lookups across requests (bounded: the oldest go first)."""
+    """Earlier completions of this engine, for lookups across requests (suffix decoding's idea): the last 4 or 3
+    tokens looked up over the latest ``HISTORY_TOKENS`` tokens of finished completions; the oldest go first, with
+    their index entries, so the runner's memory for it is bounded."""
 
     def __init__(self, budget: int = HISTORY_TOKENS) -> None:
         self.budget = budget
@@ -236,7 +208,12 @@ class _Counts:
 
 
 class Acceptance:
-    """Per kind, the chance a drafted token is kept given the ones before it were (see the module docstring)."""
+    """Per kind, the chance ``q`` a drafted token is kept given the ones before it were: accepted / (accepted +
+    mismatches), counts decayed so that it follows the traffic, a sequence's own counts weighed against the engine's
+    for that kind, the first drafts of a kind starting from ``PRIOR``. A kind is a source and how long its match is
+    (``context:8``: a context match of 8 to 15 tokens; ``prediction:0``: a prediction the output has not followed
+    yet): a 16-token copy is far likelier to go on than a 2-token coincidence, and learning them apart lets the long
+    ones draft from the start."""
 
     def __init__(self) -> None:
         self._engine: dict[str, _Counts] = {}
@@ -313,8 +290,9 @@ class Drafter:
 
 
 class CostCurve:
-    """Seconds of one ``llama_decode`` micro-batch by its size in tokens, per thread count: probed at load,
-    refined by every step decoded in one micro-batch."""
+    """Seconds of one ``llama_decode`` micro-batch by its size in tokens, per thread count: probed at load
+    (``probe_points``), refined by every step decoded in one micro-batch, and calibrated by every step (measured over
+    predicted seconds, with drafts and without), so a draft is priced at what drafting steps have really cost."""
 
     def __init__(self) -> None:
         self._points: dict[int, dict[int, float]] = {}  # threads -> size -> seconds
@@ -483,7 +461,12 @@ def plan(
     really cost over the curve's prediction, relative to plain steps (``CostCurve.draft_factor``).
     Every drafting sequence drafts the same k, or (unless ``exact_lengths``) all its source has if fewer; with
     ``exact_lengths`` a sequence whose draft is shorter than k does not draft (a sliding-window cache: see
-    ``batch``). The choice maximises expected tokens per second (see the module docstring)."""
+    ``batch``).
+
+    The choice maximises the step's expected tokens per second: a sequence that drafts k tokens at acceptance q
+    expects q + q^2 + ... + q^k more, and the step costs the curve summed over the micro-batches llama.cpp will split
+    it into (``ubatches``: one drafting sequence beside seven plain ones costs a second pass). Drafting must beat not
+    drafting by ``MARGIN``."""
     worth = sorted((c for c in candidates if c.q >= Q_FLOOR and c.available >= 2), key=lambda c: -c.q)
     if not worth or producing == 0:
         return {}
