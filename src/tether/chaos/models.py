@@ -1,24 +1,13 @@
 """The models target: three catalogued debug models, each really holding memory, under a worker memory cgroup that
 holds two, asked for at random with a keep-alive short enough that loads, evictions and unloads race the requests.
 
-Attacks strike a runner while it loads, while it is evicted and while it is unloaded (SIGKILL, SIGSTOP), make a
-load OOM (``oomy``: an OOM fault at load in its own runner cgroup), or SIGKILL the worker itself mid-load or
-mid-eviction (a server and a cgroup of its own). Beside the single campaign's checks (every request ended once
-within its bound, in an allowed outcome; nothing left: runners, records, cgroups; fds and RSS against the
-baseline), each trial checks:
-
-- **no OOM kill the scheduler did not predict**: the worker's cgroup counts no OOM kill, and no request or instance
-  of ``m0``-``m2`` fails with ``out_of_memory`` (only ``oomy`` may, by its own cgroup's limit);
-- **evicted memory really returned before a load**: a watcher polling the API and ``/proc`` never sees a new
-  runner start while a runner evicted before its load is still alive;
-- **API state == reality**: once settled, the models the API calls loaded are exactly those with a live runner,
-  and no runner process, runner cgroup or record exists for another.
-
-A strike waits for its moment; when a trial's drawn requests end without it, the trial asks again in an order
-that makes it come (``strikes_remade`` in the summary); ``missed_strikes`` counts the trials whose moment never came.
-
-Cgroup v1 at ``/sys/fs/cgroup/memory`` is needed for the memory limit: without it the campaign runs with
-``--max-loaded 3`` (the command line's model and two of three), says so in its summary, and eviction is by count.
+Attacks strike a runner while it loads, is evicted or is unloaded (SIGKILL, SIGSTOP), make a load OOM (``oomy``, in
+its own runner cgroup), or SIGKILL the worker mid-load or mid-eviction. Beside the single campaign's checks, each
+trial checks: no OOM kill the scheduler did not predict (``_check_no_unplanned_oom``); no runner starting while one
+evicted before its load still lives (``ModelWatcher``); the models the API calls loaded are exactly those with a live
+runner (``_check_reality``). A strike whose moment the drawn requests missed is asked for again
+(``_make_moment``). Without cgroup v1's memory controller the campaign runs with ``--max-loaded 3`` and says so:
+eviction is then by count. docs/chaos.md, "Targets", says what each means to a user.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The ranks target: 2- and 3-rank instances on one machine, one rank struck mid-stream: debug rings, or the default
 model split over ranks on llama.cpp (``--engine llama.cpp``: ggml's RPC backend between the rank processes).
 
-Attacks, each on a rank drawn at random while the trial's streams run: SIGKILL, SIGSTOP (left stopped, past the
-hang deadlines: tether must find and kill it), an OOM kill (a debug ``oom`` fault of that rank in its own 96 MiB
-runner cgroup), and a held port (a SIGKILL, then the campaign itself binds one rank's port, drawn at random, between
-the failure and the replacement, and lets it go once a replacement was refused). On llama.cpp the OOM kill is left
-out: the debug engine's ``oom`` fault strikes the chosen rank mid-stream, while a real rank runs out of memory only
-on a prompt long enough for its layers' scratch (``tests/test_llamacpp_ranks.py`` proves that case).
-
-Beside the single campaign's checks (every request ended once within its bound in an allowed outcome; nothing of
-the instance left: runners, guards, helpers, cgroups, records; the worker's fds and RSS against the baseline), each
-trial checks what README's "Multi-rank instances" promises:
-
-- **one failure, one cause**: the attack's life failed once, its cause naming the struck rank (``rank``,
-  ``rank K of N failed: ...``, the right kind), the other ranks listed as consequences, and every request that
-  failed carries it;
-- **a replacement only once every rank is gone**: a watcher thread tracks every process of the instance from /proc
-  (each rank's runner, its guard and its helpers); no replacement rank may have started (its start time, to a clock
-  tick) before the last moment a process of an earlier life was seen alive;
-- **the same ports**: the replacement's ranks have the old addresses and really listen on them; while a stranger
-  holds one, each refused life fails with an ordinary, retried cause naming that rank, the port and the holder's pid
-  (README: "A held port is an ordinary, retried load error naming its holder"), and once it lets go the instance
-  serves again on the same ports.
+Each trial strikes a random rank (SIGKILL; SIGSTOP past the hang deadlines; an OOM kill, debug rings only, since a
+real rank runs out of memory only on a prompt long enough for its layers' scratch; a held port, bound by the campaign
+between the failure and the replacement) and checks, beside the single campaign's checks, what multi-rank instances
+promise: one failure with one cause naming the struck rank (``_expect_cause``); no replacement rank before every
+process of the earlier life is gone (``Watcher.early_starts``); the same ports again, a held one refused naming its
+holder (``_expect_held``). What each attack and check means to a user: docs/chaos.md, "Targets".
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The coordinator side of a Ray cluster: Ray itself, one node agent per node, tether's heartbeats, node loss and
 placement by true memory.
 
-- **Agents.** One ``NodeAgent`` actor per Ray node that has CPUs (a node without any, such as a head started with
-  ``num_cpus=0``, runs no model), pinned to it (``NodeAffinitySchedulingStrategy``, not soft) and owned by this
-  process: Ray kills owned actors when their owner dies (detached ones it would not). Nodes that join later, and
-  nodes whose agent was lost but that Ray still lists alive, get a fresh agent within ``rescan`` seconds.
-- **Heartbeats** on tether's own connections (``tether.cluster.wire``): an agent silent for ``lost_after`` seconds,
-  or whose connection closes, is lost at once. The cause names the node and what was seen (the connection closed
-  and Ray's words on the actor's death, or the silence and its length); every request in flight on it ends with
-  that cause, its runner lives end, the agent is killed so its runners die by their lifeline (a partitioned agent
-  fences itself after its lease instead), and each instance's restart policy places a replacement elsewhere.
-  A coordinator that was itself paused (SIGSTOP, a long GC) does not blame the agents for its own silence.
-- **Placement** (``place``): every live agent runs the fit check on its own node (the engine's estimate against
-  the node's memory as tether measures it, its GPUs' layers placed by their free VRAM); the instance goes where it
-  fits, by its replicas' ``spread``: SPREAD (prefer nodes without a replica), STRICT_SPREAD (never two replicas on
-  one node), PACK (prefer nodes that have one); then the node whose GPUs hold the most layers; then the most memory
-  free (SPREAD) or the least that fits (PACK). Nowhere: ``DoesNotFit`` with every node's numbers.
-  The ranks of an engine that gives each a whole copy (the debug ring) need nodes that each fit the whole model; an
-  engine that splits the model (``splits_model``: llama.cpp) needs none that does: its ranks go to the nodes with
-  the most memory available, each rank's share of the layers by that memory, and each chosen node's agent checks
-  its own share (``tether.cluster.placement``). ``ranks: "auto"`` chooses for every life: one runner where a node
-  holds the model whole, else the fewest nodes whose shares all fit.
-  Ray's placement groups reserve logical resources only; they would happily put a model where its memory is not.
+One ``NodeAgent`` actor per Ray node that has CPUs, pinned to it and *owned* by this process, never detached: Ray
+kills owned actors when their owner dies. Nodes that join later, or whose agent was lost while Ray still lists them,
+get a fresh agent within ``rescan`` seconds. Node loss is told by tether's own heartbeats (``tether.cluster.wire``),
+never by Ray's health check alone: an agent silent for ``lost_after`` seconds, or whose connection closes, is lost at
+once, with a cause naming the node and what was seen, and every request and runner life on it ends with that cause
+(``_lose``). Placement asks every agent for the fit check on its own node (``place``), never Ray's placement groups,
+which reserve logical resources only. What each failure costs, and its bound: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -403,7 +389,10 @@ class Cluster:
                     await self._lose(link, why, ask_ray=False)
 
     async def _lose(self, link: AgentLink, what: str, *, ask_ray: bool) -> None:
-        """Lose ``link``'s node: fail everything on it with a cause that names it, and kill its agent."""
+        """Lose ``link``'s node: fail everything on it with a cause that names it (the connection closed and Ray's
+        words on the actor's death, or the silence and its length), end its runner lives, and kill its agent so its
+        runners die by their lifeline (a partitioned agent fences itself after its lease instead); each instance's
+        restart policy then places a replacement elsewhere."""
         if link.lost is not None:
             return
         detected = self.clock.now()
@@ -472,8 +461,17 @@ class Cluster:
         )
 
     async def place(self, instance: Instance) -> FitResult:
-        """Pick the node for ``instance``'s next life, or each rank's (see the module's docstring); ``DoesNotFit``
-        with every node's numbers when it fits nowhere."""
+        """Pick the node for ``instance``'s next life, or each rank's; ``DoesNotFit`` with every node's numbers when
+        it fits nowhere.
+
+        Every live agent runs the fit check on its own node; the instance goes where it fits, by its replicas'
+        ``spread`` (SPREAD prefers nodes without a replica, STRICT_SPREAD never puts two on one node, PACK prefers
+        nodes that have one), then the node whose GPUs hold the most layers, then the most memory free (SPREAD) or
+        the least that fits (PACK). Ranks of an engine that gives each a whole copy (the debug ring) need nodes that
+        each fit the whole model; an engine that splits the model (``splits_model``) needs none that does: its ranks
+        go to the nodes with the most memory available, each rank's share of the layers by that memory
+        (``tether.cluster.placement``), and each chosen agent checks its own share. ``ranks: "auto"``: one runner
+        where a node holds the model whole, else the fewest nodes whose shares all fit."""
         self.placed.pop(instance.name, None)
         self.placed_ranks.pop(instance.name, None)
         self.placed_shares.pop(instance.name, None)

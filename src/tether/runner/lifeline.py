@@ -1,26 +1,12 @@
 """Orphan protection, runner side: a runner never outlives its worker, and its process group never outlives it.
 
-Three independent layers end a runner whose worker is gone; any one of them is enough:
-
-1. ``pdeathsig``: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``. The kernel kills the runner the moment the *thread* that
-   spawned it exits (the worker spawns from one long-lived thread, see ``process``). Works even when the runner's
-   interpreter is wedged with the GIL held. Race: the worker may die before the runner arms it, so the parent pid
-   is checked against the expected worker pid right after.
-2. ``lifeline``: the worker holds the only write end of a pipe; a runner thread blocks reading its read end and sees
-   EOF when the worker is gone, however it died. Portable, and works when the runner is reparented to a subreaper.
-3. ``poll``: a thread compares ``getppid()`` with the worker pid every ``poll_interval`` seconds (not with 1: under
-   a subreaper the new parent is not init). The last resort.
-
-Layer 1 kills only the runner, so every runner also forks a tiny **group guard** at bootstrap (before any thread
-exists): it waits on the runner's pidfd and, when the runner dies for any reason, SIGKILLs every process of the
-runner's own memory cgroup (which holds the helpers that left the process group: ``setsid``, ``setpgid``, a double
-fork), waits until each has exited, and then kills the group. Layers 2 and 3 kill the cgroup's members and the group
-themselves on the way out, but never the guard while it lives: it has the last word, so whichever layer wins, an
-engine's helper processes never survive their runner. Without a cgroup of its own, a helper that leaves the process
-group is out of reach (the supervisor logs why there is no cgroup).
-
-``TETHER_DISABLE_ORPHAN_WATCHDOG=1`` disables the three layers (never the guard) for someone debugging a runner that
-must outlive its worker; the runner prints a warning saying so, and ``tether orphans --reap`` cleans up after.
+Three independent layers end a runner whose worker is gone, any one of them enough (``LAYERS``): ``pdeathsig`` (the
+kernel kills the runner when the worker's spawning thread exits, even with the GIL held), ``lifeline`` (EOF on a pipe
+whose only write end the worker holds, however it died, also under a subreaper) and ``poll`` (``getppid()`` against
+the worker's pid). A **group guard** forked at bootstrap has the last word (``start_group_guard``): whichever layer
+wins, the runner's cgroup and process group die with it, so an engine's helpers never survive their runner; the
+layers kill the cgroup's members on their way out, never the guard. ``TETHER_DISABLE_ORPHAN_WATCHDOG=1`` disarms the
+layers (never the guard), with a warning. The worker's side: docs/design.md, "No orphans".
 """
 
 from __future__ import annotations
@@ -119,7 +105,8 @@ def join_cgroup(path: str) -> MemoryCgroup | None:
 
 
 def set_pdeathsig(sig: int) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent thread exits; False where unsupported."""
+    """Ask the kernel to send ``sig`` to this process when its parent *thread* exits (the worker spawns from one
+    long-lived thread); False where unsupported. It kills only the runner: its helpers are the guard's."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -142,6 +129,7 @@ def _watch_lifeline(fd: int, worker_pid: int) -> None:
 
 
 def _poll_parent(worker_pid: int, interval: float) -> None:
+    # against the worker's pid, not against 1: under a subreaper the new parent is not init
     while True:
         time.sleep(interval)
         parent = os.getppid()
@@ -201,6 +189,12 @@ def install(
 
 def start_group_guard() -> int | None:
     """Fork the group guard; return its pid (None when this process does not lead its own group).
+
+    The guard waits on the runner's pidfd and, when the runner dies for any reason, SIGKILLs every process of the
+    runner's own memory cgroup (which holds the helpers that left the process group: ``setsid``, ``setpgid``, a
+    double fork), waits until each has exited, then kills the group. Without a cgroup of its own, a helper that
+    leaves the process group is out of reach (the supervisor logs why there is no cgroup). Forked before any thread
+    exists.
 
     The guard holds no descriptor but the runner's pidfd (so it never keeps a pipe open), ignores SIGTERM and
     SIGINT (a stop escalates to SIGKILL for the group anyway), asks the OOM killer to spare it (it is tiny, and the

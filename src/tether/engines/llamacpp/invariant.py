@@ -1,30 +1,12 @@
 """llama.cpp's batch-invariant build: a row's logits depend on its sequence alone, never on what shares its batch.
 
-A greedy text changes when one of its rows is computed in another order of float additions, and llama.cpp's CPU
-backend picks the order by the shape of the batch the row is in (``bench/batch_variance.py`` reproduces each, bit
-for bit, on both families):
-
-* **llamafile's sgemm** multiplies a matrix by 2 rows or more (``n < 2`` falls back), ggml's ``vec_dot`` by 1: for
-  F32, F16 (the attention's KQ and KQV), BF16, Q8_0, Q4_0, Q5_0 and IQ4_NL weights. A prompt token that lands alone
-  in a micro-batch (a sequence's share of a split batch) is summed differently from the same token among others.
-  Compiled in or out only (``GGML_LLAMAFILE``), so it takes a build of its own.
-* **The tiled K-quant matmul** (Q2_K to Q6_K, IQ types) takes 8 rows or more, ``vec_dot`` fewer: off at run time by
-  ``GGML_CPU_TILED_MM=0``, set here before the library loads.
-* **Weight repacking** (``use_extra_bufts``: Q4_0, Q4_K, Q6_K, Q8_0, IQ4_NL on AVX2) multiplies each 4 rows with a
-  GEMM and the rest with a GEMV: off by the model parameter (the engine sets it).
-* **AMX tiles** (on CPUs that have them): another GEMM. The build leaves them out (they also segfault on this
-  project's Sapphire Rapids machines).
-
-What does not vary, measured the same way: the attention's KV length (padded to 256; masked cells add exact
-zeros), the thread count (every output is summed whole by one thread), and cells copied between sequences or
-restored from RAM (bytes). With the four above removed, a row is computed by the same kernel whatever its batch:
-its logits are bit-identical alone, among seven others, inside a prompt chunk of any size, after a cached prefix.
-
-The build is llama.cpp from the sdist of the installed llama-cpp-python (so the same source and ABI as its
-bindings), compiled with ``GGML_LLAMAFILE=OFF`` and without AMX, into ``<sys.prefix>/share/tether/``: ``tether build
-deterministic`` (``make install-dev`` runs it; ~2 min on 2 cores). A runner uses it by ``LLAMA_CPP_LIB_PATH``, set
-before llama-cpp-python is first imported in that process, which is why a deterministic engine needs a process of
-its own (tether gives every instance one).
+llama.cpp's CPU backend sums a row in an order set by the shape of the batch it is in, through four kernels
+(docs/deterministic.md, "Why an answer depends on its batch"; ``bench/batch_variance.py`` reproduces each): the
+tiled K-quant matmul is turned off at run time (``RUNTIME_ENV``), weight repacking by the engine's model parameter,
+and llamafile's sgemm and AMX only by a build of their own. That build is llama.cpp from the sdist of the installed
+llama-cpp-python (the same source and ABI as its bindings), made by ``tether build deterministic`` into
+``<sys.prefix>/share/tether/``. A runner loads it by ``LLAMA_CPP_LIB_PATH``, set before llama-cpp-python is first
+imported (``activate``), which is why a deterministic engine needs a process of its own.
 """
 
 from __future__ import annotations
@@ -60,7 +42,7 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_TOOLS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
 )
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # AMX tiles: another GEMM (and they crash on Sapphire Rapids)
 RUNTIME_ENV = {"GGML_CPU_TILED_MM": "0"}  # the tiled K-quant matmul off: vec_dot for every row count
 
 

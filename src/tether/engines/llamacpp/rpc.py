@@ -2,26 +2,12 @@
 
 Runs inside runner processes. A rank above 0 serves its CPU as an RPC device (``Server``); rank 0 registers every
 peer's device (``add_servers``) before it loads the model, and llama.cpp then places the last layers on them
-(``estimate.layer_plan`` says which). llama-cpp-python 0.3.36 accepts ``rpc_servers`` and ignores it, so
-this goes through ggml's C API, found on ggml's RPC registration (``ggml_backend_reg_by_name("RPC")``).
-
-What ggml leaves out, and what this module adds, each for a promise:
-
-* **The same ggml.** ``libggml.so.0`` is opened by its versioned name, the file ``libllama.so`` links: the wheel ships
-  ``libggml.so`` as a copy, not a link, and opening it would load a second ggml whose registrations llama.cpp never
-  sees (its log then claims "offloaded" while every layer stays local).
-* **A held port is an error naming its holder**, checked before the server starts (ggml only prints "Failed to create
-  server socket" and returns), and raised as a ``RuntimeError``: a restart may succeed once the holder is gone.
-* **The listening socket never outlives its rank.** ggml creates it without ``SOCK_CLOEXEC``, so a program the rank
-  execs would inherit it and keep the port after the rank is killed (the seed's crash loop). ``Server`` marks every
-  socket of the process close-on-exec once the server listens, and again each ``CLOEXEC_SWEEP`` s for the client
-  connections it accepts; a child that forks without exec'ing is the cgroup kill's (``tether.kernel.cgroups``).
-* **A silent peer is an error, not an endless wait.** ggml's client sockets have no timeout: a frozen peer would hang
-  rank 0 forever. ``bound_peer_sockets`` sets ``SO_RCVTIMEO``/``SO_SNDTIMEO``, ``TCP_USER_TIMEOUT`` and keepalive on
-  rank 0's connections to its peers after load; ggml then aborts with "Remote RPC server crashed or returned
-  malformed response", which tether reads as a consequence (``peer_lost``) of the peer's failure.
-* The RPC port has **no authentication**: anyone who reaches it can drive the device. Every rank listens on its own
-  address only (127.0.0.1 on one machine, the node's IP on a cluster), never on all interfaces.
+(``estimate.layer_plan`` says which). llama-cpp-python accepts ``rpc_servers`` and ignores it, so this goes through
+ggml's C API. What ggml leaves out, this module adds, each for a promise: the same ggml as llama.cpp's (``ggml``), a
+held port an error naming its holder (``check_port_free``), no listening socket outliving its rank
+(``mark_sockets_cloexec``), a silent peer an error rather than an endless wait (``bound_peer_sockets``). The RPC port
+has no authentication: every rank listens on its own address only (127.0.0.1 on one machine, the node's IP on a
+cluster), never on all interfaces.
 """
 
 from __future__ import annotations
@@ -48,7 +34,10 @@ _lib: Any = None
 
 
 def ggml() -> Any:
-    """The ggml that llama.cpp uses (see the module docstring), with the prototypes this module calls."""
+    """The ggml that llama.cpp uses, with the prototypes this module calls. ``libggml.so.0`` is opened by its
+    versioned name, the file ``libllama.so`` links: the wheel ships ``libggml.so`` as a copy, not a link, and opening
+    it would load a second ggml whose registrations llama.cpp never sees (its log then claims "offloaded" while every
+    layer stays local)."""
     global _lib
     if _lib is not None:
         return _lib
@@ -157,7 +146,9 @@ class Server:
 
 
 def check_port_free(host: str, port: int, who: str) -> None:
-    """``RuntimeError`` naming the holder when ``host:port`` cannot be bound (Address already in use)."""
+    """``RuntimeError`` naming the holder when ``host:port`` cannot be bound (Address already in use), checked before
+    the server starts: ggml only prints "Failed to create server socket" and returns. A restart may succeed once the
+    holder is gone."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ggml binds: TIME_WAIT is no holder
         try:
@@ -187,7 +178,10 @@ def _listening(port: int) -> bool:
 
 
 def mark_sockets_cloexec() -> None:
-    """Set ``FD_CLOEXEC`` on every socket this process holds (ggml's are created without it)."""
+    """Set ``FD_CLOEXEC`` on every socket this process holds. ggml creates its sockets without ``SOCK_CLOEXEC``, so a
+    program the rank execs would inherit the listener and keep the port after the rank is killed (a crash loop for
+    its replacement). ``Server`` calls this once it listens, and every ``CLOEXEC_SWEEP`` s for the connections it
+    accepts; a child that forks without exec'ing is the cgroup kill's (``tether.kernel.cgroups``)."""
     import fcntl
 
     for fd in _socket_fds():
@@ -245,8 +239,11 @@ def add_servers(endpoints: list[str]) -> None:
 
 
 def bound_peer_sockets(endpoints: list[str], timeout: float) -> int:
-    """Bound every connection of this process to a peer in ``endpoints`` (see the module docstring): a peer silent
-    for ``timeout`` s aborts this rank. Returns how many connections were bounded."""
+    """Bound every connection of this process to a peer in ``endpoints``: a peer silent for ``timeout`` s aborts this
+    rank. Returns how many connections were bounded. ggml's client sockets have no timeout, so a frozen peer would
+    hang rank 0 forever: after load this sets ``SO_RCVTIMEO``/``SO_SNDTIMEO``, ``TCP_USER_TIMEOUT`` and keepalive on
+    them; ggml then aborts with ``PEER_LOST_LINE``, which tether reads as a consequence (``peer_lost``) of the peer's
+    failure."""
     peers = set()
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")

@@ -1,20 +1,14 @@
 """How many threads a llama.cpp step uses on a machine it may share: all it was given while they get their cores,
 one while something else holds them (runner side, driven by the batch's step thread).
 
-ggml's threads meet at a barrier after each of a step's operations (hundreds per token). With every thread on a
-core of its own, that costs microseconds; when another process takes a core, the threads that arrived wait for the
-one that was preempted, spinning through their own share of the CPU (libgomp spins for milliseconds before it
-sleeps), and a step takes many times longer: measured here, 2 threads on 2 cores decoded 72-83 tokens/s alone and
-7-19 tokens/s beside two busy-looping processes, where 1 thread kept 16-22 (and 50 alone). OpenMP's passive wait
-avoids the collapse but costs an idle machine about 40% (48 tokens/s), and a shorter spin was worse on both counts.
-
-So the governor watches for the sign of that contention, the runner's threads waiting for a CPU while a step runs
-(each thread's ``run_delay`` in ``/proc/self/task/*/schedstat``: time runnable but not running), and steps down to
-one thread when that passes :data:`CONTENDED` of the step time in :data:`PATIENCE` windows in a row; after a back-
-off (5 s, doubling to 80 s while the contention lasts) it tries all its threads again, and keeps them while they run
-uncontended. Changing the thread count between two steps is free (``llama_set_n_threads``) and changes no result: a
-row's arithmetic does not depend on how many threads share it. Where ``schedstat`` cannot be read, the governor does
-nothing.
+ggml's threads meet at a barrier after each of a step's operations: when another process takes a core, the threads
+that arrived spin (libgomp spins for milliseconds) waiting for the preempted one, and a step takes many times
+longer. OpenMP's passive wait avoids that but costs an idle machine too much. So the governor watches the sign of
+contention, its threads' run delay while a step runs (``run_delay_ns``: time runnable but not running), steps down to
+one thread past ``CONTENDED`` of the step time in ``PATIENCE`` windows in a row, and tries all again after a back-off
+(``BACKOFF``). Changing the thread count between steps is free and changes no result (a row's arithmetic does not
+depend on how many threads share it). Where ``schedstat`` cannot be read, it does nothing. The figures:
+docs/serving.md, "A shared machine does not collapse the decode".
 """
 
 from __future__ import annotations
