@@ -1,14 +1,12 @@
 """A reader of GGUF model headers: metadata and tensor table, without loading the model.
 
-The metadata comes from the file's header, read here by a small reader of the GGUF v2/v3 layout
-(magic, version, counts, key/value section, tensor infos, aligned data) rather than with the ``gguf`` package of the
-llama.cpp project: its ``GGUFReader`` decodes every element of every array (the tokenizer's vocabulary and merges)
-into numpy views, which took 3.5-4.3 s for the 94 MiB default model on the 2-CPU test machine (and grows with the
-vocabulary), and it pulls ``requests``, ``tqdm`` and ``pyyaml`` into the worker. This reader skips large arrays
-(their element count is kept) and takes ~0.1 s; its values were cross-checked against ``gguf`` 0.19.0 and
-llama.cpp's own metadata for the default model (see ``tests/test_fit.py``). Tensor sizes use ggml's block sizes
-(the table mirrors ``gguf.constants.GGML_QUANT_SIZES``); a tensor of a type newer than the table is sized from the
-tensor offsets instead. Split models (``*-00001-of-00003.gguf``) are read part by part.
+A small reader of the GGUF v2/v3 layout (magic, version, counts, key/value section, tensor infos, aligned data),
+not the ``gguf`` package's ``GGUFReader``, which decodes every element of every array (the vocabulary and merges)
+and pulls ``requests``, ``tqdm`` and ``pyyaml`` into the worker: this one skips large arrays, keeping their element
+count (why, measured: docs/design.md, "Memory"). Its values are checked against ``gguf`` and llama.cpp's own in
+``tests/test_fit.py``. Tensor sizes use ggml's block sizes (the table mirrors ``gguf.constants.GGML_QUANT_SIZES``);
+a tensor of a type newer than the table is sized from the tensor offsets. Split models (``*-00001-of-00003.gguf``)
+are read part by part.
 """
 
 from __future__ import annotations

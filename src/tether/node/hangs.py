@@ -1,17 +1,11 @@
 """No hanging request: per-phase progress deadlines, and what a hung runner looks like when it is declared.
 
 A runner can be alive and useless: stuck in Python, blocked in native code holding the GIL, deadlocked, stopped by
-SIGSTOP. Two kinds of evidence catch each of these, and both are plain arithmetic on event times, kept here free of
-I/O so they can be tested without processes (the supervisor feeds them and acts on the answer):
-
-- **heartbeat**: the runner's heartbeat thread beats every ~0.5 s whatever the main thread does, unless the whole
-  interpreter is stuck (GIL held in native code, SIGSTOP, a dead process that has not exited yet);
-- **progress deadlines per phase**: load (a *stall* timeout that every progress report resets, not a total),
-  warmup, time to first token (prefill), gap between tokens (decode), and acknowledgement of each task and cancel
-  (the runner's reader thread acknowledges on arrival, so a missing one means a runner that stopped reading).
-
-When one expires the supervisor asks the runner for its stacks (faulthandler on SIGUSR1, written to stderr), waits
-briefly, kills the runner's group and fails everything in flight with cause "hung in <phase> for <s> s".
+SIGSTOP. Two kinds of evidence catch each: the **heartbeat** (a runner thread beats whatever the main thread does,
+unless the whole interpreter is stuck) and **progress deadlines per phase** (load, a *stall* timeout each progress
+report resets; warm-up; first token; gap between tokens; acknowledgement of each task and cancel). Both are plain
+arithmetic on event times, kept here free of I/O so they can be tested without processes: the supervisor feeds them
+and acts on the answer. Each deadline, its default and what it catches: docs/reliability.md, "Hangs".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Model instances and their restart policy.
 
 An ``Instance`` is one model instance served by a sequence of runner *lives*, one ``RunnerLife`` at a time
-(``tether.node.life``: a local supervisor, a rank group or a remote life). When a life fails (any death the
-supervisor diagnoses, a load or warmup that does not complete, a runner that cannot be started), the
-``RestartPolicy`` decides: stay failed, or start a replacement after an exponential backoff with jitter.
-Two guarantees the seed system lacked:
-
-- the backoff resets after a healthy period (``healthy_after`` seconds of Ready), so a crash a day does not leave
-  an instance on the maximum backoff for ever;
-- a replacement starts only after the old runner is reaped *and* its process group holds no live process, so a new
-  runner never competes with its predecessor (or the predecessor's helpers) for memory, devices, ports or files.
-
-A crash loop (``crash_loop_failures`` failures within ``crash_loop_window`` seconds) ends the restarts: the instance
-stays failed with the last cause and the history of causes.
-
-Placement (does the model fit the node's memory) is awaited before every life once the previous life's process
-group is gone: the fit check by default, or a ``Placer`` (the serving worker's scheduler, which loads one model at a
-time per node and evicts idle models to make room).
+(``tether.node.life``: a local supervisor, a rank group or a remote life). When a life fails, the ``RestartPolicy``
+decides: stay failed, or start a replacement after a backoff; a crash loop ends the restarts with the last cause and
+the history of causes. A replacement starts only after the old runner is reaped *and* its process group holds no
+live process, so it never competes with its predecessor (or its helpers) for memory, devices, ports or files; and
+placement (does the model fit) is awaited before every life, by the fit check or a ``Placer`` (the scheduler).
 """
 
 from __future__ import annotations
@@ -72,10 +61,11 @@ class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``jitter`` is a fraction: each delay is scaled by a uniform factor in ``[1 - jitter, 1 + jitter]`` so instances
     that failed together do not restart in lockstep, and is never longer than ``max_backoff``. ``healthy_after``
-    seconds of Ready reset the backoff to ``initial_backoff``. The crash-loop limit counts failures in a sliding
-    window only (a healthy period does not clear it): ``crash_loop_failures`` failures within ``crash_loop_window``
-    seconds and the instance stays failed. ``give_up_on`` lists causes a restart cannot fix (a model or options the
-    engine refuses): they fail the instance at once instead of burning the crash-loop budget.
+    seconds of Ready reset the backoff to ``initial_backoff`` (a crash a day never leaves an instance on the longest
+    backoff for ever). The crash-loop limit counts failures in a sliding window only (a healthy period does not clear
+    it): ``crash_loop_failures`` failures within ``crash_loop_window`` seconds and the instance stays failed.
+    ``give_up_on`` lists causes a restart cannot fix (a model or options the engine refuses): they fail the instance
+    at once instead of burning the crash-loop budget.
     """
 
     mode: RestartMode = "on-failure"

@@ -1,20 +1,10 @@
 """One supervisor per runner: spawn, route events, watch for death, cancel, stop.
 
-Structure (all tasks owned by one task group, so nothing outlives the supervisor):
-- ``_pump_events``: reads the events pipe in the event loop and routes each event to its task's stream.
-- ``_pump_output``: reads the runner's stdout/stderr into ``OutputCapture``: a bounded per-life tail of lines (the
-  evidence causes quote), the log, and size-bounded rotating files.
-- ``_watch``: awaits the runner's exit fd. On exit it stops the pumps, drains what the dead runner left in its
-  pipes (nothing is lost), turns the evidence into one cause and ends every in-flight task with a terminal event.
-- ``_watch_deadlines``: sleeps until the next progress deadline (``hangs``: heartbeat, load stall, warm-up, first
-  token, token gap, acknowledgements). When one expires it asks the runner for its stacks, kills its group and so
-  fails everything in flight with cause "hung in <phase> for <s> s".
-
-Every wait here has a bound: start, sends, acknowledgements, every phase, and stop (shutdown -> grace -> SIGTERM ->
-grace -> SIGKILL). Nothing here waits on another runner: each supervisor's tasks are its own.
-
-This module is the lifecycle and the task table's routing; the handles a caller holds are in ``tasks``, the stack
-collection of a hung runner in ``stacks``, its cgroup and memory sampling in ``containment``.
+Its tasks (``_pump_events``, ``_pump_output``, ``_watch``, ``_watch_deadlines``) are owned by one task group, so
+nothing outlives the supervisor, and every wait has a bound: start, sends, acknowledgements, every phase, and stop
+(shutdown -> grace -> SIGTERM -> grace -> SIGKILL). Nothing here waits on another runner: each supervisor's tasks
+are its own. This module is the lifecycle and the task table's routing; the handles a caller holds are in
+``tasks``, the stack collection of a hung runner in ``stacks``, its cgroup and memory sampling in ``containment``.
 """
 
 from __future__ import annotations
@@ -500,7 +490,8 @@ class Supervisor(LifeTasks):
         self._rearm.set()
 
     async def _watch_deadlines(self) -> None:
-        """Sleep until the next deadline (woken early when an earlier one appears); declare the first that expires."""
+        """Sleep until the next deadline (``hangs``; woken early when an earlier one appears); declare the first that
+        expires: ask the runner for its stacks, kill its group, and so fail everything in flight as hung."""
         progress = self._progress
         rechecks = 0
         while not (self._exited.is_set() or self._stop_requested or self._forced_cause is not None):
@@ -640,6 +631,7 @@ class Supervisor(LifeTasks):
         self._finished.add(task_id, state)
 
     async def _pump_events(self) -> None:
+        """Read the events pipe in the event loop and route each event to its task's stream."""
         assert self._receiver is not None
         try:
             with self._events_scope:
@@ -656,6 +648,8 @@ class Supervisor(LifeTasks):
             self._events_done.set()
 
     async def _pump_output(self) -> None:
+        """Read the runner's stdout/stderr into ``OutputCapture``: a bounded per-life tail of lines (the evidence
+        causes quote), the log, and size-bounded rotating files."""
         assert self.process is not None
         fd = self.process.output_fd
         os.set_blocking(fd, False)
@@ -687,6 +681,8 @@ class Supervisor(LifeTasks):
         return True  # more may be waiting: the caller waits for readability again, which yields to other tasks
 
     async def _watch(self) -> None:
+        """Await the runner's exit fd; then stop the pumps, drain what the dead runner left in its pipes (nothing is
+        lost), turn the evidence into one cause and end every in-flight task with a terminal event."""
         assert self.process is not None
         with anyio.CancelScope(shield=True):
             exit_status = await self.process.wait_exit()

@@ -5,7 +5,7 @@ and a RAM store of sequences saved from slots that a new request took over. Each
 with the exact tokens whose cells it holds. ``match(prompt)`` walks the prompt down the tree once: its cost is the
 prompt's length (plus one step per tree node on the way), whatever the number of holders, and it returns the
 matched length with the holders that share all of it, slots and RAM entries apart, so the caller can prefer a slot
-(a copy between slots, ~6 ms here) over a restore from RAM. A holder's registration must never claim a token whose
+(a copy between slots) over a restore from RAM. A holder's registration must never claim a token whose
 cells it no longer holds: the prompt cache removes a slot's entry before it truncates or overwrites its cells,
 and registers it again once its cells are computed.
 
