@@ -380,7 +380,6 @@ def test_no_module_is_imported_under_another_ones_name() -> None:
 ENGINE_PACKAGE = "tether.engines.llamacpp"
 ENGINE_PACKAGE_USERS = {
     "tether.cli.build": "`tether build deterministic` compiles this engine's batch-invariant library",
-    "tether.node.fit": "sizes a llama.cpp instance's GPU layers",
 }
 """Who outside ``engines/llamacpp/`` may import it, and why. The registry names it by a string, never by an import."""
 

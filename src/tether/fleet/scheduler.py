@@ -42,7 +42,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
@@ -719,7 +719,7 @@ class Scheduler:
             if offloaded is not None and (short <= 0 or gpu_victims):
                 host = offloaded
             elif offloaded is not None:  # no room to make there: the layers that fit now
-                host = fit.size_offload(spec, estimate, node)[1]
+                host = fit.size(spec, estimate, node).estimate
         victims = self._victims(instance, host, node, reserved)
         chosen = {slot.id for slot, _ in victims}
         victims += [(slot, why) for slot, why in gpu_victims if slot.id not in chosen]
@@ -738,11 +738,7 @@ class Scheduler:
         available = node.available - held_back
         if instance.ranks > 1:
             return fit.check_fit(estimate, available, source, override=instance.force)
-        spec, estimate, gpu_note, problem = fit.size_offload(spec, estimate, node)  # n_gpu_layers "auto"
-        sized, estimate, note = fit.size_context(spec, estimate, available)  # n_ctx "auto": what the memory holds
-        result = fit.check_fit(estimate, available, source, override=instance.force)
-        result = replace(result, spec=sized, message=f"{result.message}; {note}" if note else result.message)
-        return fit.with_gpus(result, gpu_note, problem, instance.force)
+        return fit.judge(spec, estimate, node, available, source, override=instance.force)
 
     def _candidates(self, instance: Instance) -> list[Slot]:
         """Idle, unpinned, loaded catalogued models other than ``instance``'s, least recently used first."""
