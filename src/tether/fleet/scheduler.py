@@ -227,7 +227,8 @@ class Scheduler:
         clock: Clock = MONOTONIC,
     ) -> None:
         self.fleet = fleet
-        # What keep-alive countdowns and LRU order read (a test steps a ``SteppedClock``); durations stay on monotonic
+        # What every rule about time reads: keep-alive countdowns, LRU order, the load and reclaim bounds, and the
+        # durations the decisions report (a test steps a ``SteppedClock``)
         self._clock = clock
         # Whether POST /v1/instances may name an engine by module or file path (tether serve --allow-engine-import)
         self.allow_engine_import = allow_engine_import
@@ -274,7 +275,7 @@ class Scheduler:
         return None
 
     def now(self) -> float:
-        """The scheduler's clock: ``last_used`` and keep-alive countdowns are read against it."""
+        """The scheduler's clock: ``last_used``, keep-alive countdowns and every bound on a wait are read against it."""
         return self._clock.now()
 
     # --- names ----------------------------------------------------------------------------------------------
@@ -345,7 +346,7 @@ class Scheduler:
         if slot is None:  # an instance added through POST /v1/instances: it stays until it is deleted
             yield self.fleet.get(model_id)
             return
-        began = time.monotonic()
+        began = self.now()
         await self._behind_waiting_load(slot, began)
         slot.holds += 1
         self._poke(slot)
@@ -359,19 +360,19 @@ class Scheduler:
 
     async def _behind_waiting_load(self, slot: Slot, began: float) -> None:
         """Wait (bounded by ``load_wait`` from ``began``) while a load waits for ``slot`` to be idle to evict it."""
-        with anyio.move_on_after(self.load_wait - (time.monotonic() - began)):
+        with self._clock.move_on_after(self.load_wait - (self.now() - began)):
             while slot.wanted_by is not None and slot.state in ("loaded", "loading"):
                 await slot._released.wait()
         if slot.wanted_by is not None and slot.state in ("loaded", "loading"):
             raise Unavailable(
                 f"model {slot.id} is to be unloaded for {slot.wanted_by} (which waits for it to be idle: "
-                f"{self._busy_text([slot])}), and {time.monotonic() - began:.0f} s passed (the longest a request "
+                f"{self._busy_text([slot])}), and {self.now() - began:.0f} s passed (the longest a request "
                 "waits for a load, --load-wait); retry later, or raise --max-loaded",
                 retry_after=max(slot.load_seconds or 5.0, 1.0),
             )
 
     async def _ready_instance(self, slot: Slot, began: float) -> Hosted:
-        with anyio.move_on_after(self.load_wait - (time.monotonic() - began)):
+        with self._clock.move_on_after(self.load_wait - (self.now() - began)):
             while True:
                 if slot.state == "loaded" and slot.hosted is not None:
                     return slot.hosted
@@ -384,7 +385,7 @@ class Scheduler:
                         raise slot.load_error
                 else:
                     self.preload(slot.id, "requested")
-        waited = time.monotonic() - began
+        waited = self.now() - began
         waiting = f": {slot.waiting}" if slot.state == "loading" and slot.waiting else ""
         raise Unavailable(
             f"model {slot.id} is still {slot.state} after {waited:.0f} s (the longest a request waits for a load, "
@@ -422,12 +423,12 @@ class Scheduler:
         slot.load_error = None
         slot._loaded = anyio.Event()
         self._decide("load", slot.id, f"loading {slot.id} ({reason})")
-        return time.monotonic()
+        return self.now()
 
     async def _load(self, slot: Slot, hosted: Hosted | None) -> None:
         """Load ``slot`` (its instance placed already when ``hosted`` is given) until its runner is ready. A load
         that was overtaken (deleted while loading, and another load begun since) leaves the slot to the new one."""
-        began = time.monotonic()
+        began = self.now()
         mine = slot._loaded
         try:
             if hosted is None:
@@ -456,7 +457,7 @@ class Scheduler:
                 return
             slot.state = "loaded"
             slot.loads += 1
-            slot.load_seconds = time.monotonic() - began
+            slot.load_seconds = self.now() - began
             slot.last_used = self.now()
             if hosted.supervisor is not None:
                 await hosted.supervisor.sample_memory()
@@ -484,7 +485,7 @@ class Scheduler:
         slot.hosted = None
         slot.state = "unloaded"
         slot.unwant()
-        self._decide("load_failed", slot.id, str(slot.load_error), seconds=time.monotonic() - began)
+        self._decide("load_failed", slot.id, str(slot.load_error), seconds=self.now() - began)
         slot._loaded.set()
         self._notify()
 
@@ -525,13 +526,13 @@ class Scheduler:
 
     async def _stop(self, hosted: Hosted) -> float:
         """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken)."""
-        began = time.monotonic()
+        began = self.now()
         sup = hosted.supervisor
         with anyio.CancelScope(shield=True):
             await self.fleet.remove(hosted.id)
             if sup is not None:  # every runner of it (each rank's, on every node) reaped and its group empty
                 await sup.confirm_gone(self.reclaim_timeout)
-        return time.monotonic() - began
+        return self.now() - began
 
     def _watch(self, hosted: Hosted) -> None:
         """Every instance of the fleet: its placement lock released when its life leaves Starting, and a catalogued
@@ -569,7 +570,7 @@ class Scheduler:
         """The ``Placer`` of every instance's every life: under the node's placement lock, evict what must go and
         check the fit. The lock stays held until the life is ready or gone (``_watch``). When only evicting busy
         models would make room, wait (without the lock, bounded by ``load_wait``) for them to be idle, then again."""
-        deadline = time.monotonic() + self.load_wait
+        deadline = self.now() + self.load_wait
         wanted: list[Slot] = []  # the busy models this placement waits for
         try:
             while True:
@@ -629,14 +630,14 @@ class Scheduler:
         waiting = self.slots.get(instance.name)
         if waiting is not None:
             waiting.waiting = f"it waits for {ids} to be idle ({wait.why}; {self._busy_text(wait.slots)})"
-        left = deadline - time.monotonic()
+        left = deadline - self.now()
         if left <= 0:
             raise Unavailable(
                 f"cannot load {instance.name}: {wait.why}, and {ids} stayed busy for {self.load_wait:g} s (--load-wait;"
                 f" {self._busy_text(wait.slots)}); retry when it is idle, or raise --max-loaded or --load-wait",
                 retry_after=1.0,
             )
-        with anyio.move_on_after(left):
+        with self._clock.move_on_after(left):
             await changed.wait()
 
     def _busy_text(self, slots: list[Slot]) -> str:
@@ -681,7 +682,7 @@ class Scheduler:
         names = replica_names(config)
         placed = [self._placed.setdefault(name, anyio.Event()) for name in names]
         hosted = await self.fleet.add(config)
-        with anyio.move_on_after(self.load_wait):
+        with self._clock.move_on_after(self.load_wait):
             for event in placed:  # replicas are placed one after another: all or nothing, as at creation
                 await event.wait()
                 if any(name in self._refused for name in names):
@@ -860,7 +861,7 @@ class Scheduler:
         """Evict ``victims`` (concurrently), await each runner's whole group gone, then node memory risen by what
         they held (or ``need`` bytes available), bounded by ``reclaim_timeout``. Returns node memory after."""
         expected = vram = 0
-        began = time.monotonic()
+        began = self.now()
         with contextlib.ExitStack() as unloading:
             stopping: list[Hosted] = []
             for slot, why in victims:
@@ -888,10 +889,10 @@ class Scheduler:
                 if isinstance(first, NotGone):
                     raise Unavailable(str(first), retry_after=None) from None
                 raise
-        reaped = time.monotonic() - began
+        reaped = self.now() - began
         target = before.available + int(expected * RECLAIMED_SHARE)
         node = await self._reclaimed(target, need, before, vram)
-        waited = time.monotonic() - began
+        waited = self.now() - began
         risen = node.available - before.available
         ids = ", ".join(slot.id for slot, _ in victims)
         gpu_back = sum(g.free for g in node.gpus) - sum(g.free for g in before.gpus)
@@ -929,10 +930,10 @@ class Scheduler:
         ``vram`` (what the evicted runners held there: a driver frees it after the process is gone, not with it),
         or as it is after ``reclaim_timeout``."""
         read = functools.partial(anyio.to_thread.run_sync, self.memory)
-        deadline = time.monotonic() + self.reclaim_timeout
+        deadline = self.now() + self.reclaim_timeout
         pause = 0.001
         if self.reclaim_poll is not None:  # the baseline: a ticker, first check one period after the unload
-            await anyio.sleep(self.reclaim_poll)
+            await self._clock.sleep(self.reclaim_poll)
         node = await read()
         gpu_target = sum(g.free for g in before.gpus) + int(vram * RECLAIMED_SHARE)
 
@@ -940,10 +941,12 @@ class Scheduler:
             host = node.available < target and node.available < need
             return host or (vram > 0 and sum(g.free for g in node.gpus) < gpu_target)
 
-        while short(node) and time.monotonic() < deadline:
+        while short(node) and self.now() < deadline:
             # The groups are reaped, so their anonymous memory is freed already; what lags is accounting (per-CPU
-            # charge caches) or a driver giving back device memory: short, growing pauses, bounded.
-            await anyio.sleep(self.reclaim_poll if self.reclaim_poll is not None else pause)
+            # charge caches) or a driver giving back device memory: short, growing pauses, bounded (the last one ends
+            # at the deadline, not past it).
+            step = self.reclaim_poll if self.reclaim_poll is not None else pause
+            await self._clock.sleep(min(step, deadline - self.now()))
             pause = min(pause * 2, 0.05)
             node = await read()
         return node
