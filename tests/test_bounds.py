@@ -20,10 +20,10 @@ from tether.cluster import coordinator as coordinator_module
 from tether.cluster.coordinator import Cluster, ClusterSettings
 from tether.cluster.link import AgentLink
 from tether.fleet import fleet as fleet_module
-from tether.fleet import scheduler as scheduler_module
 from tether.fleet.catalog import Catalog
 from tether.fleet.fleet import Fleet, Hosted, InstanceConfig
 from tether.fleet.scheduler import Scheduler
+from tether.fleet.scheduling import decisions as decisions_module
 from tether.node import instance as instance_module
 from tether.node import supervisor as supervisor_module
 from tether.node.instance import Backoff, RestartPolicy, remove_logs
@@ -175,10 +175,10 @@ async def test_the_scheduler_keeps_its_last_DECISIONS_decisions() -> None:
     scheduler = Scheduler(Fleet(), Catalog())
     seen: list[Any] = []
     scheduler.listeners.add(seen.append)
-    for i in range(scheduler_module.DECISIONS * 4):
-        scheduler._decide("loaded", f"m{i % 3}", "loaded", seconds=0.1)
-    assert len(scheduler.decisions) == scheduler_module.DECISIONS and len(seen) == scheduler_module.DECISIONS * 4
-    assert not scheduler._placed and not scheduler._refused
+    for i in range(decisions_module.DECISIONS * 4):
+        scheduler.state.log.decide("loaded", f"m{i % 3}", "loaded", seconds=0.1)
+    assert len(scheduler.decisions) == decisions_module.DECISIONS and len(seen) == decisions_module.DECISIONS * 4
+    assert not scheduler.placing.awaited and not scheduler.placing.refused
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -28,8 +28,13 @@ from tether.cluster import wire
 from tether.cluster.agent import AgentSettings, NodeAgent
 from tether.cluster.coordinator import Cluster, ClusterSettings
 from tether.cluster.link import AgentLink
+from tether.engines import registry
+from tether.fleet.catalog import DEFAULT_KEEP_ALIVE, Catalog, Model
+from tether.fleet.fleet import Fleet, InstanceConfig
+from tether.fleet.scheduler import Decision, Scheduler, SchedulerSettings
 from tether.node.hangs import Deadlines, stack_dump
 from tether.node.instance import Instance, InstanceFailed, InstanceReady, InstanceRestarting, RestartPolicy
+from tether.node.memory import NodeMemory
 from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import TaskFailed, TaskHandle
@@ -406,3 +411,99 @@ async def test_the_coordinator_loses_a_silent_agent_after_lost_after_but_blames_
     assert link.lost is not None and link.lost.kind is CauseKind.NODE_LOST
     assert f"lost after {settings.lost_after:g} s" in link.lost.summary
     assert link.lost_at == clock.now()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The scheduler's rules at their defaults
+# --------------------------------------------------------------------------------------------------------------
+
+
+def catalogued(name: str, keep_alive: float = DEFAULT_KEEP_ALIVE) -> Model:
+    return Model(name, InstanceConfig(id=name, engine="debug"), (), keep_alive, False, "the test")
+
+
+async def scheduler_decision(scheduler: Scheduler, kind: str, model_id: str, clock: SteppedClock) -> Decision:
+    """Step ``clock`` from one deadline to the next (each once something waits for it) until the scheduler decides
+    ``kind`` about ``model_id``."""
+    seen: list[Decision] = []
+    arrived = anyio.Event()
+
+    def watch(decision: Decision) -> None:
+        if decision.kind == kind and decision.model == model_id and not seen:
+            seen.append(decision)
+            arrived.set()
+
+    async def step() -> None:
+        while True:
+            await clock.jump()
+
+    scheduler.listeners.add(watch)
+    with anyio.fail_after(REAL):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step)
+            await arrived.wait()
+            tg.cancel_scope.cancel()
+    return seen[0]
+
+
+async def test_an_idle_model_is_unloaded_at_the_default_keep_alive_and_not_before() -> None:
+    clock = SteppedClock()
+    async with (
+        Fleet(SupervisorSettings(stop_timeout=10)) as fleet,
+        Scheduler(fleet, Catalog([catalogued("a")]), SchedulerSettings(clock=clock)) as scheduler,
+    ):
+        with anyio.fail_after(REAL):
+            async with scheduler.lease("a"):
+                pass
+        released = clock.now()
+        assert await clock.next_deadline() == released + DEFAULT_KEEP_ALIVE  # nothing else counts down
+        clock.advance(DEFAULT_KEEP_ALIVE - 0.001)
+        await anyio.wait_all_tasks_blocked()
+        assert scheduler.slots["a"].state == "loaded"
+        unload = await scheduler_decision(scheduler, "unload", "a", clock)
+        assert unload.why == "keep_alive" and clock.now() - released == pytest.approx(DEFAULT_KEEP_ALIVE)
+        assert scheduler.slots["a"].state == "unloaded"
+
+
+async def test_an_eviction_waits_for_the_memory_back_for_the_default_reclaim_timeout_then_refuses() -> None:
+    """The evicted runner's group is gone (for real), but node memory never rises: the load waits, on the clock,
+    for exactly the default ``reclaim_timeout``, then refuses with the numbers (``wait_memory``)."""
+    clock = SteppedClock()
+    default = SchedulerSettings().reclaim_timeout
+    needs = registry.estimate(catalogued("b").config.spec())
+    assert needs is not None
+    room = [needs.total * 4]  # both fit; then only one, and memory never comes back
+
+    def memory() -> NodeMemory:
+        return NodeMemory(room[0], "the test", 2 * needs.total * 4, room[0])
+
+    # load_wait inf: no other bound counts down on the clock, so each step is the reclaim wait's own
+    settings = SchedulerSettings(load_wait=math.inf, memory=memory, clock=clock)
+    catalog = Catalog([catalogued("a", math.inf), catalogued("b", math.inf)])
+    async with (
+        Fleet(SupervisorSettings(stop_timeout=10)) as fleet,
+        Scheduler(fleet, catalog, settings) as scheduler,
+    ):
+        with anyio.fail_after(REAL):
+            async with scheduler.lease("a"):
+                pass
+        room[0] = needs.total - 1
+        refused: list[BaseException] = []
+
+        async def load_b() -> None:
+            try:
+                async with scheduler.lease("b"):
+                    pass
+            except Exception as exc:
+                refused.append(exc)
+
+        began = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load_b)
+            evicting = clock.now()
+            waited = await scheduler_decision(scheduler, "wait_memory", "b", clock)
+        real = anyio.current_time() - began
+    assert waited.seconds == pytest.approx(default) and clock.now() - evicting == pytest.approx(default)
+    assert f"within {default:g} s (--reclaim-timeout)" in waited.reason, waited.reason
+    assert refused and f"within {default:g} s" in str(refused[0]), refused
+    assert real < default / 2, f"{real:.2f} s of real time for a {default:g} s wait"

@@ -380,7 +380,6 @@ def test_no_module_is_imported_under_another_ones_name() -> None:
 ENGINE_PACKAGE = "tether.engines.llamacpp"
 ENGINE_PACKAGE_USERS = {
     "tether.cli.build": "`tether build deterministic` compiles this engine's batch-invariant library",
-    "tether.node.fit": "sizes a llama.cpp instance's GPU layers",
 }
 """Who outside ``engines/llamacpp/`` may import it, and why. The registry names it by a string, never by an import."""
 
@@ -417,3 +416,69 @@ def test_the_engine_package_check_catches_a_borrower(tmp_path: Path) -> None:
     (engine / "engine.py").write_text("from tether.engines.llamacpp import batch\n")
     (package / "serve" / "app.py").write_text("def f():\n    from tether.engines.llamacpp.batch import Batch\n")
     assert engine_package_users(package) == {"tether.serve.app"}
+
+
+MONOTONIC_ALLOWED = {
+    "tether/clock.py": "the clock itself: ``MONOTONIC`` is time.monotonic",
+    # The runner side has no Clock seam: it times itself in its own process's real time.
+    "tether/runner/": "the heartbeat's send time, read by the supervisor as evidence, not as a deadline",
+    "tether/engines/": "an engine's step pacing, RPC connects and its load's reported duration, inside the runner",
+    "tether/kernel/": "Linux primitives (a pidfd wait, a cgroup removal) bounded in real time beneath every rule",
+    "tether/channel.py": "the wire's partial-frame growth detector: shared code, given no clock",
+    "tether/chaos/": "the campaign measures a server from outside, in real time, and imports only shared modules",
+    # Worker-side code that measures or waits on something real rather than enforcing a rule about time.
+    "tether/node/spawn.py": "when a process was started, as a record",
+    "tether/node/orphans.py": "how long the orphan sweep at start took, reported",
+    "tether/node/drill.py": "the orphan drill measures how fast the kernel ends a real process tree",
+    "tether/node/recent.py": "the default of its injectable clock (a callable, as tests pass their own)",
+    "tether/node/stacks.py": "waits for a real runner's stack dump on a real pipe, so a stepped test still gets it",
+    "tether/cluster/agent.py": "paces the relay of token batches to Ray's item rate: throughput, not a rule",
+    "tether/serve/": "HTTP requests' durations for replies and metrics, and the trace snapshot's bound: real time",
+    "tether/cli/": "a command's own timings, printed",
+}
+"""Where ``time.monotonic`` may be read directly, and why. Every rule about time elsewhere (deadlines, keep-alive,
+eviction, backoff, leases) reads a ``Clock`` (``tether.clock``), so a test can step it and prove it at its default."""
+
+
+def monotonic_readers(root: Path, allowed: dict[str, str] = MONOTONIC_ALLOWED) -> list[str]:
+    """Each read of ``time.monotonic`` (or ``monotonic_ns``, or one imported from ``time``) outside ``allowed``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent).as_posix()
+        if any(where == place or (place.endswith("/") and where.startswith(place)) for place in allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            direct = (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("monotonic", "monotonic_ns")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "time"
+            )
+            imported = (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "time"
+                and any(alias.name in ("monotonic", "monotonic_ns") for alias in node.names)
+            )
+            if direct or imported:
+                found.append(f"{where}:{node.lineno}")
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_rules_about_time_read_the_clock_not_time_monotonic() -> None:
+    for place in MONOTONIC_ALLOWED:
+        assert (SRC.parent / place).exists(), f"{place} is gone: update MONOTONIC_ALLOWED"
+    assert monotonic_readers(SRC) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_clock_check_catches_time_monotonic_outside_its_places(tmp_path: Path) -> None:
+    package = tmp_path / "tether"
+    (package / "fleet").mkdir(parents=True)
+    (package / "chaos").mkdir()
+    (package / "clock.py").write_text("import time\nnow = time.monotonic\n")
+    (package / "chaos" / "trial.py").write_text("import time\nbegan = time.monotonic()\n")
+    (package / "fleet" / "keep.py").write_text("import time\n\ndef left(at):\n    return at - time.monotonic()\n")
+    (package / "fleet" / "evict.py").write_text("from time import monotonic as now\n")
+    allowed = {"tether/clock.py": "the clock", "tether/chaos/": "outside"}
+    assert monotonic_readers(package, allowed) == ["tether/fleet/evict.py:1", "tether/fleet/keep.py:4"]

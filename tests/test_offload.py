@@ -30,7 +30,7 @@ from tether.engines.llamacpp.estimate import (
 )
 from tether.models import default_model_path
 from tether.node.diagnosis import Evidence, diagnose
-from tether.node.fit import assess, gpu_layers, gpu_shortfall
+from tether.node.fit import assess, gpu_shortfall
 from tether.node.memory import NodeMemory
 from tether.node.nvml import GpuDevice
 from tether.node.spawn import ExitStatus
@@ -55,7 +55,7 @@ def node(*free: int, total: int = 80 * GiB) -> NodeMemory:
 @pytest.fixture
 def cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine's llama.cpp is a CPU build; the split is judged here as a CUDA build's would be."""
-    monkeypatch.setattr("tether.engines.llamacpp.estimate.gpu_build_missing", lambda: None)
+    monkeypatch.setattr("tether.engines.llamacpp.sizing.gpu_build_missing", lambda: None)
 
 
 def test_layers_leave_the_host_from_the_output_layer_down_and_share_by_split() -> None:
@@ -294,16 +294,14 @@ def test_without_a_cuda_build_there_is_no_gpu_room_to_make() -> None:
 
 @pytest.mark.usefixtures("cuda_build")
 def test_a_cluster_places_the_model_on_the_node_whose_gpu_holds_the_most_of_it() -> None:
-    """Each agent's verdict carries the layers its own fit check put on its GPUs (``fit.gpu_layers``); placement
+    """Each agent's verdict carries the layers its own fit check put on its GPUs (``FitResult.gpu_layers``); placement
     prefers the node whose GPU holds every layer over one with more host memory and a GPU that holds fewer, or none."""
     spec = EngineSpec(engine="llama.cpp", options={"n_ctx": 8192})
 
     def verdict(node_id: str, memory: NodeMemory) -> Verdict:
         result = assess(spec, node=memory)
         assert result.ok, result.message
-        return Verdict(
-            node_id, True, result.needed, memory.available, memory.source, result.message, gpu_layers(result.estimate)
-        )
+        return Verdict(node_id, True, result.needed, memory.available, memory.source, result.message, result.gpu_layers)
 
     roomy = NodeMemory(200 * GiB, "host MemAvailable", 256 * GiB, 200 * GiB)  # no GPU
     small_gpu = node(GPU_MARGIN + 1200 * MiB)  # a GPU that holds some layers

@@ -11,7 +11,7 @@ import pytest
 from tether.clock import SteppedClock
 from tether.fleet.catalog import Catalog, Model
 from tether.fleet.fleet import Fleet, InstanceConfig
-from tether.fleet.scheduler import Decision, Scheduler, Slot
+from tether.fleet.scheduler import Decision, Scheduler, SchedulerSettings, Slot
 from tether.node.settings import SupervisorSettings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_runners")]
@@ -27,7 +27,7 @@ async def scheduler() -> AsyncIterator[tuple[Scheduler, SteppedClock]]:
     catalog = Catalog([model("a", 60.0), model("b", 60.0), model("c", 60.0)])
     async with (
         Fleet(SupervisorSettings(stop_timeout=10)) as fleet,
-        Scheduler(fleet, catalog, max_loaded=2, clock=clock) as scheduler,
+        Scheduler(fleet, catalog, SchedulerSettings(max_loaded=2, clock=clock)) as scheduler,
     ):
         yield scheduler, clock
 

@@ -49,7 +49,7 @@ from tether.fleet.catalog import (
     scan_models_dir,
 )
 from tether.fleet.fleet import Fleet, InstanceConfig, Unavailable
-from tether.fleet.scheduler import Scheduler
+from tether.fleet.scheduler import Scheduler, SchedulerSettings
 from tether.node.fit import DoesNotFit
 from tether.node.instance import InstanceFailed, InstanceReady, InstanceRestarting, InstanceState, RestartPolicy
 from tether.node.upkeep import Upkeep, interval_from_env
@@ -264,16 +264,19 @@ async def _serve(
     upkeep: Upkeep,
 ) -> int:
     fleet = Fleet(settings.supervision(), cluster=cluster)
-    scheduler = Scheduler(
-        fleet,
-        catalog,
+    scheduling = SchedulerSettings(
         max_loaded=settings.max_loaded,
         load_wait=settings.load_wait,
         reclaim_timeout=settings.reclaim_timeout,
         reclaim_poll=settings.reclaim_poll,
+        allow_engine_import=settings.allow_engine_import,
+    )
+    scheduler = Scheduler(
+        fleet,
+        catalog,
+        scheduling,
         default=config.default_id(),
         placement=cluster.place if cluster is not None else None,
-        allow_engine_import=settings.allow_engine_import,
     )
     scheduler.listeners.add(lambda d: print(f"tether: {d.kind} {d.model}: {d.reason}", file=sys.stderr, flush=True))
     async with fleet, scheduler:

@@ -309,7 +309,7 @@ class NodeAgent:
                 memory.available,
                 result.source,
                 result.message,
-                fit.gpu_layers(result.estimate),
+                result.gpu_layers,
             )
         return msgspec.msgpack.encode(verdict)
 
@@ -484,7 +484,7 @@ def sweep_agent_cgroups(parent: Path) -> int:
 
 def _place_gpus(spec: EngineSpec) -> EngineSpec:
     """``spec`` with its GPU layers placed on this node's GPUs (n_gpu_layers "auto": what NVML's free VRAM here
-    holds, ``fit.size_offload``): the coordinator chose the node by its verdict, which counted them; the layers are
+    holds, ``fit.size``): the coordinator chose the node by its verdict, which counted them; the layers are
     this node's to place. A rank's layers are the ranks' (``layer_split``); a spec without an estimate runs as is."""
     if spec.rank is not None:
         return spec
@@ -494,4 +494,4 @@ def _place_gpus(spec: EngineSpec) -> EngineSpec:
         return spec  # the launch reports what is wrong with it
     if estimate is None:
         return spec
-    return fit.size_offload(spec, estimate, node_memory())[0]
+    return fit.size(spec, estimate, node_memory()).spec

@@ -12,9 +12,10 @@ time, an iterator that calls ``cancelled()`` between tokens) is driven through `
 
 ``RequestError`` fails one request and the runner serves on; any other exception from an engine is fatal for the
 runner (the engine's state is unknown), and ``EngineLoadError`` from ``load`` says the model cannot be loaded (a
-restart would not help). Optional class attributes: ``options`` (the option names and their defaults) and
+restart would not help). Optional class attributes: ``options`` (the option names and their defaults),
 ``estimate_memory(spec)`` (a static or class method returning a ``MemoryEstimate``, or None), which the worker's
-fit check asks before a runner of ``spec`` starts.
+fit check asks before a runner of ``spec`` starts, and ``sizing`` (a ``Sizable``): how the engine gives a number to
+what it left to the memory ("auto" options: GPU layers, a context), which the fit check runs before it compares.
 
 Multi-rank instances (``ranks: N``). An engine that takes part declares ``distributed = True``. tether then starts N
 runners, one per rank (on N nodes of a cluster), each built with ``spec.rank`` (``RankInfo``: its rank, the world
@@ -30,15 +31,15 @@ and a replacement starts only once every one of them is gone. An engine whose ra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
 from tether.errors import TetherError
-from tether.protocol import FinishReason, GenerateParams, TokenizerAnswer, TokenLogprob
+from tether.protocol import EngineSpec, FinishReason, GenerateParams, TokenizerAnswer, TokenLogprob
 from tether.units import format_bytes
 
 ProgressCallback = Callable[[float, str], None]  # (fraction 0..1, detail)
@@ -295,6 +296,85 @@ class Estimate:
 
     def advice(self, available: int) -> str | None:
         return None
+
+
+@runtime_checkable
+class GrowingEstimate(MemoryEstimate, Protocol):
+    """An estimate of a runner whose caches grow as it serves (llama.cpp's prompt cache in RAM): what a measurement
+    right after load is compared with is ``held``, not ``expected``, at the context ``n_ctx``."""
+
+    @property
+    def held(self) -> int: ...  # what the runner holds at its peak before such a cache fills, without headroom
+
+    @property
+    def n_ctx(self) -> int: ...  # the context (cells a sequence) the estimate is for
+
+
+class GpuRoom(Protocol):
+    """One GPU as the node reads it now (NVML): what an engine's sizing may put on it."""
+
+    @property
+    def index(self) -> int: ...  # as NVML and CUDA_DEVICE_ORDER=PCI_BUS_ID number it
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def free(self) -> int: ...  # device-wide: every process's use already taken off
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a runner may take on this node: ``available`` host bytes (None: size the GPUs only, leave the context
+    as asked) and the GPUs (``no_gpu``: why there are none)."""
+
+    available: int | None
+    gpus: Sequence[GpuRoom] = ()
+    no_gpu: str | None = None
+
+
+@dataclass(frozen=True)
+class Sized:
+    """An engine's sizing of one spec for a node's ``Room``: the spec to run (its "auto" options given numbers),
+    the estimate of what it then holds on the host, and what was chosen, in words."""
+
+    spec: EngineSpec
+    estimate: MemoryEstimate  # the host's share (layers on GPUs are not in it)
+    note: str | None = None  # a choice made for the host's memory (a context lowered to fit), said with numbers
+    gpu_note: str | None = None  # what went on the GPUs, with their numbers
+    gpu_problem: str | None = None  # why the GPUs cannot hold what was asked (None: they can)
+    gpu_layers: int = 0  # the layers placed on GPUs (a cluster prefers the node whose GPUs hold the most)
+
+
+class Shortfall(NamedTuple):
+    """What the GPUs lack to hold what a spec asks (every layer, for "auto"): ``bytes`` beyond their free memory less
+    the margin, which evicting idle models could give back, and ``estimate``, the host's share once they hold it
+    (None when nothing would go on a GPU here)."""
+
+    bytes: int = 0
+    estimate: MemoryEstimate | None = None
+
+
+class Sizable(Protocol):
+    """How an engine sizes what it left to the memory, for the fit check of ``tether.node.fit`` (which runs it and
+    knows no option name). Both get the estimate the engine's ``estimate_memory`` made for ``spec``."""
+
+    @property
+    def each_life(self) -> tuple[str, ...]:
+        """The options sized again for every life, from their value as asked (what the GPUs hold changes)."""
+        ...
+
+    def sized(self, spec: EngineSpec, estimate: MemoryEstimate, room: Room) -> Sized:
+        """``spec`` sized for ``room``: GPU layers by the GPUs' free memory, then (``room.available`` given) what
+        the host's memory holds. An estimate this engine did not make, or a spec it leaves as is, comes back as is."""
+        ...
+
+    def gpu_shortfall(self, spec: EngineSpec, estimate: MemoryEstimate, gpus: Sequence[GpuRoom]) -> Shortfall:
+        """What ``gpus`` lack to hold what ``spec`` asks (see ``Shortfall``); nothing when nothing goes on them."""
+        ...
 
 
 NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})

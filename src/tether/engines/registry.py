@@ -1,4 +1,5 @@
-"""The one engine registry: names and aliases to an engine class, its option defaults and its memory estimator.
+"""The one engine registry: names and aliases to an engine class, its option defaults, its memory estimator and
+its sizing.
 
 Three ways to name an engine, resolved in this order:
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tether.engines.base import NO_OPTIONS, Engine, EngineLoadError, MemoryEstimate, batched
+from tether.engines.base import NO_OPTIONS, Engine, EngineLoadError, MemoryEstimate, Sizable, batched
 from tether.errors import EngineImportRefused, InvalidField, UnknownEngine
 from tether.protocol import EngineSpec
 
@@ -165,6 +166,13 @@ def estimate(spec: EngineSpec) -> MemoryEstimate | None:
     except Exception as exc:  # a bug in an engine's estimator: refused with what it raised, never a 500
         raise InvalidField("engine", f"the memory estimate of engine {spec.engine!r} failed: {_what(exc)}") from exc
     return result
+
+
+def sizing(name: str) -> Sizable | None:
+    """How the engine sizes what it left to the memory (its ``sizing``: GPU layers, a context), or None when it
+    sizes nothing (its options run as given)."""
+    found: Sizable | None = getattr(engine_class(name), "sizing", None)
+    return found
 
 
 def _what(exc: BaseException) -> str:

@@ -294,7 +294,7 @@ class Hosted:
         """How long until this instance can take a request again, as best known; None when retrying cannot help."""
         state = self.instance.state
         if isinstance(state, InstanceRestarting):
-            return max(state.resume_at - time.monotonic(), 0.0) + 1.0  # the backoff, then about a load
+            return max(state.resume_at - self.instance.settings.clock.now(), 0.0) + 1.0  # the backoff, then a load
         if isinstance(state, InstanceStarting | InstanceReady):
             return 1.0
         return None
@@ -453,6 +453,7 @@ class Fleet:
             sites=sites,
             ports=ports,
             stop_timeout=self.settings.stop_timeout,
+            clock=self.settings.clock,
         )
 
     def _placed_life(

@@ -287,8 +287,9 @@ class Instance:
         auto_ranks: bool = False,
     ) -> None:
         self.spec = spec
-        # the GPU options as asked: each life's placement sizes "auto" again from the VRAM free then
-        self._gpu_asked = {k: spec.options[k] for k in fit.GPU_PLACED if k in spec.options}
+        # the options as asked: each life's placement sizes those its engine sizes for every life again ("auto" GPU
+        # layers from the VRAM free then)
+        self._asked = spec.options
         self.ranks = ranks  # runners per life (a multi-rank instance's group, ``node.ranks``), placed together
         # ``ranks: "auto"`` on a cluster: each placement chooses the ranks of the next life (one runner when a node
         # holds the model whole, else the fewest nodes that hold it split) and sets ``ranks`` to them
@@ -492,8 +493,10 @@ class Instance:
         if self._admitted is not None:  # the first life, checked by the caller a moment ago
             self.fit, self._admitted = self._admitted, None
         else:
-            options = {k: v for k, v in self.spec.options.items() if k not in fit.GPU_PLACED}
-            self.spec = msgspec.structs.replace(self.spec, options={**options, **self._gpu_asked})
+            again = fit.each_life(self.spec)  # the engine was resolved by the first life's placement
+            options = {k: v for k, v in self.spec.options.items() if k not in again}
+            asked = {k: v for k, v in self._asked.items() if k in again}
+            self.spec = msgspec.structs.replace(self.spec, options={**options, **asked})
             if self._placer is not None:
                 self.fit = await self._placer(self)
             else:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from tether.clock import MONOTONIC, Clock
 from tether.errors import InvalidField
 from tether.node.gone import NotGone
 from tether.node.hangs import Deadlines
@@ -100,6 +100,7 @@ class RankGroup(LifeTasks):
         sites: Sequence[Site],
         ports: Sequence[int],
         stop_timeout: float = 10.0,
+        clock: Clock = MONOTONIC,
     ) -> None:
         super().__init__()  # the members own the processes
         if len(sites) != len(ports) or not 2 <= len(sites) <= MAX_RANKS:
@@ -112,6 +113,7 @@ class RankGroup(LifeTasks):
         self.runner_id = runner_id
         self.deadlines = deadlines
         self.stop_timeout = stop_timeout
+        self.clock = clock  # what its bounds and the times it records read (its members' own clock: ``tether.clock``)
         self.members: list[RunnerLife] = [
             site.factory(
                 msgspec.structs.replace(spec, rank=RankInfo(rank, world, peers, shares)),
@@ -212,7 +214,7 @@ class RankGroup(LifeTasks):
             try:
                 await self._entered.enter_async_context(member)
             except RunnerUnavailable as exc:
-                self._ended[rank] = time.monotonic()
+                self._ended[rank] = self.clock.now()
                 self._first = rank
                 await self._fail_together(rank, fallback=exc.cause)
                 assert self.cause is not None
@@ -230,7 +232,7 @@ class RankGroup(LifeTasks):
     async def _watch_rank(self, rank: int, member: RunnerLife) -> None:
         with anyio.CancelScope(shield=True):
             await member.wait_exit(math.inf)
-            self._ended.setdefault(rank, time.monotonic())
+            self._ended.setdefault(rank, self.clock.now())
             if self._first is None and not self._stopping:
                 self._first = rank
                 await self._fail_together(rank)
@@ -241,7 +243,7 @@ class RankGroup(LifeTasks):
         with anyio.CancelScope(shield=True):
             await self._stop_members()
             self.cause = self._decide(first, fallback)
-            self.detection_seconds = time.monotonic() - self._ended.get(first, time.monotonic())
+            self.detection_seconds = self.clock.now() - self._ended.get(first, self.clock.now())
             log.error("%s failed: %s", self.name, self.cause.render())
             self._decided.set()
             await self._drain(self.stop_timeout)  # every relay delivers its request's end with this cause
@@ -258,7 +260,7 @@ class RankGroup(LifeTasks):
             for member in self.members:
                 if member.alive:
                     tg.start_soon(one, member)
-        with anyio.move_on_after(1.0):  # each runner's own diagnosis, right after its exit
+        with self.clock.move_on_after(1.0):  # each runner's own diagnosis, right after its exit
             for member in self.members:
                 if member.pid is not None:
                     await member.wait_exit(math.inf)
@@ -301,10 +303,10 @@ class RankGroup(LifeTasks):
         if self._exited.is_set() or self.members[0].pid is None:
             return self.stop_report
         if self._first is not None:  # failing already: that stops them
-            with anyio.move_on_after((self.stop_timeout if timeout is None else timeout) + 2.0):
+            with self.clock.move_on_after((self.stop_timeout if timeout is None else timeout) + 2.0):
                 await self._exited.wait()
             return self.stop_report
-        began = time.monotonic()
+        began = self.clock.now()
         self._stopping = True
         reports: list[StopReport | None] = []
 
@@ -322,7 +324,7 @@ class RankGroup(LifeTasks):
         self._exited.set()
         clean = all(r is None or r.clean for r in reports)
         escalated = next((r.escalated_to for r in reports if r is not None and r.escalated_to), None)
-        self.stop_report = StopReport(clean=clean, escalated_to=escalated, seconds=time.monotonic() - began)
+        self.stop_report = StopReport(clean=clean, escalated_to=escalated, seconds=self.clock.now() - began)
         return self.stop_report
 
     async def confirm_gone(self, timeout: float) -> None:
@@ -353,7 +355,7 @@ class RankGroup(LifeTasks):
                 await member.ready()
             except (TaskFailed, RunnerUnavailable, TimeoutError):
                 failed.append(rank)
-                self._ended.setdefault(rank, time.monotonic())
+                self._ended.setdefault(rank, self.clock.now())
                 if self._first is None and not self._stopping:
                     self._first = rank
                     self._spawn(self._fail_together, rank)
@@ -362,7 +364,7 @@ class RankGroup(LifeTasks):
             for rank, member in enumerate(self.members):
                 tg.start_soon(one, rank, member)
         if failed or self._first is not None:
-            with anyio.move_on_after(self.stop_timeout + 2.0):
+            with self.clock.move_on_after(self.stop_timeout + 2.0):
                 await self._decided.wait()
             cause = self.cause or Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=f"{self.name} stopped while loading")
             raise TaskFailed(TaskStatus(new_id("ready"), TaskState.FAILED, error=cause.summary, cause=cause))
@@ -405,7 +407,7 @@ class RankGroup(LifeTasks):
         ending = status.cause is not None or self._first is not None or not self.members[0].alive
         if status.state is TaskState.COMPLETE or user_cancel or not ending or self._stopping:
             return status
-        with anyio.move_on_after(self.stop_timeout + 2.0):
+        with self.clock.move_on_after(self.stop_timeout + 2.0):
             await self._decided.wait()
         if self._stopping or self.cause is None:
             return status

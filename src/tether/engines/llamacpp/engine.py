@@ -37,6 +37,7 @@ from tether.engines.base import Delta, EngineLoadError, ProgressCallback, Reques
 from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateError, resolve
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.engines.llamacpp import invariant
+from tether.engines.llamacpp.sizing import SIZING
 from tether.engines.llamacpp.tools import LEADING_SPACE, template_messages, tool_grammar
 from tether.engines.llamacpp.tools import ROOT as TOOLS_ROOT
 from tether.engines.reasoning import Block, ReasoningFormat, Splitter, closes_in_prompt, opens_in_prompt
@@ -122,6 +123,7 @@ class LlamaCppEngine:
     options = MappingProxyType(OPTION_DEFAULTS)
     distributed = True  # ranks > 1 split the model's layers over the ranks (ggml RPC), see the module docstring
     splits_model = True  # each rank holds a share of the model, not a copy: the fit counts each rank's share
+    sizing = SIZING  # n_gpu_layers, n_ctx and the prompt cache's RAM store "auto": sized by the fit check per node
 
     @staticmethod
     def estimate_memory(spec: EngineSpec) -> ModelEstimate:

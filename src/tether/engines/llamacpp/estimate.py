@@ -25,7 +25,7 @@ prompt tokens attends to a nearly full context, not its footprint right after lo
   what the runner holds (:attr:`ModelEstimate.held`, what measurements are compared with), but under churn it fills,
   so the fit check reserves it (:attr:`ModelEstimate.expected` and ``total`` count it): a model admitted beside this
   one cannot take the room it will grow into. "auto" is at most the KV cache's size and at most the room the rest
-  leaves (``within``, applied where the fit check sizes a spec: ``tether.node.fit.size_context``), so a cache never
+  leaves (``within``, applied where the fit check sizes a spec: ``tether.engines.llamacpp.sizing``), so a cache never
   makes a model not fit nor lowers its context; a size given is counted as given;
 * headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
 
