@@ -19,6 +19,7 @@ import msgspec
 from tether.serve import views
 from tether.serve.dialects import embeddings, ollama, openai, responses, shapes, tokenizer
 from tether.serve.dialects.ollama import replies as ollama_replies
+from tether.serve.dialects.responses import replies as responses_replies
 from tether.serve.guard import OPEN_PATHS
 from tether.serve.routes import REF, Route, json_answer
 from tether.serve.statuses import WHEN, shape_of
@@ -32,7 +33,7 @@ RETRY_AFTER = {
 
 
 # where the answers' structs are defined
-ANSWER_MODULES = (views, openai, embeddings, tokenizer, responses, ollama_replies)
+ANSWER_MODULES = (views, openai, embeddings, tokenizer, responses_replies, ollama_replies)
 RULE_MODULES = (shapes, openai, responses, ollama, tokenizer)  # their SCHEMA_RULES: what a field's type cannot say
 
 

@@ -1,0 +1,96 @@
+"""The Responses API's routes: ``POST /v1/responses``, and the stored-response routes, which find nothing stored."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tether.serve import views
+from tether.serve.dialects import thinking
+from tether.serve.dialects import tools as toolkit
+from tether.serve.dialects.responses.planning import effort, plan, uses_tools
+from tether.serve.dialects.responses.replies import RESPONSE_EVENTS, ResponseObject, new_id
+from tether.serve.dialects.responses.requests import ResponsesRequest, decode
+from tether.serve.dialects.responses.shaper import ResponsesShaper
+from tether.serve.generation import Api
+from tether.serve.routes import GENERATION_ERRORS, SSE, Route, json_answer, path_parameter, ref
+from tether.serve.statuses import Answer
+
+ENDPOINT = "responses"  # the metrics' endpoint label
+
+
+NOT_STORED = (
+    "tether stores no responses (every response is store: false), so there is no response {id!r} to {what}; "
+    "to stop a generation in flight, POST /v1/requests/{{id}}/cancel with the response's id"
+)
+
+
+def _not_stored(response_id: str, what: str) -> Response:
+    message = NOT_STORED.format(id=response_id, what=what)
+    return Answer(404, "invalid_request_error", "not_found", message, "response_id").response("/v1/responses")
+
+
+def _events() -> dict[str, Any]:
+    """One server-sent event of a Responses stream: its ``event`` name and the typed JSON it carries."""
+    names = [struct.__struct_config__.tag for struct in RESPONSE_EVENTS]
+    payload = {"anyOf": [ref(struct) for struct in RESPONSE_EVENTS]}
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {"type": "object", "required": ["event", "data"], "properties": {"event": {"enum": names}, "data": data}}
+
+
+def routes(api: Api) -> list[Route]:
+    """``POST /v1/responses``, and the stored-response routes, which find nothing stored."""
+
+    async def create_response(request: Request) -> Response:
+        started = time.monotonic()
+        body = decode(await request.body())
+        model_id = api.scheduler.resolve(body.model)
+        fmt = await toolkit.format_for(api.scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
+        think = await thinking.switch(api.scheduler, model_id, thinking.wanted(effort(body)), "reasoning.effort")
+        planned = api.planned(model_id, ENDPOINT, lambda: plan(body, fmt, think))
+        response_id = new_id("resp")
+        shaper = ResponsesShaper(response_id, model_id, planned)
+        return await api.respond(model_id, planned, shaper, response_id, ENDPOINT, started)
+
+    async def get_response(response_id: str) -> Response:
+        return _not_stored(response_id, "retrieve")
+
+    async def delete_response(response_id: str) -> Response:
+        return _not_stored(response_id, "delete")
+
+    async def cancel_response(response_id: str) -> Response:
+        return _not_stored(response_id, "cancel")
+
+    async def input_items(response_id: str) -> Response:
+        return _not_stored(response_id, "list the input items of")
+
+    answer = {
+        "200": {
+            "description": "the response object (``stream: false``) or its typed server-sent events, from "
+            "``response.created`` to ``response.completed`` (``response.incomplete`` when the length limit ended "
+            "it), or ``response.failed`` and an ``error`` event carrying the cause when the runner fails",
+            "content": {"application/json": {"schema": ref(ResponseObject)}, SSE: {"schema": _events()}},
+        }
+    }
+    stored = "/v1/responses/{response_id}"
+    nothing = {"404": json_answer(views.ErrorBody, "no such response: tether stores no responses")}
+    what = "a stored response: tether stores none (store is false), so always 404"
+    at = (path_parameter("response_id"),)
+    return [
+        Route(
+            "/v1/responses",
+            "POST",
+            create_response,
+            "OpenAI Responses API, stateless (store false; previous_response_id refused)",
+            answer,
+            GENERATION_ERRORS,
+            ResponsesRequest,
+        ),
+        Route(stored, "GET", get_response, f"retrieve {what}", nothing, parameters=at),
+        Route(stored, "DELETE", delete_response, f"delete {what}", nothing, parameters=at),
+        Route(f"{stored}/cancel", "POST", cancel_response, f"cancel {what}", nothing, parameters=at),
+        Route(f"{stored}/input_items", "GET", input_items, f"list the input items of {what}", nothing, parameters=at),
+    ]
