@@ -81,16 +81,39 @@ def routes(api: Api) -> list[Route]:
     at = (path_parameter("response_id"),)
     return [
         Route(
-            "/v1/responses",
-            "POST",
-            create_response,
-            "OpenAI Responses API, stateless (store false; previous_response_id refused)",
-            answer,
-            GENERATION_ERRORS,
-            ResponsesRequest,
+            path="/v1/responses",
+            method="POST",
+            endpoint=create_response,
+            summary="OpenAI Responses API, stateless (store false; previous_response_id refused)",
+            answers=answer,
+            errors=GENERATION_ERRORS,
+            body=ResponsesRequest,
         ),
-        Route(stored, "GET", get_response, f"retrieve {what}", nothing, parameters=at),
-        Route(stored, "DELETE", delete_response, f"delete {what}", nothing, parameters=at),
-        Route(f"{stored}/cancel", "POST", cancel_response, f"cancel {what}", nothing, parameters=at),
-        Route(f"{stored}/input_items", "GET", input_items, f"list the input items of {what}", nothing, parameters=at),
+        Route(
+            path=stored, method="GET", endpoint=get_response, summary=f"retrieve {what}", answers=nothing, parameters=at
+        ),
+        Route(
+            path=stored,
+            method="DELETE",
+            endpoint=delete_response,
+            summary=f"delete {what}",
+            answers=nothing,
+            parameters=at,
+        ),
+        Route(
+            path=f"{stored}/cancel",
+            method="POST",
+            endpoint=cancel_response,
+            summary=f"cancel {what}",
+            answers=nothing,
+            parameters=at,
+        ),
+        Route(
+            path=f"{stored}/input_items",
+            method="GET",
+            endpoint=input_items,
+            summary=f"list the input items of {what}",
+            answers=nothing,
+            parameters=at,
+        ),
     ]
