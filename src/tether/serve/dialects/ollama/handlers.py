@@ -81,54 +81,150 @@ def _generation_answer(chunk: type, done: type) -> dict[str, Any]:
 
 def routes(api: Api) -> list[Route]:
     """Ollama's routes, answering through ``api``; their errors take Ollama's shape by their path (``statuses``)."""
-    fleet, scheduler = api.fleet, api.scheduler
+    return OllamaHandlers(api).routes()
 
-    async def generation(request: Request, kind: Literal["chat", "generate"]) -> Response:
+
+class OllamaHandlers:
+    """Ollama's handlers, one method each, answering through ``api``, and the table that routes to them."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.scheduler = api.scheduler
+
+    def routes(self) -> list[Route]:
+        errors = GENERATION_ERRORS
+        return [
+            Route(
+                path="/api/chat",
+                method="POST",
+                endpoint=self.chat,
+                summary="Ollama chat",
+                answers=_generation_answer(OllamaChatChunk, OllamaChatDone),
+                errors=errors,
+                body=OllamaChatRequest,
+            ),
+            Route(
+                path="/api/generate",
+                method="POST",
+                endpoint=self.generate,
+                summary="Ollama completion",
+                answers=_generation_answer(OllamaGenerateChunk, OllamaGenerateDone),
+                errors=errors,
+                body=OllamaGenerateRequest,
+            ),
+            Route(
+                path="/api/embed",
+                method="POST",
+                endpoint=self.embed,
+                summary="Ollama embeddings, one unit-length vector per input",
+                answers={"200": json_answer(OllamaEmbedOut, "the vectors")},
+                errors=errors,
+                body=OllamaEmbedRequest,
+            ),
+            Route(
+                path="/api/embeddings",
+                method="POST",
+                endpoint=self.embeddings,
+                summary="Ollama's older embeddings route: one prompt, one vector",
+                answers={"200": json_answer(OllamaEmbeddingOut, "the vector")},
+                errors=errors,
+                body=OllamaEmbeddingsRequest,
+            ),
+            Route(
+                path="/api/tags",
+                method="GET",
+                endpoint=self.tags,
+                summary="every model, as Ollama lists them",
+                answers={"200": json_answer(OllamaTags, "them")},
+            ),
+            Route(
+                path="/api/ps",
+                method="GET",
+                endpoint=self.ps,
+                summary="the loaded models",
+                answers={"200": json_answer(OllamaPs, "them")},
+            ),
+            Route(
+                path="/api/show",
+                method="POST",
+                endpoint=self.show,
+                summary="one model: its GGUF metadata, chat template and capabilities",
+                answers={"200": json_answer(OllamaShow, "the model")},
+                errors=(400, 404, 413),
+                body=OllamaShowRequest,
+            ),
+            Route(
+                path="/api/version",
+                method="GET",
+                endpoint=self.version,
+                summary="the Ollama release whose API tether speaks (tether's own version: the X-Tether-Version "
+                "header)",
+                answers={"200": json_answer(OllamaVersion, "it")},
+            ),
+        ]
+
+    # --- generation --------------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generation(request, "chat")
+
+    async def generate(self, request: Request) -> Response:
+        return await self.generation(request, "generate")
+
+    async def generation(self, request: Request, kind: Literal["chat", "generate"]) -> Response:
         started = time.monotonic()
         endpoint = f"ollama_{kind}"
         struct = OllamaChatRequest if kind == "chat" else OllamaGenerateRequest
-        body = decode(struct, await request.body())
-        model_id = scheduler.resolve(body.model)
-        think = await thinking.switch(scheduler, model_id, wants_thinking(body), "think")
-        if isinstance(body, OllamaChatRequest):
-            fmt = await toolkit.format_for(scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
-            make: Callable[[], Plan | None] = functools.partial(chat_plan, body, fmt, think)
-        else:
-            templated = body.raw or await toolkit.template_of(scheduler, model_id) != ""
-            make = functools.partial(generate_plan, body, think, templated)
-        plan = api.planned(model_id, endpoint, make)
-        if plan is None:  # Ollama's "load the model" (or, with keep_alive 0, "unload it": ollama stop)
-            keep = keep_alive_seconds(body.keep_alive)
-            if keep == 0:
-                await scheduler.unload(model_id, "keep_alive 0 with nothing to generate (ollama stop)")
-                answer = {**loaded(kind, model_id), "done_reason": "unload"}
-            else:
-                async with scheduler.lease(model_id, keep) as hosted:
-                    if not isinstance(hosted.instance.state, InstanceReady):
-                        inst = hosted.instance
-                        raise Unavailable(inst.unavailable_reason(), retry_after=hosted.retry_after(), cause=inst.cause)
-                answer = loaded(kind, model_id)
-            if body.stream:
-                return Response(views.encode(answer) + b"\n", media_type=NDJSON)
-            return json_response(answer)
+        body: OllamaChatRequest | OllamaGenerateRequest = decode(struct, await request.body())
+        model_id = self.scheduler.resolve(body.model)
+        plan = self.api.planned(model_id, endpoint, await self.planner(body, model_id))
+        if plan is None:
+            return await self.load(kind, model_id, body)
         request_id = new_request_id(f"ollama-{kind}")
         shaper = OllamaShaper(kind, model_id, plan, started, request_id)
-        return await api.respond(model_id, plan, shaper, request_id, endpoint, started)
+        return await self.api.respond(model_id, plan, shaper, request_id, endpoint, started)
 
-    async def chat(request: Request) -> Response:
-        return await generation(request, "chat")
+    async def planner(
+        self, body: OllamaChatRequest | OllamaGenerateRequest, model_id: str
+    ) -> Callable[[], Plan | None]:
+        """What makes the request's plan once it is admitted, with what the model says first: whether its template
+        can switch thinking, its tool format (a chat's), whether it has a template (a generation's)."""
+        think = await thinking.switch(self.scheduler, model_id, wants_thinking(body), "think")
+        if isinstance(body, OllamaChatRequest):
+            fmt = await toolkit.format_for(self.scheduler, model_id) if uses_tools(body) else toolkit.GENERIC
+            return functools.partial(chat_plan, body, fmt, think)
+        templated = body.raw or await toolkit.template_of(self.scheduler, model_id) != ""
+        return functools.partial(generate_plan, body, think, templated)
 
-    async def generate(request: Request) -> Response:
-        return await generation(request, "generate")
+    async def load(
+        self, kind: Literal["chat", "generate"], model_id: str, body: OllamaChatRequest | OllamaGenerateRequest
+    ) -> Response:
+        """A request with nothing to generate: Ollama's "load the model" (or, with keep_alive 0, "unload it":
+        ``ollama stop``), answered once it is done."""
+        keep = keep_alive_seconds(body.keep_alive)
+        if keep == 0:
+            await self.scheduler.unload(model_id, "keep_alive 0 with nothing to generate (ollama stop)")
+            answer = {**loaded(kind, model_id), "done_reason": "unload"}
+        else:
+            async with self.scheduler.lease(model_id, keep) as hosted:
+                if not isinstance(hosted.instance.state, InstanceReady):
+                    inst = hosted.instance
+                    raise Unavailable(inst.unavailable_reason(), retry_after=hosted.retry_after(), cause=inst.cause)
+            answer = loaded(kind, model_id)
+        if body.stream:
+            return Response(views.encode(answer) + b"\n", media_type=NDJSON)
+        return json_response(answer)
 
-    async def embed(request: Request) -> Response:
+    # --- embeddings --------------------------------------------------------------------------------------------
+
+    async def embed(self, request: Request) -> Response:
         started = time.monotonic()
         body = decode(OllamaEmbedRequest, await request.body())
-        model_id = scheduler.resolve(body.model)
-        inputs = api.planned(model_id, "ollama_embed", lambda: embed_inputs(embed_texts(body), body))
+        model_id = self.scheduler.resolve(body.model)
+        inputs = self.api.planned(model_id, "ollama_embed", lambda: embed_inputs(embed_texts(body), body))
         keep = keep_alive_seconds(body.keep_alive)
         embed_id = new_request_id("ollama-embed")
-        chunks = await api.embed(model_id, inputs, embed_id, "ollama_embed", keep) if inputs else []
+        chunks = await self.api.embed(model_id, inputs, embed_id, "ollama_embed", keep) if inputs else []
         return json_response(
             OllamaEmbedOut(
                 model=model_id,
@@ -139,36 +235,38 @@ def routes(api: Api) -> list[Route]:
             )
         )
 
-    async def embeddings_(request: Request) -> Response:
+    async def embeddings(self, request: Request) -> Response:
         body = decode(OllamaEmbeddingsRequest, await request.body())
-        model_id = scheduler.resolve(body.model)
-        inputs = api.planned(model_id, "ollama_embeddings", lambda: embed_inputs([body.prompt or ""], body))
+        model_id = self.scheduler.resolve(body.model)
+        inputs = self.api.planned(model_id, "ollama_embeddings", lambda: embed_inputs([body.prompt or ""], body))
         if not body.prompt:  # Ollama answers an empty prompt with an empty vector (it loads the model)
             return json_response(OllamaEmbeddingOut(embedding=[]))
         keep = keep_alive_seconds(body.keep_alive)
-        chunks = await api.embed(model_id, inputs, new_request_id("ollama-embd"), "ollama_embeddings", keep)
+        chunks = await self.api.embed(model_id, inputs, new_request_id("ollama-embd"), "ollama_embeddings", keep)
         return json_response(OllamaEmbeddingOut(embedding=list(chunks[0].embedding or ())))
 
-    async def tags() -> Response:
+    # --- models ------------------------------------------------------------------------------------------------
+
+    async def tags(self) -> Response:
         models = []
-        for item in listed(scheduler):
+        for item in listed(self.scheduler):
             models.append(tag_out(item, await anyio.to_thread.run_sync(facts, item)))
         return json_response(OllamaTags(models=models))
 
-    async def ps() -> Response:
+    async def ps(self) -> Response:
         models = []
-        now = scheduler.now()
-        for hosted in fleet.list():
+        now = self.scheduler.now()
+        for hosted in self.api.fleet.list():
             if isinstance(hosted.instance.state, InstanceReady):
-                slot = scheduler.slots.get(hosted.id)
+                slot = self.scheduler.slots.get(hosted.id)
                 expires = slot.expires_in(now) if slot is not None else None
                 f = await anyio.to_thread.run_sync(facts, ListedModel.of(hosted))
                 models.append(await loaded_out(hosted, f, expires))
         return json_response(OllamaPs(models=models))
 
-    async def show(request: Request) -> Response:
-        model_id = scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body())))
-        item = next(i for i in listed(scheduler) if i.id == model_id)
+    async def show(self, request: Request) -> Response:
+        model_id = self.scheduler.resolve(show_model(decode(OllamaShowRequest, await request.body())))
+        item = next(i for i in listed(self.scheduler) if i.id == model_id)
         f = await anyio.to_thread.run_sync(facts, item)
         return json_response(
             OllamaShow(
@@ -183,75 +281,5 @@ def routes(api: Api) -> list[Route]:
             )
         )
 
-    async def version() -> Response:
+    async def version(self) -> Response:
         return json_response(OllamaVersion(version=OLLAMA_VERSION), headers={TETHER_VERSION: tether.__version__})
-
-    errors = GENERATION_ERRORS
-    return [
-        Route(
-            path="/api/chat",
-            method="POST",
-            endpoint=chat,
-            summary="Ollama chat",
-            answers=_generation_answer(OllamaChatChunk, OllamaChatDone),
-            errors=errors,
-            body=OllamaChatRequest,
-        ),
-        Route(
-            path="/api/generate",
-            method="POST",
-            endpoint=generate,
-            summary="Ollama completion",
-            answers=_generation_answer(OllamaGenerateChunk, OllamaGenerateDone),
-            errors=errors,
-            body=OllamaGenerateRequest,
-        ),
-        Route(
-            path="/api/embed",
-            method="POST",
-            endpoint=embed,
-            summary="Ollama embeddings, one unit-length vector per input",
-            answers={"200": json_answer(OllamaEmbedOut, "the vectors")},
-            errors=errors,
-            body=OllamaEmbedRequest,
-        ),
-        Route(
-            path="/api/embeddings",
-            method="POST",
-            endpoint=embeddings_,
-            summary="Ollama's older embeddings route: one prompt, one vector",
-            answers={"200": json_answer(OllamaEmbeddingOut, "the vector")},
-            errors=errors,
-            body=OllamaEmbeddingsRequest,
-        ),
-        Route(
-            path="/api/tags",
-            method="GET",
-            endpoint=tags,
-            summary="every model, as Ollama lists them",
-            answers={"200": json_answer(OllamaTags, "them")},
-        ),
-        Route(
-            path="/api/ps",
-            method="GET",
-            endpoint=ps,
-            summary="the loaded models",
-            answers={"200": json_answer(OllamaPs, "them")},
-        ),
-        Route(
-            path="/api/show",
-            method="POST",
-            endpoint=show,
-            summary="one model: its GGUF metadata, chat template and capabilities",
-            answers={"200": json_answer(OllamaShow, "the model")},
-            errors=(400, 404, 413),
-            body=OllamaShowRequest,
-        ),
-        Route(
-            path="/api/version",
-            method="GET",
-            endpoint=version,
-            summary="the Ollama release whose API tether speaks (tether's own version: the X-Tether-Version header)",
-            answers={"200": json_answer(OllamaVersion, "it")},
-        ),
-    ]
