@@ -12,7 +12,7 @@ replies), ``handlers`` (the routes). This package re-exports what the app, the t
 """
 
 from tether.serve.dialects.openai.handlers import routes
-from tether.serve.dialects.openai.planning import chat_plan, completion_plan, plan
+from tether.serve.dialects.openai.planning import chat_plan, completion_plan
 from tether.serve.dialects.openai.replies import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -40,6 +40,5 @@ __all__ = [
     "chat_plan",
     "completion_plan",
     "decode",
-    "plan",
     "routes",
 ]

@@ -187,9 +187,3 @@ def completion_plan(request: CompletionRequest) -> Plan:
         request.logprobs is not None,
         keep_alive=keep_alive_seconds(request.keep_alive),
     )
-
-
-def plan(
-    body: ChatRequest | CompletionRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None
-) -> Plan:
-    return chat_plan(body, fmt, thinking) if isinstance(body, ChatRequest) else completion_plan(body)
