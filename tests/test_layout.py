@@ -292,6 +292,7 @@ SHARED_DIALECT_MODULES = (
     "template_args",
     "thinking",
     "tools",
+    "usage",
 )
 """The modules of ``tether.serve.dialects`` every dialect may use; each other module there is a dialect."""
 

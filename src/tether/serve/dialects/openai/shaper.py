@@ -16,28 +16,10 @@ from tether.protocol import (
 from tether.serve import views
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.plan import Plan
-from tether.serve.generation import Speculation
+from tether.serve.dialects.usage import Tally, render_usage
 from tether.serve.statuses import Answer
 
 _encode = msgspec.json.Encoder().encode
-
-
-def usage(
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int = 0,
-    reasoning_tokens: int = 0,
-    speculation: Speculation | None = None,
-) -> dict[str, Any]:
-    drafted = speculation or Speculation()
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": drafted.details(reasoning_tokens),
-        "speculation": drafted.usage(),
-    }
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
@@ -76,9 +58,7 @@ class OpenAIShaper:
         self.reasoning: list[str] = []  # a reasoning model's thinking, kept apart by the runner
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # streamed text so far (completion logprobs' text_offset)
-        self.cached_tokens = 0  # from the final chunk
-        self.speculation = Speculation()  # from the final chunk
-        self.reasoning_tokens = 0  # of the completion's tokens, those that wrote only thinking
+        self.tally = Tally()  # what usage reports beside the token counts
         self.answer = self.plan.tools.stream() if self.plan.tools is not None else None
 
     # --- generation.Shaper ---------------------------------------------------------------------------------------
@@ -88,14 +68,11 @@ class OpenAIShaper:
 
     def feed(self, chunk: Chunk) -> bytes:
         self.text.append(chunk.text)
+        self.tally.feed(chunk)
         thought = b""
         if chunk.reasoning:
             self.reasoning.append(chunk.reasoning)
-            self.reasoning_tokens += chunk.tokens if not chunk.text else 0
             thought = self._sse(self._chunk_obj({"reasoning_content": chunk.reasoning}))
-        if chunk.finish_reason is not None:
-            self.cached_tokens = chunk.cached_tokens
-            self.speculation = Speculation.of(chunk)
         if self.plan.logprobs:
             self.logprobs.extend(chunk.logprobs)
         if self.answer is not None:
@@ -234,7 +211,7 @@ class OpenAIShaper:
         )
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return usage(prompt_tokens, completion_tokens, self.cached_tokens, self.reasoning_tokens, self.speculation)
+        return render_usage("completions", prompt_tokens, completion_tokens, self.tally)
 
     @staticmethod
     def _sse(obj: dict[str, Any]) -> bytes:

@@ -14,28 +14,10 @@ from tether.serve import views
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.responses.planning import ResponsesPlan
 from tether.serve.dialects.responses.replies import new_id
-from tether.serve.generation import Speculation
+from tether.serve.dialects.usage import Tally, render_usage
 from tether.serve.statuses import Answer
 
 _encode = msgspec.json.Encoder().encode
-
-
-def response_usage(
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int = 0,
-    reasoning_tokens: int = 0,
-    speculation: Speculation | None = None,
-) -> dict[str, Any]:
-    drafted = speculation or Speculation()
-    return {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": completion_tokens,
-        "output_tokens_details": drafted.details(reasoning_tokens),
-        "total_tokens": prompt_tokens + completion_tokens,
-        "speculation": drafted.usage(),
-    }
 
 
 class ResponsesShaper:
@@ -62,15 +44,13 @@ class ResponsesShaper:
         self.reasoning_id = new_id("rs")
         self.text: list[str] = []
         self.reasoning: list[str] = []  # a reasoning model's thinking, kept apart by the runner
-        self.reasoning_tokens = 0  # of the completion's tokens, those that wrote only thinking
         self._thinking_at: int | None = None  # the reasoning item's output index, once opened
         self._thinking_done = False
         self._message_at: int | None = None  # a plain answer's message's output index, once opened
         self.logprobs: list[dict[str, Any]] = []
         self._sequence = 0
         self._opened = False
-        self.cached_tokens = 0  # from the final chunk
-        self.speculation = Speculation()  # from the final chunk
+        self.tally = Tally()  # what usage reports beside the token counts
         self.answer = plan.tools.stream() if plan.tools is not None else None
         self._outputs: list[dict[str, Any]] = []  # a tool answer's items, as opened (their index is their place)
         self._calls: dict[int, dict[str, Any]] = {}  # the function_call items, by the call's index
@@ -82,15 +62,12 @@ class ResponsesShaper:
 
     def feed(self, chunk: Chunk) -> bytes:
         self.text.append(chunk.text)
-        if chunk.finish_reason is not None:
-            self.cached_tokens = chunk.cached_tokens
-            self.speculation = Speculation.of(chunk)
+        self.tally.feed(chunk)
         logprobs = [views.chat_logprob(e) for e in chunk.logprobs] if self.plan.logprobs else []
         self.logprobs.extend(logprobs)
         out = self._begin()  # the first chunk is fed before ``opening``: the opening events go first, in sequence
         if chunk.reasoning:
             self.reasoning.append(chunk.reasoning)
-            self.reasoning_tokens += chunk.tokens if not chunk.text else 0
             out += self._think(chunk.reasoning)
         if chunk.text and self._thinking_at is not None:
             out += self._thought()
@@ -306,9 +283,7 @@ class ResponsesShaper:
         done = status in ("completed", "incomplete")
         usage = None
         if prompt_tokens is not None and completion_tokens is not None:
-            usage = response_usage(
-                prompt_tokens, completion_tokens, self.cached_tokens, self.reasoning_tokens, self.speculation
-            )
+            usage = render_usage("responses", prompt_tokens, completion_tokens, self.tally)
         return {
             "id": self.id,
             "object": "response",
