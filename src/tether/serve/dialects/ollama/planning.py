@@ -199,12 +199,14 @@ def chat_plan(
         messages=tuple(messages),
         json_schema=json_schema,
         tool_syntax=syntax,
-        fit_context=True,
         thinking=thinking,
+        fit_context=True,
         **common,
     )
     keep = keep_alive_seconds(body.keep_alive)
-    return Plan(checked(params), body.model, body.stream, False, body.logprobs, tools, keep)
+    return Plan(
+        checked(params), model=body.model, stream=body.stream, logprobs=body.logprobs, tools=tools, keep_alive=keep
+    )
 
 
 def generate_plan(body: OllamaGenerateRequest, thinking: bool | None = None, templated: bool = True) -> Plan | None:
@@ -234,10 +236,10 @@ def generate_plan(body: OllamaGenerateRequest, thinking: bool | None = None, tem
         turns = [ChatMessage(role="system", content=body.system)] if body.system else []
         turns.append(ChatMessage(role="user", content=body.prompt))
         params = GenerateParams(
-            messages=tuple(turns), json_schema=json_schema, fit_context=True, thinking=thinking, **common
+            messages=tuple(turns), json_schema=json_schema, thinking=thinking, fit_context=True, **common
         )
     keep = keep_alive_seconds(body.keep_alive)
-    return Plan(checked(params), body.model, body.stream, False, body.logprobs, keep_alive=keep)
+    return Plan(checked(params), model=body.model, stream=body.stream, logprobs=body.logprobs, keep_alive=keep)
 
 
 def embed_texts(body: OllamaEmbedRequest) -> list[str]:

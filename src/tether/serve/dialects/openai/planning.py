@@ -132,12 +132,12 @@ def chat_plan(request: ChatRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, t
     )
     return Plan(
         checked(params),
-        request.model,
-        request.stream,
-        bool(request.stream_options and request.stream_options.include_usage),
-        request.logprobs,
-        tools,
-        keep_alive_seconds(request.keep_alive),
+        model=request.model,
+        stream=request.stream,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        logprobs=request.logprobs,
+        tools=tools,
+        keep_alive=keep_alive_seconds(request.keep_alive),
     )
 
 
@@ -181,9 +181,9 @@ def completion_plan(request: CompletionRequest) -> Plan:
     )
     return Plan(
         checked(params),
-        request.model,
-        request.stream,
-        bool(request.stream_options and request.stream_options.include_usage),
-        request.logprobs is not None,
+        model=request.model,
+        stream=request.stream,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        logprobs=request.logprobs is not None,
         keep_alive=keep_alive_seconds(request.keep_alive),
     )

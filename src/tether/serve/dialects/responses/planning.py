@@ -221,6 +221,16 @@ def uses_tools(request: ResponsesRequest) -> bool:
     return bool(request.tools) or (not isinstance(items, str) and any(i.type in calls for i in items))
 
 
+def sampling(request: ResponsesRequest) -> dict[str, Any]:
+    """The ``GenerateParams`` fields that say how the answer is drawn (as each dialect's ``sampling`` does)."""
+    return {
+        "max_tokens": DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "prediction": prediction_text(request.prediction),
+    }
+
+
 def plan(
     request: ResponsesRequest, fmt: toolkit.ToolFormat = toolkit.GENERIC, thinking: bool | None = None
 ) -> ResponsesPlan:
@@ -251,17 +261,13 @@ def plan(
     if tools is not None:
         json_schema, syntax = tools.apply(messages, json_schema, "text")
     logprobs = LOGPROBS in (request.include or ()) or request.top_logprobs is not None
-    max_tokens = DEFAULT_MAX_TOKENS if request.max_output_tokens is None else request.max_output_tokens
     params = GenerateParams(
         messages=tuple(messages),
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
         logprobs=(request.top_logprobs or 0) if logprobs else None,
         json_schema=json_schema,
         tool_syntax=syntax,
         thinking=thinking,
-        prediction=prediction_text(request.prediction),
+        **sampling(request),
     )
     text_format = {"type": "text"}
     if request.text is not None and request.text.format is not None:
@@ -283,4 +289,6 @@ def plan(
         "previous_response_id": None,
         "reasoning": {"effort": effort(request), "summary": None} if request.reasoning is not None else None,
     }
-    return ResponsesPlan(checked(params), request.model, request.stream, False, logprobs, tools, echo=echo)
+    return ResponsesPlan(
+        checked(params), model=request.model, stream=request.stream, logprobs=logprobs, tools=tools, echo=echo
+    )
