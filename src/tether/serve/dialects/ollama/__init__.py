@@ -46,7 +46,7 @@ it runs), ``replies`` (the reply types, and the models described), ``shaper`` (t
 ``handlers`` (the routes). This package re-exports what the app, the tests and the benchmarks use.
 """
 
-from tether.serve.dialects.ollama.handlers import OLLAMA_VERSION, TETHER_VERSION, routes
+from tether.serve.dialects.ollama.handlers import OLLAMA_VERSION, routes
 from tether.serve.dialects.ollama.planning import (
     chat_plan,
     chat_turns,
@@ -75,7 +75,6 @@ __all__ = [
     "BEYOND_SCHEMA",
     "OLLAMA_VERSION",
     "SCHEMA_RULES",
-    "TETHER_VERSION",
     "OllamaChatRequest",
     "OllamaEmbedRequest",
     "OllamaEmbeddingsRequest",
