@@ -24,8 +24,8 @@ _encode = msgspec.json.Encoder().encode
 
 @dataclass(frozen=True, kw_only=True)
 class Route:
-    """One HTTP route: what serves it and what ``/openapi.json`` says of it (built by keyword: seven of its fields
-    are a path, a summary and dicts, which positions would let swap unseen)."""
+    """One HTTP route: what serves it and what ``/openapi.json`` says of it. Built by keyword: its path, summary,
+    answers, errors and body are strings, dicts and tuples that positions would let swap unseen."""
 
     path: str
     method: str  # GET, POST, DELETE (a GET also answers HEAD when ``head``)
