@@ -276,10 +276,9 @@ def rendered_prompt(messages: list[dict[str, Any]]) -> str:
     from tether.engines.llamacpp.tools import template_messages
     from tether.serve.dialects import openai as dialect
     from tether.serve.dialects import tools as toolkit
-    from tether.serve.dialects.plan import decode_body
 
     body = {"messages": messages, "tools": [WEATHER], "temperature": 0}
-    plan = dialect.chat_plan(decode_body(dialect._chat_decoder, json.dumps(body).encode()), toolkit.HERMES)
+    plan = dialect.chat_plan(dialect.decode("chat", json.dumps(body).encode()), toolkit.HERMES)
     syntax = plan.params.tool_syntax
     assert syntax is not None
     formatter = Jinja2ChatFormatter((TEMPLATES / FILES[QWEN]).read_text(), eos_token="<|im_end|>", bos_token="")

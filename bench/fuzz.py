@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchstats import emit, ms, percentile, private_tether_dirs
 from tether.chaos.target import ServeChild
 from tether.serve.dialects import ollama, openai, responses
+from tether.serve.routes import NDJSON
 from tether.serve.statuses import ENGINE_REFUSED
 
 INSTANCE = "fuzz"
@@ -108,7 +109,7 @@ def error_of(body: bytes) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-@schemathesis.deserializer(ollama.NDJSON)
+@schemathesis.deserializer(NDJSON)
 def ndjson(_ctx: Any, response: Any) -> list[Any]:
     """Ollama's streams: one JSON object a line, checked as the array the schema describes."""
     return [json.loads(line) for line in response.content.decode().splitlines() if line.strip()]

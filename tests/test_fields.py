@@ -89,7 +89,7 @@ CHAT_BASE = {"messages": [{"role": "user", "content": "hi"}]}
 CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]] = {
     "POST /v1/chat/completions": (
         CHAT_BASE,
-        lambda body: openai.chat_plan(decode_body(openai._chat_decoder, body)),
+        lambda body: openai.chat_plan(openai.decode("chat", body)),
         {
             **SAMPLING,
             "messages": Case([{"role": "user", "content": "hello"}]),
@@ -118,7 +118,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
     ),
     "POST /v1/completions": (
         {"prompt": "hi"},
-        lambda body: openai.completion_plan(decode_body(openai._completion_decoder, body)),
+        lambda body: openai.completion_plan(openai.decode("completion", body)),
         {
             **SAMPLING,
             "prompt": Case("hello", refused=["a", "b"]),
@@ -133,8 +133,8 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[bytes], Any], dict[str, Case]]]
         {"role": "assistant", "content": "hi"},
         unprefixed(
             lambda body: openai.chat_plan(
-                decode_body(
-                    openai._chat_decoder,
+                openai.decode(
+                    "chat",
                     json.dumps({"messages": [{"role": "user", "content": "q"}, json.loads(body)]}).encode(),
                 )
             ),
@@ -450,5 +450,5 @@ def test_an_unknown_field_is_refused_naming_it_at_any_depth() -> None:
         ({**CHAT_BASE, "response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
     ):
         with pytest.raises(InvalidField) as caught:
-            decode_body(openai._chat_decoder, msgspec.json.encode(body))
+            openai.decode("chat", msgspec.json.encode(body))
         assert caught.value.field == param and f"unknown field {param!r}" in str(caught.value), caught.value

@@ -292,21 +292,38 @@ SHARED_DIALECT_MODULES = (
     "template_args",
     "thinking",
     "tools",
+    "usage",
 )
 """The modules of ``tether.serve.dialects`` every dialect may use; each other module there is a dialect."""
 
 
+def dialect_of(module: str, package: str, shared: tuple[str, ...] = SHARED_DIALECT_MODULES) -> str | None:
+    """The dialect ``module`` belongs to: the name under ``package`` (``tether.serve.dialects``) of its module, or of
+    its package when the dialect is a package (``ollama.planning`` is ``ollama``'s); None for a shared module."""
+    if not module.startswith(package + "."):
+        return None
+    name = module.removeprefix(package + ".").split(".")[0]
+    return None if name in shared else name
+
+
 def dialect_modules(root: Path, shared: tuple[str, ...] = SHARED_DIALECT_MODULES) -> list[str]:
-    """The dialects of the package at ``root``: every module of its ``serve.dialects`` but the shared ones."""
+    """The dialects' modules in the package at ``root``: every module of its ``serve.dialects`` but the shared ones
+    (a dialect package and each of its modules among them)."""
     package = f"{root.name}.serve.dialects"
-    return sorted(m for m in _modules(root) if m.startswith(package + ".") and m.rsplit(".", 1)[1] not in shared)
+    return sorted(m for m in _modules(root) if dialect_of(m, package, shared) is not None)
 
 
 def dialect_crossings(root: Path, shared: tuple[str, ...] = SHARED_DIALECT_MODULES) -> list[str]:
-    """Each import of one dialect by another (type-only ones too), as ``a imports b``."""
+    """Each import of one dialect by another (type-only ones too), as ``a imports b``. A dialect package's own
+    modules import each other freely: only an import of another dialect's module or package crosses."""
     graph = import_graph(root)
-    dialects = set(dialect_modules(root, shared))
-    return sorted(f"{m} imports {t}" for m in dialects for t in sorted(graph[m] & dialects))
+    package = f"{root.name}.serve.dialects"
+    return sorted(
+        f"{m} imports {t}"
+        for m in dialect_modules(root, shared)
+        for t in sorted(graph[m])
+        if dialect_of(t, package, shared) not in (None, dialect_of(m, package, shared))
+    )
 
 
 @pytest.mark.timeout(30)
@@ -315,6 +332,7 @@ def test_no_dialect_imports_another() -> None:
     conversation, a request shape two APIs take, a schema rule) lives in a shared module."""
     dialects = dialect_modules(SRC)
     assert "tether.serve.dialects.openai" in dialects and "tether.serve.dialects.ollama" in dialects
+    assert "tether.serve.dialects.ollama.planning" in dialects  # a dialect package's modules are its dialect's
     for name in SHARED_DIALECT_MODULES:
         assert (SRC / "serve" / "dialects" / f"{name}.py").is_file(), f"no shared module {name}: update the list"
     assert dialect_crossings(SRC) == []
@@ -341,6 +359,40 @@ def test_the_dialect_check_catches_a_dialect_that_borrows_from_another(tmp_path:
     assert dialect_crossings(package, ("tools",)) == [
         "tether.serve.dialects.beta imports tether.serve.dialects.alpha",
         "tether.serve.dialects.gamma imports tether.serve.dialects.alpha",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_the_dialect_check_catches_a_dialect_package_that_borrows_from_another(tmp_path: Path) -> None:
+    """A dialect package's modules may import each other (even one named like a shared module), not another
+    dialect; nor may another dialect import a package dialect's module."""
+    package = tmp_path / "tether"
+    dialects = package / "serve" / "dialects"
+    delta = dialects / "delta"
+    delta.mkdir(parents=True)
+    for folder in (package, package / "serve", dialects):
+        (folder / "__init__.py").write_text("")
+    (dialects / "tools.py").write_text("")
+    (dialects / "alpha.py").write_text("from tether.serve.dialects import tools\n")
+    (delta / "__init__.py").write_text("from tether.serve.dialects.delta.planning import plan\n")
+    (delta / "planning.py").write_text(
+        "from tether.serve.dialects import tools\nfrom tether.serve.dialects.delta import replies\n"
+    )
+    (delta / "replies.py").write_text("from tether.serve.dialects.alpha import Thing\n")
+    (delta / "tools.py").write_text("from tether.serve.dialects.delta.replies import Reply\n")
+    (dialects / "epsilon.py").write_text("from tether.serve.dialects.delta.planning import plan\n")
+    assert dialect_modules(package, ("tools",)) == [
+        "tether.serve.dialects.alpha",
+        "tether.serve.dialects.delta",
+        "tether.serve.dialects.delta.planning",
+        "tether.serve.dialects.delta.replies",
+        "tether.serve.dialects.delta.tools",
+        "tether.serve.dialects.epsilon",
+    ]
+    assert dialect_crossings(package, ("tools",)) == [
+        "tether.serve.dialects.delta.replies imports tether.serve.dialects.alpha",
+        "tether.serve.dialects.epsilon imports tether.serve.dialects.delta",
+        "tether.serve.dialects.epsilon imports tether.serve.dialects.delta.planning",
     ]
 
 

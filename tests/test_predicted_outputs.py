@@ -26,7 +26,6 @@ from tether.fleet.catalog import catalog_models
 from tether.fleet.fleet import Drafts
 from tether.protocol import Chunk, GenerateParams
 from tether.serve.dialects import openai, responses
-from tether.serve.dialects.plan import decode_body
 from tether.serve.dialects.shapes import Prediction, PredictionPart, prediction_text
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leftover_runners")]
@@ -104,10 +103,10 @@ def test_a_prediction_is_its_text_or_its_text_parts_joined() -> None:
     with pytest.raises(InvalidField, match=r"prediction.content\[1\]: only text parts") as refused:
         prediction_text(Prediction("content", [PredictionPart("text", "a"), PredictionPart("image", "b")]))
     assert refused.value.field == "prediction.content[1].type"
-    chat = openai.chat_plan(decode_body(openai._chat_decoder, json.dumps({**CHAT, "prediction": PARTS}).encode()))
+    chat = openai.chat_plan(openai.decode("chat", json.dumps({**CHAT, "prediction": PARTS}).encode()))
     assert chat.params.prediction == "def main():\n    pass"
     body = json.dumps({"prompt": "x", "prediction": {"type": "content", "content": "y"}}).encode()
-    text = openai.completion_plan(decode_body(openai._completion_decoder, body))
+    text = openai.completion_plan(openai.decode("completion", body))
     assert text.params.prediction == "y"
     answer = responses.plan(responses.decode(json.dumps({"input": "x", "prediction": PREDICTION}).encode()))
     assert answer.params.prediction == ORIGINAL
@@ -129,7 +128,7 @@ def test_a_prediction_goes_with_a_generation_only() -> None:
 
 
 def chat_plan(**extra: Any) -> Any:
-    return openai.chat_plan(decode_body(openai._chat_decoder, json.dumps({**CHAT, **extra}).encode()))
+    return openai.chat_plan(openai.decode("chat", json.dumps({**CHAT, **extra}).encode()))
 
 
 def test_chat_usage_reports_the_prediction_and_the_drafts_whole_and_streamed() -> None:

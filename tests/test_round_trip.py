@@ -28,7 +28,6 @@ from tether.serve import views
 from tether.serve.dialects import fields, ollama, openai, responses, shapes
 from tether.serve.dialects import tools as toolkit
 from tether.serve.dialects.conversation import Turn
-from tether.serve.dialects.plan import decode_body
 
 EXAMPLES = 400  # per dialect: 1,200 generated replies in all
 
@@ -235,7 +234,7 @@ def chat_request(generation: Generation, messages: list[dict[str, Any]]) -> dict
 
 def chat_plan(generation: Generation, body: dict[str, Any]) -> Any:
     fmt = FORMATS[generation.fmt]
-    return openai.chat_plan(decode_body(openai._chat_decoder, json.dumps(body).encode()), fmt)
+    return openai.chat_plan(openai.decode("chat", json.dumps(body).encode()), fmt)
 
 
 def openai_message(generation: Generation, idiom: str) -> dict[str, Any]:
@@ -286,7 +285,7 @@ def openai_round(generation: Generation, idiom: str) -> tuple[Held, Held]:
     body = chat_request(generation, history)
     plan = chat_plan(generation, body)  # decoded and planned as the server does: a refusal raises
     shown(plan, said)
-    turn = shapes.message_turns(decode_body(openai._chat_decoder, json.dumps(body).encode()).messages)[1]
+    turn = shapes.message_turns(openai.decode("chat", json.dumps(body).encode()).messages)[1]
     return said, held_of(turn)
 
 

@@ -71,63 +71,174 @@ def _log_outside(message: str) -> Response:
     return Answer(403, "permission_error", "log_outside", message).response("/v1/instances")
 
 
+LOG_QUERY: tuple[dict[str, Any], ...] = (
+    {"name": "life", "in": "query", "required": False, "schema": {"type": "integer"}},
+    {
+        "name": "lines",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": LOG_LINES, "default": 200},
+    },
+)
+
+
 def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Route]:
     """The operator's routes over ``api``'s fleet; runner logs are read from ``logs`` and nowhere else."""
-    scheduler, fleet, metrics = api.scheduler, api.fleet, api.metrics
+    return Admin(api, logs, cluster).routes()
 
-    async def fresh(hosted: Hosted) -> views.InstanceOut:
-        """The instance with its runner's memory sampled now (tens of µs), not up to a sampling interval old, and
-        the requests it serves now."""
-        sup = hosted.supervisor
-        if sup is not None and sup.alive:
-            await sup.sample_memory()
-        return views.instance_out(hosted, msgspec.convert(fleet.in_flight(hosted), list[views.RequestOut]))
 
-    async def add_instance(request: Request) -> Response:
+class Admin:
+    """The operator's handlers, one method each, over ``api``'s fleet, and the table that routes to them."""
+
+    def __init__(self, api: Api, logs: Path, cluster: views.ClusterView | None) -> None:
+        self.scheduler, self.fleet, self.metrics = api.scheduler, api.fleet, api.metrics
+        self.logs = logs
+        self.cluster = cluster
+        self.traces = TraceSnapshots(logs / "tracemalloc")
+
+    def routes(self) -> list[Route]:
+        instance = (path_parameter("instance_id"),)
+        debug: list[Route] = []
+        if tracing_wanted() and tracemalloc.is_tracing():  # off by default: no route, no cost
+            debug.append(
+                Route(
+                    path="/v1/debug/tracemalloc",
+                    method="POST",
+                    endpoint=self.tracemalloc_snapshot,
+                    summary="snapshot the worker's traced allocations; what grew since the baseline, by traceback",
+                    answers={"200": {"description": "the snapshot and the top growth"}},
+                    errors=(400,),
+                    documented=False,  # a debugging aid the operator turns on (TETHER_TRACEMALLOC=1), not the API
+                )
+            )
+        return [
+            *debug,
+            Route(
+                path="/v1/instances",
+                method="POST",
+                endpoint=self.add_instance,
+                summary="start an instance (it loads in the background)",
+                answers={"201": json_answer(views.InstanceOut, "created; loading")},
+                errors=(400, 409, 413, 507),
+                body=InstanceConfig,
+            ),
+            Route(
+                path="/v1/instances",
+                method="GET",
+                endpoint=self.list_instances,
+                summary="every instance, the node, the scheduler (and the cluster, on Ray)",
+                answers={"200": json_answer(views.InstanceList, "the instances")},
+            ),
+            Route(
+                path="/v1/instances/{instance_id}/log",
+                method="GET",
+                endpoint=self.instance_log,
+                summary="the last lines of a life's runner log (the current life unless ``life`` names another)",
+                answers={"200": json_answer(views.RunnerLog, "its lines")},
+                errors=(400, 404),
+                parameters=(*instance, *LOG_QUERY),
+            ),
+            Route(
+                path="/v1/instances/{instance_id}",
+                method="GET",
+                endpoint=self.get_instance,
+                summary="one instance, its runner's memory sampled now",
+                answers={"200": json_answer(views.InstanceOut, "the instance")},
+                errors=(404,),
+                parameters=instance,
+            ),
+            Route(
+                path="/v1/instances/{instance_id}",
+                method="DELETE",
+                endpoint=self.delete_instance,
+                summary="stop an instance (its requests end cancelled) and remove it",
+                answers={"200": json_answer(views.Deleted, "stopped and removed")},
+                errors=(404,),
+                parameters=instance,
+            ),
+            Route(
+                path="/v1/requests/{request_id}/cancel",
+                method="POST",
+                endpoint=self.cancel_request,
+                summary="cancel a generation by its id (the response's ``id`` and ``x-request-id``)",
+                answers={"200": json_answer(views.CancelOut, "what the cancel did")},
+                parameters=(path_parameter("request_id"),),
+            ),
+            Route(
+                path="/healthz",
+                method="GET",
+                endpoint=self.healthz,
+                summary="liveness",
+                answers={"200": json_answer(views.Health, "the worker answers")},
+            ),
+            Route(
+                path="/readyz",
+                method="GET",
+                endpoint=self.readyz,
+                summary="readiness: 200 when an instance is ready",
+                answers={
+                    "200": json_answer(views.Readiness, "an instance is ready"),
+                    "503": json_answer(views.Readiness, "no instance is ready"),
+                },
+            ),
+            Route(
+                path="/metrics",
+                method="GET",
+                endpoint=self.prometheus,
+                summary="Prometheus metrics",
+                answers={"200": text_answer("text exposition")},
+            ),
+        ]
+
+    # --- instances ---------------------------------------------------------------------------------------------
+
+    async def add_instance(self, request: Request) -> Response:
         config = decode_body(_instance_decoder, await request.body(), "instance")
         try:
-            hosted = await scheduler.add_instance(config)
+            hosted = await self.scheduler.add_instance(config)
         except InvalidField as exc:  # of the instance, not of a generation request: its own code
             refused = Answer(400, "invalid_request_error", "invalid_instance", str(exc), exc.field)
             return refused.response("/v1/instances")
         return json_response(views.instance_out(hosted), status=201)
 
-    async def list_instances() -> Response:
-        memory = await anyio.to_thread.run_sync(scheduler.memory)
+    async def list_instances(self) -> Response:
+        memory = await anyio.to_thread.run_sync(self.scheduler.memory)
         return json_response(
             views.InstanceList(
                 object="list",
-                data=[await fresh(h) for h in fleet.list()],
-                node=views.node_out(memory, scheduler.started_at),
-                scheduler=views.scheduler_out(scheduler),
-                cluster=views.cluster_out(cluster) if cluster is not None else msgspec.UNSET,
+                data=[await self.fresh(h) for h in self.fleet.list()],
+                node=views.node_out(memory, self.scheduler.started_at),
+                scheduler=views.scheduler_out(self.scheduler),
+                cluster=views.cluster_out(self.cluster) if self.cluster is not None else msgspec.UNSET,
             )
         )
 
-    async def instance_log(instance_id: str, request: Request) -> Response:
+    async def get_instance(self, instance_id: str) -> Response:
+        return json_response(await self.fresh(self.fleet.get(instance_id)))
+
+    async def delete_instance(self, instance_id: str) -> Response:
+        hosted = await self.scheduler.remove(instance_id)
+        state = tag_of(hosted.instance.state)
+        return json_response(views.Deleted(id=hosted.id, object="instance", deleted=True, state=state))
+
+    async def fresh(self, hosted: Hosted) -> views.InstanceOut:
+        """The instance with its runner's memory sampled now (tens of µs), not up to a sampling interval old, and
+        the requests it serves now."""
+        sup = hosted.supervisor
+        if sup is not None and sup.alive:
+            await sup.sample_memory()
+        return views.instance_out(hosted, msgspec.convert(self.fleet.in_flight(hosted), list[views.RequestOut]))
+
+    # --- runner logs -------------------------------------------------------------------------------------------
+
+    async def instance_log(self, instance_id: str, request: Request) -> Response:
         """The runner log of one life of an instance (its current one by default): the last ``lines`` lines."""
-        query = request.query_params
-        numbers: dict[str, int | None] = {"life": None, "lines": 200}
-        for name in numbers:
-            raw = query.get(name)
-            if raw is None:
-                continue
-            try:
-                numbers[name] = int(raw)
-            except ValueError:
-                return _bad(name, f"{name} must be an integer, got {raw!r}")
+        numbers = _integers(request, {"life": None, "lines": 200})
+        if isinstance(numbers, Response):
+            return numbers
         life, lines = numbers["life"], numbers["lines"] or 0
-        hosted = fleet.get(instance_id)
-        inst = hosted.instance
-        current = views.life_of(inst.state)
-        wanted = current if life is None else life
-        path: str | None = None
-        if wanted is not None and wanted == current and hosted.supervisor is not None:
-            log_path = hosted.supervisor.output_log
-            path = str(log_path) if log_path is not None else None
-        else:
-            path = next((f.log for f in inst.history if f.life == wanted), None)
-        lives = sorted({f.life for f in inst.history} | ({current} if current is not None else set()))
+        hosted = self.fleet.get(instance_id)
+        wanted, path, lives = _log_of(hosted, life)
         if path is None or wanted is None:
             message = f"no log for life {wanted} of {instance_id}: lives with a log are {lives or 'none'}"
             return _not_found(message, "life")
@@ -136,7 +247,7 @@ def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Rout
         node = hosted.supervisor.node if hosted.supervisor is not None else None
         where = f" (the runner ran on node {node[:8]}: its log is on that node)" if node else ""
         try:
-            found, truncated = await anyio.to_thread.run_sync(read_log, Path(path), lines, logs)
+            found, truncated = await anyio.to_thread.run_sync(read_log, Path(path), lines, self.logs)
         except LogOutside as exc:
             if node:  # another node's log directory: not readable from here
                 return _not_found(f"cannot read the log of life {wanted} of {instance_id} at {path}{where}")
@@ -152,36 +263,28 @@ def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Rout
             return _not_found(message)
         return json_response(views.RunnerLog(id=instance_id, life=wanted, path=path, lines=found, truncated=truncated))
 
-    async def get_instance(instance_id: str) -> Response:
-        return json_response(await fresh(fleet.get(instance_id)))
+    # --- requests, probes, metrics -----------------------------------------------------------------------------
 
-    async def delete_instance(instance_id: str) -> Response:
-        hosted = await scheduler.remove(instance_id)
-        state = tag_of(hosted.instance.state)
-        return json_response(views.Deleted(id=hosted.id, object="instance", deleted=True, state=state))
-
-    async def cancel_request(request_id: str) -> Response:
-        reply = await fleet.cancel(request_id)
+    async def cancel_request(self, request_id: str) -> Response:
+        reply = await self.fleet.cancel(request_id)
         state = reply.state.value if reply.state is not None else None
         cancelled = reply.outcome == "requested"  # an ended request's cancel is no error: a 200 saying so
         return json_response(
             views.CancelOut(id=request_id, outcome=reply.outcome, detail=reply.detail, state=state, cancelled=cancelled)
         )
 
-    async def healthz() -> Response:
+    async def healthz(self) -> Response:
         return json_response(views.Health(status="ok"))
 
-    async def readyz() -> Response:
-        states = {h.id: tag_of(h.instance.state) for h in fleet.list()}
+    async def readyz(self) -> Response:
+        states = {h.id: tag_of(h.instance.state) for h in self.fleet.list()}
         ready = any(state == "ready" for state in states.values())
         return json_response(views.Readiness(ready=ready, instances=states), status=200 if ready else 503)
 
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
-    traces = TraceSnapshots(logs / "tracemalloc")
-
-    async def tracemalloc_snapshot(request: Request) -> Response:
+    async def tracemalloc_snapshot(self, request: Request) -> Response:
         """Snapshot the traced allocations (the first, or ``rebase=1``: the baseline) and answer the ``top``
         tracebacks that grew most since the baseline. The files go where this worker writes its logs, never where
         a request says."""
@@ -193,97 +296,35 @@ def routes(api: Api, logs: Path, cluster: views.ClusterView | None) -> list[Rout
             return _bad("top", f"top must be an integer, got {raw!r}")
         if not 1 <= top <= TRACE_TOP_LIMIT:
             return _bad("top", f"top must be in [1, {TRACE_TOP_LIMIT}], got {top}")
-        return Response(
-            msgspec.json.encode(await traces.take(top, env.flag("rebase", False, query))), media_type="application/json"
-        )
+        snapshot = await self.traces.take(top, env.flag("rebase", False, query))
+        return Response(msgspec.json.encode(snapshot), media_type="application/json")
 
-    instance = (path_parameter("instance_id"),)
-    log_query: tuple[dict[str, Any], ...] = (
-        *instance,
-        {"name": "life", "in": "query", "required": False, "schema": {"type": "integer"}},
-        {
-            "name": "lines",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "integer", "minimum": 1, "maximum": LOG_LINES, "default": 200},
-        },
-    )
-    debug: list[Route] = []
-    if tracing_wanted() and tracemalloc.is_tracing():  # off by default: no route, no cost
-        debug.append(
-            Route(
-                "/v1/debug/tracemalloc",
-                "POST",
-                tracemalloc_snapshot,
-                "snapshot the worker's traced allocations; what grew since the baseline, by traceback",
-                {"200": {"description": "the snapshot and the top growth"}},
-                (400,),
-                documented=False,  # a debugging aid the operator turns on (TETHER_TRACEMALLOC=1), not the API
-            )
-        )
-    return [
-        *debug,
-        Route(
-            "/v1/instances",
-            "POST",
-            add_instance,
-            "start an instance (it loads in the background)",
-            {"201": json_answer(views.InstanceOut, "created; loading")},
-            (400, 409, 413, 507),
-            InstanceConfig,
-        ),
-        Route(
-            "/v1/instances",
-            "GET",
-            list_instances,
-            "every instance, the node, the scheduler (and the cluster, on Ray)",
-            {"200": json_answer(views.InstanceList, "the instances")},
-        ),
-        Route(
-            "/v1/instances/{instance_id}/log",
-            "GET",
-            instance_log,
-            "the last lines of a life's runner log (the current life unless ``life`` names another)",
-            {"200": json_answer(views.RunnerLog, "its lines")},
-            (400, 404),
-            parameters=log_query,
-        ),
-        Route(
-            "/v1/instances/{instance_id}",
-            "GET",
-            get_instance,
-            "one instance, its runner's memory sampled now",
-            {"200": json_answer(views.InstanceOut, "the instance")},
-            (404,),
-            parameters=instance,
-        ),
-        Route(
-            "/v1/instances/{instance_id}",
-            "DELETE",
-            delete_instance,
-            "stop an instance (its requests end cancelled) and remove it",
-            {"200": json_answer(views.Deleted, "stopped and removed")},
-            (404,),
-            parameters=instance,
-        ),
-        Route(
-            "/v1/requests/{request_id}/cancel",
-            "POST",
-            cancel_request,
-            "cancel a generation by its id (the response's ``id`` and ``x-request-id``)",
-            {"200": json_answer(views.CancelOut, "what the cancel did")},
-            parameters=(path_parameter("request_id"),),
-        ),
-        Route("/healthz", "GET", healthz, "liveness", {"200": json_answer(views.Health, "the worker answers")}),
-        Route(
-            "/readyz",
-            "GET",
-            readyz,
-            "readiness: 200 when an instance is ready",
-            {
-                "200": json_answer(views.Readiness, "an instance is ready"),
-                "503": json_answer(views.Readiness, "no instance is ready"),
-            },
-        ),
-        Route("/metrics", "GET", prometheus, "Prometheus metrics", {"200": text_answer("text exposition")}),
-    ]
+
+def _integers(request: Request, defaults: dict[str, int | None]) -> dict[str, int | None] | Response:
+    """The query's integers named in ``defaults`` (each absent one its default), or the 400 for one that is not."""
+    numbers = dict(defaults)
+    for name in numbers:
+        raw = request.query_params.get(name)
+        if raw is None:
+            continue
+        try:
+            numbers[name] = int(raw)
+        except ValueError:
+            return _bad(name, f"{name} must be an integer, got {raw!r}")
+    return numbers
+
+
+def _log_of(hosted: Hosted, life: int | None) -> tuple[int | None, str | None, list[int]]:
+    """The life wanted (``life``, or the current one), its log's path (None: it has none), and the lives that have
+    one (for the message when it has none)."""
+    inst = hosted.instance
+    current = views.life_of(inst.state)
+    wanted = current if life is None else life
+    path: str | None = None
+    if wanted is not None and wanted == current and hosted.supervisor is not None:
+        log_path = hosted.supervisor.output_log
+        path = str(log_path) if log_path is not None else None
+    else:
+        path = next((f.log for f in inst.history if f.life == wanted), None)
+    lives = sorted({f.life for f in inst.history} | ({current} if current is not None else set()))
+    return wanted, path, lives

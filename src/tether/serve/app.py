@@ -73,8 +73,10 @@ def create_app(
         return Response(document, media_type="application/json")
 
     table = route_table(api, logs, cluster)
-    whole = {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}
-    table.append(Route("/openapi.json", "GET", openapi_json, "this document", {"200": whole}))
+    whole = {"200": {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}
+    table.append(
+        Route(path="/openapi.json", method="GET", endpoint=openapi_json, summary="this document", answers=whole)
+    )
     for route in table:
         methods = [route.method, "HEAD"] if route.head else [route.method]
         app.add_api_route(route.path, route.endpoint, methods=methods, include_in_schema=False)

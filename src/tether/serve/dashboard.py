@@ -114,6 +114,20 @@ def routes() -> list[Route]:
 
     probe = "Ollama's probe; a browser (Accept: text/html) gets the dashboard"
     return [
-        Route("/", "GET", page, probe, {"200": text_answer("it runs (or the dashboard's page)")}, head=True),
-        Route("/ui/{name}", "GET", asset, "the dashboard's assets", {}, documented=False),
+        Route(
+            path="/",
+            method="GET",
+            endpoint=page,
+            summary=probe,
+            answers={"200": text_answer("it runs (or the dashboard's page)")},
+            head=True,
+        ),
+        Route(
+            path="/ui/{name}",
+            method="GET",
+            endpoint=asset,
+            summary="the dashboard's assets",
+            answers={},
+            documented=False,
+        ),
     ]

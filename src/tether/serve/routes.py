@@ -22,9 +22,10 @@ GENERATION_ERRORS = (400, 404, 409, 413, 500, 503)  # what admitting and running
 _encode = msgspec.json.Encoder().encode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Route:
-    """One HTTP route: what serves it and what ``/openapi.json`` says of it."""
+    """One HTTP route: what serves it and what ``/openapi.json`` says of it. Built by keyword: its path, summary,
+    answers, errors and body are strings, dicts and tuples that positions would let swap unseen."""
 
     path: str
     method: str  # GET, POST, DELETE (a GET also answers HEAD when ``head``)

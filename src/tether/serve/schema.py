@@ -18,6 +18,9 @@ import msgspec
 
 from tether.serve import views
 from tether.serve.dialects import embeddings, ollama, openai, responses, shapes, tokenizer
+from tether.serve.dialects.ollama import replies as ollama_replies
+from tether.serve.dialects.openai import replies as openai_replies
+from tether.serve.dialects.responses import replies as responses_replies
 from tether.serve.guard import OPEN_PATHS
 from tether.serve.routes import REF, Route, json_answer
 from tether.serve.statuses import WHEN, shape_of
@@ -30,13 +33,14 @@ RETRY_AFTER = {
 }
 
 
-ANSWER_MODULES = (views, openai, embeddings, tokenizer, responses, ollama)  # where the answers' structs are defined
+# where the answers' structs are defined (a dialect package's ``replies``; a request struct is named by its body)
+ANSWER_MODULES = (views, openai_replies, embeddings, tokenizer, responses_replies, ollama_replies)
 RULE_MODULES = (shapes, openai, responses, ollama, tokenizer)  # their SCHEMA_RULES: what a field's type cannot say
 
 
 def answer_structs() -> list[type]:
-    """Every public struct the answer modules define: the components a ``$ref`` in a route's answers may name (a
-    dialect's request structs among them, which its bodies name anyway)."""
+    """Every public struct the answer modules define: the components a ``$ref`` in a route's answers may name (the
+    single-module dialects' request structs among them, which their bodies name anyway)."""
     return [
         obj
         for module in ANSWER_MODULES

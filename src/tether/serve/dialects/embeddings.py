@@ -116,12 +116,12 @@ def routes(api: Api) -> list[Route]:
 
     return [
         Route(
-            "/v1/embeddings",
-            "POST",
-            create_embeddings,
-            "OpenAI embeddings, from an instance started with the llama.cpp option embedding: true",
-            {"200": json_answer(EmbeddingList, "the vectors")},
-            GENERATION_ERRORS,
-            EmbeddingRequest,
+            path="/v1/embeddings",
+            method="POST",
+            endpoint=create_embeddings,
+            summary="OpenAI embeddings, from an instance started with the llama.cpp option embedding: true",
+            answers={"200": json_answer(EmbeddingList, "the vectors")},
+            errors=GENERATION_ERRORS,
+            body=EmbeddingRequest,
         )
     ]
