@@ -108,7 +108,7 @@ check: lint
 # workers (most tests wait on processes: 3 kept both cores 93% busy), then what runs alone
 # (``serial``: Ray clusters, Open WebUI, and the tests that leave orphans on purpose).
 test: lint browser systemd openwebui
-	$(BIN)/python -m pytest -m "not serial" -n 3 --dist worksteal
+	$(BIN)/python -m pytest -m "not serial" -n 3 --dist loadgroup
 	$(BIN)/python -m pytest -m serial
 
 lint: install-dev

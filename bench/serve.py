@@ -149,12 +149,11 @@ the end). Without the default model (``DefaultModelMissing``) the figures are nu
 0). A tether or llama_cpp.server that does not start is an error: null figures, ``error`` says why, exit 1 (a
 llama-server or tether_nospec that does not start only skips its side).
 
-``--quick`` (for CI): 1 round, concurrency 1 and 8, ``R`` = 4 (4 requests at C=1, 1 per client at C=8),
-``max_tokens`` 32 (16 in the other workloads; ``"quick": true``), all five sides, the workloads ``distinct``,
-``shared_prefix``, ``multi_turn`` and ``code_edit`` with one request per client (its prediction phase at C=1 only),
-no sweep (llama_server_spec runs ``--spec-type ngram-mod``); its figures are only a smoke test. llama-server runs in
-it only when already built; it starts in under a second. The whole quick run takes about 60-75 s on two cores (CI
-allows 190 s). Without a cached binary the quick run skips both llama-server sides.
+``--quick`` (for CI): 1 round, concurrency 1 and 4, ``R`` = 4 (4 requests at C=1, 1 per client at C=4),
+``max_tokens`` 16 (8 in the other workloads; ``"quick": true``), every side but llama_server_spec, the workloads
+``distinct`` and ``code_edit`` (its prediction phase at C=1 only), no sweep; its figures are only a smoke test.
+llama-server runs in it only when already built (it starts in under a second); without a cached binary the quick
+run skips both llama-server sides.
 
 **Workloads** (``--workloads``, default all six, in this order; the batching sides run each, llama_cpp.server only
 ``distinct``). Each runs at every concurrency in turn, on a server that has served the workloads before it (so
@@ -341,7 +340,7 @@ LLAMA_SIDES = ("llama_server", "llama_server_spec")  # need the C++ binary
 TETHER_SIDES = ("tether", "tether_nospec")
 OPTIONAL_SIDES = ("tether_nospec", "llama_server", "llama_server_spec")  # one that does not start is skipped
 CONCURRENCY = (1, 4, 8)
-QUICK_CONCURRENCY = (1, 8)  # --quick: one client and a batch of them, the two paths
+QUICK_CONCURRENCY = (1, 4)  # --quick: one client and a batch of them, the two paths
 PARALLEL = 8  # llama-server's slots, and tether's --parallel when it has one
 TARGET_RATIO = 0.98
 N_CTX = 2048  # per sequence
@@ -349,7 +348,7 @@ THREADS = 2
 N_BATCH = 512
 SEED = 0
 MAX_TOKENS = 128
-QUICK_MAX_TOKENS = 32
+QUICK_MAX_TOKENS = 16
 REQUESTS = 16
 QUICK_REQUESTS = 4
 WARMUP_TOKENS = 16
@@ -1908,7 +1907,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-tokens", type=int, default=MAX_TOKENS, help=f"distinct's, per request (default {MAX_TOKENS})"
     )
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 8)"
+        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 4)"
     )
     parser.add_argument(
         "--sides",

@@ -58,6 +58,10 @@ FIXTURE_MARKERS = {
 # ports on purpose and then look at them, where any other test's starting worker would reap them
 # (``reap_at_start``): those carry ``@pytest.mark.serial`` themselves, or their module is listed here.
 SERIAL_MARKERS = frozenset({"cluster"})
+# What keeps both cores busy for many seconds (real-model decoding at two threads): ``make test`` runs these one at a
+# time on one worker (``--dist loadgroup``), while the other workers take the tests that wait on processes. Three
+# of them at once on two cores only made each one 3-4x slower (llama.cpp's threads spin for cores they cannot get).
+CORES_GROUP = "cores"
 SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui", "test_open_webui_shapes"})
 
 
@@ -71,6 +75,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.module.__name__ if isinstance(item, pytest.Function) else ""
         if module in SERIAL_MODULES or any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
             item.add_marker("serial")
+        if item.get_closest_marker("cores"):
+            item.add_marker(pytest.mark.xdist_group(CORES_GROUP))
+
+
+TEST_BOUND_S = 45.0
+"""No test runs longer (its call, in ``make test`` beside the others): a longer proof belongs in bench/ or a campaign.
+"""
+_over_bound: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > TEST_BOUND_S:
+        _over_bound.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every run names the tests over the bound (beside ``--durations``' slowest), so one that grows is seen the day
+    it does."""
+    if _over_bound:
+        terminalreporter.section(f"over the {TEST_BOUND_S:.0f} s bound a test may take")
+        for duration, nodeid in sorted(_over_bound, reverse=True):
+            terminalreporter.write_line(f"{duration:7.1f} s  {nodeid}")
 
 
 @pytest.fixture

@@ -106,6 +106,7 @@ def test_cancel_bench_quick_run_prints_its_json_line() -> None:
         assert result["llama_tokens_after_max"] <= 1, result
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(330)
 @pytest.mark.model  # its quick run loads the default model too
 def test_serve_bench_quick_run_prints_its_json_line() -> None:
@@ -124,6 +125,7 @@ def test_serve_bench_quick_run_prints_its_json_line() -> None:
     assert result["tether_nospec_skipped"] is None and result["speculation_compared_texts"] > 0, result
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(180)
 @pytest.mark.model  # its quick run loads the default model too
 def test_swap_bench_quick_run_prints_its_json_line() -> None:
@@ -141,6 +143,7 @@ def test_swap_bench_quick_run_prints_its_json_line() -> None:
         assert result["baseline_reclaim_p50_ms"] >= 1000 * result["baseline_reclaim_poll_s"], result
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(150)
 @pytest.mark.model  # its quick run loads the default model too
 def test_load_bench_quick_run_prints_its_json_line() -> None:

@@ -33,6 +33,7 @@ def test_a_short_ranks_campaign_keeps_every_promise() -> None:
     assert summary["held_port_refusals"] + summary["held_port_missed"] >= 1, summary
 
 
+@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(240)

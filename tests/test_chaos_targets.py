@@ -75,6 +75,7 @@ def test_a_short_models_campaign_keeps_every_promise() -> None:
     assert summary["missed_strikes"] == 0, summary  # a moment the drawn requests missed is made again
 
 
+@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(300)
@@ -90,6 +91,7 @@ def test_a_short_batch_campaign_on_the_real_model_keeps_every_promise() -> None:
     assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stderr[-3000:]
 
 
+@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(250)  # ~30 s alone; the suite's other runners on two cores make it ~4x that

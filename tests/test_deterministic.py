@@ -169,6 +169,7 @@ def busy_cores() -> Iterator[list[subprocess.Popen[bytes]]]:
         proc.wait()
 
 
+@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(400)  # ~190 s beside the suite's runners on two cores
@@ -179,8 +180,8 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
 ) -> None:
     path, chat = family_setup(family)
     rng = random.Random(f"deterministic:{family}")
-    requests = [(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(24)]
-    cancelled_after = {i: rng.randint(1, 8) for i in rng.sample(range(len(requests)), 5)}  # chunks before cancel
+    requests = [(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(12)]
+    cancelled_after = {i: rng.randint(1, 8) for i in rng.sample(range(len(requests)), 3)}  # chunks before cancel
     delays = sorted(rng.uniform(0.0, 4.0) for _ in requests)
     common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2}
     # 4 slots and a RAM store that holds two of the system prompts: copies from busy slots, restores, evictions
@@ -242,6 +243,7 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
     assert cached > 0, "the prompt cache served nothing: the test did not exercise it"
 
 
+@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(180)
@@ -304,6 +306,7 @@ print(json.dumps({"same": all(r == reference for r in runs), "switches": batch.t
 """
 
 
+@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(180)

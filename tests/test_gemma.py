@@ -96,6 +96,7 @@ def healthy(served: Server) -> None:
         assert state["ready"] and state["restarts"] == 0 and not state["failures"], state
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(180)  # ~25 s alone; 45 s ran out once beside 3 workers and a benchmark, 68 s in CI
 def test_a_growing_prompt_reuses_its_prefix_past_the_window(served: Server, text_ids: list[int]) -> None:
     """Five turns, each prompt the last one, its completion and ~250 new tokens: from the fourth turn on the sequence
@@ -116,6 +117,7 @@ def test_a_growing_prompt_reuses_its_prefix_past_the_window(served: Server, text
     healthy(served)
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(180)  # ~25 s alone; 45 s ran out once beside 3 workers and a benchmark, 68 s in CI
 def test_a_prefix_the_window_has_left_is_read_again_never_reused(served: Server, text_ids: list[int]) -> None:
     """A 1,400-token sequence in a slot (its window cache holds positions 377 on): a prompt sharing its first 1,300
@@ -141,6 +143,7 @@ def test_a_prefix_the_window_has_left_is_read_again_never_reused(served: Server,
     healthy(served)
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(180)  # ~25 s alone; 45 s ran out once beside 3 workers and a benchmark, 68 s in CI
 def test_a_prefix_copied_from_a_busy_slot_is_exact_and_a_next_turn_is_restored_from_ram(
     served: Server, text_ids: list[int]

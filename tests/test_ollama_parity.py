@@ -109,6 +109,7 @@ def test_show_states_the_defaults_and_a_chat_with_default_options_answers(debug:
     assert answer.done and answer.message.content
 
 
+@pytest.mark.cores
 @pytest.mark.model
 @pytest.mark.timeout(300)  # two prefills of ~500 tokens on a shared CPU
 def test_a_chat_longer_than_the_context_keeps_its_system_message_and_latest_turns(llama: Server) -> None:

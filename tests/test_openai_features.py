@@ -232,6 +232,7 @@ def test_langchain_with_structured_output(server: Server) -> None:
     assert isinstance(person, Person) and person.name
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(300)  # ~40 s alone; 86 s in CI beside the suite
 def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(server: Server) -> None:
     """A code edit with the file as its ``prediction``: a good share of the answer's tokens come from drafts (of it,
@@ -246,7 +247,7 @@ def test_predicted_outputs_are_drafted_and_reported_as_openai_reports_them(serve
     answer = client.chat.completions.create(
         model="drafts",
         messages=ask(question),
-        max_tokens=200,
+        max_tokens=120,
         temperature=0,
         prediction={"type": "content", "content": code},
     )

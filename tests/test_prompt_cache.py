@@ -99,6 +99,7 @@ def alone(engine: Any, params: GenerateParams) -> tuple[str, Delta]:
 DONOR = "Write a long story about the museum's lighthouse keeper."
 
 
+@pytest.mark.cores
 def test_a_prefix_copied_from_a_busy_slot_is_exact_and_its_divergence_from_cold_is_counted(
     engine: Any, cache: Any
 ) -> None:
@@ -138,6 +139,7 @@ def churn(i: int) -> GenerateParams:
     return chat(f"Question {i}: " + " ".join(f"item{i}-{j}" for j in range(100)), max_tokens=4)
 
 
+@pytest.mark.cores
 @pytest.mark.timeout(240)  # 67 s in CI beside the suite (the default is 120)
 def test_the_ram_store_keeps_to_its_budget_under_churn_and_restores_exactly(engine: Any, cache: Any) -> None:
     """Eight distinct long prompts: the slot they share is overwritten again and again, each overwrite saves its

@@ -236,16 +236,21 @@ def workload(chat: bool) -> list[GenerateParams]:
         quote = f"Passage: {PASSAGE}\nThe same passage, copied exactly: "
         edit = f"Code:\n{CODE}\nThe same code with indent renamed add_prefix:\n"
         record = f"Record: {json.dumps(RECORD)}\nThe same record: "
+    # each as long as its case needs: drafts start after a few tokens of a copy (the passage's "clockwork" is ~35
+    # tokens in), so a short answer still shows kept and rejected drafts
     return [
-        ask(quote, max_tokens=96),
-        ask(quote, max_tokens=96, logprobs=2),
-        ask(quote, max_tokens=96, temperature=0.8, seed=7),
-        ask(quote, max_tokens=37),  # ends inside a draft
-        ask(quote, max_tokens=96, stop=("clockwork",)),  # a stop string inside a draft
-        ask(edit, max_tokens=160, prediction=CODE),
-        ask(edit, max_tokens=160),
+        ask(quote, max_tokens=56),
+        ask(quote, max_tokens=56, logprobs=2),
+        ask(quote, max_tokens=56, temperature=0.8, seed=7),
+        ask(quote, max_tokens=29),  # ends inside a draft
+        ask(quote, max_tokens=64, stop=("clockwork",)),  # a stop string inside a draft
+        ask(edit, max_tokens=96, prediction=CODE),
+        ask(edit, max_tokens=96),
         ask(record, max_tokens=64, json_schema=json.dumps(SCHEMA)),
     ]
+
+
+ALONE_AGAIN = (1, 3, 5)  # logprobs, ending inside a draft, the edit with a prediction
 
 
 async def run(handle: TaskHandle) -> tuple[str, tuple[float, ...], Chunk]:
@@ -254,6 +259,7 @@ async def run(handle: TaskHandle) -> tuple[str, tuple[float, ...], Chunk]:
     return "".join(c.text for c in chunks), tuple(lp.logprob for c in chunks for lp in c.logprobs), chunks[-1]
 
 
+@pytest.mark.cores
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
 @pytest.mark.slow
@@ -290,10 +296,11 @@ async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(fam
             async with anyio.create_task_group() as tg:
                 for i in range(len(requests)):
                     tg.start_soon(one, i)
-            # and each once more alone on the drafting runner: its sequence drafts with the batch to itself
-            again = [await run(await sup.generate(params)) for params in requests]
+            # and the copies once more alone on the drafting runner: a sequence drafting with the batch to itself
+            again = {i: await run(await sup.generate(requests[i])) for i in ALONE_AGAIN}
     for i, (text, logprobs, final) in enumerate(alone):
-        for label, (spec_text, spec_logprobs, spec_final) in (("together", together[i]), ("alone", again[i])):
+        runs = [("together", together[i])] + ([("alone", again[i])] if i in again else [])
+        for label, (spec_text, spec_logprobs, spec_final) in runs:
             assert spec_text == text, f"{family} request {i} ({label}) differs with speculation on"
             assert spec_logprobs == logprobs, f"{family} request {i} ({label}): logprobs not bit-identical"
             assert spec_final.completion_tokens == final.completion_tokens
@@ -301,7 +308,7 @@ async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(fam
             assert spec_final.draft_accepted <= spec_final.draft_tokens
     assert alone[4][2].finish_reason == "stop" and "clockwork" not in alone[4][0]
     json.loads(alone[7][0])
-    finals = [final for _, _, final in (*together.values(), *again)]
+    finals = [final for _, _, final in (*together.values(), *again.values())]
     accepted = sum(final.draft_accepted for final in finals)
     steps = sum(final.decode_steps for final in finals)
     tokens = sum(final.completion_tokens for final in finals)
@@ -313,6 +320,7 @@ async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(fam
     assert all(final.draft_tokens == 0 for _, _, final in alone)
 
 
+@pytest.mark.cores
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
 @pytest.mark.slow
@@ -345,7 +353,7 @@ async def test_drafts_past_gemmas_window_keep_the_copy_whole_on_a_windowed_cache
                 answers[drafting] = {}
 
                 async def one(i: int, into: dict[int, tuple[str, tuple[float, ...], Chunk]]) -> None:
-                    into[i] = await run(await sup.generate(GenerateParams(prompt=prompts[i], max_tokens=320)))
+                    into[i] = await run(await sup.generate(GenerateParams(prompt=prompts[i], max_tokens=192)))
 
                 async with anyio.create_task_group() as tg:
                     for i in range(len(prompts)):
@@ -353,6 +361,6 @@ async def test_drafts_past_gemmas_window_keep_the_copy_whole_on_a_windowed_cache
     for i in range(len(prompts)):
         text, _, final = answers[True][i]
         plain = copied(answers[False][i][0])
-        assert len(text) >= 600 and copied(text) >= 0.85 * plain, f"copy {i} strays from the source: {text!r}"
+        assert len(text) >= 400 and copied(text) >= 0.85 * plain, f"copy {i} strays from the source: {text!r}"
         assert final.prompt_tokens + final.completion_tokens > 512 + 100  # well past the window
         assert final.draft_accepted > final.completion_tokens // 4, final
