@@ -72,6 +72,7 @@ from tether.protocol import (
     TEMPERATURE_RANGE,
     ChatMessage,
     Chunk,
+    EmbedParams,
     GenerateParams,
     TokenLogprob,
     documented,
@@ -615,7 +616,7 @@ def embed_texts(body: OllamaEmbedRequest) -> list[str]:
     return body.input
 
 
-def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> list[GenerateParams]:
+def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> list[EmbedParams]:
     keep_alive_seconds(body.keep_alive)
     if body.options:
         name = next(iter(body.options))
