@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -21,12 +21,21 @@ import msgspec
 import pytest
 
 from conftest import MakeCgroup
-from tether.engines.base import Delta, EngineLoadError, RequestError
+from tether.engines.base import Delta, EngineLoadError, RequestError, batched
 from tether.engines.debug import DebugEngine
 from tether.engines.registry import create_engine
 from tether.errors import UnknownEngine
 from tether.models import DEFAULT_MODEL_NAME, DefaultModelMissing, default_model_path, describe_model
-from tether.protocol import ChatMessage, EngineSpec, Fault, GenerateParams
+from tether.protocol import (
+    ChatMessage,
+    DetokenizeParams,
+    EmbedParams,
+    EngineSpec,
+    Fault,
+    GenerateParams,
+    TokenizeParams,
+    Work,
+)
 from tether.runner.faults import faults_for, trigger
 
 # -----------------------------------------------------------------------------------------------------------
@@ -234,11 +243,51 @@ def test_debug_cancel_during_slow_token_emits_nothing_more() -> None:
         (GenerateParams(prompt="x", messages=(ChatMessage(role="user", content="x"),)), "exactly one"),
         (GenerateParams(prompt="x", max_tokens=0), "max_tokens"),
         (GenerateParams(prompt="x", temperature=3.0), "temperature"),
+        (EmbedParams(), "exactly one of 'prompt' or 'messages'"),
+        (TokenizeParams(prompt="x"), "the debug engine has no tokenizer"),
+        (DetokenizeParams(ids=(1, 2)), "the debug engine has no tokenizer"),
     ],
 )
-def test_debug_bad_params_raise_request_error(params: GenerateParams, message: str) -> None:
+def test_debug_bad_params_raise_request_error(params: Work, message: str) -> None:
     with pytest.raises(RequestError, match=message):
         debug_engine().generate(params, lambda: False)
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "message"),
+    [
+        (EmbedParams(), None, "set exactly one of 'prompt' or 'messages' (got 0)"),
+        (TokenizeParams(prompt="x", messages=(ChatMessage("user", "x"),)), None, "'prompt' or 'messages' (got 2)"),
+        (DetokenizeParams(ids=(3, -1)), "tokens", "token ids must be integers >= 0, got -1 at index 1"),
+        (GenerateParams(prompt="x", prompt_ids=(1,)), None, "'prompt', 'messages' or 'prompt_ids' (got 2)"),
+    ],
+)
+def test_each_kind_of_request_checks_its_own_rules(params: Work, field: str | None, message: str) -> None:
+    problem = params.check()
+    assert problem is not None and problem.field == field and message in str(problem), problem
+    assert EmbedParams(prompt="x").check() is None and TokenizeParams(prompt="").check() is None
+    assert DetokenizeParams().check() is None  # no ids: the empty text
+
+
+def test_an_engine_with_only_generate_gets_generations_alone() -> None:
+    """``Serial`` declines an embedding or a tokenizer question for an engine of one's own that only generates,
+    saying where to send it, before the engine sees a request it has no fields for."""
+
+    class Words:
+        name = "words"
+
+        def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+            yield Delta(params.prompt or "", 1, "stop", 1, 1)
+
+    engine = batched(Words())  # type: ignore[arg-type]  # (load, warmup and close: not needed here)
+    with pytest.raises(RequestError, match="the words engine generates text and does not compute embeddings"):
+        engine.start("embed", EmbedParams(prompt="x"))
+    for question in (TokenizeParams(prompt="x"), DetokenizeParams(ids=(1,))):
+        with pytest.raises(RequestError, match="the words engine answers no tokenizer requests"):
+            engine.start("tokenize", question)
+    assert engine.active() == 0
+    engine.start("generate", GenerateParams(prompt="x"))
+    assert engine.step() == [("generate", Delta("x", 1, "stop", 1, 1))]
 
 
 @pytest.mark.timeout(10)

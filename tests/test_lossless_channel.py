@@ -23,7 +23,17 @@ from tether.channel import (
     ProtocolError,
     SyncReceiver,
 )
-from tether.protocol import Chunk, Event, GenerateParams, GenerateTask, ToRunner
+from tether.protocol import (
+    ChatMessage,
+    Chunk,
+    DetokenizeParams,
+    EmbedParams,
+    Event,
+    GenerateParams,
+    GenerateTask,
+    TokenizeParams,
+    ToRunner,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,6 +99,25 @@ def test_malformed_payload_is_a_protocol_error() -> None:
     decoder: FrameDecoder[Event] = FrameDecoder(Event)
     payload = msgspec.msgpack.encode({"type": "no-such-event"})
     with pytest.raises(ProtocolError, match="frame 1 is malformed"):
+        decoder.feed(len(payload).to_bytes(HEADER_SIZE, "little") + payload)
+
+
+def test_each_kind_of_request_crosses_the_pipe_as_itself() -> None:
+    """A generation, an embedding and the tokenizer's two questions decode as the type they were sent as (their tag
+    says which), every field intact; a request's field that its kind does not have is a protocol error."""
+    chat = (ChatMessage("user", "hi"),)
+    works = [
+        GenerateParams(prompt="x", echo=True, max_tokens=0, logprobs=2),
+        EmbedParams(messages=chat, fit_context=True),
+        TokenizeParams(messages=chat, add_special=False),
+        DetokenizeParams(ids=(1, 2, 3)),
+    ]
+    tasks = [GenerateTask(f"t{i}", work) for i, work in enumerate(works)]
+    decoder: FrameDecoder[ToRunner] = FrameDecoder(ToRunner)
+    assert decoder.feed(b"".join(FrameEncoder().frame(task) for task in tasks)) == tasks
+    stray = {"type": "generate", "task_id": "t", "params": {"type": "embed", "prompt": "x", "max_tokens": 1}}
+    payload = msgspec.msgpack.encode(stray)
+    with pytest.raises(ProtocolError, match=r"frame 5 is malformed: .*unknown field `max_tokens` - at `\$.params`"):
         decoder.feed(len(payload).to_bytes(HEADER_SIZE, "little") + payload)
 
 

@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -24,7 +25,7 @@ from conftest import Server, debug_server, run_options, wait_until
 from tether.errors import InvalidField
 from tether.fleet.catalog import catalog_models
 from tether.fleet.fleet import Drafts
-from tether.protocol import Chunk, GenerateParams
+from tether.protocol import Chunk, EmbedParams, GenerateParams, TokenizeParams, Work
 from tether.serve.dialects import openai, responses
 from tether.serve.dialects.shapes import Prediction, PredictionPart, prediction_text
 
@@ -113,13 +114,14 @@ def test_a_prediction_is_its_text_or_its_text_parts_joined() -> None:
 
 
 def test_a_prediction_goes_with_a_generation_only() -> None:
+    """An embedding and a tokenizer question have no ``prediction`` at all: not as a field, not on the wire (the
+    runner's decoder refuses one, naming it)."""
     assert GenerateParams(prompt="x", prediction="y").check() is None
-    for params in (
-        GenerateParams(prompt="x", embed=True, max_tokens=1, prediction="y"),
-        GenerateParams(prompt="x", tokenizer="encode", prediction="y"),
-    ):
-        problem = params.check()
-        assert problem is not None and problem.field == "prediction", problem
+    for kind in (EmbedParams, TokenizeParams):
+        assert "prediction" not in kind.__struct_fields__
+        frame = msgspec.msgpack.encode({"type": kind.__struct_config__.tag, "prompt": "x", "prediction": "y"})
+        with pytest.raises(msgspec.ValidationError, match="unknown field `prediction`"):
+            msgspec.msgpack.decode(frame, type=Work)
 
 
 # --------------------------------------------------------------------------------------------------------------

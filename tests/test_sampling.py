@@ -11,7 +11,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -25,7 +25,17 @@ from tether.engines.base import Delta, EngineLoadError, RequestError
 from tether.engines.debug import DebugEngine, embedding_vector
 from tether.engines.llamacpp.engine import LlamaCppEngine, schema_grammar
 from tether.node.supervisor import Supervisor
-from tether.protocol import CauseKind, ChatMessage, Chunk, EngineSpec, Fault, GenerateParams, TaskState
+from tether.protocol import (
+    CauseKind,
+    ChatMessage,
+    Chunk,
+    EmbedParams,
+    EngineSpec,
+    Fault,
+    GenerateParams,
+    TaskState,
+    Work,
+)
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -54,12 +64,12 @@ def text_of(deltas: list[Delta]) -> str:
     return "".join(d.text for d in deltas)
 
 
-def run(engine: Any, params: GenerateParams) -> tuple[str, list[Delta]]:
+def run(engine: Any, params: Work) -> tuple[str, list[Delta]]:
     deltas = list(engine.generate(params, lambda: False))
     return text_of(deltas), deltas
 
 
-def run_together(engine: Any, requests: list[GenerateParams], timeout: float = 60) -> list[tuple[str, list[Delta]]]:
+def run_together(engine: Any, requests: Sequence[Work], timeout: float = 60) -> list[tuple[str, list[Delta]]]:
     """Start every request, then step the batch until all have ended (all in one batch: checked)."""
     ids = [f"together-{i}" for i in range(len(requests))]
     for seq_id, params in zip(ids, requests, strict=True):
@@ -96,16 +106,16 @@ def loaded_debug(**options: object) -> DebugEngine:
 
 def test_debug_embeddings_are_deterministic_unit_vectors_of_embedding_dim() -> None:
     engine = loaded_debug(parallel=2)
-    _, [final] = run(engine, GenerateParams(prompt="tell me about supervision", embed=True))
+    _, [final] = run(engine, EmbedParams(prompt="tell me about supervision"))
     vector = final.embedding
     assert vector is not None and len(vector) == 64
     assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-9)
     assert (final.finish_reason, final.tokens, final.prompt_tokens, final.completion_tokens) == ("stop", 0, 4, 0)
-    assert run(engine, GenerateParams(prompt="tell me about supervision", embed=True))[1][0].embedding == vector
-    other = run(engine, GenerateParams(prompt="tell me about something else", embed=True))[1][0].embedding
+    assert run(engine, EmbedParams(prompt="tell me about supervision"))[1][0].embedding == vector
+    other = run(engine, EmbedParams(prompt="tell me about something else"))[1][0].embedding
     assert other is not None and other != vector
     small = loaded_debug(embedding_dim=16)
-    chat = GenerateParams(messages=(ChatMessage("user", "hi"),), embed=True)
+    chat = EmbedParams(messages=(ChatMessage("user", "hi"),))
     assert len(run(small, chat)[1][0].embedding or ()) == 16
     with pytest.raises(EngineLoadError, match=r"embedding_dim must be in \[1, 65536\]"):
         DebugEngine(EngineSpec(engine="debug", options={"embedding_dim": 0}))
@@ -139,15 +149,11 @@ async def test_debug_embeddings_through_a_runner_and_faults_still_fire() -> None
     with anyio.fail_after(60):
         async with Supervisor(EngineSpec(engine="debug", options={"embedding_dim": 8})) as sup:
             await sup.ready()
-            handle = await sup.generate(GenerateParams(prompt="embed me", embed=True))
+            handle = await sup.generate(EmbedParams(prompt="embed me"))
             chunks = [event async for event in handle if isinstance(event, Chunk)]
-            refused = await (
-                await sup.generate(GenerateParams(prompt="x", embed=True, faults=(Fault("request_error"),)))
-            ).wait()
-            served = await (await sup.generate(GenerateParams(prompt="embed me", embed=True))).wait()
-            killed = await (
-                await sup.generate(GenerateParams(prompt="x", embed=True, faults=(Fault("sigkill"),)))
-            ).wait()
+            refused = await (await sup.generate(EmbedParams(prompt="x", faults=(Fault("request_error"),)))).wait()
+            served = await (await sup.generate(EmbedParams(prompt="embed me"))).wait()
+            killed = await (await sup.generate(EmbedParams(prompt="x", faults=(Fault("sigkill"),)))).wait()
     assert handle.final is not None and handle.final.state is TaskState.COMPLETE
     assert chunks[-1].embedding == embedding_vector("embed me", 8) and chunks[-1].finish_reason == "stop"
     assert refused.state is TaskState.FAILED and "injected fault 'request_error'" in (refused.error or "")
@@ -341,20 +347,20 @@ def test_an_unseeded_request_draws_its_own_seed_and_a_seeded_one_repeats(llama: 
 
 @needs_model
 def test_embeddings_are_deterministic_unit_vectors_of_the_models_width(embedder: Any) -> None:
-    _, [final] = run(embedder, GenerateParams(prompt="The cat sat on the mat.", embed=True))
+    _, [final] = run(embedder, EmbedParams(prompt="The cat sat on the mat."))
     vector = final.embedding
     assert vector is not None and len(vector) == 576  # SmolLM2-135M's n_embd
     assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-6)
     assert (final.finish_reason, final.tokens, final.completion_tokens) == ("stop", 0, 0) and final.prompt_tokens > 3
-    assert run(embedder, GenerateParams(prompt="The cat sat on the mat.", embed=True))[1][0].embedding == vector
-    other = run(embedder, GenerateParams(prompt="Stock markets fell sharply on Monday.", embed=True))[1][0].embedding
+    assert run(embedder, EmbedParams(prompt="The cat sat on the mat."))[1][0].embedding == vector
+    other = run(embedder, EmbedParams(prompt="Stock markets fell sharply on Monday."))[1][0].embedding
     assert other is not None and other != vector
-    chat = run(embedder, GenerateParams(messages=(ChatMessage("user", "hello"),), embed=True))[1][0]
+    chat = run(embedder, EmbedParams(messages=(ChatMessage("user", "hello"),)))[1][0]
     assert chat.embedding is not None and len(chat.embedding) == 576 and chat.prompt_tokens > 1
     # Several queued at once (one prompt per step): each gets the vector it gets alone.
     texts = ["first text", "a second, longer text to embed"]
-    alone = [run(embedder, GenerateParams(prompt=t, embed=True))[1][0].embedding for t in texts]
-    together = run_together(embedder, [GenerateParams(prompt=t, embed=True) for t in texts])
+    alone = [run(embedder, EmbedParams(prompt=t))[1][0].embedding for t in texts]
+    together = run_together(embedder, [EmbedParams(prompt=t) for t in texts])
     assert [deltas[-1].embedding for _, deltas in together] == alone
 
 
@@ -363,9 +369,9 @@ def test_embedding_and_generating_instances_refuse_each_others_requests(llama: A
     with pytest.raises(RequestError, match=r"serves embeddings only .* an instance started without the embedding"):
         embedder.generate(GenerateParams(prompt="hello"), lambda: False)
     with pytest.raises(RequestError, match="start an instance with option embedding: true"):
-        llama.generate(GenerateParams(prompt="hello", embed=True), lambda: False)
+        llama.generate(EmbedParams(prompt="hello"), lambda: False)
     with pytest.raises(RequestError, match=r"the input is \d+ tokens but this embedding instance's context .* is 128"):
-        embedder.generate(GenerateParams(prompt="word " * 200, embed=True), lambda: False)
+        embedder.generate(EmbedParams(prompt="word " * 200), lambda: False)
     assert llama.active() == 0 and embedder.active() == 0
 
 

@@ -30,6 +30,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "CauseKind",
         "ChatMessage",
         "Chunk",
+        "DetokenizeParams",
+        "EmbedParams",
         "EngineSpec",
         "ErrorChunk",
         "Fault",
@@ -37,6 +39,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RunnerStatus",
         "TaskState",
         "TaskStatus",
+        "TokenizeParams",
     ),
     "tether.fleet.fleet": ("Fleet", "InstanceConfig", "Unavailable"),
 }
@@ -77,6 +80,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
     from tether.protocol import CauseKind as CauseKind
     from tether.protocol import ChatMessage as ChatMessage
     from tether.protocol import Chunk as Chunk
+    from tether.protocol import DetokenizeParams as DetokenizeParams
+    from tether.protocol import EmbedParams as EmbedParams
     from tether.protocol import EngineSpec as EngineSpec
     from tether.protocol import ErrorChunk as ErrorChunk
     from tether.protocol import Fault as Fault
@@ -84,6 +89,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py che
     from tether.protocol import RunnerStatus as RunnerStatus
     from tether.protocol import TaskState as TaskState
     from tether.protocol import TaskStatus as TaskStatus
+    from tether.protocol import TokenizeParams as TokenizeParams
 
 
 def __getattr__(name: str) -> Any:

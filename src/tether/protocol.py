@@ -216,9 +216,18 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI documents no limit; a bound keeps a request bounded)
 
 
-class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One generation (or, with ``embed``, one embedding; with ``tokenizer``, one tokenization) request. Exactly one
-    of ``prompt`` (raw completion), ``prompt_ids`` (the same, as token ids) or ``messages`` (chat) is set.
+def exactly_one(**given: object) -> InvalidField | None:
+    """The refusal of an input given in none or several of its shapes (``given``: each shape's value, None unset)."""
+    got = sum(value is not None for value in given.values())
+    if got == 1:
+        return None
+    names = [f"'{name}'" for name in given]
+    return InvalidField(None, f"set exactly one of {', '.join(names[:-1])} or {names[-1]} (got {got})")
+
+
+class GenerateParams(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
+    """One generation. Exactly one of ``prompt`` (raw completion), ``prompt_ids`` (the same, as token ids) or
+    ``messages`` (chat) is set.
 
     Sampling follows OpenAI's definitions where OpenAI has the parameter (``presence_penalty`` and
     ``frequency_penalty`` over the tokens generated so far, ``logit_bias`` added to the logits of token ids) and
@@ -230,9 +239,6 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the prompt (its text, and with ``logprobs`` each prompt token's entry, the first one's logprob NaN: nothing
     precedes it; an end-of-generation token then gets an entry too, as vLLM gives it); ``max_tokens`` may then be 0
     (the prompt's logprobs alone, as lm-eval's loglikelihood asks).
-    ``tokenizer``: not a generation but a question to the model's tokenizer, answered on the final chunk's
-    ``tokenized`` (``TokenizerAnswer``): "encode" tokenizes ``prompt`` (``add_special``: with the BOS the model
-    adds, if any) or the rendered ``messages``; "decode" writes ``prompt_ids`` out as the final chunk's text.
     ``prediction``: text the answer is expected to largely repeat (OpenAI's Predicted Outputs, ``prediction.content``):
     the engine tokenizes it and drafts tokens from it for the model to verify, so a good guess is generated in fewer
     steps (the model verifies every drafted token: a greedy answer is the one it gives without a prediction); the
@@ -254,13 +260,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None
     json_schema: str | None = None
-    embed: bool = False  # an embedding of the prompt (or the rendered chat), not a generation
     prompt_ids: tuple[int, ...] | None = None  # a raw prompt given as token ids (OpenAI's legacy completions shape)
     echo: bool = False  # the prompt's own tokens (with their logprobs when asked) lead the answer (completions)
     fit_context: bool = False  # a chat longer than the context keeps its system messages and latest turns (Ollama)
     context: int | None = None  # tokens prompt and answer may take together (Ollama's num_ctx); at most the n_ctx
-    tokenizer: Literal["encode", "decode"] | None = None  # a tokenizer request (see the docstring), not a generation
-    add_special: bool = True  # tokenizer "encode": add the BOS token the model's vocabulary asks for (a prompt's)
     tool_syntax: ToolSyntax | None = None  # tools in the model's native format (a chat): see ``ToolSyntax``
     thinking: bool | None = None  # a reasoning model's template asked to think or not (enable_thinking); None: its own
     template_kwargs: str | None = None  # JSON text of an object: more variables for the chat template (a chat's)
@@ -268,32 +271,29 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
 
     def check(self) -> InvalidField | None:
-        """What is wrong with these parameters (naming the field), or None."""
-        given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(self, name) is not None]
-        if len(given) != 1:
-            return InvalidField(None, f"set exactly one of 'prompt', 'messages' or 'prompt_ids' (got {len(given)})")
+        """What is wrong with these parameters (naming the field), or None: the input's shape, then the sampling."""
+        return self._input_problem() or self._sampling_problem()
+
+    def _input_problem(self) -> InvalidField | None:
+        """The prompt in one shape, the fields that need a given shape, and the token counts."""
+        problem = exactly_one(prompt=self.prompt, messages=self.messages, prompt_ids=self.prompt_ids)
+        if problem is not None:
+            return problem
         if self.tool_syntax is not None and (self.messages is None or self.json_schema is not None):
             return InvalidField("tools", "tools need a chat (messages) and cannot be combined with a json_schema")
         if self.tool_syntax is not None and not 0 <= self.tool_syntax.max_calls <= 64:
             return InvalidField("tools", f"a turn makes 0 to 64 tool calls, got {self.tool_syntax.max_calls}")
-        if self.tokenizer == "decode" and self.prompt_ids is None:
-            return InvalidField("tokens", "a tokenizer 'decode' request needs token ids (prompt_ids)")
         if self.prompt_ids is not None:
-            if not self.prompt_ids and self.tokenizer is None:
+            if not self.prompt_ids:
                 return InvalidField("prompt", "a token-id prompt needs at least one token")
-            if self.tokenizer == "encode" or self.embed:
-                return InvalidField("prompt", "token ids are already tokens: send text to tokenize or embed")
             for i, token in enumerate(self.prompt_ids):
                 if not 0 <= token <= MAX_TOKENS_LIMIT:
                     return InvalidField("prompt", f"token ids must be integers >= 0, got {token} at index {i}")
-        if self.prediction is not None and (self.embed or self.tokenizer is not None):
-            what = "an embedding" if self.embed else "a tokenizer request"
-            return InvalidField("prediction", f"a prediction drafts a generated answer; {what} generates none")
         if self.template_kwargs is not None and self.messages is None:
             return InvalidField("chat_template_kwargs", "chat_template_kwargs are a chat template's: send messages")
         if self.echo and self.messages is not None:
             return InvalidField("echo", "echo repeats a raw prompt (completions); a chat has none to repeat")
-        fewest = 0 if self.echo or self.tokenizer is not None else 1
+        fewest = 0 if self.echo else 1
         if not fewest <= self.max_tokens <= MAX_TOKENS_LIMIT:
             hint = " (0 only with echo: the prompt's logprobs alone)" if self.max_tokens == 0 else ""
             return InvalidField(
@@ -301,6 +301,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.context is not None and not 1 <= self.context <= MAX_TOKENS_LIMIT:
             return InvalidField("context", f"the context must be in [1, {MAX_TOKENS_LIMIT}] tokens, got {self.context}")
+        return None
+
+    def _sampling_problem(self) -> InvalidField | None:
+        """Each sampling parameter within its range (OpenAI's where OpenAI has one)."""
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             return InvalidField("seed", f"seed must be a 64-bit integer (in [-2**63, 2**64)), got {self.seed}")
         low, high = TEMPERATURE_RANGE
@@ -338,6 +342,55 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return None
 
 
+class EmbedParams(msgspec.Struct, tag="embed", frozen=True, forbid_unknown_fields=True):
+    """One embedding: the vector of ``prompt`` or of the rendered ``messages`` (exactly one is set), on the final
+    chunk's ``embedding``. ``fit_context``: an input longer than the context keeps its first ``n_ctx`` tokens
+    (Ollama's ``truncate``) instead of being refused."""
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    fit_context: bool = False
+    faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
+
+    def check(self) -> InvalidField | None:
+        """What is wrong with these parameters (naming the field), or None."""
+        return exactly_one(prompt=self.prompt, messages=self.messages)
+
+
+class TokenizeParams(msgspec.Struct, tag="tokenize", frozen=True, forbid_unknown_fields=True):
+    """A question to the model's tokenizer, not a generation: the token ids of ``prompt`` or of the rendered
+    ``messages`` (exactly one is set), answered on the final chunk's ``tokenized`` (``TokenizerAnswer``)."""
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_special: bool = True  # add the BOS token the model's vocabulary asks for (as a prompt's tokens start)
+
+    def check(self) -> InvalidField | None:
+        """What is wrong with these parameters (naming the field), or None."""
+        return exactly_one(prompt=self.prompt, messages=self.messages)
+
+
+class DetokenizeParams(msgspec.Struct, tag="detokenize", frozen=True, forbid_unknown_fields=True):
+    """A question to the model's tokenizer: the text of token ``ids`` (special tokens written out), as the final
+    chunk's text, with the tokenizer's facts on its ``tokenized``."""
+
+    ids: tuple[int, ...] = ()
+
+    def check(self) -> InvalidField | None:
+        """What is wrong with these parameters (naming the field), or None."""
+        for i, token in enumerate(self.ids):
+            if not 0 <= token <= MAX_TOKENS_LIMIT:
+                return InvalidField("tokens", f"token ids must be integers >= 0, got {token} at index {i}")
+        return None
+
+
+Work = GenerateParams | EmbedParams | TokenizeParams | DetokenizeParams
+"""What one request asks a runner for, told apart by its type (and on the wire by its tag); each kind checks only
+its own rules, and an engine declines a kind it does not serve with a ``RequestError`` that says where to go."""
+
+TokenizerWork = TokenizeParams | DetokenizeParams  # answered by the tokenizer at once, with no model step
+
+
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One candidate token: its text, its log-probability under the model, its bytes (``piece``: a token can be
     part of a character, so its text alone can lose information)."""
@@ -357,8 +410,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TokenizerAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a tokenizer request (``GenerateParams.tokenizer``) learns from the runner, which alone holds the model:
-    the token ids of an "encode" and each one's bytes, and the facts a client's remote tokenizer needs."""
+    """What a tokenizer request (``TokenizerWork``) learns from the runner, which alone holds the model: the token
+    ids of a ``TokenizeParams`` and each one's bytes, and the facts a client's remote tokenizer needs."""
 
     ids: tuple[int, ...] = ()  # "encode": the token ids
     pieces: tuple[bytes, ...] = ()  # "encode": each token's bytes (special tokens written out: ``<|im_end|>``)
@@ -387,8 +440,10 @@ class WarmupTask(msgspec.Struct, tag="warmup", frozen=True):
 
 
 class GenerateTask(msgspec.Struct, tag="generate", frozen=True):
+    """A request for the step loop: a generation, an embedding or a tokenizer question (``Work``, by its type)."""
+
     task_id: str
-    params: GenerateParams
+    params: Work
 
 
 class ShutdownTask(msgspec.Struct, tag="shutdown", frozen=True):
@@ -577,7 +632,7 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
         sees it."""
         return self.prefilled > 0 and self.tokens == 0 and not self.text and self.finish_reason is None
 
-    tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``GenerateParams.tokenizer``; final)
+    tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``TokenizerWork``; final)
 
 
 class ErrorChunk(msgspec.Struct, tag="error", frozen=True):

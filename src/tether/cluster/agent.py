@@ -47,7 +47,7 @@ from tether.node.settings import SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
 from tether.node.upkeep import GC_INTERVAL, Upkeep, interval_from_env
-from tether.protocol import Cause, CauseKind, Chunk, EngineSpec, GenerateParams, TaskState, TaskStatus, phase_of
+from tether.protocol import Cause, CauseKind, Chunk, EngineSpec, TaskState, TaskStatus, Work, phase_of
 
 log = logging.getLogger("tether.cluster.agent")
 RELAY_INTERVAL = 0.025  # seconds: a generation's Ray items after its first token, at most one per interval
@@ -389,7 +389,7 @@ class NodeAgent:
             yield _events.encode([status])
             return
         try:
-            handle: TaskHandle = await life.sup.generate(msgspec.msgpack.decode(params, type=GenerateParams), task_id)
+            handle: TaskHandle = await life.sup.generate(msgspec.msgpack.decode(params, type=Work), task_id)
         except RunnerUnavailable as exc:
             yield _events.encode([TaskStatus(task_id, TaskState.FAILED, error=str(exc), cause=exc.cause)])
             return

@@ -43,12 +43,12 @@ from tether.protocol import (
     Chunk,
     EngineSpec,
     ErrorChunk,
-    GenerateParams,
     Idle,
     RunnerStatus,
     TaskAcknowledged,
     TaskState,
     TaskStatus,
+    Work,
 )
 
 log = logging.getLogger("tether.cluster.remote")
@@ -304,7 +304,7 @@ class RemoteSupervisor(LifeTasks):
             status = TaskStatus(new_id("ready"), TaskState.FAILED, error=outcome.error, cause=outcome.cause)
             raise TaskFailed(status)
 
-    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+    async def generate(self, params: Work, task_id: str | None = None) -> TaskHandle:
         if self._exited.is_set() or self._pid is None:
             why = self.cause.summary if self.cause else "the runner is stopping or stopped"
             raise RunnerUnavailable(f"{self.name} cannot take a task: {why}", self.cause)

@@ -10,6 +10,11 @@ sequence between steps (continuous batching), calls ``step`` to advance every st
 ``drop``s a cancelled one (freeing what it holds) between steps. An engine with only ``generate`` (one stream at a
 time, an iterator that calls ``cancelled()`` between tokens) is driven through ``Serial``, a batch of one.
 
+What a request asks for is its type (``Work``): a ``GenerateParams``, an ``EmbedParams``, or a tokenizer question
+(``TokenizeParams``, ``DetokenizeParams``). A batch engine's ``start`` gets every kind and declines those it does not
+serve with a ``RequestError`` saying where to send them; an engine with only ``generate`` gets generations alone
+(``Serial`` declines the rest for it).
+
 ``RequestError`` fails one request and the runner serves on; any other exception from an engine is fatal for the
 runner (the engine's state is unknown), and ``EngineLoadError`` from ``load`` says the model cannot be loaded (a
 restart would not help). Optional class attributes: ``options`` (the option names and their defaults),
@@ -39,7 +44,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import msgspec
 
 from tether.errors import TetherError
-from tether.protocol import EngineSpec, FinishReason, GenerateParams, TokenizerAnswer, TokenLogprob
+from tether.protocol import EmbedParams, EngineSpec, FinishReason, GenerateParams, TokenizerAnswer, TokenLogprob, Work
 from tether.units import format_bytes
 
 ProgressCallback = Callable[[float, str], None]  # (fraction 0..1, detail)
@@ -58,7 +63,7 @@ class Delta(msgspec.Struct, frozen=True):
     cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prompt cache (final delta)
     dropped_messages: int = 0  # a chat's oldest turns left out to fit the context (``fit_context``; final delta)
     prefilled: int = 0  # a progress delta (no text, no tokens): the prompt tokens prefilled so far
-    tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``GenerateParams.tokenizer``; final)
+    tokenized: TokenizerAnswer | None = None  # a tokenizer request's answer (``TokenizerWork``; final delta)
     reasoning: str = ""  # a reasoning model's thinking in these tokens (``text``: the answer's part; ``reasoning``)
     draft_tokens: int = 0  # drafted tokens the model verified for this request (speculation; final delta)
     draft_accepted: int = 0  # of those, the ones it kept
@@ -116,7 +121,7 @@ class BatchEngine(Protocol):
 
     def warmup(self) -> None: ...
 
-    def start(self, seq_id: str, params: GenerateParams) -> None: ...
+    def start(self, seq_id: str, params: Work) -> None: ...
 
     def step(self) -> list[StepResult]: ...
 
@@ -152,7 +157,9 @@ class Serial:
     def warmup(self) -> None:
         self.engine.warmup()
 
-    def start(self, seq_id: str, params: GenerateParams) -> None:
+    def start(self, seq_id: str, params: Work) -> None:
+        if not isinstance(params, GenerateParams):
+            raise RequestError(declined(self.name, params))
         if self._seq is not None:
             raise RuntimeError(f"{self.name} serves one sequence at a time; {self._seq[0]!r} is running")
         self._dropped = False
@@ -203,8 +210,18 @@ def batched(engine: Engine | BatchEngine) -> BatchEngine:
     return Serial(engine)  # type: ignore[arg-type]
 
 
+def declined(engine: str, params: Work) -> str:
+    """Why ``engine``, which generates text and nothing else, refuses ``params``, and where to send them."""
+    if isinstance(params, EmbedParams):
+        return (
+            f"the {engine} engine generates text and does not compute embeddings: start a llama.cpp instance with "
+            "option embedding: true for embedding requests"
+        )
+    return f"the {engine} engine answers no tokenizer requests: ask a llama.cpp instance"
+
+
 def generate_one(
-    engine: BatchEngine, params: GenerateParams, cancelled: Callable[[], bool], seq_id: str = "one"
+    engine: BatchEngine, params: Work, cancelled: Callable[[], bool], seq_id: str = "one"
 ) -> Iterator[Delta]:
     """One request as a delta stream through a batch engine's ``start``/``step`` (a batch engine's ``generate``).
 

@@ -39,7 +39,16 @@ from tether.engines.base import (
 )
 from tether.engines.ring import Ring
 from tether.engines.text import TextStream
-from tether.protocol import EngineSpec, Fault, GenerateParams, TokenLogprob, TopLogprob
+from tether.protocol import (
+    EmbedParams,
+    EngineSpec,
+    Fault,
+    GenerateParams,
+    TokenizerWork,
+    TokenLogprob,
+    TopLogprob,
+    Work,
+)
 from tether.runner.faults import faults_for, fire, trigger
 
 VOCAB = tuple(
@@ -251,15 +260,27 @@ class DebugEngine:
             timer.daemon = True
             timer.start()
 
-    def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+    def generate(self, params: Work, cancelled: Callable[[], bool]) -> Iterator[Delta]:
         """One request on its own (a bad request raises ``RequestError`` now, not at the first ``next``)."""
         self._calls += 1
         return generate_one(self, params, cancelled, seq_id=f"generate-{self._calls}")
 
-    def start(self, seq_id: str, params: GenerateParams) -> None:
+    def start(self, seq_id: str, params: Work) -> None:
         """Check the request (``RequestError``) and add it to the batch: its first token comes with the next step."""
         if self._ring is not None and self.rank != 0:
             raise RequestError(f"{self._ring.me} takes no requests: send them to rank 0 of the instance")
+        problem = params.check()
+        if problem is not None:
+            raise RequestError(str(problem))
+        if isinstance(params, GenerateParams) and (params.json_schema is not None or params.tool_syntax is not None):
+            raise RequestError(
+                "the debug engine does not do structured output (json_schema, tools): use the llama.cpp engine for it"
+            )
+        if isinstance(params, TokenizerWork) or (isinstance(params, GenerateParams) and params.prompt_ids is not None):
+            raise RequestError(
+                "the debug engine has no tokenizer (its tokens are words): send a text prompt, and token ids or "
+                "tokenizer requests to a llama.cpp instance"
+            )
         carried = tuple(
             f for f in params.faults if f.rank != self.rank and f.phase == "generate" and f.kind != "request_error"
         )
@@ -368,47 +389,43 @@ class DebugEngine:
     def _start(
         self,
         seq_id: str,
-        params: GenerateParams,
+        params: GenerateParams | EmbedParams,
         faults: tuple[Fault, ...],
         *,
         carried: tuple[Fault, ...] = (),
         ringed: bool = True,
     ) -> None:
-        """Check a request and add its sequence. What a deterministic engine can honestly say about each field:
+        """Add a checked request's sequence. What a deterministic engine can honestly say about each field:
 
-        * ``embed``: a unit vector of ``embedding_dim`` numbers from a stable hash of the prompt (or the chat, as
-          ``role: content`` lines), in one step, at which ``generate`` faults fire as at a first token;
+        * an embedding (``EmbedParams``): a unit vector of ``embedding_dim`` numbers from a stable hash of the
+          prompt (or the chat, as ``role: content`` lines), in one step, at which ``generate`` faults fire as at a
+          first token;
         * ``logprobs``: every word is the only possible one: logprob 0.0, and ``top`` holds just that token;
         * ``echo``: the prompt's text leads the first delta; with ``logprobs``, one entry per word of it, the first
           NaN (nothing precedes it); ``max_tokens`` 0 ends the request with the echo alone;
-        * ``json_schema``, tools, ``prompt_ids`` and ``tokenizer``: refused (``RequestError``): words follow no
-          schema and have no ids;
+        * ``json_schema``, tools, ``prompt_ids`` and tokenizer requests: refused (``RequestError``, by ``start``):
+          words follow no schema and have no ids;
         * ``prediction``: accepted, never drafted from (its draft counts stay 0); the other sampling parameters are
           checked and change nothing: the text depends on the prompt and ``seed`` alone."""
         self._require_loaded()
-        problem = params.check()
-        if problem is not None:
-            raise RequestError(str(problem))
-        if (params.json_schema is not None or params.tool_syntax is not None) and not params.embed:
-            raise RequestError(
-                "the debug engine does not do structured output (json_schema, tools): use the llama.cpp engine for it"
-            )
-        if params.prompt_ids is not None or params.tokenizer is not None:
-            raise RequestError(
-                "the debug engine has no tokenizer (its tokens are words): send a text prompt, and token ids or "
-                "tokenizer requests to a llama.cpp instance"
-            )
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already running")
         if len(self._seqs) >= self.parallel:
             raise RuntimeError(f"the batch is full ({self.parallel} sequences): a sequence must end first")
         text = prompt_text(params)
         prompt_tokens = len(text.split())
-        if params.embed and params.fit_context and self.n_ctx is not None and prompt_tokens > self.n_ctx:
+        fit = isinstance(params, EmbedParams) and params.fit_context
+        if fit and self.n_ctx is not None and prompt_tokens > self.n_ctx:
             text = " ".join(text.split()[: self.n_ctx])  # Ollama's truncate: the input's first n_ctx tokens
             prompt_tokens = self.n_ctx
         if self.n_ctx is not None and prompt_tokens > self.n_ctx:
             raise RequestError(f"prompt is {prompt_tokens} tokens but n_ctx is {self.n_ctx}: shorten it or raise n_ctx")
+        if isinstance(params, EmbedParams):  # its vector comes with its first step
+            vector = embedding_vector(text, self.embedding_dim)
+            self._seqs[seq_id] = _DebugSequence(
+                iter(()), TextStream(()), faults, prompt_tokens, 1, embedding=vector, carried=carried, ringed=ringed
+            )
+            return
         budget = params.max_tokens if self.n_ctx is None else max(1, min(params.max_tokens, self.n_ctx - prompt_tokens))
         if params.max_tokens == 0:  # echo alone (``check`` allows 0 only with echo)
             budget = 0
@@ -424,7 +441,6 @@ class DebugEngine:
             prompt_tokens,
             budget,
             logprobs=params.logprobs,
-            embedding=embedding_vector(text, self.embedding_dim) if params.embed else None,
             carried=carried,
             ringed=ringed,
             echo=text if params.echo else None,
@@ -543,7 +559,7 @@ def _daemon() -> int:
     return pid
 
 
-def prompt_text(params: GenerateParams) -> str:
+def prompt_text(params: GenerateParams | EmbedParams) -> str:
     """The text a request conditions on: the prompt, or the chat rendered as ``role: content`` lines."""
     if params.prompt is not None:
         return params.prompt

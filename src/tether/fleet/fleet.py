@@ -55,7 +55,7 @@ from tether.node.recent import Recent
 from tether.node.settings import DEFAULT, SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
-from tether.protocol import Cause, EngineSpec, Fault, GenerateParams, documented
+from tether.protocol import Cause, EngineSpec, Fault, Work, documented
 
 log = logging.getLogger("tether.fleet.fleet")
 
@@ -510,7 +510,7 @@ class Fleet:
     # --- requests -------------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def generation(self, hosted: Hosted, params: GenerateParams, request_id: str) -> AsyncIterator[TaskHandle]:
+    async def generation(self, hosted: Hosted, params: Work, request_id: str) -> AsyncIterator[TaskHandle]:
         """Admit a generation to ``hosted``'s queue and submit it; ``Unavailable`` says why not and when to retry."""
         replica = hosted.pick()
         if replica is None:

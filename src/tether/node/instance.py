@@ -39,7 +39,7 @@ from tether.node.output import DEFAULT_BACKUPS
 from tether.node.settings import DEFAULT, SupervisorSettings
 from tether.node.supervisor import Supervisor
 from tether.node.tasks import RunnerUnavailable, TaskFailed, TaskHandle
-from tether.protocol import Cause, CauseKind, EngineSpec, GenerateParams, documented, phase_of
+from tether.protocol import Cause, CauseKind, EngineSpec, Work, documented, phase_of
 
 log = logging.getLogger("tether.node.instance")
 # Failed lives (and runner pids) an instance remembers, with their evidence and their runner log files (a life that
@@ -363,7 +363,7 @@ class Instance:
 
     # --- serving --------------------------------------------------------------------------------------------
 
-    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+    async def generate(self, params: Work, task_id: str | None = None) -> TaskHandle:
         """Hand a generation to the current runner; ``RunnerUnavailable`` says why there is none (starting,
         restarting in N s after a cause, failed with its cause, stopped)."""
         sup = self.supervisor

@@ -26,7 +26,7 @@ from anyio.abc import TaskGroup
 
 from tether.node.memory import ProcessMemory
 from tether.node.tasks import CancelReply, InFlight, StopReport, TaskEvent, TaskHandle, new_id
-from tether.protocol import Cause, EngineSpec, GenerateParams, GenerateTask, RunnerStatus
+from tether.protocol import Cause, EngineSpec, GenerateTask, RunnerStatus, Work
 
 
 class RunnerLife(Protocol):
@@ -84,8 +84,8 @@ class RunnerLife(Protocol):
     async def ready(self) -> None:
         """Load and warm up; ``TaskFailed`` (with the cause) if it could not."""
 
-    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
-        """Take a generation; its events, ending with exactly one terminal status, arrive on the handle."""
+    async def generate(self, params: Work, task_id: str | None = None) -> TaskHandle:
+        """Take a request (any ``Work``); its events, ending with exactly one terminal status, arrive on the handle."""
 
     async def cancel(self, task_id: str) -> CancelReply: ...
     def in_flight(self) -> list[InFlight]: ...
@@ -178,7 +178,7 @@ class LifeTasks(abc.ABC):
 
     # --- relayed generations (a rank group's, a remote life's): tracked here, delivered by the life's relay ----
 
-    def _track(self, params: GenerateParams, task_id: str | None) -> tuple[InFlight, TaskHandle]:
+    def _track(self, params: Work, task_id: str | None) -> tuple[InFlight, TaskHandle]:
         """A new relayed generation: its record in flight and the handle its caller reads."""
         tid = task_id or new_id("gen")
         if tid in self._inflight:

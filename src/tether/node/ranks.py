@@ -51,12 +51,12 @@ from tether.protocol import (
     Cause,
     CauseKind,
     EngineSpec,
-    GenerateParams,
     Idle,
     RankInfo,
     RunnerStatus,
     TaskState,
     TaskStatus,
+    Work,
     tag_of,
 )
 
@@ -369,7 +369,7 @@ class RankGroup(LifeTasks):
             cause = self.cause or Cause(kind=CauseKind.UNEXPECTED_EXIT, summary=f"{self.name} stopped while loading")
             raise TaskFailed(TaskStatus(new_id("ready"), TaskState.FAILED, error=cause.summary, cause=cause))
 
-    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+    async def generate(self, params: Work, task_id: str | None = None) -> TaskHandle:
         """Rank 0 takes the request; its events are relayed, and a runner death ends it with the group's cause."""
         if not self.alive:
             why = self.cause.summary if self.cause else "the instance is stopping or stopped"

@@ -71,7 +71,6 @@ from tether.protocol import (
     ErrorChunk,
     Event,
     Failed,
-    GenerateParams,
     GenerateTask,
     Heartbeat,
     Idle,
@@ -88,6 +87,7 @@ from tether.protocol import (
     TaskState,
     TaskStatus,
     WarmupTask,
+    Work,
     phase_of,
     task_kind,
 )
@@ -375,7 +375,7 @@ class Supervisor(LifeTasks):
             await self._send(frame)
         return handle
 
-    async def generate(self, params: GenerateParams, task_id: str | None = None) -> TaskHandle:
+    async def generate(self, params: Work, task_id: str | None = None) -> TaskHandle:
         return await self.submit(GenerateTask(task_id=task_id or new_id("gen"), params=params))
 
     async def cancel(self, task_id: str) -> CancelReply:

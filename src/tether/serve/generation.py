@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -27,7 +27,7 @@ from tether.fleet.fleet import Fleet, Hosted, Unavailable
 from tether.fleet.scheduler import Scheduler
 from tether.node.fit import DoesNotFit
 from tether.node.tasks import TaskHandle
-from tether.protocol import Chunk, ErrorChunk, GenerateParams, TaskState, TaskStatus
+from tether.protocol import Chunk, EmbedParams, ErrorChunk, TaskState, TaskStatus, TokenizerWork
 from tether.serve.dialects.plan import Plan
 from tether.serve.metrics import Metrics
 from tether.serve.statuses import Answer, GenerationFailed, failure_of
@@ -344,12 +344,13 @@ class Api:
     async def embed(
         self,
         model_id: str,
-        inputs: list[GenerateParams],
+        inputs: Sequence[EmbedParams | TokenizerWork],
         request_id: str,
         endpoint: str,
         keep_alive: float | None = None,
     ) -> list[Chunk]:
-        """Each input's final chunk (its ``embedding`` set), in order; ``GenerationFailed`` when one fails.
+        """Each input's final chunk (an embedding's vector, a tokenizer question's answer), in order;
+        ``GenerationFailed`` when one fails.
 
         Inputs go to the runner at most ``parallel`` at a time, so a long list waits its turn instead of overflowing
         the queue; each is a task like any generation (deadlines, cancel, a runner's death reported with its cause).
@@ -357,14 +358,16 @@ class Api:
         async with self.scheduler.lease(model_id, keep_alive) as hosted:
             return await self._embed(hosted, inputs, request_id, endpoint)
 
-    async def _embed(self, hosted: Hosted, inputs: list[GenerateParams], request_id: str, endpoint: str) -> list[Chunk]:
+    async def _embed(
+        self, hosted: Hosted, inputs: Sequence[EmbedParams | TokenizerWork], request_id: str, endpoint: str
+    ) -> list[Chunk]:
         started = time.monotonic()
         results: list[Chunk | None] = [None] * len(inputs)
         outcome = "failed"
         limiter = anyio.Semaphore(max(hosted.parallel, 1))
         prompt_tokens = 0
 
-        async def one(i: int, params: GenerateParams) -> None:
+        async def one(i: int, params: EmbedParams | TokenizerWork) -> None:
             nonlocal prompt_tokens
             async with limiter, self.fleet.generation(hosted, params, f"{request_id}-{i}") as handle:
                 request_error: str | None = None

@@ -43,7 +43,18 @@ from tether.engines.llamacpp.tools import ROOT as TOOLS_ROOT
 from tether.engines.reasoning import Block, ReasoningFormat, Splitter, closes_in_prompt, opens_in_prompt
 from tether.errors import InvalidField
 from tether.models import DEFAULT_MODEL_NAME, PULL_HINT, DefaultModelMissing, default_model_path, describe_model
-from tether.protocol import ChatMessage, EngineSpec, GenerateParams, RankInfo, TokenizerAnswer
+from tether.protocol import (
+    ChatMessage,
+    DetokenizeParams,
+    EmbedParams,
+    EngineSpec,
+    GenerateParams,
+    RankInfo,
+    TokenizeParams,
+    TokenizerAnswer,
+    TokenizerWork,
+    Work,
+)
 from tether.units import parse_size
 
 if TYPE_CHECKING:
@@ -378,39 +389,46 @@ class LlamaCppEngine:
         request (a rank above 0 has nothing to warm: rank 0's warm-up runs its layers)."""
         if self._server is not None:
             return
-        for _ in self.generate(GenerateParams(prompt="Hello", max_tokens=1, embed=self.embedding), lambda: False):
+        hello = EmbedParams(prompt="Hello") if self.embedding else GenerateParams(prompt="Hello", max_tokens=1)
+        for _ in self.generate(hello, lambda: False):
             pass
         batch = self._require_batch()
         batch.measure_costs()  # speculation's cost curve: this machine's, at this context's shape
         batch.clear()
 
-    def generate(self, params: GenerateParams, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+    def generate(self, params: Work, cancelled: Callable[[], bool]) -> Iterator[Delta]:
         """One request on its own (a bad request raises ``RequestError`` now, not at the first ``next``)."""
         self._calls += 1
         return generate_one(self, params, cancelled, seq_id=f"generate-{self._calls}")
 
-    def start(self, seq_id: str, params: GenerateParams) -> None:
-        """Check the request and its prompt length (``RequestError``), then add it to the batch."""
-        from tether.engines.llamacpp.batch import Sampling
-
+    def start(self, seq_id: str, params: Work) -> None:
+        """Check the request (``RequestError``), then answer it by its kind: a tokenizer question at once, an
+        embedding or a generation in the batch (each only by an instance started for it)."""
         batch = self._require_batch()
         problem = params.check()
         if problem is not None:
             raise RequestError(str(problem))
-        if params.tokenizer is not None:  # a question to the tokenizer: any instance answers it, at once
+        if isinstance(params, TokenizerWork):  # a question to the tokenizer: any instance answers it, at once
             self._answers.append((seq_id, self._tokenizer_answer(params)))
-            return
-        if params.embed != self.embedding:
+        elif isinstance(params, EmbedParams):
+            if not self.embedding:
+                raise RequestError(
+                    "this llama.cpp instance generates text and does not compute embeddings: start an instance "
+                    "with option embedding: true for embedding requests"
+                )
+            self._start_embedding(batch, seq_id, params)
+        elif self.embedding:
             raise RequestError(
                 "this llama.cpp instance serves embeddings only (it was started with the embedding option): send "
                 "generations to an instance started without the embedding option"
-                if self.embedding
-                else "this llama.cpp instance generates text and does not compute embeddings: start an instance "
-                "with option embedding: true for embedding requests"
             )
-        if self.embedding:
-            self._start_embedding(batch, seq_id, params)
-            return
+        else:
+            self._start_generation(batch, seq_id, params)
+
+    def _start_generation(self, batch: Batch, seq_id: str, params: GenerateParams) -> None:
+        """Check a generation's sampling and prompt length (``RequestError``), then add it to the batch."""
+        from tether.engines.llamacpp.batch import Sampling
+
         grammar, root = self._check_sampling(params)  # before the chat is rendered: the cheap refusals first
         stop = list(params.stop)
         window = min(params.context or self.n_ctx, self.n_ctx)  # a request's own context (num_ctx) within n_ctx
@@ -491,7 +509,7 @@ class LlamaCppEngine:
                 )
         return answer_grammar(params)
 
-    def _start_embedding(self, batch: Batch, seq_id: str, params: GenerateParams) -> None:
+    def _start_embedding(self, batch: Batch, seq_id: str, params: EmbedParams) -> None:
         if params.messages is not None:
             prompt_tokens, _ = self._render_chat(params)
         else:
@@ -529,12 +547,12 @@ class LlamaCppEngine:
         raw = b"".join(batch.piece(token, special=True) for token in ids)
         return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw)
 
-    def _tokenizer_answer(self, params: GenerateParams) -> Delta:
-        """A tokenizer request's final delta (``GenerateParams.tokenizer``): the prompt's (or the rendered chat's)
-        token ids and pieces, or the token ids' text; with the tokenizer's facts either way."""
+    def _tokenizer_answer(self, params: TokenizerWork) -> Delta:
+        """A tokenizer request's final delta: the prompt's (or the rendered chat's) token ids and pieces, or the
+        token ids' text; with the tokenizer's facts either way."""
         facts = self._tokenizer_facts()
-        if params.tokenizer == "decode":
-            ids = self._known_ids(params.prompt_ids or (), "tokens")
+        if isinstance(params, DetokenizeParams):
+            ids = self._known_ids(params.ids, "tokens")
             return Delta(self._detokenize(ids), 0, "stop", len(ids), 0, tokenized=facts)
         if params.messages is not None:
             ids, _ = self._render_chat(params)
@@ -689,22 +707,27 @@ class LlamaCppEngine:
         return best[0], best[1]
 
     def _render_chat(
-        self, params: GenerateParams, chat: list[ChatMessage] | None = None
+        self, params: GenerateParams | EmbedParams | TokenizeParams, chat: list[ChatMessage] | None = None
     ) -> tuple[list[int], list[str]]:
         """Render the chat (``chat``, else the request's messages) with the model's template and tokenize it,
         exactly as llama-cpp-python's chat handler does, so the token count is the real one. With a tool syntax the
-        template gets the tools (and renders earlier calls and results itself)."""
+        template gets the tools (and renders earlier calls and results itself); only a generation has tools, a
+        thinking switch or more template variables."""
         messages = template_messages(params.messages or () if chat is None else chat)
-        syntax = params.tool_syntax
+        syntax, kwargs, thinking = (
+            (params.tool_syntax, params.template_kwargs, params.thinking)
+            if isinstance(params, GenerateParams)
+            else (None, None, None)
+        )
         tools = json.loads(syntax.tools) if syntax is not None else None
         if self._chat_formatter is None:
             raise RequestError(
                 f"{describe_model(self.model_path or '?')} has no chat template (a base model's GGUF carries none), "
                 f"so a chat cannot be written as the model reads one: {HOW_TO_SET}. Or send a raw 'prompt' instead"
             )
-        variables = json.loads(params.template_kwargs) if params.template_kwargs is not None else {}
-        if params.thinking is not None:
-            variables[reasoning.SWITCH] = params.thinking
+        variables = json.loads(kwargs) if kwargs is not None else {}
+        if thinking is not None:
+            variables[reasoning.SWITCH] = thinking
         try:
             result = self._chat_formatter(messages=messages, tools=tools, **variables)
         except Exception as exc:  # template errors (e.g. unsupported roles) are the request's fault

@@ -1,6 +1,6 @@
 """OpenAI's embeddings API: ``POST /v1/embeddings`` from an instance started for embeddings.
 
-An embedding is a task like a generation (``GenerateParams.embed``): the same queue, deadlines, cancel and failure
+An embedding is a task like a generation (``EmbedParams``): the same queue, deadlines, cancel and failure
 causes; the runner returns the pooled, L2-normalised vector of each input on its final chunk. Inputs are strings;
 token-id arrays and ``dimensions`` are refused (the vector's size is the model's).
 """
@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
-from tether.protocol import Chunk, GenerateParams, documented
+from tether.protocol import Chunk, EmbedParams, documented
 from tether.serve.dialects.fields import HONOURED, LIMITED, METADATA, FieldPolicy, register
 from tether.serve.dialects.plan import MAX_INPUTS, decode_body, embedding_tasks
 from tether.serve.generation import Api
@@ -71,7 +71,7 @@ def decode(body: bytes) -> EmbeddingRequest:
     return decode_body(_decoder, body)
 
 
-def inputs_of(request: EmbeddingRequest) -> list[GenerateParams]:
+def inputs_of(request: EmbeddingRequest) -> list[EmbedParams]:
     """One embedding task per input."""
     if request.dimensions is not None:
         raise InvalidField(

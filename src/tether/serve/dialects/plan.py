@@ -12,10 +12,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from tether.errors import InvalidField
-from tether.protocol import GenerateParams
+from tether.protocol import EmbedParams, GenerateParams, Work
 from tether.serve.dialects import tools as toolkit
 
 T = TypeVar("T")
+W = TypeVar("W", bound=Work)
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "until the context is full"; a bound keeps a request bounded
 MAX_INPUTS = 2048  # OpenAI's limit on embedding inputs per request
@@ -86,7 +87,7 @@ class Plan:
     keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: forever); None: its default
 
 
-def checked(params: GenerateParams) -> GenerateParams:
+def checked(params: W) -> W:
     """``params``, or the 400 for what is wrong with them."""
     problem = params.check()
     if problem is not None:
@@ -101,10 +102,10 @@ def schema_text(schema: dict[str, Any], field: str) -> str:
     return msgspec.json.encode(schema).decode()
 
 
-def embedding_tasks(texts: list[str], *, fit_context: bool = False) -> list[GenerateParams]:
+def embedding_tasks(texts: list[str], *, fit_context: bool = False) -> list[EmbedParams]:
     """One embedding task per text (at most ``MAX_INPUTS``): what OpenAI's and Ollama's routes send the runner.
     ``fit_context``: a text longer than the instance's context keeps its first ``n_ctx`` tokens (Ollama's
     ``truncate``) instead of being refused."""
     if len(texts) > MAX_INPUTS:
         raise InvalidField("input", f"input takes at most {MAX_INPUTS} strings per request, got {len(texts)}")
-    return [GenerateParams(prompt=text, max_tokens=1, embed=True, fit_context=fit_context) for text in texts]
+    return [EmbedParams(prompt=text, fit_context=fit_context) for text in texts]

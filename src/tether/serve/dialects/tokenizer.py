@@ -2,15 +2,15 @@
 (one route each takes both), and vLLM's ``GET /tokenizer_info``: what evaluation harnesses need to count a
 prompt's tokens (lm-eval's ``local-completions`` finds these routes and uses them as its tokenizer, offline).
 
-The tokenizer lives in the runner that holds the model, so each answer is a task like a generation
-(``GenerateParams.tokenizer``: the same queue, deadlines, cancel and failure causes, a model loaded on demand),
-answered on its final chunk (``Chunk.tokenized``); the worker keeps no second copy of the vocabulary. A tokenize body
-with ``content`` is llama-server's (``add_special`` defaults to false; ``with_pieces``), one with ``prompt`` or
-``messages`` is vLLM's (``add_special_tokens`` defaults to true; its answer adds ``count`` and ``max_model_len``).
-Special tokens written in the text (``<|im_end|>``) are parsed as the special tokens they name, as both servers do. A
-detokenize answer carries the text under both servers' names (``content`` and ``prompt``), so either client reads it;
-special tokens are written out, and ids outside the vocabulary are a 400 naming the first one, with the vocabulary's
-size.
+The tokenizer lives in the runner that holds the model, so each answer is a task like a generation (a
+``TokenizeParams`` or ``DetokenizeParams``: the same queue, deadlines, cancel and failure causes, a model loaded on
+demand), answered on its final chunk (``Chunk.tokenized``); the worker keeps no second copy of the vocabulary. A
+tokenize body with ``content`` is llama-server's (``add_special`` defaults to false; ``with_pieces``), one with
+``prompt`` or ``messages`` is vLLM's (``add_special_tokens`` defaults to true; its answer adds ``count`` and
+``max_model_len``). Special tokens written in the text (``<|im_end|>``) are parsed as the special tokens they name,
+as both servers do. A detokenize answer carries the text under both servers' names (``content`` and ``prompt``), so
+either client reads it; special tokens are written out, and ids outside the vocabulary are a 400 naming the first
+one, with the vocabulary's size.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from msgspec import UNSET, UnsetType
 
 from tether.errors import InvalidField
 from tether.fleet.fleet import new_request_id
-from tether.protocol import MAX_TOKENS_LIMIT, GenerateParams, TokenizerAnswer, documented
+from tether.protocol import (
+    MAX_TOKENS_LIMIT,
+    DetokenizeParams,
+    TokenizeParams,
+    TokenizerAnswer,
+    TokenizerWork,
+    documented,
+)
 from tether.serve.dialects.fields import HONOURED, LIMITED, FieldPolicy, register
 from tether.serve.dialects.plan import checked, decode_body
 from tether.serve.dialects.shapes import MessageIn, message_turns
@@ -139,7 +146,7 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 class TokenizePlan:
     """What a tokenize request asks the runner, and how its answer is shaped."""
 
-    params: GenerateParams
+    params: TokenizeParams
     model: str | None
     vllm: bool  # vLLM's shape (``prompt`` or ``messages``), else llama-server's (``content``)
     with_pieces: bool = False
@@ -167,23 +174,21 @@ def tokenize_plan(request: TokenizeRequest) -> TokenizePlan:
     flags = [flag for flag in (request.add_special, request.add_special_tokens) if flag is not None]
     add_special = flags[0] if flags else vllm  # llama-server's default is false, vLLM's true
     messages = tuple(engine_messages(message_turns(request.messages))) if request.messages is not None else None
-    params = GenerateParams(
+    params = TokenizeParams(
         prompt=request.content if request.content is not None else request.prompt,
         messages=messages,
-        max_tokens=1,
-        tokenizer="encode",
         add_special=add_special,
     )
     return TokenizePlan(checked(params), request.model, vllm, request.with_pieces, request.return_token_strs)
 
 
-def detokenize_params(request: DetokenizeRequest) -> GenerateParams:
+def detokenize_params(request: DetokenizeRequest) -> DetokenizeParams:
     if len(request.tokens) > MAX_DETOKENIZE:
         raise InvalidField("tokens", f"tokens takes at most {MAX_DETOKENIZE} ids, got {len(request.tokens)}")
     for i, token in enumerate(request.tokens):
         if not 0 <= token <= MAX_TOKENS_LIMIT:
             raise InvalidField(f"tokens[{i}]", f"token ids are integers >= 0, got {token} at index {i}")
-    return checked(GenerateParams(prompt_ids=tuple(request.tokens), max_tokens=1, tokenizer="decode"))
+    return checked(DetokenizeParams(ids=tuple(request.tokens)))
 
 
 def piece_out(piece: bytes) -> str | list[int]:
@@ -226,7 +231,7 @@ def routes(api: Api) -> list[Route]:
     """``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``."""
     scheduler = api.scheduler
 
-    async def ask(model_id: str, params: GenerateParams, endpoint: str) -> tuple[str, TokenizerAnswer]:
+    async def ask(model_id: str, params: TokenizerWork, endpoint: str) -> tuple[str, TokenizerAnswer]:
         """The runner's answer to one tokenizer request: the final chunk's text and ``tokenized``."""
         [chunk] = await api.embed(model_id, [params], new_request_id("tok"), endpoint)
         if chunk.tokenized is None:  # an engine of its own that generated instead: it has no tokenizer to ask
@@ -251,7 +256,7 @@ def routes(api: Api) -> list[Route]:
 
     async def tokenizer_info(request: Request) -> Response:
         model_id = scheduler.resolve(request.query_params.get("model"))
-        params = GenerateParams(prompt="", max_tokens=1, tokenizer="encode", add_special=False)
+        params = TokenizeParams(prompt="", add_special=False)
         _, answer = await ask(model_id, params, "tokenizer_info")
         return json_response(info_body(model_id, answer))
 

@@ -12,6 +12,7 @@ from tether.fleet.catalog import keep_alive_seconds
 from tether.protocol import (
     MAX_TOKENS_LIMIT,
     ChatMessage,
+    EmbedParams,
     GenerateParams,
 )
 from tether.serve.dialects import tools as toolkit
@@ -249,7 +250,7 @@ def embed_texts(body: OllamaEmbedRequest) -> list[str]:
     return body.input
 
 
-def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> list[GenerateParams]:
+def embed_inputs(texts: list[str], body: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> list[EmbedParams]:
     keep_alive_seconds(body.keep_alive)
     if body.options:
         name = next(iter(body.options))
