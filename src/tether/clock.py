@@ -9,7 +9,9 @@ processes on the other side of the pipes (trio's ``MockClock`` does this for a w
 only what tether's rules read, so asyncio, Ray and uvicorn keep their real time).
 
 Durations that are reported rather than enforced (how long a load took, a stop's ``seconds``) read the same clock,
-so a stepped test sees the stepped figures it caused.
+so a stepped test sees the stepped figures it caused. The few places that read ``time.monotonic`` directly (the
+runner side, the kernel primitives, the campaign, real durations reported over HTTP), each with its reason, are
+``MONOTONIC_ALLOWED`` in ``tests/test_layout.py``, which fails on any other.
 """
 
 from __future__ import annotations

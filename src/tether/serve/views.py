@@ -546,7 +546,9 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
         ],
         life=life_of(state),
         backoff_remaining=(
-            round(max(state.resume_at - time.monotonic(), 0.0), 2) if isinstance(state, InstanceRestarting) else None
+            round(max(state.resume_at - inst.settings.clock.now(), 0.0), 2)
+            if isinstance(state, InstanceRestarting)
+            else None
         ),
         tokens=hosted.tokens(),
         speculation=SpeculationOut(
