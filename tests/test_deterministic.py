@@ -48,7 +48,7 @@ QUESTIONS = (
     "Why do cats purr?",
     "What makes the sea salty?",
 )
-RULES = " ".join(f"Rule {i}: answer {('clearly', 'kindly', 'briefly', 'honestly')[i % 4]}." for i in range(60))
+RULES = " ".join(f"Rule {i}: answer {('clearly', 'kindly', 'briefly', 'honestly')[i % 4]}." for i in range(32))
 SYSTEMS = tuple(f"You are the assistant of a {place}. {RULES}" for place in ("library", "harbour", "bakery"))
 
 
@@ -185,7 +185,7 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
     delays = sorted(rng.uniform(0.0, 4.0) for _ in requests)
     common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2}
     # 4 slots and a RAM store that holds two of the system prompts: copies from busy slots, restores, evictions
-    traffic = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4, "prompt_cache_ram": "40M"})
+    traffic = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4, "prompt_cache_ram": "20M"})
     alone = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 1, "prompt_cache": False})
     with anyio.fail_after(380):
         async with Supervisor(alone) as sup:
@@ -254,8 +254,8 @@ async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read
     prefill's (the attention sums over cells in the order of their places). A deterministic engine reads such a
     prefix again instead: the same text and logprobs as cold, and the prompt cache says it supplied (almost) none."""
     path, _ = family_setup("gemma3-270m")
-    log = " ".join(f"Entry {i}: the ship {i % 7} came in at {i % 24} hours with {i * 3} crates." for i in range(120))
-    other = " ".join(f"Note {i}: the {('north', 'south')[i % 2]} gate opened at {i % 12}." for i in range(120))
+    log = " ".join(f"Entry {i}: the ship {i % 7} came in at {i % 24} hours with {i * 3} crates." for i in range(48))
+    other = " ".join(f"Note {i}: the {('north', 'south')[i % 2]} gate opened at {i % 12}." for i in range(48))
     common = {"deterministic": True, "n_ctx": 4096, "n_threads": 2, "parallel": 1}
     cached_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache_ram": "256M"})
     cold_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache": False})
@@ -268,7 +268,7 @@ async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read
             await sup.ready()
             first, *_ = await answer(await sup.generate(params(log)))
             await answer(await sup.generate(params(other)))  # the slot's sequence (past the window) goes to RAM
-            turn = log + first + " Entry 120: the ship 1 came in at 0 hours with 360 crates. Summary:"
+            turn = log + first + " Entry 48: the ship 6 came in at 0 hours with 144 crates. Summary:"
             text, logprobs, cached, state = await answer(await sup.generate(params(turn)))
         async with Supervisor(cold_spec) as sup:
             await sup.ready()

@@ -152,7 +152,6 @@ CAPITALS = [
 ]
 
 
-@pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lm_eval_runs_a_multiple_choice_task_by_loglikelihood_offline(model_server: Server, tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ async def split() -> AsyncIterator[Hosted]:
                 id="split",
                 engine="llama.cpp",
                 ranks=2,
+                ports=tuple(free_rank_ports(2)),  # this test's own: another worker's fleet allocates from the base
                 options=OPTIONS,
                 restart=FAST,
                 deadlines=Deadlines(heartbeat=2.0),
@@ -92,7 +93,11 @@ async def test_a_split_model_writes_the_single_process_models_greedy_text(ranks:
     async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         texts = {}
         for n in (1, ranks):
-            hosted = await fleet.add(InstanceConfig(id=f"m{n}", engine="llama.cpp", ranks=n, options=OPTIONS))
+            hosted = await fleet.add(
+                InstanceConfig(
+                    id=f"m{n}", engine="llama.cpp", ranks=n, ports=tuple(free_rank_ports(n)), options=OPTIONS
+                )
+            )
             with anyio.fail_after(90):
                 await hosted.instance.wait_ready(60)
                 text, done = await (await hosted.instance.generate(STORY)).text()
@@ -172,6 +177,7 @@ async def test_rank_1_killed_by_the_oom_killer_is_an_out_of_memory_of_rank_1() -
                 id="oom",
                 engine="llama.cpp",
                 ranks=2,
+                ports=tuple(free_rank_ports(2)),
                 options={"n_ctx": 8192, "parallel": 1, "n_threads": 1, "prompt_cache": False},
                 restart=RestartPolicy(mode="never"),
                 memory_limit=300 * MiB,

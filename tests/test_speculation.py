@@ -239,13 +239,13 @@ def workload(chat: bool) -> list[GenerateParams]:
     # each as long as its case needs: drafts start after a few tokens of a copy (the passage's "clockwork" is ~35
     # tokens in), so a short answer still shows kept and rejected drafts
     return [
-        ask(quote, max_tokens=56),
-        ask(quote, max_tokens=56, logprobs=2),
-        ask(quote, max_tokens=56, temperature=0.8, seed=7),
+        ask(quote, max_tokens=44),
+        ask(quote, max_tokens=44, logprobs=2),
+        ask(quote, max_tokens=44, temperature=0.8, seed=7),
         ask(quote, max_tokens=29),  # ends inside a draft
-        ask(quote, max_tokens=64, stop=("clockwork",)),  # a stop string inside a draft
-        ask(edit, max_tokens=96, prediction=CODE),
-        ask(edit, max_tokens=96),
+        ask(quote, max_tokens=56, stop=("clockwork",)),  # a stop string inside a draft
+        ask(edit, max_tokens=72, prediction=CODE),
+        ask(edit, max_tokens=72),
         ask(record, max_tokens=64, json_schema=json.dumps(SCHEMA)),
     ]
 
