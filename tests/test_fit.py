@@ -396,8 +396,8 @@ async def test_refused_model_loads_with_override_and_estimate_matches_the_runner
     """The estimate of what the runner holds (``held``: weights + KV cache + runtime, without headroom) is its peak.
     It is compared with the runner's RSS, which counts resident weights whether file-backed or not plus its private
     memory: right after ready (below: the attention scratch is not touched yet; within +-30%) and at its peak
-    (VmHWM) after a prompt that fills ~90% of the context: within 10%, for both families. Measured here: see the
-    module docstring of ``engines/llamacpp/estimate``."""
+    (VmHWM) after a prompt that fills ~90% of the context: within 10%, for both families. Measured here: see
+    docs/design.md, "The memory estimate"."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: run `make install`")
     estimate = estimate_gguf(family, 2048)
     available = estimate.total // 2

@@ -72,7 +72,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "n_batch": 512,
     "prompt_cache": True,  # reuse a cached prefix from any slot or RAM (faster; a greedy text may then differ, rarely)
     "prompt_cache_ram": "auto",  # bytes of saved sequences kept in RAM (a size: 1G, 512M; 0: none; auto: the KV's)
-    "prefill_chunk": 32,  # prompt tokens beside decode rows: a step then ~140 ms, not ~40 (2 CPU threads)
+    "prefill_chunk": 32,  # prompt tokens beside decode rows: bounds what an arrival costs the running streams
     "seed": None,  # for unseeded requests: None draws one per request (as OpenAI, llama-server do); an int fixes it
     "n_gpu_layers": "auto",  # layers on NVIDIA GPUs: "auto" = as many as NVML's free VRAM holds (the fit check's)
     "gpu": None,  # GPU indexes to use (None: every GPU NVML lists)
@@ -80,11 +80,11 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "tensor_split": None,  # each GPU's relative share of the layers (None: the fit check's, by free VRAM)
     "repeat_penalty": 1.0,  # neutral, as in OpenAI's API; llama-cpp-python's 1.1 derails small models
     "verbose": False,
-    "embedding": False,  # serve embeddings (embed requests) instead of generations: see the module docstring
+    "embedding": False,  # serve embeddings (embed requests) instead of generations, from a context built to pool
     "layer_split": None,  # ranks > 1: each rank's relative share of the layers (None: by placement, else equal)
     "rpc_timeout": 10.0,  # ranks > 1: seconds a peer may stay silent mid-step before rank 0 gives it up
     "adaptive_threads": True,  # one thread while other processes hold the cores (``threads``)
-    "kv_unified": False,  # one cell pool for every sequence: c8 0.78x here (bench/kv_layout.py), same memory
+    "kv_unified": False,  # one cell pool for every sequence: same memory, slower (each attends over the whole pool)
     "swa_full": False,  # sliding-window layers keep every position (more KV; prefixes reusable past the window)
     "chat_template": None,  # a built-in template's name or a Jinja file (``chat_templates``); None: the GGUF's own
     "deterministic": False,  # the batch-invariant build: greedy texts independent of load (``invariant``)

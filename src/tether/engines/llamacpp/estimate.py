@@ -1,100 +1,16 @@
 """What a llama.cpp runner of a GGUF model needs at its peak, from the file's header (the engine's estimator).
 
-**The estimate** is for host memory with the engine's CPU settings (``n_gpu_layers`` 0, no flash attention, the
-llama-cpp-python defaults the llama.cpp engine uses). It is the runner's *peak*, reached when a full batch of
-prompt tokens attends to a nearly full context, not its footprint right after load, which is lower:
+The parts (``ModelEstimate``), in host memory with the engine's CPU settings: weights, KV cache, runtime (a base, the
+tokenizer's tables, one micro-batch's compute scratch), an embedding instance's outputs, the prompt cache's RAM store
+and headroom. ``held`` is what the runner holds at its peak, what a measurement is compared with; ``expected`` adds
+the RAM store, which fills as the runner serves and which the fit check reserves. ``layer_plan`` and
+``assign_layers`` put layers on a split instance's ranks or on GPUs; ``offloaded`` and ``fit_layers`` split an
+estimate between the host and the GPUs.
 
-* weights: the sum of the tensors' data sizes (mmapped: resident file-backed pages once touched);
-* KV cache: 2 (K and V) x layers x n_ctx x kv heads x head dim x bytes per element of the cache type, with n_ctx
-  rounded up to a multiple of 256 as llama.cpp does (n_ctx 1000 gets 1024 cells), times ``parallel``: the engine
-  gives each of its parallel sequences a cache of n_ctx cells of its own. A sliding-window layer (Gemma 2/3,
-  Cohere 2, gpt-oss: :data:`SWA_PERIODS`, or the GGUF's own pattern) keeps only its window plus a micro-batch a
-  sequence, ``n_swa + n_ubatch`` rounded up to 256 cells (Gemma 3 270M: 1024 cells on 15 of its 18 layers), as
-  llama.cpp sizes it unless ``swa_full`` (the engine leaves it off, as llama-server does);
-* runtime: a fixed base for the interpreter, tether's runner and the llama.cpp/ggml/numpy libraries
-  (:data:`RUNTIME_BASE`), the tokenizer's tables (:data:`VOCAB_BYTES_PER_TOKEN` per vocabulary entry,
-  :data:`VOCAB_BYTES_PER_MERGE` per BPE merge rule) and the
-  compute scratch of one micro-batch: without flash attention, the attention scores of n_ubatch tokens against
-  n_ctx cells (each sequence attends to its own cells only) for every query head, kept in f32 in ggml's compute
-  buffer and copied to f16 in the CPU backend's work buffer for the V product (:data:`ATTENTION_BYTES_PER_SCORE` =
-  4 + 2 bytes), or the feed-forward activations if larger. llama.cpp reserves more compute buffer than that (logits
-  for a whole batch, 96 MiB for the default model), but the engine asks for logits of one token per sequence only,
-  so those pages are never touched.
-* prompt cache in RAM: the budget of sequences the engine's prompt cache may save to RAM (option
-  ``prompt_cache_ram``; ``cache``). It is empty at load and grows as requests come, so it is not part of
-  what the runner holds (:attr:`ModelEstimate.held`, what measurements are compared with), but under churn it fills,
-  so the fit check reserves it (:attr:`ModelEstimate.expected` and ``total`` count it): a model admitted beside this
-  one cannot take the room it will grow into. "auto" is at most the KV cache's size and at most the room the rest
-  leaves (``within``, applied where the fit check sizes a spec: ``tether.engines.llamacpp.sizing``), so a cache never
-  makes a model not fit nor lowers its context; a size given is counted as given;
-* headroom: a configurable margin (:data:`DEFAULT_HEADROOM`) for what the model above leaves out.
-
-**An embedding instance** (option ``embedding``) differs in three ways: its cache is n_ctx cells in all (one prompt
-at a time, whatever ``parallel``); its micro-batch is the whole prompt (n_ubatch = n_ctx, pooling needs it), so
-the attention scratch is n_ctx x n_ctx; and every prompt token is an output, so llama.cpp computes the logits of
-every token (a generative model's head runs regardless) and keeps them twice, in the compute buffer and in the
-output buffer: 2 x n_ctx x n_vocab x 4 bytes (:func:`embedding_outputs`), the largest part for a small model with
-a large vocabulary. Measured on the default model, peak anonymous memory above the ready state after a prompt
-filling the context: +197 MiB at n_ctx 512 (estimate +206) and +865 MiB at n_ctx 2048 (estimate +980), against
-+60 MiB for a generating instance at n_ctx 2048. So embedding instances want a small n_ctx (512 serves most
-embedding inputs).
-
-Measured on the default model (SmolLM2-135M-Instruct Q4_1: weights 92.1 MiB, llama-cpp-python 0.3.36, x86-64 Linux,
-2 CPUs), RSS of the runner started by :class:`tether.node.supervisor.Supervisor`, and its estimate without headroom:
-
-=======  =========================================  ===================================================  ==========
-n_ctx    ready (after warm-up)                      after a prompt filling 95% of the context (= VmHWM)  estimate
-=======  =========================================  ===================================================  ==========
-1024     182 MiB (anon 67.3 + file 115)             -                                                    -
-2048     205 MiB (anon 89.8 + file 115; KV 45.0)    257 MiB (anon 142 + file 115)                        259 MiB
-8192     340 MiB (anon 225 + file 115; KV 180)      564 MiB (anon 449 + file 115)                        556 MiB
-2048 x8  520 MiB (anon 405; KV 360)                 576 MiB (8 concurrent prompts of ~1,900 tokens)         574 MiB
-=======  =========================================  ===================================================  ==========
-
-(The first three rows at parallel 1; the last at parallel 8, the engine's batch engine, measured later the same way.)
-
-At every n_ctx the ready RSS minus weights and KV cache is the same 68 MiB: 43 MiB for a bare runner interpreter
-with llama_cpp imported (anon 23.4 + file 19.7), +17.6 MiB once the vocabulary is loaded (``vocab_only``), the rest
-llama.cpp's context. Filling the context adds 52 MiB at n_ctx 2048 and 224 MiB at n_ctx 8192: 5.8 and 6.2 bytes
-per attention score (512 x n_ctx x 9 heads). So the estimate is within 2% of the peak at both sizes and above the
-ready RSS (+26% at 2048, +64% at 8192, where most of the scratch is not touched yet).
-
-The second family, Gemma 3 270M (Q4_K_M: weights 235 MiB, a 262,144-entry vocabulary, 15 of 18 layers sliding over
-512 tokens), measured the same way (``held``: the estimate without headroom and RAM store):
-
-===========  =========================================  ============================================  ==========
-n_ctx        ready (after warm-up)                      after a prompt filling 95% of a context       estimate
-===========  =========================================  ============================================  ==========
-2048         366 MiB (anon 108 + file 258; KV 21.0)     397 MiB                                       372 MiB
-8192 x8      667 MiB (anon 409 + file 258; KV 312)      788 MiB                                       735 MiB
-===========  =========================================  ============================================  ==========
-
-and the default model at the defaults (8192 x8): ready 1.57 GiB, peak 1.79 GiB, estimate 1.77 GiB. Gemma's peak is
-6-7% above its estimate: 13 MiB of it are its Q4_K weights, which the CPU backend repacks into anonymous copies while
-their file pages stay mapped (RSS counts them twice, though the file pages are reclaimable: see below), the rest
-scratch the model above leaves out.
-
-**A rank of a split instance** (``ranks`` > 1: the model's layers shared over ranks through ggml's RPC backend, see
-``rpc``) holds its layers' weights and their KV cache (llama.cpp keeps a layer's cache on the layer's
-device), a compute scratch of its own, and the runtime base; rank 0 alone holds the input embeddings, the vocabulary
-and the prompt cache's RAM store. :func:`layer_plan` says which layers each rank holds, exactly as llama.cpp assigns
-them from ``n_gpu_layers`` and ``tensor_split``; a model whose output layer is tied to its input embeddings (no
-``output.weight``) gets a copy of the embeddings on whichever rank holds the output layer.
-
-**GPU offload** (``n_gpu_layers`` > 0, a CUDA build): llama.cpp puts the last ``n_gpu_layers`` of the n_layers + 1
-(the output layer first) on the GPUs, shared among them by ``tensor_split`` (the same rule as a split instance's
-ranks: :func:`assign_layers`), with each layer's KV cache on its layer's device; the input embeddings stay on the
-host. A device then holds its layers' weights and cache, a compute scratch (the whole micro-batch's, as the host's:
-ggml sizes each backend's buffer for the largest node it runs) and :data:`CUDA_CONTEXT`; the host keeps the rest,
-plus :data:`CUDA_HOST` for the CUDA libraries. :meth:`ModelEstimate.offloaded` splits an estimate so;
-:func:`fit_layers` finds the most layers whose share fits each device's budget (NVML's free memory less
-:data:`GPU_MARGIN`, or a limit given). Measured on an H100 by ``bench/gpu.py --engine llama.cpp``.
-
-Not modelled (said in :attr:`ModelEstimate.notes` where the metadata shows it): sliding-window layers
-of an architecture whose pattern is not known here (their smaller cache: the estimate is then an upper bound),
-recurrent state of SSM layers, and weights a CPU backend
-repacks into anonymous copies (Q4_0/IQ4_NL/Q4_K on some CPUs: resident weights may then count twice in RSS, the
-file-backed pages being reclaimable page cache).
+The rules an edit must keep: every size follows llama.cpp's own rule (cell padding, a sliding window's cells, the
+layer split and its float arithmetic), so the estimate follows the load; what the header shows but the model leaves
+out is said in ``notes``; a change is checked against a runner's measured peak (``tests/test_fit.py``). How each part
+is sized, and the figures measured: docs/design.md, "The memory estimate".
 """
 
 from __future__ import annotations
@@ -165,7 +81,7 @@ trained for 128K does not take its whole context eight times over unless ``--n-c
 default chat with its built-in tools is a ~6,600-token prompt."""
 
 AUTO_CTX_CAP_EMBEDDING = 2048
-"""n_ctx "auto" of an embedding instance: its outputs grow with n_ctx x n_vocab (see the module docstring)."""
+"""n_ctx "auto" of an embedding instance: its outputs grow with n_ctx x n_vocab (``embedding_outputs``)."""
 
 _DEFAULT_CTX_NOTE = "n_ctx not given: using the model's context length"
 _BLOCK = re.compile(r"blk\.(\d+)\.")
@@ -211,7 +127,7 @@ class ModelEstimate:
     headroom: int
     notes: tuple[str, ...] = field(default=())
     parallel: int = 1  # sequences served at once, each with n_ctx cells
-    embedding: bool = False  # an embedding instance (see the module docstring)
+    embedding: bool = False  # an embedding instance: one prompt in n_ctx cells, its micro-batch the whole prompt
     outputs: int = 0  # an embedding instance's logits (and vectors) of a whole prompt, in the output buffer
     prompt_cache_ram: int = 0  # the budget of sequences the prompt cache may save to RAM (held as it fills)
     prompt_cache_ram_auto: bool = False  # that budget is "auto": the KV cache's size at most, the room left at most
@@ -395,7 +311,7 @@ def estimate_gguf(
     unified: bool = False,
     swa_full: bool = False,
 ) -> ModelEstimate:
-    """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (see the module docstring;
+    """Estimate what loading the GGUF model at ``path`` with the llama.cpp engine needs (``ModelEstimate``;
     ``embedding``: for an embedding instance; ``prompt_cache_ram``: the prompt cache's RAM budget, None for
     "auto"; ``unified``: one pool of cells for every sequence; ``swa_full``: sliding-window layers keep every
     position).
@@ -530,7 +446,9 @@ def _estimate(base: ModelEstimate, *, n_ctx: int, n_ctx_from_model: bool) -> Mod
 
 
 def _rank_share(whole: ModelEstimate, rank: int, shares: Sequence[float]) -> ModelEstimate:
-    """What rank ``rank`` of a split instance holds of ``whole`` (see the module docstring)."""
+    """What rank ``rank`` of a split instance holds of ``whole``: its layers' weights and KV cache, a compute scratch
+    and the runtime base; rank 0 alone the input embeddings, the vocabulary and the RAM store, and whichever rank holds
+    the output layer a tied output's copy of the input embeddings."""
     n_layers = whole.shape.n_layers
     mine = layer_plan(n_layers, shares).layers[rank]
     weights = sum(whole.layer_weights[i] for i in mine)
@@ -702,7 +620,8 @@ def layers_words(layers: Sequence[int], n_layers: int) -> str:
 
 def embedding_outputs(shape: ModelShape, n_ctx: int) -> int:
     """The logits an embedding instance's full prompt leaves: n_ctx x n_vocab f32 in the compute buffer and again in
-    the output buffer (every token is an output; see the module docstring)."""
+    the output buffer. Every token is an output, and a generative model's head runs regardless, so for a small model
+    with a large vocabulary this is the largest part: an embedding instance wants a small n_ctx."""
     return 2 * n_ctx * shape.n_vocab * 4
 
 
