@@ -1,37 +1,14 @@
 """The engine contract: what a runner drives, what it tells apart, and how an engine declares options and memory.
 
-An engine lives inside one runner process and is driven by one thread (the runner's task loop), so engines need
-not be thread-safe. The runner builds it with its ``EngineSpec`` (the constructor checks the options and does no
-heavy work: the worker builds one too, to refuse bad options before a runner starts), then calls ``load`` once
-(reporting progress), ``warmup`` once, generates any number of times, ``close`` once.
-
-Two ways to generate. A ``BatchEngine`` serves up to ``parallel`` sequences at once: the runner ``start``s a
-sequence between steps (continuous batching), calls ``step`` to advance every started sequence by one token, and
-``drop``s a cancelled one (freeing what it holds) between steps. An engine with only ``generate`` (one stream at a
-time, an iterator that calls ``cancelled()`` between tokens) is driven through ``Serial``, a batch of one.
-
-What a request asks for is its type (``Work``): a ``GenerateParams``, an ``EmbedParams``, or a tokenizer question
-(``TokenizeParams``, ``DetokenizeParams``). A batch engine's ``start`` gets every kind and declines those it does not
-serve with a ``RequestError`` saying where to send them; an engine with only ``generate`` gets generations alone
-(``Serial`` declines the rest for it).
-
-``RequestError`` fails one request and the runner serves on; any other exception from an engine is fatal for the
-runner (the engine's state is unknown), and ``EngineLoadError`` from ``load`` says the model cannot be loaded (a
-restart would not help). Optional class attributes: ``options`` (the option names and their defaults),
-``estimate_memory(spec)`` (a static or class method returning a ``MemoryEstimate``, or None), which the worker's
-fit check asks before a runner of ``spec`` starts, and ``sizing`` (a ``Sizable``): how the engine gives a number to
-what it left to the memory ("auto" options: GPU layers, a context), which the fit check runs before it compares.
-
-Multi-rank instances (``ranks: N``). An engine that takes part declares ``distributed = True``. tether then starts N
-runners, one per rank (on N nodes of a cluster), each built with ``spec.rank`` (``RankInfo``: its rank, the world
-size, and every rank's ``host:port``, the same for every life of the instance). Rank 0 is driven as above and is
-the only one that receives requests; it must make every step a step of all ranks (a collective, a ring). Ranks
-above 0 get no requests: after ``warmup`` the runner calls their ``follow()`` on a thread of its own, which takes
-part in rank 0's steps until ``close``. An engine whose peer failed raises ``PeerLost``: tether then reports the
-failed rank's cause, and this rank's error only as evidence. Any rank's failure ends every rank of the instance,
-and a replacement starts only once every one of them is gone. An engine whose ranks each hold a share of the model
-(a layer split) rather than a copy declares ``splits_model = True``: its estimator then gets ``spec.rank`` (with
-``shares``, each rank's share as placed) and answers for that rank alone, and the fit counts each rank's share.
+A runner builds its engine from its ``EngineSpec`` (checks only, no heavy work: the worker builds one too, to refuse
+bad options before a runner starts), drives it from one thread (so it need not be thread-safe), calls ``load`` and
+``warmup`` once, generates any number of times, then ``close``. A ``BatchEngine`` advances up to ``parallel``
+sequences a ``step``, ``start``ed and ``drop``ped between steps; an engine with only ``generate`` runs as ``Serial``,
+a batch of one that declines every ``Work`` but a generation. ``RequestError`` fails one request, any other exception
+the runner; ``EngineLoadError`` says a restart would not help. Optional class attributes: ``options``,
+``estimate_memory(spec)`` (a ``MemoryEstimate`` for the fit check), ``sizing`` (a ``Sizable``: numbers for options
+left to the memory), ``distributed`` (it runs as ``ranks: N``: rank 0 steps every rank, the others ``follow()``, a
+broken peer raises ``PeerLost``) and ``splits_model`` (each rank estimates its share). docs/engines.md, docs/ranks.md.
 """
 
 from __future__ import annotations
@@ -104,7 +81,8 @@ StepResult = tuple[str, "Delta | RequestError"]  # (sequence id, its next delta,
 
 
 class BatchEngine(Protocol):
-    """An engine that advances several sequences per step (see the module docstring).
+    """An engine that advances several sequences per step: the runner ``start``s a sequence between steps
+    (continuous batching), and ``step`` advances every started one by a token.
 
     ``start`` checks the request and raises ``RequestError`` for a bad one (nothing is started); ``step`` returns
     what each sequence produced this step (a sequence still prefilling its prompt may produce nothing): its final

@@ -1,25 +1,12 @@
 """The model catalog: every model a worker can serve, loaded or not, under its id and aliases.
 
 Built once at start from ``tether serve``'s own model, ``--models DIR`` (every ``*.gguf`` in it, named by its file's
-stem) and ``--catalog FILE`` (TOML, below), with the built-in default model always in it (when installed). A
-request naming a catalogued model that is not loaded makes the scheduler (``tether.fleet.scheduler``) load it.
-
-A catalog file::
-
-    keep_alive = "5m"              # the default for its models (seconds, a duration such as "1h30m", -1: forever)
-
-    [[models]]
-    id = "smol"                    # the name requests use (default: the model file's stem)
-    model = "smol.gguf"            # relative to this file
-    aliases = ["gpt-4o-mini"]      # more names for it
-    options = { n_ctx = 2048 }     # engine options, as POST /v1/instances takes them
-    chat_template = "gemma"        # a built-in template or a Jinja file (relative to this file): the option
-    deterministic = true           # greedy texts independent of load: the option (llama.cpp's batch-invariant build)
-    speculation = true             # speculative decoding: the option (llama.cpp's; off by default)
-    keep_alive = "10m"
-    pinned = true                  # loaded at start, never unloaded or evicted
-
-A model entry takes every field of ``POST /v1/instances`` (engine, options, restart, deadlines, memory_limit, ...).
+stem) and ``--catalog FILE`` (TOML: a default ``keep_alive``, then ``[[models]]`` tables taking every field of
+``POST /v1/instances`` plus ``id``, ``aliases``, ``keep_alive``, ``pinned``, and ``chat_template``, ``deterministic``
+and ``speculation`` as fields for those options), with the built-in default model always in it (when installed).
+Paths in a file are relative to it; an unknown field, a bad duration or a name two models claim stops the server
+before it listens. A request naming a catalogued model that is not loaded makes the scheduler
+(``tether.fleet.scheduler``) load it. The file's format, by example: docs/many-models.md, "The catalog file".
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Many models on one node: load on demand, keep-alive, and eviction that waits for memory to really come back.
 
 The scheduler serves the catalog (``tether.fleet.catalog``) through the fleet. A request for a catalogued model
-holds a *lease* on it for its whole life: the first lease of an unloaded model starts its load (one load for any
-number of concurrent requests) and waits for it, bounded; a leased model is busy, and only idle models are unloaded
-(their keep-alive expired) or evicted. Its rules, each in the part of ``tether.fleet.scheduling`` that keeps it:
-
-- **One placement at a time per node** (``placement``): every runner life of every instance is placed under one
-  lock, held from the fit check until the runner is ready or gone, so two loads never both count the same free
-  memory. A request for a loaded model never takes the lock: it never waits behind another model's load.
-- **Eviction by memory, least recently used first, never more than needed** (``eviction``): idle unpinned models
-  are evicted in LRU order until their measured footprints cover the shortfall (``--max-loaded`` also evicts by
-  count); what cannot fit even with every idle model evicted is refused at once (507) with the numbers. A loaded
-  model keeps the room its estimate promised it: a load counts node memory less that room.
-- **Memory released means released** (``reclaim``): an evicted runner's whole process group (and cgroup) is gone,
-  then node memory must have risen by what it held (or the new model fits) within ``reclaim_timeout``.
-- **A load that needs a busy model gone waits its turn** (``placement``), as Ollama queues it: the load waits (the
-  lock released meanwhile) for that model to be idle, woken by an event, bounded by ``load_wait``; requests for it
-  that arrive meanwhile wait behind that load (``leases``), so neither side starves.
-- **Keep-alive** (``keepalive``): an idle model is unloaded ``keep_alive`` seconds after its last request ended. A
-  request that arrives while its model unloads waits for the unload, then loads it afresh (``leases``, ``loading``).
-
-Every decision is a ``Decision`` in one log (``decisions``): kept, logged, served by ``GET /v1/instances`` and
-``tether status``, and counted in ``/metrics``. Every rule about time reads the settings' ``Clock``.
+holds a *lease* on it for its whole life: the first lease of an unloaded model starts its one load and waits for it,
+bounded; a leased model is busy, and only idle models are unloaded or evicted. Each rule is kept by one part of
+``tether.fleet.scheduling``: one placement at a time per node, a lock a loaded model's request never takes
+(``placement``); eviction of idle models by measured footprint, least recently used first, never more than needed
+(``eviction``); memory released means the group reaped and node memory risen (``reclaim``); a load that needs a busy
+model gone waits for it, and the model's new requests wait behind that load (``placement``, ``leases``); keep-alive
+(``keepalive``). Every decision is a ``Decision`` in one log (``decisions``); every rule about time reads the
+settings' ``Clock``. The rules as a user meets them: docs/many-models.md, "The eviction rules".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Multi-rank instances: N runners, one per rank, that live, fail and restart as one life of their instance.
 
-A ``RankGroup`` is one of the three ``RunnerLife`` implementations (``tether.node.life``): the ``Instance`` drives
-it as any life (start, ready, serve until it exits, restart by its policy). Its members are lives themselves, local
-supervisors or remote ones on node agents. What it adds is
-the seed's missing guarantee:
-
-- **Fail together.** The first rank to die, hang or run out of memory ends the life. Every other rank is stopped at
-  once (each within its stop bound). The life's cause is that rank's (``rank`` set, its runner or node named); the
-  other ranks' failures, a broken ring (``peer_lost``) or being stopped, become evidence, never causes. Every
-  request (only rank 0 receives them) fails with that cause.
-- **Restart only when all are gone.** ``confirm_gone`` returns only once every rank is confirmed gone: reaped and
-  its process group empty (pidfds) on this machine, its agent's word on a node, or, on a lost node, Ray's word that
-  the agent is dead or the time by which a partitioned agent has fenced itself. The restart loop awaits it before
-  the next life, so a replacement never competes with a predecessor for a port, a device or memory.
-
-Every life of the instance gets the same ports (``kernel.ports.RankPorts``: one block per instance), as engines with
-fixed ports expect; what changes between lives is only where each rank runs.
+A ``RankGroup`` is one of the three ``RunnerLife`` implementations (``tether.node.life``): the ``Instance`` drives it
+as any life. Its members are lives themselves, local supervisors or remote ones on node agents. The rules an edit
+must keep: **fail together**: the first rank to die, hang or run out of memory ends the life with its cause, every
+other rank is stopped at once, and their failures (a broken ring, ``peer_lost``, being stopped) are evidence, never
+causes; **restart only when all are gone**: ``confirm_gone`` returns only once every rank is confirmed gone (reaped
+here, by its agent's word on a node, by Ray's or the fencing deadline's on a lost one), so a replacement never
+competes with a predecessor for a port, a device or memory. Every life gets the same ports
+(``kernel.ports.RankPorts``), as engines with fixed ports expect. What a user sees: docs/ranks.md.
 """
 
 from __future__ import annotations

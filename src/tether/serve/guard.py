@@ -1,23 +1,14 @@
 """The front door of ``tether serve``: who may ask (Host, Origin, the API key) and how much (the body), decided
 before any route runs.
 
-A server on 127.0.0.1 is reachable from every web page its user opens. DNS rebinding points a foreign name at
-127.0.0.1, so the browser sends that name as ``Host`` and lets the page read every answer as same-origin (Ollama's
-CVE-2024-28224). And a "simple" cross-origin request (a form, a ``fetch`` with ``mode: "no-cors"`` or a
-``text/plain`` body) reaches a route with no CORS preflight: the page cannot read the answer, but the request is
-served. So, in this order:
-
-1. **Host.** On a loopback listener only a loopback address, ``localhost`` or a name the operator allowed
-   (``--allowed-hosts``) is served; on another listener, the operator's list applies when given.
-2. **Origin.** A request that carries ``Origin`` (every browser POST, every cross-origin fetch) is served only when
-   it is the server's own (the dashboard: the same scheme-less host and port as ``Host``) or allowed
-   (``--cors-origins``); only then are CORS headers sent and preflights answered. A browser's cross-site request
-   without ``Origin`` (``Sec-Fetch-Site`` says so) is refused too. Clients that send neither (curl, the SDKs) pass.
-3. **The API key** (a bearer token, compared in constant time) on every route but the probes and the dashboard's
-   shell.
-4. **The body limit** (413), on the declared length and on what arrives.
-
-Refusals answer in the route's own error shape: Ollama's under ``/api/``, OpenAI's elsewhere.
+A server on 127.0.0.1 is reachable from every web page its user opens: DNS rebinding makes a foreign name's page
+read it as same-origin (Ollama's CVE-2024-28224), and a "simple" cross-origin request (a form, a no-cors ``fetch``)
+is served without a CORS preflight. So, in this order: **Host** (on a loopback listener only loopback names or
+``--allowed-hosts``), **Origin** (a request carrying one, or a browser's cross-site request without one, only from
+the server's own origin or ``--cors-origins``; only then CORS headers and preflights), **the API key** (constant-time,
+on every route but the probes and the dashboard's shell), **the body limit** (413, declared and as it arrives).
+Refusals answer in the route's own error shape: Ollama's under ``/api/``, OpenAI's elsewhere. Each rule as a user
+meets it: docs/security.md, "What is checked, in order".
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """What a llama.cpp runner of a GGUF model needs at its peak, from the file's header (the engine's estimator).
 
-The parts (``ModelEstimate``), in host memory with the engine's CPU settings: weights, KV cache, runtime (a base, the
-tokenizer's tables, one micro-batch's compute scratch), an embedding instance's outputs, the prompt cache's RAM store
-and headroom. ``held`` is what the runner holds at its peak, what a measurement is compared with; ``expected`` adds
-the RAM store, which fills as the runner serves and which the fit check reserves. ``layer_plan`` and
-``assign_layers`` put layers on a split instance's ranks or on GPUs; ``offloaded`` and ``fit_layers`` split an
-estimate between the host and the GPUs.
-
-The rules an edit must keep: every size follows llama.cpp's own rule (cell padding, a sliding window's cells, the
-layer split and its float arithmetic), so the estimate follows the load; what the header shows but the model leaves
-out is said in ``notes``; a change is checked against a runner's measured peak (``tests/test_fit.py``). How each part
-is sized, and the figures measured: docs/design.md, "The memory estimate".
+The parts (``ModelEstimate``, host memory with the engine's CPU settings): weights, KV cache, runtime (a base, the
+tokenizer's tables, one micro-batch's scratch), an embedding instance's outputs, the prompt cache's RAM store and
+headroom. ``held`` is what the runner holds at its peak (what a measurement is compared with); ``expected`` adds the
+RAM store, which fills as it serves and which the fit check reserves. ``layer_plan`` and ``assign_layers`` put layers
+on ranks or GPUs; ``offloaded`` and ``fit_layers`` split an estimate between the host and the GPUs. The rules an edit
+must keep: every size follows llama.cpp's own rule (cell padding, a sliding window's cells, the layer split and its
+float arithmetic); what the header shows but the estimate leaves out is said in ``notes``; a change is checked
+against a runner's measured peak (``tests/test_fit.py``). Each part, and the figures: docs/design.md, "The memory
+estimate".
 """
 
 from __future__ import annotations

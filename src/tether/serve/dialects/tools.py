@@ -1,28 +1,13 @@
-"""Tool calls for any model: the tools described in a system message, the answer constrained to a JSON shape.
+"""Tool calls for any model: the tools described to the model, its answer held by a grammar to text or calls.
 
-The default model's chat template (and many small models') knows nothing of tools, so tether uses one generic
-format for every model, as llama.cpp's server does for templates without native tool support: the model answers
-with one JSON object, either ``{"tool_calls": [{"name": ..., "arguments": {...}}]}`` or ``{"response": "..."}``,
-and grammar-constrained sampling (``GenerateParams.json_schema``) makes that object always parse and every call
-name a declared tool with arguments that match its parameter schema. ``tool_choice`` picks the shape: ``auto``
-allows both, ``required`` only calls, a named function only calls of it, ``none`` plain text. Earlier turns (the
-neutral ``conversation`` every dialect maps into) are rendered in the same format (``engine_messages``: an
-assistant's calls as that JSON, a tool's result as a ``tool_response`` object in a user turn), so a conversation
-with tool results reads as one consistent protocol to the model.
-
-The answer is read as it is generated (``AnswerStream``), so the dialects stream it: a direct answer's string as
-its decoded text, each call as soon as its name is known and its arguments as they come. Its JSON never reaches a
-client as text, even when a limit cuts it. The list of calls is bounded (``MAX_PARALLEL_CALLS``, 1 with
-``parallel_tool_calls: false``) and a call repeating an earlier one in the same answer is dropped.
-
-**Native formats.** A model whose chat template defines its own tool calls gets them instead (``detect`` reads
-the template): the template is given the tools and the earlier calls and results (it describes them as the model
-was trained to read them), and the grammar (``protocol.ToolSyntax``, built by the runner) holds the answer to text
-or to calls in the model's syntax: Hermes/Qwen ``<tool_call>{...}</tool_call>`` blocks, Mistral's
-``[TOOL_CALLS][{...}]`` list, Llama 3's bare ``{"name": ..., "parameters": {...}}`` (one call). ``NativeStream``
-reads such an answer into the same events. A text answer cannot start the way calls do (``ToolSyntax.lead``), and
-text before a call is not allowed: a turn is text or calls. Templates of other formats (Mistral's newer
-``[TOOL_CALLS]name[ARGS]``, functionary's, ...) get the generic format.
+A model whose chat template defines tool calls (``detect``: Hermes/Qwen, Mistral, Llama 3) gets them in its own
+syntax, its template given the tools; any other gets one generic format, as llama.cpp's server does: the tools in a
+system message, the answer one JSON object, ``{"tool_calls": [...]}`` or ``{"response": "..."}``. Either way the
+grammar (``ToolPlan``, by ``tool_choice``) makes every call name a declared tool with arguments matching its schema,
+and a turn text or calls; earlier turns are rendered in the same format (``engine_messages``). The answer is read as
+it is generated (``AnswerStream``, ``NativeStream``) so the dialects stream each call as it comes. The rules an edit
+must keep: its JSON or tags never reach a client as text, even when a limit cuts it, and the calls are bounded
+(``MAX_PARALLEL_CALLS``), a repeat dropped. What a client sees: docs/clients.md, "Tools".
 """
 
 from __future__ import annotations
