@@ -105,8 +105,9 @@ check: lint
 	$(BIN)/python -m pytest -m "$(QUICK) and serial"
 
 # Everything, what CI runs (the docs site's strict build is one of its tests): what may share the machine on 3
-# workers (most tests wait on processes: 3 kept both cores 93% busy), then what runs alone
-# (``serial``: Ray clusters, Open WebUI, and the tests that leave orphans on purpose).
+# workers (most tests wait on processes), the real-model decoders (``cores``) one at a time on one of them while the
+# other two take the rest, then what runs alone (``serial``: Ray clusters, Open WebUI, and the tests that leave
+# orphans on purpose). Every run prints its slowest 10 tests and any over the 45 s bound.
 test: lint browser systemd openwebui
 	$(BIN)/python -m pytest -m "not serial" -n 3 --dist loadgroup
 	$(BIN)/python -m pytest -m serial
