@@ -77,17 +77,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("serial")
         if item.get_closest_marker("cores"):
             item.add_marker(pytest.mark.xdist_group(CORES_GROUP))
-        elif module and _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(module))
-
-
-def _shares_a_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module-scoped fixture (a served model, a loaded engine): ``make test`` keeps such a
-    module's tests on one worker, so the fixture starts once, not once on each of three workers."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 TEST_BOUND_S = 45.0
