@@ -190,7 +190,7 @@ def test_gpu_check_runs_or_says_why_not() -> None:
         assert out.returncode == 0 and result["ok"] is True, out.stdout + out.stderr
 
 
-@pytest.mark.cores  # its quick run splits the default model over ranks and decodes
+@pytest.mark.serial  # its worker rounds leave a SIGKILLed worker's ranks on purpose: another test's reap ends them
 @pytest.mark.timeout(120)
 def test_ranks_bench_quick_run_prints_its_json_line() -> None:
     result = quick_run("ranks", timeout=110)
