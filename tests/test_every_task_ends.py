@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from conftest import debug, pid_alive, prompt
 from tether.channel import PARTIAL_FRAME_STALL, AsyncReceiver, AsyncSender, EndOfStream
-from tether.node.hangs import Deadlines
+from tether.node.hangs import Deadlines, process_state
 from tether.node.settings import SupervisorSettings
 from tether.node.spawn import spawn_runner
 from tether.node.supervisor import Supervisor
@@ -368,6 +369,16 @@ async def test_the_garbage_fault_writes_garbage_from_inside_the_runner() -> None
     assert final.tokens == 3
 
 
+def pipe_capacity() -> int:
+    """What a new pipe holds on this kernel (its default: 16 pages)."""
+    read, write = os.pipe()
+    try:
+        return fcntl.fcntl(write, fcntl.F_GETPIPE_SZ)
+    finally:
+        os.close(read)
+        os.close(write)
+
+
 async def test_a_task_write_that_times_out_raises_with_the_hang_as_its_cause() -> None:
     """The send timeout used to raise before the hang's cause existed (it is declared in the background)."""
     with anyio.fail_after(30):
@@ -375,7 +386,10 @@ async def test_a_task_write_that_times_out_raises_with_the_hang_as_its_cause() -
             await sup.ready()
             assert sup.pid is not None
             os.kill(sup.pid, signal.SIGSTOP)  # reads nothing more: the pipe fills
-            big = GenerateParams(prompt="word " * 200_000, max_tokens=1)  # 1 MB: more than any pipe holds
+            while process_state(sup.pid) != "T":  # stopped, not about to be: it must not read a byte
+                await anyio.sleep(0.01)
+            # Four times what a pipe holds here: 64 KiB on 4 KiB pages, 1 MiB on 64 KiB pages (aarch64 kernels).
+            big = GenerateParams(prompt="w" * 4 * pipe_capacity(), max_tokens=1)
             with pytest.raises(RunnerUnavailable) as raised:
                 await sup.generate(big)
             await sup.wait_exit(10)
