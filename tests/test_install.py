@@ -40,6 +40,23 @@ def outside(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
 
 
+def fresh_source(into: Path) -> Path:
+    """The checkout's files as a fresh clone has them (tracked, and untracked ones git does not ignore), copied to
+    ``into``: setuptools builds in the tree's ``build/``, so two installs building the checkout itself at once broke
+    each other, and an old ``build/lib`` put modules since deleted into the wheel."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, map(os.fsdecode, listed)):
+        if (ROOT / name).is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, into / name)
+    return into
+
+
 def serve_and_chat(tether: Path, cwd: Path, model: str | None, *args: str) -> None:
     """Serve with ``tether`` from ``cwd``, answer one chat through the openai client, and stop with nothing left."""
     server = ServeChild(*args, program=(str(tether),), cwd=cwd)
@@ -70,7 +87,8 @@ def test_the_wheel_in_a_fresh_venv_outside_the_checkout_serves_a_gguf_and_answer
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    run([sys.executable, "-m", "build", "--wheel", "--outdir", outside / "dist", ROOT], outside, 300)
+    source = fresh_source(outside / "source")
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", outside / "dist", source], outside, 300)
     wheels = list((outside / "dist").glob("tether-*.whl"))
     assert len(wheels) == 1, wheels
     run([sys.executable, "-m", "venv", outside / "venv"], outside, 60)
@@ -100,7 +118,8 @@ def test_a_tool_install_of_the_checkout_gives_a_working_tether_command(installer
     bin_dir = outside / "bin"
     environment = {**os.environ, "UV_TOOL_DIR": str(outside / "uv-tools"), "UV_TOOL_BIN_DIR": str(bin_dir)}
     environment |= {"PIPX_HOME": str(outside / "pipx"), "PIPX_BIN_DIR": str(bin_dir), "PIPX_MAN_DIR": str(outside)}
-    argv: list[str | Path] = [found, "tool", "install", ROOT] if installer == "uv" else [found, "install", ROOT]
+    source = fresh_source(outside / "source")
+    argv: list[str | Path] = [found, "tool", "install", source] if installer == "uv" else [found, "install", source]
     run(argv, outside, 540, environment)
     tether = bin_dir / "tether"
     assert run([tether, "--version"], outside, 30).startswith("tether ")
