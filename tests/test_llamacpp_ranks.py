@@ -172,9 +172,9 @@ async def test_a_frozen_rank_1_is_a_hang_of_the_instance_within_its_heartbeat_de
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners", "own_cgroups")
 async def test_rank_1_killed_by_the_oom_killer_is_an_out_of_memory_of_rank_1() -> None:
-    # Each rank's cgroup is limited to 300 MiB: rank 1 loads (~70 MiB) and holds its layers' KV cache for 8192
-    # cells (~95 MiB) and their attention scratch (~150 MiB at a 512-token micro-batch), touched by a long prompt.
-    long = GenerateParams(prompt="The lighthouse keeper counted the waves. " * 700, max_tokens=4)
+    # Each rank's cgroup is limited to 192 MiB: rank 1 holds ~167 MiB once loaded (its layers and their KV cache for
+    # 8192 cells, cleared at load), and a 1,600-token prompt's attention scratch and cache cells take it past 200 MiB.
+    long = GenerateParams(prompt="The lighthouse keeper counted the waves. " * 200, max_tokens=4)
     async with Fleet(SupervisorSettings(stop_timeout=10)) as fleet:
         hosted = await fleet.add(
             InstanceConfig(
@@ -184,7 +184,7 @@ async def test_rank_1_killed_by_the_oom_killer_is_an_out_of_memory_of_rank_1() -
                 ports=tuple(free_rank_ports(2)),
                 options={"n_ctx": 8192, "parallel": 1, "n_threads": 1, "prompt_cache": False},
                 restart=RestartPolicy(mode="never"),
-                memory_limit=300 * MiB,
+                memory_limit=192 * MiB,
                 force=True,
             )
         )
