@@ -44,11 +44,14 @@ from tether.protocol import EngineSpec, Fault, GenerateParams
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
 
+    from tether.chaos.cluster import RayCluster
+
 FIXTURE_MARKERS = {
     "model_server": "model",
     "open_webui_server": "model",
     "llama_engine": "model",
     "cluster": "cluster",
+    "ray_cluster": "cluster",
     "browser": "browser",
     "page": "browser",
 }
@@ -112,6 +115,58 @@ def private_runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
     monkeypatch.setenv("TETHER_RUNTIME_DIR", str(path))
     monkeypatch.setenv("TETHER_LOG_DIR", str(tmp_path_factory.mktemp("logs")))
     return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One local Ray cluster for the tests in a row that use one
+# --------------------------------------------------------------------------------------------------------------
+
+_ray: RayCluster | None = None
+
+
+def shared_ray(tmp_path_factory: pytest.TempPathFactory) -> RayCluster:
+    """The local Ray cluster (``chaos.cluster.RayCluster``: a head without CPUs and 3 nodes) that the cluster tests
+    and campaigns share, with its 3 nodes: each start and stop costs ~7 s, so it starts on first use and stops after
+    the last test of a row that carries the ``cluster`` marker (idle, it takes ~4% of this machine). Its nodes'
+    agents keep their records in a directory of its own (the ranks campaign checks them there)."""
+    global _ray
+    if _ray is None:
+        from tether.chaos.cluster import RayCluster
+
+        try:
+            _ray = RayCluster(tmp_path_factory.mktemp("ray-nodes"))
+        except Exception as exc:  # pragma: no cover - the machine cannot run Ray at all
+            pytest.skip(f"a local Ray cluster cannot start here: {exc}")
+    else:
+        _ray.ensure()
+    return _ray
+
+
+def _stop_ray() -> None:
+    global _ray
+    if _ray is not None:
+        ray, _ray = _ray, None
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> RayCluster:
+    return shared_ray(tmp_path_factory)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a test's teardown (a module's coordinator stopped with it): the shared Ray cluster stops unless the
+    next test carries the ``cluster`` marker."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or nextitem.get_closest_marker("cluster") is None:
+            _stop_ray()
+
+
+def pytest_sessionfinish() -> None:
+    _stop_ray()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,7 +19,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,17 @@ OPTIONS = {"token_seconds": 0.02, "parallel": 2}
 STREAMS = (2, 4)
 POLL = 0.02
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * MiB}
+# Ray's GCS tells a dead raylet's node from a live one by health checks: 5 missed at 3 s apart by default, so a node
+# whose raylet was SIGKILLed (or removed) counted as live for ~15 s, and ``wait_for_nodes`` waited that long for its
+# replacement. Checked every 0.5 s, it is dead to Ray within ~3 s. Tether's verdict on a node (its agent's
+# heartbeat, ``--lost-after``) does not wait for Ray's, so no bound under test is eased by this.
+RAY_SYSTEM_CONFIG: dict[str, Any] = {"health_check_period_ms": 500, "health_check_failure_threshold": 5}
+HEAD_ARGS: dict[str, Any] = {
+    "num_cpus": 0,
+    "object_store_memory": 80 * MiB,
+    "include_dashboard": False,
+    "_system_config": RAY_SYSTEM_CONFIG,
+}
 
 LOST = CauseKind.NODE_LOST
 CLUSTER_ATTACKS: tuple[Attack, ...] = (
@@ -89,7 +100,7 @@ class RayCluster:
 
         made: Any = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 0, "object_store_memory": 80 * MiB, "include_dashboard": False},
+            head_node_args=HEAD_ARGS,
             shutdown_at_exit=False,  # made in a worker thread (Ray's hooks need the main one): the campaign stops it
         )
         self.cluster: Any = made
@@ -122,6 +133,22 @@ class RayCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def ray_cluster(given: RayCluster | None, runtime_dir: Path | None = None) -> AsyncIterator[RayCluster]:
+    """``given`` (a cluster someone else started, e.g. the tests' one for several campaigns) with its ``NODES``
+    nodes, left running after the block; None: a cluster of this campaign's own (nodes' records in ``runtime_dir``),
+    stopped after it."""
+    if given is not None:
+        await anyio.to_thread.run_sync(given.ensure)
+        yield given
+        return
+    made = await anyio.to_thread.run_sync(RayCluster, runtime_dir)
+    try:
+        yield made
+    finally:
+        await anyio.to_thread.run_sync(made.shutdown)
 
 
 def raylet_pid(node: Any) -> int | None:
@@ -501,9 +528,10 @@ async def run_campaign(
     only: Only = None,
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
+    ray: RayCluster | None = None,
 ) -> Report:
-    """The cluster campaign ``seed`` (or only its trial ``only``): its Ray cluster and coordinators are gone when
-    it returns."""
+    """The cluster campaign ``seed`` (or only its trial ``only``): its coordinators are gone when it returns, and
+    its Ray cluster too unless it was given one (``ray``, left running with ``NODES`` nodes)."""
     if engine != "debug":
         raise ValueError(f"the cluster target runs the debug engine only, not {engine!r}")
     if importlib.util.find_spec("ray") is None:
@@ -515,23 +543,20 @@ async def run_campaign(
     figures = ClusterFigures()
     with tempfile.TemporaryDirectory(prefix="tether-chaos-cluster-") as tmp:
         workdir = Path(tmp)
-        ray = await anyio.to_thread.run_sync(RayCluster)
-        try:
-            target = await anyio.to_thread.run_sync(coordinator, workdir / "shared", ray.address)
+        async with ray_cluster(ray) as nodes:
+            target = await anyio.to_thread.run_sync(coordinator, workdir / "shared", nodes.address)
             try:
 
                 async def run(trial: Trial) -> TrialResult:
                     if trial.attack.worker_signal is not None:
-                        return await run_coordinator_kill(ray, trial, workdir)
-                    return await run_trial(target, ray, trial, figures)
+                        return await run_coordinator_kill(nodes, trial, workdir)
+                    return await run_trial(target, nodes, trial, figures)
 
                 # the warm-up: an agent SIGKILLed, so the fresh agent's first start is not a trial's
                 warm = Trial(seed, -1, CLUSTER_ATTACKS[0], "generating", 2, 1, 0.0, TOKENS, NAME)
                 await drive(report, target, warm, plan(seed, trials, only), run, progress)
             finally:
                 await anyio.to_thread.run_sync(target.stop)
-        finally:
-            await anyio.to_thread.run_sync(ray.shutdown)
     detections = sorted(figures.detections)
     recoveries = sorted(figures.recoveries)
     report.extra.update(

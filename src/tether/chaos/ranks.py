@@ -599,10 +599,12 @@ async def run_campaign(
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
     on_cluster: bool = False,
+    ray: cluster.RayCluster | None = None,
 ) -> Report:
     """The ranks campaign ``seed`` (or only its trial ``only``); its server (and cluster) are stopped before it
     returns. ``on_cluster``: the same trials on a local Ray cluster (``chaos.cluster.RayCluster``: 3 nodes) under a
-    ``tether serve --ray`` coordinator, each rank on its own node."""
+    ``tether serve --ray`` coordinator, each rank on its own node; on ``ray`` when given (one started with a
+    ``runtime_dir`` for its nodes' records, left running)."""
     if engine not in ENGINES:
         raise ValueError(f"the ranks target runs the {' or '.join(ENGINES)} engine, not {engine!r}")
     if on_cluster and importlib.util.find_spec("ray") is None:
@@ -617,11 +619,15 @@ async def run_campaign(
     ports = RankPorts(base=PORT_BASE + (os.getpid() % 700) * 3, span=600)
     with tempfile.TemporaryDirectory(prefix="tether-chaos-ranks-") as tmp:
         shared = Path(tmp) / "shared"
-        agents_dir = Path(tmp) / "agents-runtime" if on_cluster else None  # the node agents' records
-        ray = await anyio.to_thread.run_sync(cluster.RayCluster, agents_dir) if on_cluster else None
-        try:
-            if ray is not None:
-                target = await anyio.to_thread.run_sync(cluster.coordinator, shared, ray.address)
+        agents_dir = None
+        if on_cluster:  # the node agents' records
+            agents_dir = Path(tmp) / "agents-runtime" if ray is None else ray.runtime_dir
+            if agents_dir is None:
+                raise ValueError("the cluster given to the ranks campaign keeps its nodes' records nowhere known")
+        async with contextlib.AsyncExitStack() as stack:
+            nodes = await stack.enter_async_context(cluster.ray_cluster(ray, agents_dir)) if on_cluster else None
+            if nodes is not None:
+                target = await anyio.to_thread.run_sync(cluster.coordinator, shared, nodes.address)
             else:
                 target = await anyio.to_thread.run_sync(functools.partial(Target, shared, startup=60.0))
             agents: dict[int, tuple[int | None, int | None]] = {}  # on a cluster: agent pid -> (RSS, fds) after warm-up
@@ -638,9 +644,6 @@ async def run_campaign(
                     report.extra.update(_agent_growth(agents, await anyio.to_thread.run_sync(_agents_now, target)))
             finally:
                 await anyio.to_thread.run_sync(target.stop)
-        finally:
-            if ray is not None:
-                await anyio.to_thread.run_sync(ray.shutdown)
     detections = sorted(figures.detections)
     report.extra.update(
         replacements_checked=figures.replacements,
