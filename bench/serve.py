@@ -72,7 +72,7 @@ reliably on a noisy machine (the sweep's figures are not the rounds'). ``--spec-
 only) skips it and uses FLAGS (a previous sweep's ``llama_server_spec_config``); ``--no-spec-sweep`` skips it and
 uses the first setting. About 35 s a setting, 3 min in all.
 
-Sampling is identical: greedy (``temperature: 0``), ``max_tokens`` 128 (``--quick``: 32), ``seed: 0``, and
+Sampling is identical: greedy (``temperature: 0``), ``max_tokens`` 128 (``--quick``: 8), ``seed: 0``, and
 ``repeat_penalty: 1.0`` in the request body of both llama.cpp servers (llama_cpp.server accepts it as an extra field
 and defaults to 1.1; llama-server's chat endpoint accepts it and defaults to 1.0; tether's engine uses 1.0; at
 temperature 0 the penalty still changes which token is the argmax). Other sampling fields are left at their
@@ -149,9 +149,10 @@ the end). Without the default model (``DefaultModelMissing``) the figures are nu
 0). A tether or llama_cpp.server that does not start is an error: null figures, ``error`` says why, exit 1 (a
 llama-server or tether_nospec that does not start only skips its side).
 
-``--quick`` (for CI): 1 round, concurrency 1 and 4, ``R`` = 4 (4 requests at C=1, 1 per client at C=4),
-``max_tokens`` 16 (8 in the other workloads; ``"quick": true``), every side but llama_server_spec, the workloads
-``distinct`` and ``code_edit`` (its prediction phase at C=1 only), no sweep; its figures are only a smoke test.
+``--quick`` (for CI): 1 round, concurrency 1 and 2, ``R`` = 2 (2 requests at C=1, 1 per client at C=2),
+``max_tokens`` 8 (4 in the other workloads; ``"quick": true``), every side but llama_server_spec, the workloads
+``distinct`` and ``code_edit`` (code_edit and its prediction phase at C=1 only: ``grounded_concurrency``), no sweep;
+its figures are only a smoke test.
 llama-server runs in it only when already built (it starts in under a second); without a cached binary the quick
 run skips both llama-server sides.
 
@@ -340,7 +341,7 @@ LLAMA_SIDES = ("llama_server", "llama_server_spec")  # need the C++ binary
 TETHER_SIDES = ("tether", "tether_nospec")
 OPTIONAL_SIDES = ("tether_nospec", "llama_server", "llama_server_spec")  # one that does not start is skipped
 CONCURRENCY = (1, 4, 8)
-QUICK_CONCURRENCY = (1, 4)  # --quick: one client and a batch of them, the two paths
+QUICK_CONCURRENCY = (1, 2)  # --quick: one client and a batch of them, the two paths
 PARALLEL = 8  # llama-server's slots, and tether's --parallel when it has one
 TARGET_RATIO = 0.98
 N_CTX = 2048  # per sequence
@@ -348,9 +349,9 @@ THREADS = 2
 N_BATCH = 512
 SEED = 0
 MAX_TOKENS = 128
-QUICK_MAX_TOKENS = 16
+QUICK_MAX_TOKENS = 8
 REQUESTS = 16
-QUICK_REQUESTS = 4
+QUICK_REQUESTS = 2
 WARMUP_TOKENS = 16
 SYSTEM = "You are a helpful AI assistant."
 PROMPTS = (
@@ -666,7 +667,7 @@ def documents(name: str) -> tuple[Document, ...]:
 
 def documents_needed(name: str, args: argparse.Namespace) -> int:
     """The documents a grounded workload's (or code_edit_prediction's) phases take in one server's run."""
-    return sum(grounded_requests(c, args) for c in args.concurrency)
+    return sum(grounded_requests(c, args) for c in args.grounded_concurrency)
 
 
 class ServerFailed(RuntimeError):
@@ -1284,7 +1285,13 @@ def side_phases(side: str, args: argparse.Namespace) -> list[tuple[str, tuple[in
     if side not in BATCHING_SIDES:
         return [("distinct", args.concurrency)]
     own = args.nospec_concurrency if side == "tether_nospec" else args.concurrency
-    phases = [(name, tuple(c for c in args.concurrency if c in own)) for name in args.workloads]
+    phases = [
+        (
+            name,
+            tuple(c for c in args.concurrency if c in own and (name not in GROUNDED or c in args.grounded_concurrency)),
+        )
+        for name in args.workloads
+    ]
     if side in TETHER_SIDES and "code_edit" in args.workloads:
         phases.append((PREDICTION, tuple(c for c in args.concurrency if c in own and c in args.prediction_concurrency)))
     return [(name, cs) for name, cs in phases if cs]
@@ -1666,6 +1673,7 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
             "concurrency": list(args.concurrency),
             "nospec_concurrency": [c for c in args.concurrency if c in args.nospec_concurrency],
             "prediction_concurrency": [c for c in args.concurrency if c in args.prediction_concurrency],
+            "grounded_concurrency": [c for c in args.concurrency if c in args.grounded_concurrency],
             "rounds": args.rounds,
             "requests_per_concurrency": args.requests,
             "requests_per_client": {str(c): per_client(args.requests, c) for c in args.concurrency},
@@ -1907,7 +1915,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-tokens", type=int, default=MAX_TOKENS, help=f"distinct's, per request (default {MAX_TOKENS})"
     )
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 4)"
+        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 2)"
     )
     parser.add_argument(
         "--sides",
@@ -1933,7 +1941,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the batching servers' workloads: the controls distinct, shared_prefix, multi_turn and the grounded "
         "code_edit (with its prediction phase on tether's sides), rag_quote, summarize (default all six; --quick: "
-        "the controls and code_edit; llama_cpp.server runs distinct only)",
+        "distinct and code_edit, at C=1; llama_cpp.server runs distinct only)",
     )
     parser.add_argument(
         "--spec-config",
@@ -1975,7 +1983,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help=f"1 round, R={QUICK_REQUESTS}, {QUICK_MAX_TOKENS} tokens ({QUICK_MAX_TOKENS // 2} in the other "
-        "workloads), one grounded request per client, no sweep, no build (CI)",
+        "workloads), concurrency 1 2, one grounded request at C=1 only, no sweep, no build (CI)",
     )
     parser.add_argument(
         "--model",
@@ -2028,6 +2036,9 @@ def main(argv: list[str] | None = None) -> int:
         args.nospec_concurrency = (min(args.concurrency),) if args.quick else args.concurrency
     if args.prediction_concurrency is None:
         args.prediction_concurrency = (min(args.concurrency),) if args.quick else args.concurrency
+    # --quick: a grounded phase at the lowest concurrency only (its prefill is the quick run's longest wait; the
+    # batch path is distinct's)
+    args.grounded_concurrency = (min(args.concurrency),) if args.quick else args.concurrency
     if args.spec_config is not None:
         flags = shlex.split(args.spec_config)
         if not flags or any(f.startswith("-") and not f.startswith("--spec-") for f in flags):
