@@ -68,11 +68,11 @@ weigh on the whole-run slope, not on that one. The ended-request ids are kept 5 
 
 Targets (``--target``): ``debug`` (the default: all of the above); ``batch``: the default model
 (``tether.models.default_model_path()``) on llama.cpp with ``parallel`` 8 (one batch holds every client's stream),
-``n_ctx`` 2048 per sequence, 2 threads, the same restart policy, the engine's default hang deadlines, and the faults
-a real engine can take: ``SIGKILL``, ``disconnect``, ``cancel_storm`` (SIGSEGV, SIGABRT and SIGSTOP rehearse the
-debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 4 s for 15 s) so the model
-serves between its reloads; requests may take ``BATCH_HUNG_BOUND`` (60 s) and a reload ``BATCH_STATE_BOUND`` (60 s).
-The published run: ``--target batch --minutes 120``.
+``n_ctx`` 2048 per sequence, 2 threads (``--quick``: 1), the same restart policy, the engine's default hang deadlines,
+and the faults a real engine can take: ``SIGKILL``, ``disconnect``, ``cancel_storm`` (SIGSEGV, SIGABRT and SIGSTOP
+rehearse the debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 4 s for 15 s)
+so the model serves between its reloads; requests may take ``BATCH_HUNG_BOUND`` (60 s) and a reload
+``BATCH_STATE_BOUND`` (60 s). The published run: ``--target batch --minutes 120``.
 
 Baseline: none. No server a user would pick instead survives these faults: llama_cpp.server runs its model in its
 own process, so killing the process that generates kills the server, and every client with it (a supervisor such
@@ -81,7 +81,7 @@ as systemd would restart it, after every connection was cut).
 Run: ``.venv/bin/python bench/soak.py [--target debug|batch] [--minutes M] [--fault-interval S] [--quick]
 [--no-tracemalloc] [--gc-interval S]`` (default 30 min, 5 s (batch: 10 s);
 ``--quick``: 0.4 min, a fault every 3.5 s, so each kind once, and the debug engine's ``token_seconds`` 0.01;
-batch: 0.25 min, a fault every 4 s). The last line printed is one JSON object.
+batch: 0.25 min, a fault every 4 s, 1 thread). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ def debug_target(token_seconds: float = OPTIONS["token_seconds"]) -> Target:
 BATCH_PARALLEL = 8  # one batch holds every client's stream
 BATCH_N_CTX = 2048  # per sequence, as bench/serve.py and bench/load.py
 BATCH_THREADS = 2
+BATCH_QUICK_THREADS = 1  # --quick: the model decodes the whole run, on one core instead of two
 BATCH_FAULTS = ("SIGKILL", "disconnect", "cancel_storm")  # SIGSEGV/SIGABRT/SIGSTOP are the debug engine's rehearsal
 # A SIGKILL every 3 faults: at 5 s the model would spend most of the run reloading (a reload took ~2-10 s on the
 # shared 2-core machine); at 10 s it serves between them.
@@ -174,13 +175,13 @@ BATCH_HUNG_BOUND = 60.0  # 8 streams of 32 tokens on 2 shared cores, behind a re
 BATCH_STATE_BOUND = 60.0  # a reload of the model after a SIGKILL (~1 s alone, more beside the load)
 
 
-def batch_target() -> Target:
+def batch_target(threads: int = BATCH_THREADS) -> Target:
     """The default model on llama.cpp, ``parallel`` 8 (its default deadlines: no SIGSTOP here to find)."""
     config = {
         "id": INSTANCE,
         "engine": "llama.cpp",
         "model": str(default_model_path()),
-        "options": {"n_ctx": BATCH_N_CTX, "n_threads": BATCH_THREADS, "parallel": BATCH_PARALLEL},
+        "options": {"n_ctx": BATCH_N_CTX, "n_threads": threads, "parallel": BATCH_PARALLEL},
         "restart": RESTART,
         "max_queue": MAX_QUEUE,
     }
@@ -605,6 +606,7 @@ def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, 
         "model": Path(soak.target.config["model"]).name if soak.target.config.get("model") else None,
         "parallel": soak.target.config["options"].get("parallel", 1),
         "token_seconds": soak.target.config["options"].get("token_seconds"),  # the debug engine's; null on batch
+        "threads": soak.target.config["options"].get("n_threads"),  # the batch target's; null on debug
         "quick": bool(args.quick),
         "ok": False,  # set by the caller
         "minutes": args.minutes,
@@ -741,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="0.4 min (batch: 0.25), a fault every 3.5 s (batch: 4 s), debug tokens of 0.01 s (CI)",
+        help="0.4 min (batch: 0.25), a fault every 3.5 s (batch: 4 s), debug tokens of 0.01 s, batch on 1 thread (CI)",
     )
     parser.add_argument(
         "--target",
@@ -784,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         emit({**head, "error": skipped[:500]})
         return 1
     if args.target == "batch":
-        target = batch_target()
+        target = batch_target(BATCH_QUICK_THREADS) if args.quick else batch_target()
     else:
         target = debug_target(QUICK_TOKEN_SECONDS) if args.quick else debug_target()
     began = time.monotonic()
