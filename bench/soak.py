@@ -70,7 +70,7 @@ Targets (``--target``): ``debug`` (the default: all of the above); ``batch``: th
 (``tether.models.default_model_path()``) on llama.cpp with ``parallel`` 8 (one batch holds every client's stream),
 ``n_ctx`` 2048 per sequence, 2 threads (``--quick``: 1), the same restart policy, the engine's default hang deadlines,
 and the faults a real engine can take: ``SIGKILL``, ``disconnect``, ``cancel_storm`` (SIGSEGV, SIGABRT and SIGSTOP
-rehearse the debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 4 s for 15 s)
+rehearse the debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 3 s for 12 s)
 so the model serves between its reloads; requests may take ``BATCH_HUNG_BOUND`` (60 s) and a reload
 ``BATCH_STATE_BOUND`` (60 s). The published run: ``--target batch --minutes 120``.
 
@@ -81,7 +81,7 @@ as systemd would restart it, after every connection was cut).
 Run: ``.venv/bin/python bench/soak.py [--target debug|batch] [--minutes M] [--fault-interval S] [--quick]
 [--no-tracemalloc] [--gc-interval S]`` (default 30 min, 5 s (batch: 10 s);
 ``--quick``: 0.4 min, a fault every 3.5 s, so each kind once, and the debug engine's ``token_seconds`` 0.01;
-batch: 0.25 min, a fault every 4 s, 1 thread). The last line printed is one JSON object.
+batch: 0.2 min, a fault every 3 s, 1 thread). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ BATCH_FAULTS = ("SIGKILL", "disconnect", "cancel_storm")  # SIGSEGV/SIGABRT/SIGS
 # A SIGKILL every 3 faults: at 5 s the model would spend most of the run reloading (a reload took ~2-10 s on the
 # shared 2-core machine); at 10 s it serves between them.
 BATCH_FAULT_INTERVAL = 10.0
-BATCH_QUICK_FAULT_INTERVAL = 4.0  # each kind once in BATCH_QUICK_MINUTES
-BATCH_QUICK_MINUTES = 0.25  # 15 s: faults at 4, 8 and 12 s, then 3 s of serving after the last
+BATCH_QUICK_FAULT_INTERVAL = 3.0  # each kind once in BATCH_QUICK_MINUTES
+BATCH_QUICK_MINUTES = 0.2  # 12 s: faults at 3, 6 and 9 s, then 3 s of serving after the last
 BATCH_HUNG_BOUND = 60.0  # 8 streams of 32 tokens on 2 shared cores, behind a reload: seconds, not tens
 BATCH_STATE_BOUND = 60.0  # a reload of the model after a SIGKILL (~1 s alone, more beside the load)
 
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="0.4 min (batch: 0.25), a fault every 3.5 s (batch: 4 s), debug tokens of 0.01 s, batch on 1 thread (CI)",
+        help="0.4 min (batch: 0.2), a fault every 3.5 s (batch: 3 s), debug tokens of 0.01 s, batch on 1 thread (CI)",
     )
     parser.add_argument(
         "--target",
