@@ -59,7 +59,7 @@ Runner records and runner logs go to a private temporary ``TETHER_RUNTIME_DIR`` 
 end). Without the default model (``DefaultModelMissing``) or llama-cpp-python, the llama figures are null and
 ``llama_skipped`` says why.
 
-``--quick`` (for CI): 2 trials per side and engine (``"quick": true``); its figures are only a smoke test.
+``--quick`` (for CI): 1 trial per side and engine (``"quick": true``); its figures are only a smoke test.
 
 Run: ``.venv/bin/python bench/cancel.py [--quick]``. The last line printed is one JSON object.
 """
@@ -415,10 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30, help="trials per side and engine (default 30)")
     parser.add_argument("--seed", type=int, default=20240601, help="random seed for the K draws")
-    parser.add_argument("--quick", action="store_true", help="2 trials per side and engine (CI)")
+    parser.add_argument("--quick", action="store_true", help="1 trial per side and engine (CI)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.trials = 2
+        args.trials = 1
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     with private_tether_dirs("tether-bench-cancel-"):

@@ -24,7 +24,7 @@ above that; each started as a subprocess on 127.0.0.1, one at a time (the machin
   (``serve.stop_server``).
 
 Requests: ``POST /v1/chat/completions``, ``stream: true``, ``stream_options: {"include_usage": true}``, ``model``
-``load``, a fixed system message and ``serve.PROMPTS[k % 8]``, ``max_tokens`` 32 (``--quick``: 16),
+``load``, a fixed system message and ``serve.PROMPTS[k % 8]``, ``max_tokens`` 32 (``--quick``: 4),
 ``temperature: 0``. At concurrency ``C`` (64, then 256), ``C`` clients each send ``N = max(1, R // C)`` requests
 back to back (a closed loop; ``R`` = ``--requests``, default 256: 4 per client at 64, 1 at 256, the same work at
 both); at 256 half the clients find the queue full. A client whose attempt gets ``503`` waits the ``Retry-After``
@@ -49,12 +49,12 @@ Retry-After waits included (``request_ttft``, ``request_e2e``: what a user sees)
 half the requests is refused, so ``request_*`` there measures the 503 + Retry-After protocol as much as the server.
 
 Default model (``tether.models.default_model_path()``, SmolLM2-135M-Instruct), 8 concurrent clients: ``tether serve
---n-ctx 2048 --threads 2 --parallel 8`` (all 8 in one batch) against ``python -m llama_cpp.server`` on the same
-GGUF, both started, stopped and read exactly as in ``bench/serve.py`` (its ``running`` and ``stream_one``: greedy,
-``seed`` 0, its stories, ``repeat_penalty`` 1.0 on the baseline), one 4-token warm-up request each, then 8 clients
-x 2 requests of ``max_tokens`` 64 (``--quick``: x 1 of 8 tokens); tokens/s, TTFT and e2e p50/p99 as above
-(``model_c8_*``); a request error (``serve.stream_one``'s definition) counts in ``model_errors``. Without the
-default model or llama-cpp-python this part is null and ``model_skipped`` says why.
+--n-ctx 2048 --threads 2 --parallel 8`` (all 8 in one batch) against ``python -m llama_cpp.server`` on the same GGUF,
+both started, stopped and read exactly as in ``bench/serve.py`` (its ``running`` and ``stream_one``: greedy, ``seed`` 0,
+its stories, ``repeat_penalty`` 1.0 on the baseline), one 4-token warm-up request each, then 8 clients x 2 requests of
+``max_tokens`` 64 (``--quick``: x 1 of 4 tokens, both servers on 1 thread); tokens/s, TTFT and e2e p50/p99 as above
+(``model_c8_*``); a request error (``serve.stream_one``'s definition) counts in ``model_errors``. Without the default
+model or llama-cpp-python this part is null and ``model_skipped`` says why.
 
 Rounds: ``--rounds`` (default 3; ``--quick``: 1). Each round runs both servers of the debug load, one after the
 other (start, warm up, C=64, C=256, stop), then both model servers, the order alternating (round 0: baseline
@@ -66,8 +66,8 @@ Counts (``lost_requests``, ``rejected_503``, ``rejected_without_retry_after``, `
 summed over every round and concurrency (``baseline_*``: the baseline's); ``ok`` (exit 0) = no tether request lost,
 failed or refused without ``Retry-After``, every one completed, no leftover runner, no model-part error.
 
-``--quick`` (for CI): 1 round, ``R`` = 64 (one request per client at both concurrencies), ``max_tokens`` 16; model
-8 clients x 1 request of 8 tokens (``"quick": true``); its figures are only a smoke test.
+``--quick`` (for CI): 1 round, ``R`` = 64 (one request per client at both concurrencies), ``max_tokens`` 4; model
+8 clients x 1 request of 4 tokens on 1 thread (``"quick": true``); its figures are only a smoke test.
 
 Runner records and logs go to a private ``TETHER_RUNTIME_DIR`` / ``TETHER_LOG_DIR`` (removed at the end). A server
 that does not start is an error: null figures, ``error`` says why, exit 1.
@@ -109,6 +109,8 @@ from benchstats import (
 )
 from serve import (
     PROMPTS,
+    QUICK_THREADS,
+    THREADS,
     Server,
     ServerFailed,
     Setup,
@@ -128,7 +130,7 @@ MAX_QUEUE = 128
 INSTANCE = "load"
 ENGINE_OPTIONS = {"token_seconds": 0.001, "load_steps": 1, "load_step_seconds": 0.0}
 MAX_TOKENS = 32
-QUICK_MAX_TOKENS = 16
+QUICK_MAX_TOKENS = 4  # --quick: the engine's 1 ms a token is most of a phase's wall time
 REQUESTS = 256
 QUICK_REQUESTS = 64
 WARMUP_TOKENS = 4
@@ -143,7 +145,7 @@ MODEL_CLIENTS = 8
 MODEL_PER_CLIENT = 2
 MODEL_MAX_TOKENS = 64
 QUICK_MODEL_PER_CLIENT = 1
-QUICK_MODEL_MAX_TOKENS = 8
+QUICK_MODEL_MAX_TOKENS = 4
 PCTS = (50, 90, 99)
 METRICS = ("ttft", "e2e", "request_ttft", "request_e2e")
 
@@ -617,7 +619,7 @@ async def run_model_side(side: str, rnd: int, model: Path, logdir: Path, args: a
     requests: list[ModelRequest] = []
     n = args.model_per_client
     with contextlib.ExitStack() as stack:
-        setup = Setup(model=model, llama_server=None)
+        setup = Setup(model=model, llama_server=None, threads=QUICK_THREADS if args.quick else THREADS)
         server = await anyio.to_thread.run_sync(lambda: stack.enter_context(running(side, setup, logdir)))
         limits = pool(MODEL_CLIENTS + 2)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_BOUND, limits=limits) as client:
@@ -912,7 +914,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-tokens", type=int, default=MAX_TOKENS, help=f"debug load, per request (default {MAX_TOKENS})"
     )
-    parser.add_argument("--quick", action="store_true", help="1 round, R=64, 16 tokens; model 8 x 1 x 8 tokens (CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round, R=64, 4 tokens; model 8 x 1 x 4 tokens, 1 thread (CI)"
+    )
     parser.add_argument("--baseline-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--options", default=json.dumps(ENGINE_OPTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--max-queue", type=int, default=MAX_QUEUE, help=argparse.SUPPRESS)

@@ -50,8 +50,8 @@ table before trusting a ratio.
 Runner records and runner logs go to a private temporary ``TETHER_RUNTIME_DIR`` / ``TETHER_LOG_DIR`` (removed at
 the end), so the bench leaves nothing in the user's directories.
 
-``--quick`` (for CI): 200 samples, one round of 64 llama.cpp tokens and 20,000 debug tokens (``"quick": true``); its
-figures are only a smoke test.
+``--quick`` (for CI): 20 samples (a detailed sample of the llama.cpp runner takes ~30 ms), one round of 16
+llama.cpp tokens and 2,000 debug tokens (``"quick": true``); its figures are only a smoke test.
 
 Run: ``.venv/bin/python bench/memory.py [--quick]``. The last line printed is one JSON object.
 """
@@ -464,10 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=5, help="rounds of off / on runs per engine (default 5)")
     parser.add_argument("--max-tokens", type=int, default=256, help="llama.cpp tokens per run (default 256)")
     parser.add_argument("--debug-tokens", type=int, default=200_000, help="debug tokens per run (default 200000)")
-    parser.add_argument("--quick", action="store_true", help="200 samples, one round, fewer tokens (CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="20 samples, one round of 16 llama.cpp and 2000 debug tokens (CI)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.samples, args.pairs, args.max_tokens, args.debug_tokens = 200, 1, 64, 20_000
+        args.samples, args.pairs, args.max_tokens, args.debug_tokens = 20, 1, 16, 2_000
     if args.samples < 1 or args.pairs < 1 or args.max_tokens < 2 or args.debug_tokens < 2:
         parser.error("--samples and --pairs must be at least 1, --max-tokens and --debug-tokens at least 2")
     with private_tether_dirs("tether-bench-memory-"):

@@ -52,8 +52,8 @@ runner exit per configuration (and the worker's own exits), so a recorded run sh
 Runner records go to a private temporary ``TETHER_RUNTIME_DIR`` (removed at the end): every SIGKILLed worker leaves
 its record behind by design, and the bench should not fill the user's registry with hundreds of stale ones.
 
-``--quick`` (for CI): 3 trials per configuration and a 1 s seed poll interval instead of 5 s (``"quick": true`` in
-the JSON); its figures are only a smoke test.
+``--quick`` (for CI): 1 trial per configuration, 3 drill workers and a 1 s seed poll interval instead of 5 s
+(``"quick": true`` in the JSON); its figures are only a smoke test.
 
 Run: ``.venv/bin/python bench/orphan_exit.py [--quick]``. The last line printed is one JSON object.
 """
@@ -308,10 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=10, help="concurrent seed trials (default 10)")
     parser.add_argument("--seed", type=int, default=20240601, help="random seed for the poll kill delays")
     parser.add_argument("--drill-trials", type=int, default=50, help="workers SIGKILLed in the survivor drill")
-    parser.add_argument("--quick", action="store_true", help="3 trials per config and a 1 s seed poll (CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 trial per config, 3 drill workers and a 1 s seed poll (CI)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.trials = 3
+        args.trials = 1
         args.drill_trials = 3
     if args.trials < 1:
         parser.error("--trials must be at least 1")

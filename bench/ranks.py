@@ -100,6 +100,7 @@ from tether.protocol import CauseKind, ChatMessage, Chunk, GenerateParams, TaskS
 
 ROUNDS = 20
 QUICK_ROUNDS = 2
+QUICK_SPLIT_ROUNDS = 1
 QUICK_HEARTBEAT = 1.5  # --quick: the frozen rank found sooner (the default 5 s is the published run's)
 WORKER_ROUNDS = 3
 QUICK_WORKER_ROUNDS = 1
@@ -113,6 +114,7 @@ SPLIT_STORY = GenerateParams(
     max_tokens=200,
     temperature=0.0,
 )
+QUICK_SPLIT_STORY = msgspec.structs.replace(SPLIT_STORY, max_tokens=32)  # --quick: the speed round's texts, shorter
 SPLIT_STREAM = msgspec.structs.replace(SPLIT_STORY, max_tokens=800)  # still streaming at the kill
 SPLIT_AGAIN = msgspec.structs.replace(SPLIT_STORY, max_tokens=8)
 SPEED_ROUNDS = 5
@@ -481,7 +483,7 @@ async def frozen_round(inst: Instance) -> tuple[float, bool, str]:
 
 
 async def split_side(
-    rounds: int, frozen: int, speed: int, ports: list[int], errors: list[str], heartbeat: float
+    rounds: int, frozen: int, speed: int, ports: list[int], errors: list[str], heartbeat: float, story: GenerateParams
 ) -> SplitSide:
     out = SplitSide()
     config = InstanceConfig(
@@ -503,7 +505,7 @@ async def split_side(
         texts: dict[str, set[str]] = {"local": set(), "split": set()}
         for i in range(speed):  # alternating, so drift hits both alike
             for name, inst, rates in (("local", local.replicas[0], out.local_tps), ("split", split, out.split_tps)):
-                text, rate = await decode_rate(inst, SPLIT_STORY)
+                text, rate = await decode_rate(inst, story)
                 texts[name].add(text)
                 rates.append(rate)
             say(f"speed round {i}: local {out.local_tps[-1]:.1f} tokens/s, split {out.split_tps[-1]:.1f}")
@@ -807,7 +809,10 @@ def tether_side(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 2 rank rounds, 1 worker round, a frozen rank found at 1.5 s"
+        "--quick",
+        action="store_true",
+        help="a smoke run: 2 rank rounds (llama.cpp: 1), 1 worker round, a frozen rank found at 1.5 s, one speed "
+        "round of 32 tokens",
     )
     parser.add_argument("--rounds", type=int, default=None, help=f"rank SIGKILL rounds (default {ROUNDS})")
     parser.add_argument(
@@ -827,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-rounds", type=int, default=None, help="llama.cpp rank SIGKILL rounds (default 10)")
     args = parser.parse_args(argv)
     sides = set(args.sides.split(","))
-    split_rounds = args.split_rounds or (QUICK_ROUNDS if args.quick else 10)
+    split_rounds = args.split_rounds or (QUICK_SPLIT_ROUNDS if args.quick else 10)
     frozen_rounds = 1 if args.quick else FROZEN_ROUNDS
     speed_rounds = 1 if args.quick else SPEED_ROUNDS
     heartbeat = QUICK_HEARTBEAT if args.quick else Deadlines().heartbeat
@@ -879,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
                     free_ports(pool, "split", 2),
                     errors,
                     heartbeat,
+                    QUICK_SPLIT_STORY if args.quick else SPLIT_STORY,
                 )
             except Exception as exc:
                 errors.append(f"section 3: {describe(exc)}")
@@ -998,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "orphans": side.orphans,
         "llamacpp_texts_identical": split.texts_identical,
+        "llamacpp_speed_tokens": (QUICK_SPLIT_STORY if args.quick else SPLIT_STORY).max_tokens,
         "llamacpp_split_tokens_per_s_ratio": round(split_ratio, 3) if split_ratio is not None else None,
         "llamacpp_local_tokens_per_s": round(median(split.local_tps), 1),
         "llamacpp_split_tokens_per_s": round(median(split.split_tps), 1),

@@ -2,7 +2,7 @@
 
 Every side serves the built-in default model (``tether.models.default_model_path()``, SmolLM2-135M-Instruct) on
 127.0.0.1, each started as a subprocess on a free port, one at a time (never two at once: the machine may have two
-cores), with 2 threads, greedy sampling and a context of 2048 tokens per sequence:
+cores), with 2 threads (``--quick``: 1), greedy sampling and a context of 2048 tokens per sequence:
 
 - tether: ``python -m tether serve --port P --n-ctx 2048 --threads 2 --parallel 8`` (no ``--model``: the default
   model, the same file; ``--parallel 8`` is ``PARALLEL``, as many sequences as llama-server's slots), at its default
@@ -72,7 +72,7 @@ reliably on a noisy machine (the sweep's figures are not the rounds'). ``--spec-
 only) skips it and uses FLAGS (a previous sweep's ``llama_server_spec_config``); ``--no-spec-sweep`` skips it and
 uses the first setting. About 35 s a setting, 3 min in all.
 
-Sampling is identical: greedy (``temperature: 0``), ``max_tokens`` 128 (``--quick``: 32), ``seed: 0``, and
+Sampling is identical: greedy (``temperature: 0``), ``max_tokens`` 128 (``--quick``: 8), ``seed: 0``, and
 ``repeat_penalty: 1.0`` in the request body of both llama.cpp servers (llama_cpp.server accepts it as an extra field
 and defaults to 1.1; llama-server's chat endpoint accepts it and defaults to 1.0; tether's engine uses 1.0; at
 temperature 0 the penalty still changes which token is the argmax). Other sampling fields are left at their
@@ -149,9 +149,10 @@ the end). Without the default model (``DefaultModelMissing``) the figures are nu
 0). A tether or llama_cpp.server that does not start is an error: null figures, ``error`` says why, exit 1 (a
 llama-server or tether_nospec that does not start only skips its side).
 
-``--quick`` (for CI): 1 round, concurrency 1 and 4, ``R`` = 4 (4 requests at C=1, 1 per client at C=4),
-``max_tokens`` 16 (8 in the other workloads; ``"quick": true``), every side but llama_server_spec, the workloads
-``distinct`` and ``code_edit`` (its prediction phase at C=1 only), no sweep; its figures are only a smoke test.
+``--quick`` (for CI): 1 round, concurrency 1 and 2, ``R`` = 2 (2 requests at C=1, 1 per client at C=2), ``max_tokens`` 8
+(4 in the other workloads; ``"quick": true``), 1 thread, every side but llama_server_spec, the workloads ``distinct``
+and ``code_edit`` (code_edit and its prediction phase at C=1 only: ``grounded_concurrency``; each file cut to its first
+12 lines, ``QUICK_CODE_LINES``), no sweep; its figures are only a smoke test.
 llama-server runs in it only when already built (it starts in under a second); without a cached binary the quick
 run skips both llama-server sides.
 
@@ -340,17 +341,18 @@ LLAMA_SIDES = ("llama_server", "llama_server_spec")  # need the C++ binary
 TETHER_SIDES = ("tether", "tether_nospec")
 OPTIONAL_SIDES = ("tether_nospec", "llama_server", "llama_server_spec")  # one that does not start is skipped
 CONCURRENCY = (1, 4, 8)
-QUICK_CONCURRENCY = (1, 4)  # --quick: one client and a batch of them, the two paths
+QUICK_CONCURRENCY = (1, 2)  # --quick: one client and a batch of them, the two paths
 PARALLEL = 8  # llama-server's slots, and tether's --parallel when it has one
 TARGET_RATIO = 0.98
 N_CTX = 2048  # per sequence
 THREADS = 2
+QUICK_THREADS = 1  # --quick: every side on one core (a tiny model's second thread mostly waits at the barriers)
 N_BATCH = 512
 SEED = 0
 MAX_TOKENS = 128
-QUICK_MAX_TOKENS = 16
+QUICK_MAX_TOKENS = 8
 REQUESTS = 16
-QUICK_REQUESTS = 4
+QUICK_REQUESTS = 2
 WARMUP_TOKENS = 16
 SYSTEM = "You are a helpful AI assistant."
 PROMPTS = (
@@ -504,6 +506,7 @@ CODE_FILES = (
 CODE_LINES = (45, 65)  # a slice: whole top-level functions and classes, consecutive, this many lines in all
 CODE_CHARS = (1500, 2100)  # ... this many characters (346-648 tokens on SmolLM2's vocabulary), ASCII, no tabs
 CODE_PER_FILE = 2
+QUICK_CODE_LINES = 12  # --quick: each file's first lines only
 CODE_DOCUMENTS = 64  # code_edit takes the even ones, code_edit_prediction the odd ones (32 each)
 # rag_quote's and summarize's passages: the plain-prose paragraphs of pydoc's topics (pydoc_data.topics, the
 # language reference's text that help() shows), topic by topic in name order, packed into passages of whole
@@ -560,6 +563,16 @@ def code_slices(rel: str, text: str) -> list[Document]:
         out.append(Document(f"{rel}:{start}", prompt, code))
         i = end + 1
     return out
+
+
+def quick_document(doc: Document) -> Document:
+    """``--quick``: a code_edit file cut to its first ``QUICK_CODE_LINES`` lines (the definition its instruction
+    names begins there): the prefill of a whole file is most of a smoke test's grounded phase. Other documents as
+    they are."""
+    if not doc.original:
+        return doc
+    code = "\n".join(doc.original.splitlines()[:QUICK_CODE_LINES])
+    return Document(doc.source, doc.prompt.replace(doc.original, code, 1), code)
 
 
 @functools.cache
@@ -666,7 +679,7 @@ def documents(name: str) -> tuple[Document, ...]:
 
 def documents_needed(name: str, args: argparse.Namespace) -> int:
     """The documents a grounded workload's (or code_edit_prediction's) phases take in one server's run."""
-    return sum(grounded_requests(c, args) for c in args.concurrency)
+    return sum(grounded_requests(c, args) for c in args.grounded_concurrency)
 
 
 class ServerFailed(RuntimeError):
@@ -1226,6 +1239,7 @@ async def run_grounded(server: Server, name: str, concurrency: int, n: int, args
     def body_of(i: int, j: int) -> tuple[int, dict[str, Any]]:
         index = document_index(name, concurrency, i * n + j, args)
         doc = documents(name)[index]
+        doc = quick_document(doc) if args.quick else doc
         body = request_body(server, doc.prompt, tokens)
         if with_prediction:
             body["prediction"] = {"type": "content", "content": doc.original}
@@ -1284,7 +1298,13 @@ def side_phases(side: str, args: argparse.Namespace) -> list[tuple[str, tuple[in
     if side not in BATCHING_SIDES:
         return [("distinct", args.concurrency)]
     own = args.nospec_concurrency if side == "tether_nospec" else args.concurrency
-    phases = [(name, tuple(c for c in args.concurrency if c in own)) for name in args.workloads]
+    phases = [
+        (
+            name,
+            tuple(c for c in args.concurrency if c in own and (name not in GROUNDED or c in args.grounded_concurrency)),
+        )
+        for name in args.workloads
+    ]
     if side in TETHER_SIDES and "code_edit" in args.workloads:
         phases.append((PREDICTION, tuple(c for c in args.concurrency if c in own and c in args.prediction_concurrency)))
     return [(name, cs) for name, cs in phases if cs]
@@ -1666,6 +1686,7 @@ async def bench(args: argparse.Namespace, setup: Setup, llama_skipped: str | Non
             "concurrency": list(args.concurrency),
             "nospec_concurrency": [c for c in args.concurrency if c in args.nospec_concurrency],
             "prediction_concurrency": [c for c in args.concurrency if c in args.prediction_concurrency],
+            "grounded_concurrency": [c for c in args.concurrency if c in args.grounded_concurrency],
             "rounds": args.rounds,
             "requests_per_concurrency": args.requests,
             "requests_per_client": {str(c): per_client(args.requests, c) for c in args.concurrency},
@@ -1907,7 +1928,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-tokens", type=int, default=MAX_TOKENS, help=f"distinct's, per request (default {MAX_TOKENS})"
     )
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 4)"
+        "--concurrency", type=int, nargs="+", default=None, help="client counts (default 1 4 8; --quick: 1 2)"
     )
     parser.add_argument(
         "--sides",
@@ -1933,7 +1954,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the batching servers' workloads: the controls distinct, shared_prefix, multi_turn and the grounded "
         "code_edit (with its prediction phase on tether's sides), rag_quote, summarize (default all six; --quick: "
-        "the controls and code_edit; llama_cpp.server runs distinct only)",
+        "distinct and code_edit, at C=1; llama_cpp.server runs distinct only)",
     )
     parser.add_argument(
         "--spec-config",
@@ -1975,7 +1996,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help=f"1 round, R={QUICK_REQUESTS}, {QUICK_MAX_TOKENS} tokens ({QUICK_MAX_TOKENS // 2} in the other "
-        "workloads), one grounded request per client, no sweep, no build (CI)",
+        f"workloads), 1 thread, concurrency 1 2, one grounded request at C=1 only (a file's first "
+        f"{QUICK_CODE_LINES} lines), no sweep, no build (CI)",
     )
     parser.add_argument(
         "--model",
@@ -2028,6 +2050,9 @@ def main(argv: list[str] | None = None) -> int:
         args.nospec_concurrency = (min(args.concurrency),) if args.quick else args.concurrency
     if args.prediction_concurrency is None:
         args.prediction_concurrency = (min(args.concurrency),) if args.quick else args.concurrency
+    # --quick: a grounded phase at the lowest concurrency only (its prefill is the quick run's longest wait; the
+    # batch path is distinct's)
+    args.grounded_concurrency = (min(args.concurrency),) if args.quick else args.concurrency
     if args.spec_config is not None:
         flags = shlex.split(args.spec_config)
         if not flags or any(f.startswith("-") and not f.startswith("--spec-") for f in flags):
@@ -2048,7 +2073,8 @@ def main(argv: list[str] | None = None) -> int:
     tether_args: tuple[str, ...] = ("--model", str(model)) if args.model else ()
     tether_args += ("--deterministic",) if args.deterministic else ()
     tether_args += ("--chat-template", args.chat_template) if args.chat_template else ()
-    setup = Setup(model, binary, None if args.cpu_hog else THREADS, tether_args, args.chat_template)
+    threads = None if args.cpu_hog else QUICK_THREADS if args.quick else THREADS
+    setup = Setup(model, binary, threads, tether_args, args.chat_template)
     with private_tether_dirs("tether-bench-serve-"), cpu_hogs((os.cpu_count() or 1) if args.cpu_hog else 0):
         try:
             result = anyio.run(bench, args, setup, llama_skipped)

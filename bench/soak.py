@@ -68,11 +68,11 @@ weigh on the whole-run slope, not on that one. The ended-request ids are kept 5 
 
 Targets (``--target``): ``debug`` (the default: all of the above); ``batch``: the default model
 (``tether.models.default_model_path()``) on llama.cpp with ``parallel`` 8 (one batch holds every client's stream),
-``n_ctx`` 2048 per sequence, 2 threads, the same restart policy, the engine's default hang deadlines, and the faults
-a real engine can take: ``SIGKILL``, ``disconnect``, ``cancel_storm`` (SIGSEGV, SIGABRT and SIGSTOP rehearse the
-debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 6 s for 21 s) so the model
-serves between its reloads; requests may take ``BATCH_HUNG_BOUND`` (60 s) and a reload ``BATCH_STATE_BOUND`` (60 s).
-The published run: ``--target batch --minutes 120``.
+``n_ctx`` 2048 per sequence, 2 threads (``--quick``: 1), the same restart policy, the engine's default hang deadlines,
+and the faults a real engine can take: ``SIGKILL``, ``disconnect``, ``cancel_storm`` (SIGSEGV, SIGABRT and SIGSTOP
+rehearse the debug engine's crash and hang paths), one every ``BATCH_FAULT_INTERVAL`` (10 s; ``--quick``: 3 s for 12 s)
+so the model serves between its reloads; requests may take ``BATCH_HUNG_BOUND`` (60 s) and a reload
+``BATCH_STATE_BOUND`` (60 s). The published run: ``--target batch --minutes 120``.
 
 Baseline: none. No server a user would pick instead survives these faults: llama_cpp.server runs its model in its
 own process, so killing the process that generates kills the server, and every client with it (a supervisor such
@@ -80,7 +80,8 @@ as systemd would restart it, after every connection was cut).
 
 Run: ``.venv/bin/python bench/soak.py [--target debug|batch] [--minutes M] [--fault-interval S] [--quick]
 [--no-tracemalloc] [--gc-interval S]`` (default 30 min, 5 s (batch: 10 s);
-``--quick``: 0.4 min, a fault every 3.5 s, so each kind once). The last line printed is one JSON object.
+``--quick``: 0.4 min, a fault every 3.5 s, so each kind once, and the debug engine's ``token_seconds`` 0.01;
+batch: 0.2 min, a fault every 3 s, 1 thread). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -148,11 +149,11 @@ class Target:
     state_bound: float
 
 
-def debug_target() -> Target:
+def debug_target(token_seconds: float = OPTIONS["token_seconds"]) -> Target:
     config = {
         "id": INSTANCE,
         "engine": "debug",
-        "options": OPTIONS,
+        "options": {**OPTIONS, "token_seconds": token_seconds},
         "restart": RESTART,
         "deadlines": DEADLINES,
         "max_queue": MAX_QUEUE,
@@ -163,23 +164,24 @@ def debug_target() -> Target:
 BATCH_PARALLEL = 8  # one batch holds every client's stream
 BATCH_N_CTX = 2048  # per sequence, as bench/serve.py and bench/load.py
 BATCH_THREADS = 2
+BATCH_QUICK_THREADS = 1  # --quick: the model decodes the whole run, on one core instead of two
 BATCH_FAULTS = ("SIGKILL", "disconnect", "cancel_storm")  # SIGSEGV/SIGABRT/SIGSTOP are the debug engine's rehearsal
 # A SIGKILL every 3 faults: at 5 s the model would spend most of the run reloading (a reload took ~2-10 s on the
 # shared 2-core machine); at 10 s it serves between them.
 BATCH_FAULT_INTERVAL = 10.0
-BATCH_QUICK_FAULT_INTERVAL = 6.0  # each kind once in BATCH_QUICK_MINUTES
-BATCH_QUICK_MINUTES = 0.35  # 21 s: faults at 6, 12 and 18 s, then 3 s of serving after the last
+BATCH_QUICK_FAULT_INTERVAL = 3.0  # each kind once in BATCH_QUICK_MINUTES
+BATCH_QUICK_MINUTES = 0.2  # 12 s: faults at 3, 6 and 9 s, then 3 s of serving after the last
 BATCH_HUNG_BOUND = 60.0  # 8 streams of 32 tokens on 2 shared cores, behind a reload: seconds, not tens
 BATCH_STATE_BOUND = 60.0  # a reload of the model after a SIGKILL (~1 s alone, more beside the load)
 
 
-def batch_target() -> Target:
+def batch_target(threads: int = BATCH_THREADS) -> Target:
     """The default model on llama.cpp, ``parallel`` 8 (its default deadlines: no SIGSTOP here to find)."""
     config = {
         "id": INSTANCE,
         "engine": "llama.cpp",
         "model": str(default_model_path()),
-        "options": {"n_ctx": BATCH_N_CTX, "n_threads": BATCH_THREADS, "parallel": BATCH_PARALLEL},
+        "options": {"n_ctx": BATCH_N_CTX, "n_threads": threads, "parallel": BATCH_PARALLEL},
         "restart": RESTART,
         "max_queue": MAX_QUEUE,
     }
@@ -190,6 +192,7 @@ SAMPLE_INTERVAL = 2.0
 MAX_WINDOW = 300.0
 QUICK_MINUTES = 0.4  # 24 s: 12 samples, 3 windows
 QUICK_FAULT_INTERVAL = 3.5  # 6 faults in 24 s: each kind once
+QUICK_TOKEN_SECONDS = 0.01  # --quick: the debug engine at a fifth of the token rate (the load's CPU), every path kept
 POLL = 0.05
 TRACE_TOP = 40  # growth entries each snapshot answers
 TOP_SITES = 12  # and the report lists
@@ -602,6 +605,8 @@ def figures(soak: Soak, final: dict[str, Any] | None, args: argparse.Namespace, 
         "engine": soak.target.config["engine"],
         "model": Path(soak.target.config["model"]).name if soak.target.config.get("model") else None,
         "parallel": soak.target.config["options"].get("parallel", 1),
+        "token_seconds": soak.target.config["options"].get("token_seconds"),  # the debug engine's; null on batch
+        "threads": soak.target.config["options"].get("n_threads"),  # the batch target's; null on debug
         "quick": bool(args.quick),
         "ok": False,  # set by the caller
         "minutes": args.minutes,
@@ -736,7 +741,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"seconds between faults (debug {FAULT_INTERVAL:g}, batch {BATCH_FAULT_INTERVAL:g})",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="0.4 min (batch: 0.35), a fault every 3.5 s (batch: 6 s) (CI)"
+        "--quick",
+        action="store_true",
+        help="0.4 min (batch: 0.2), a fault every 3.5 s (batch: 3 s), debug tokens of 0.01 s, batch on 1 thread (CI)",
     )
     parser.add_argument(
         "--target",
@@ -778,7 +785,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILURE: --target batch needs the default model on llama.cpp: {skipped}")
         emit({**head, "error": skipped[:500]})
         return 1
-    target = batch_target() if args.target == "batch" else debug_target()
+    if args.target == "batch":
+        target = batch_target(BATCH_QUICK_THREADS) if args.quick else batch_target()
+    else:
+        target = debug_target(QUICK_TOKEN_SECONDS) if args.quick else debug_target()
     began = time.monotonic()
     if args.tracemalloc:
         os.environ[TRACEMALLOC] = "1"  # the worker reads it; its runners do not

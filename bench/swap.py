@@ -36,10 +36,10 @@ estimate: that only deepens the shortfall while one is loaded, and leaves with t
 mmapped page cache of files this bench wrote, charged to the bench's cgroup, not the worker's; ``F`` is the
 anonymous memory: KV cache, compute buffers, the interpreter.)
 
-Swap mode on each server, after an untimed warm-up (``smol-a`` loaded by a request, then one untimed swap to
-``smol-b``): requests alternate between ``smol-a`` and ``smol-b`` (``SWAP_TOKENS`` tokens each), so every one needs
-an eviction of the other; its TTFT is the *swap time*: eviction, memory back, load, prefill, first token. Two modes,
-the same server command but one flag:
+Swap mode on each server, after an untimed warm-up (``smol-a`` loaded by a request, then one untimed swap to ``smol-b``;
+``--quick``: no untimed swap): requests alternate between ``smol-a`` and ``smol-b`` (``SWAP_TOKENS`` tokens each), so
+every one needs an eviction of the other; its TTFT is the *swap time*: eviction, memory back, load, prefill, first
+token. Two modes, the same server command but one flag:
 
 - tether: after an eviction, node memory is checked as soon as the evicted runner's process group is reaped (then
   at short, growing pauses while it lags);
@@ -48,7 +48,7 @@ the same server command but one flag:
 
 Rounds: ``--rounds`` (default 2; ``--quick``: 1), each starting one server per mode, the order alternating (round
 0: baseline first), so a slow stretch of the machine falls on both; ``--swaps`` timed swaps per mode in all
-(default 8, ``--quick`` 2), split over the rounds. Per mode: p50 and p90 of the swap times;
+(default 8, ``--quick`` 1), split over the rounds. Per mode: p50 and p90 of the swap times;
 ``ratio = baseline_swap_ttft_p50_ms / swap_ttft_p50_ms`` (above 1: tether swaps sooner). From the scheduler's
 decisions (``GET /v1/instances`` ``scheduler.decisions``, those stamped while the swap's request was open), p50 per
 mode: the reclaim time (``reclaimed.seconds``: from the eviction to memory seen back, the runner's stop and reap
@@ -62,22 +62,22 @@ Checks (``ok``; exit 1 when one fails): every swap evicted exactly the other mod
 memory cgroup can be made (no writable v1 hierarchy), the swaps evict by count instead (``--max-loaded 1``, both
 modes), ``cgroup_limit_bytes`` is null and ``eviction_by`` says ``max_loaded``.
 
-**2. A loaded model while another loads.** On the calibration server (no limit: room for both), ``smol-a`` loaded
-and ``smol-b`` loaded once then unloaded (``DELETE /v1/instances/smol-b``: its file is cached, as in a swap).
-``--loads`` rounds (default 6, ``--quick`` 1), each: ``IDLE_REQUESTS`` requests for ``smol-a`` back to back with
+**2. A loaded model while another loads.** On the calibration server (no limit: room for both), ``smol-a`` loaded and
+``smol-b`` loaded once then unloaded (``DELETE /v1/instances/smol-b``: its file is cached, as in a swap). ``--loads``
+rounds (default 6, ``--quick`` 1), each: ``IDLE_REQUESTS`` (6, ``--quick`` 2) requests for ``smol-a`` back to back with
 nothing loading (*idle*), then ``smol-b`` unloaded, one request for it sent (a background task: it loads ``smol-b``)
-and, until it is answered, requests for ``smol-a`` back to back; those sent after ``smol-b``'s request whose first
-token came before ``smol-b``'s runner was ready (its ``loaded`` decision) are *during* the load. Requests of
-``LOADED_TOKENS`` tokens. ``loaded_model_added_gap_ms`` = median TTFT during - median TTFT idle (what a load beside
-it adds to a loaded model's first token: it never waits for the load, but the two share the CPUs);
+and, until it is answered, requests for ``smol-a`` back to back; those sent after ``smol-b``'s request whose first token
+came before ``smol-b``'s runner was ready (its ``loaded`` decision) are *during* the load. Requests of ``LOADED_TOKENS``
+tokens. ``loaded_model_added_gap_ms`` = median TTFT during - median TTFT idle (what a load beside it adds to a loaded
+model's first token: it never waits for the load, but the two share the CPUs);
 ``loaded_*_itl_p50_ms``/``_p99_ms``: the gaps between its content chunks, pooled, idle and during. ``load_s``: the
 median of ``smol-b``'s load time as the scheduler measured it (``GET /v1/models`` ``load_seconds``: its request to
 its runner ready); ``load_first_token_s``: its request to its first token (its first prefill shares the CPUs with
 ``smol-a``'s requests too).
 
 Statistics: p50/p90/p99 = ``statistics.quantiles(n=100, method="inclusive")`` (``benchstats.percentile``).
-``--quick`` (for CI): 1 round, 2 swaps per mode, 1 load (``"quick": true``): a smoke test, about a minute on two
-cores.
+``--quick`` (for CI): 1 round, 1 swap per mode (no warm-up swap), 1 load after 2 idle requests (``"quick": true``):
+a smoke test, about 15 s on two cores.
 
 Run: ``.venv/bin/python bench/swap.py [--quick] [--rounds N] [--swaps N] [--loads N] [--engine debug]``. The last
 line printed is one JSON object.
@@ -115,14 +115,14 @@ OPTIONS: dict[str, Any] = {"n_ctx": 2048, "n_threads": 2, "parallel": 8}
 DEBUG_HOLD = 192 << 20
 DEBUG_OPTIONS: dict[str, Any] = {"hold_bytes": DEBUG_HOLD, "load_step_seconds": 0.1, "token_seconds": 0.01}
 SWAPS = 8
-QUICK_SWAPS = 2  # each mode's p50 and p90 from 2: the plumbing, not a figure
+QUICK_SWAPS = 1  # each mode's p50 and p90 from 1, with no warm-up swap before it: the plumbing, not a figure
 ROUNDS = 2
 LOADS = 6
 QUICK_LOADS = 1
 SWAP_TOKENS = 8
 LOADED_TOKENS = 8
 IDLE_REQUESTS = 6
-QUICK_IDLE_REQUESTS = 4
+QUICK_IDLE_REQUESTS = 2
 WARMUP_TOKENS = 4
 KEEP_ALIVE = "10m"
 STOP_TIMEOUT = 10.0  # tether serve --stop-timeout
@@ -401,9 +401,10 @@ def failures_in(decisions: list[dict[str, Any]]) -> list[str]:
 
 
 async def run_mode(
-    mode: str, rnd: int, swaps: int, setup: Setup, limit: int | None, use_cgroup: bool, first: int
+    mode: str, rnd: int, swaps: int, setup: Setup, limit: int | None, use_cgroup: bool, first: int, warm_swap: bool
 ) -> ModeRun:
-    """One server of one mode: warm up (load smol-a, one untimed swap to smol-b), then ``swaps`` timed swaps."""
+    """One server of one mode: warm up (load smol-a, then one untimed swap to smol-b unless not ``warm_swap``), then
+    ``swaps`` timed swaps, each to the model not loaded."""
     extra = ["--reclaim-poll", str(BASELINE_POLL)] if mode == "baseline" else []
     if limit is None:
         extra += ["--max-loaded", "1"]
@@ -412,9 +413,10 @@ async def run_mode(
         server = served.srv
         async with client_for(server) as client:
             await answered(client, MODELS[0], 0, WARMUP_TOKENS)
-            await answered(client, MODELS[1], 1, WARMUP_TOKENS)  # the untimed warm-up swap
+            if warm_swap:
+                await answered(client, MODELS[1], 1, WARMUP_TOKENS)  # the untimed warm-up swap
             for i in range(swaps):
-                model = MODELS[i % 2]
+                model = MODELS[(i + (0 if warm_swap else 1)) % 2]
                 began = time.time()
                 sent = await stream(client, model, first + i, SWAP_TOKENS)
                 decided = window(server.decisions(), began, time.time())
@@ -638,7 +640,7 @@ async def bench(args: argparse.Namespace, setup: Setup) -> dict[str, Any]:
         order = MODES if rnd % 2 == 0 else MODES[::-1]
         for mode in order:
             first = sum(per_round[:rnd])
-            runs.append(await run_mode(mode, rnd, per_round[rnd], setup, limit, True, first))
+            runs.append(await run_mode(mode, rnd, per_round[rnd], setup, limit, True, first, not args.quick))
     wall_s = time.monotonic() - began
 
     print(
@@ -791,7 +793,9 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: copies of the default model (debug-engine models without it); debug: debug-engine models",
     )
     parser.add_argument(
-        "--quick", action="store_true", help=f"1 round, {QUICK_SWAPS} swaps per mode, {QUICK_LOADS} loads (CI)"
+        "--quick",
+        action="store_true",
+        help=f"1 round, {QUICK_SWAPS} swap per mode and no warm-up swap, {QUICK_LOADS} load (CI)",
     )
     args = parser.parse_args(argv)
     args.idle_requests = IDLE_REQUESTS
