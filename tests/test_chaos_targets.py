@@ -75,7 +75,7 @@ def test_a_short_models_campaign_keeps_every_promise() -> None:
     assert summary["missed_strikes"] == 0, summary  # a moment the drawn requests missed is made again
 
 
-REAL_TRIALS = (0, 2)  # seed 0's first trials that strike the shared server
+REAL_TRIALS = (2,)  # seed 0's first trial that strikes the shared server amid more streams than slots
 
 
 @pytest.mark.cores
@@ -83,19 +83,16 @@ REAL_TRIALS = (0, 2)  # seed 0's first trials that strike the shared server
 @pytest.mark.model
 @pytest.mark.timeout(300)
 def test_a_short_batch_campaign_on_the_real_model_keeps_every_promise() -> None:
-    """2 trials of seed 0 on llama.cpp and the default model, on one server: one client gone amid 8 streams, one
-    stream cancelled amid 16 (8 decoding, 8 waiting); every greedy text equal to its solo run. The worker attacks
-    (each on a server of its own) are left to the debug campaigns: what they prove does not depend on the engine
-    (a runner dies with its worker: test_orphans.py; a SIGTERM's waiting requests end in 503 shutting_down:
-    ``test_a_sigterm_with_requests_waiting_for_a_slot_ends_each_with_an_error_not_a_plain_500``)."""
+    """Trial 2 of seed 0 on llama.cpp and the default model: one stream cancelled amid 16 (8 decoding, 8 waiting);
+    every greedy text equal to its solo run. What the other attacks add does not depend on the engine, and the
+    debug campaigns make them: a client gone ends its sequence as a cancel does; a runner dies with its worker
+    (test_orphans.py); a SIGTERM's waiting requests end in 503 shutting_down
+    (``test_a_sigterm_with_requests_waiting_for_a_slot_ends_each_with_an_error_not_a_plain_500``)."""
     missing = model_missing()
     if missing:
         pytest.skip(missing)
     drawn = {t.index: t for t in batch.plan(0, max(REAL_TRIALS) + 1, engine="llama.cpp")}
-    assert [(drawn[i].attack.name, drawn[i].streams) for i in REAL_TRIALS] == [
-        ("seq_disconnect", 8),
-        ("seq_cancel", 16),
-    ]
+    assert [(drawn[i].attack.name, drawn[i].streams) for i in REAL_TRIALS] == [("seq_cancel", 16)]
     only = ",".join(map(str, REAL_TRIALS))
     out, summary = chaos("--target", "batch", "--engine", "llama.cpp", "--seed", "0", "--only", only, timeout=290)
     assert out.returncode == 0, out.stderr[-3000:]
