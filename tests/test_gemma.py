@@ -133,7 +133,7 @@ def test_a_prefix_the_window_has_left_is_read_again_never_reused(served: Server,
     cold, _ = complete(served, COLD, far)
     assert cached == 0 and answer["text"] == cold["text"], (cached, answer["text"], cold["text"])
 
-    with decoding(served, CACHED, long, 200):  # in the slot that holds ``far`` (600 tokens in common, reused)
+    with decoding(served, CACHED, long, 100):  # in the slot that holds ``far`` (600 tokens in common, reused)
         far = long[:600] + text_ids[3700:3740]
         answer, cached = complete(served, CACHED, far)
     assert cached == 0 and same_or_tie(answer, complete(served, COLD, far)[0]), (cached, answer["text"])
