@@ -75,7 +75,7 @@ def test_a_short_models_campaign_keeps_every_promise() -> None:
     assert summary["missed_strikes"] == 0, summary  # a moment the drawn requests missed is made again
 
 
-REAL_TRIALS = (0, 1, 2, 10)  # seed 0's first three, and trial 10 (the regression below)
+REAL_TRIALS = (2,)  # seed 0's first trial that strikes the shared server amid more streams than slots
 
 
 @pytest.mark.cores
@@ -83,22 +83,22 @@ REAL_TRIALS = (0, 1, 2, 10)  # seed 0's first three, and trial 10 (the regressio
 @pytest.mark.model
 @pytest.mark.timeout(300)
 def test_a_short_batch_campaign_on_the_real_model_keeps_every_promise() -> None:
-    """4 trials of seed 0 on llama.cpp and the default model, on one server: one client gone amid 8 streams, one
-    stream cancelled amid 16 (8 decoding, 8 waiting), the worker SIGKILLed; every greedy text equal to its solo run.
-    And a regression (``--trials 250 --seed 0``: trials 10, 34, 246): SIGTERM while 8 streams decode and 8 wait; the
-    shutdown's bound ends the waiting ones before their answers start, with 503 shutting_down and Retry-After (the
-    API's fix for uvicorn's plain 500), which the worker-signal check once counted as misclassified."""
+    """Trial 2 of seed 0 on llama.cpp and the default model: one stream cancelled amid 16 (8 decoding, 8 waiting);
+    every greedy text equal to its solo run. What the other attacks add does not depend on the engine, and the
+    debug campaigns make them: a client gone ends its sequence as a cancel does; a runner dies with its worker
+    (test_orphans.py); a SIGTERM's waiting requests end in 503 shutting_down
+    (``test_a_sigterm_with_requests_waiting_for_a_slot_ends_each_with_an_error_not_a_plain_500``)."""
     missing = model_missing()
     if missing:
         pytest.skip(missing)
     drawn = {t.index: t for t in batch.plan(0, max(REAL_TRIALS) + 1, engine="llama.cpp")}
-    assert (drawn[10].attack.name, drawn[10].phase, drawn[10].streams) == ("worker_sigterm", "generating", 16)
+    assert [(drawn[i].attack.name, drawn[i].streams) for i in REAL_TRIALS] == [("seq_cancel", 16)]
     only = ",".join(map(str, REAL_TRIALS))
     out, summary = chaos("--target", "batch", "--engine", "llama.cpp", "--seed", "0", "--only", only, timeout=290)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["engine"] == "llama.cpp" and summary["trials"] == len(REAL_TRIALS), summary
-    # every stream of every trial was sent (an idle-phase attack strikes before any), trial 10's 16 among them
-    assert summary["requests"] == sum(drawn[i].streams for i in REAL_TRIALS if drawn[i].phase != "idle"), summary
+    # every stream of every trial was sent
+    assert summary["requests"] == sum(drawn[i].streams for i in REAL_TRIALS), summary
     assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stdout[-3000:] + out.stderr[-3000:]
 
 

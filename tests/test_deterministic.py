@@ -4,11 +4,11 @@ rates with and without it).
 
 Real runners load the batch-invariant build of llama.cpp and serve both families. Traffic attacks the promise as it
 comes: requests arrive at random moments while others decode, share long system prompts (so prefixes are copied
-from busy slots, and restored from RAM once more prompts than slots have come and gone; Gemma's pass its 512-token
-window), some are cancelled midway (often the slot another request copies from), and two busy-looping processes
-hold the cores for a while, so the thread governor steps down to one thread and back. Every answer is compared with
-the same request run alone, one at a time on a runner with no prompt cache: the same text and every logprob bit for
-bit; a cancelled one, a prefix of both.
+from busy slots, and restored from RAM once more prompts than slots have come and gone), and some are cancelled
+midway (often the slot another request copies from). Every answer is compared with the same request run alone, one
+at a time on a runner with no prompt cache: the same text and every logprob bit for bit; a cancelled one, a prefix
+of both. A conversation past Gemma's 512-token window, and the thread governor stepping down beside two busy-looping
+processes, each have a test of their own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -38,16 +37,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leftover_runners")]
 
 NOT_BUILT = None if invariant.built() else f"the batch-invariant build is missing: {invariant.BUILD_HINT}"
 TOKENS = 24
-QUESTIONS = (
-    "Why is the sky blue?",
-    "Name three rivers and one fact about each.",
-    "How do bees make honey?",
-    "What is a prime number?",
-    "Describe a lighthouse at night.",
-    "How is bread baked?",
-    "Why do cats purr?",
-    "What makes the sea salty?",
-)
+QUESTIONS = ("Why is the sky blue?", "Name three rivers and one fact about each.")
 RULES = " ".join(f"Rule {i}: answer {('clearly', 'kindly', 'briefly', 'honestly')[i % 4]}." for i in range(32))
 SYSTEMS = tuple(f"You are the assistant of a {place}. {RULES}" for place in ("library", "harbour", "bakery"))
 
@@ -159,16 +149,6 @@ async def answer(handle: TaskHandle) -> tuple[str, tuple[float, ...], int, TaskS
     return "".join(c.text for c in chunks), logprobs, cached, handle.final.state
 
 
-@pytest.fixture
-def busy_cores() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Where a test starts its busy-looping processes; every one is killed and reaped at the end."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.mark.cores
 @pytest.mark.slow
 @pytest.mark.model
@@ -176,13 +156,16 @@ def busy_cores() -> Iterator[list[subprocess.Popen[bytes]]]:
 @pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
 @pytest.mark.parametrize("family", ["smollm2", "gemma3-270m"])
 async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrives_is_cancelled_or_cached(
-    family: str, busy_cores: list[subprocess.Popen[bytes]]
+    family: str,
 ) -> None:
     path, chat = family_setup(family)
     rng = random.Random(f"deterministic:{family}")
+    # 12 requests of at most 6 kinds (the reference runs each once): a repeat finds its whole prompt cached; a
+    # question whose system prompt is cached is prefilled beside others' rows, where the default build's SmolLM2
+    # parts from its alone run (with 8 requests, or 16 rules, too few such came for it to show: keep both)
     requests = [(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(12)]
-    cancelled_after = {i: rng.randint(1, 8) for i in rng.sample(range(len(requests)), 3)}  # chunks before cancel
-    delays = sorted(rng.uniform(0.0, 4.0) for _ in requests)
+    cancelled_after = {i: rng.randint(1, 8) for i in rng.sample(range(len(requests)), 2)}  # chunks before cancel
+    delays = sorted(rng.uniform(0.0, 2.0) for _ in requests)
     common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2}
     # 4 slots and a RAM store that holds two of the system prompts: copies from busy slots, restores, evictions
     traffic = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4, "prompt_cache_ram": "20M"})
@@ -217,15 +200,7 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
                 text = "".join(c.text for c in seen)
                 results[i] = text, tuple(lp.logprob for c in seen for lp in c.logprobs), 0, handle.final.state
 
-            async def contend() -> None:  # two busy loops for 2 s: the governor steps down to 1 thread, later back
-                await anyio.sleep(1.0)
-                busy_cores.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2))
-                await anyio.sleep(2.0)
-                for proc in busy_cores:
-                    proc.kill()
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(contend)
                 for i in range(len(requests)):
                     tg.start_soon(one, i)
     cached = 0
@@ -254,8 +229,10 @@ async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read
     prefill's (the attention sums over cells in the order of their places). A deterministic engine reads such a
     prefix again instead: the same text and logprobs as cold, and the prompt cache says it supplied (almost) none."""
     path, _ = family_setup("gemma3-270m")
+    # ~1,040 tokens, twice the window (at ~650 a packed restore gave the cold logprobs here); then any other prompt
+    # sends the slot's sequence to RAM
     log = " ".join(f"Entry {i}: the ship {i % 7} came in at {i % 24} hours with {i * 3} crates." for i in range(48))
-    other = " ".join(f"Note {i}: the {('north', 'south')[i % 2]} gate opened at {i % 12}." for i in range(48))
+    other = " ".join(f"Note {i}: the {('north', 'south')[i % 2]} gate opened at {i % 12}." for i in range(4))
     common = {"deterministic": True, "n_ctx": 4096, "n_threads": 2, "parallel": 1}
     cached_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache_ram": "256M"})
     cold_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache": False})
@@ -287,23 +264,29 @@ engine = LlamaCppEngine(EngineSpec(model=sys.argv[1], options=options))
 engine.load(lambda fraction, detail: None)
 batch = engine._require_batch()
 params = GenerateParams(
-    messages=(ChatMessage("user", "Tell me a long story about a lighthouse."),), max_tokens=160, temperature=0.0,
-    logprobs=0,
+    messages=(ChatMessage("user", "Tell me a long story about a lighthouse."),), max_tokens=int(sys.argv[2]),
+    temperature=0.0, logprobs=0,
 )
 
 def run():
     deltas = list(engine.generate(params, lambda: False))
     return "".join(d.text for d in deltas), [lp.logprob for d in deltas for lp in d.logprobs]
 
-reference, before = run(), batch.threads.switches
+reference, governor = run(), batch.threads
+if governor.current != governor.most:  # the reference was contended (tests beside it): all threads again
+    governor._set(governor.most)
+before = governor.switches
 hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
 try:
-    runs = [run() for _ in range(3)]
+    contended = run()
 finally:
     for hog in hogs:
         hog.kill()
-print(json.dumps({"same": all(r == reference for r in runs), "switches": batch.threads.switches - before}))
+print(json.dumps({"same": contended == reference, "switches": governor.switches - before}))
 """
+# The governor steps down after two contended 0.25 s windows of decoding (``threads.PATIENCE``): ~20 tokens beside
+# two busy loops; the rest of the run is on one thread.
+SWITCH_TOKENS = 96
 
 
 @pytest.mark.cores
@@ -312,12 +295,11 @@ print(json.dumps({"same": all(r == reference for r in runs), "switches": batch.t
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
 def test_the_thread_governor_stepping_down_mid_stream_changes_no_logprob() -> None:
-    """Its own process (a deterministic engine must load its build first): a reference, then three runs beside two
-    busy loops, during which the governor steps down to one thread (and back after its back-off)."""
+    """Its own process (a deterministic engine must load its build first): a reference, then the same run beside two
+    busy loops, during which the governor steps down to one thread."""
     path, _ = family_setup("smollm2")
-    done = subprocess.run(
-        [sys.executable, "-c", THREAD_SWITCH, path], capture_output=True, text=True, timeout=170, check=False
-    )
+    args = [sys.executable, "-c", THREAD_SWITCH, path, str(SWITCH_TOKENS)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=170, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["switches"] >= 1, "the governor never switched: the test proved nothing"

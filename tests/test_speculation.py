@@ -5,8 +5,10 @@ The planner's arithmetic is checked on its own (pure functions: what llama.cpp's
 pays on a cost curve like this machine's). The promise is checked on real runners: with the batch-invariant build,
 requests built to draft a lot (copying a passage, a code edit with its ``prediction``, JSON that repeats the prompt,
 a stop string and ``max_tokens`` met inside a draft, logprobs, a seeded draw at temperature 0.8), served together
-with speculation on, give token for token and logprob for logprob what each gives alone with it off, on both
-families; and the drafts were really kept (the test counts them, so it cannot pass by never drafting).
+with speculation on, give token for token and logprob for logprob what each gives alone with it off; and the drafts
+were really kept (the test counts them, so it cannot pass by never drafting). The default model suffices for that:
+drafting and rolling back are the same for both families wherever every position is kept (a deterministic engine
+keeps them all, ``swa_full``). What is Gemma's own, drafts rolled back on a sliding window's ring, has its own test.
 """
 
 from __future__ import annotations
@@ -218,24 +220,15 @@ SCHEMA = {
 }
 
 
-def workload(chat: bool) -> list[GenerateParams]:
+def workload() -> list[GenerateParams]:
     """Requests that draft: each copies something it was given (a passage, code, a JSON record)."""
-    if chat:
 
-        def ask(text: str, **more: object) -> GenerateParams:
-            return GenerateParams(messages=(ChatMessage("user", text),), **more)  # type: ignore[arg-type]
+    def ask(text: str, **more: object) -> GenerateParams:
+        return GenerateParams(messages=(ChatMessage("user", text),), **more)  # type: ignore[arg-type]
 
-        quote = "Repeat this passage word for word:\n\n" + PASSAGE
-        edit = f"Rename the function indent to add_prefix and return the whole code:\n\n```python\n{CODE}```"
-        record = "Return this JSON record exactly: " + json.dumps(RECORD)
-    else:
-
-        def ask(text: str, **more: object) -> GenerateParams:
-            return GenerateParams(prompt=text, **more)  # type: ignore[arg-type]
-
-        quote = f"Passage: {PASSAGE}\nThe same passage, copied exactly: "
-        edit = f"Code:\n{CODE}\nThe same code with indent renamed add_prefix:\n"
-        record = f"Record: {json.dumps(RECORD)}\nThe same record: "
+    quote = "Repeat this passage word for word:\n\n" + PASSAGE
+    edit = f"Rename the function indent to add_prefix and return the whole code:\n\n```python\n{CODE}```"
+    record = "Return this JSON record exactly: " + json.dumps(RECORD)
     # each as long as its case needs: drafts start after a few tokens of a copy (the passage's "clockwork" is ~35
     # tokens in), so a short answer still shows kept and rejected drafts
     return [
@@ -266,21 +259,16 @@ async def run(handle: TaskHandle) -> tuple[str, tuple[float, ...], Chunk]:
 @pytest.mark.model
 @pytest.mark.timeout(480)  # ~20-40 s alone; up to ~250 s beside the suite's runners on two cores
 @pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
-@pytest.mark.parametrize("family", ["smollm2", "gemma3-270m"])
-async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(family: str) -> None:
-    if family == "smollm2":
-        missing, path = model_missing(), None
-    else:
-        missing, path = gemma_missing(), str(gemma_path())
+async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts() -> None:
+    missing = model_missing()
     if missing is not None:
         pytest.skip(missing)
-    chat = family == "smollm2"
-    requests = workload(chat)
+    requests = workload()
     # two threads fixed: on one (the governor's answer to a loaded machine) drafts rarely pay and the test would
     # prove little about them
     common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2, "adaptive_threads": False}
-    plain = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 1})
-    drafting = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4, "speculation": True})
+    plain = EngineSpec(engine="llama.cpp", options={**common, "parallel": 1})
+    drafting = EngineSpec(engine="llama.cpp", options={**common, "parallel": 4, "speculation": True})
     with anyio.fail_after(460):
         async with Supervisor(plain) as sup:
             await sup.ready()
@@ -301,8 +289,8 @@ async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(fam
     for i, (text, logprobs, final) in enumerate(alone):
         runs = [("together", together[i])] + ([("alone", again[i])] if i in again else [])
         for label, (spec_text, spec_logprobs, spec_final) in runs:
-            assert spec_text == text, f"{family} request {i} ({label}) differs with speculation on"
-            assert spec_logprobs == logprobs, f"{family} request {i} ({label}): logprobs not bit-identical"
+            assert spec_text == text, f"request {i} ({label}) differs with speculation on"
+            assert spec_logprobs == logprobs, f"request {i} ({label}): logprobs not bit-identical"
             assert spec_final.completion_tokens == final.completion_tokens
             assert spec_final.finish_reason == final.finish_reason
             assert spec_final.draft_accepted <= spec_final.draft_tokens
@@ -320,6 +308,9 @@ async def test_speculation_changes_no_token_and_no_logprob_and_really_drafts(fam
     assert all(final.draft_tokens == 0 for _, _, final in alone)
 
 
+COPIED = 0.82  # of a copy, at least this share is the source's text (see below; a lost cell: ~0.3)
+
+
 @pytest.mark.cores
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_leftover_runners")
@@ -331,8 +322,9 @@ async def test_drafts_past_gemmas_window_keep_the_copy_whole_on_a_windowed_cache
     512-token window, two sequences drafting at once, are rolled back without losing a cell the next step attends
     to. A lost cell would show as a copy that goes wrong. The default build's texts may part from the plain ones
     (rows verified together are another batch shape), so each answer is held to how much of it is the source's
-    text in runs of 20+ characters: as much as without drafts (the model skips a line or repeats a comment either
-    way), over hundreds of characters past the window, a good share of its tokens from drafts."""
+    text in runs of 20+ characters: most of it (without drafts the model skips a line or repeats a comment: 90% and
+    96% here, with drafts the same), over hundreds of characters past the window, a good share of its tokens from
+    drafts."""
     missing = gemma_missing()
     if missing is not None:
         pytest.skip(missing)
@@ -344,23 +336,20 @@ async def test_drafts_past_gemmas_window_keep_the_copy_whole_on_a_windowed_cache
         blocks = difflib.SequenceMatcher(None, source, text, autojunk=False).get_matching_blocks()
         return sum(block.size for block in blocks if block.size >= 20) / max(len(text), 1)
 
-    answers: dict[bool, dict[int, tuple[str, tuple[float, ...], Chunk]]] = {}
+    answers: dict[int, tuple[str, tuple[float, ...], Chunk]] = {}
+    options = {"n_ctx": 2048, "parallel": 2, "n_threads": 2, "adaptive_threads": False, "speculation": True}
     with anyio.fail_after(380):
-        for drafting in (False, True):
-            options = {"n_ctx": 2048, "parallel": 2, "n_threads": 2, "adaptive_threads": False, "speculation": drafting}
-            async with Supervisor(EngineSpec(engine="llama.cpp", model=str(gemma_path()), options=options)) as sup:
-                await sup.ready()
-                answers[drafting] = {}
+        async with Supervisor(EngineSpec(engine="llama.cpp", model=str(gemma_path()), options=options)) as sup:
+            await sup.ready()
 
-                async def one(i: int, into: dict[int, tuple[str, tuple[float, ...], Chunk]]) -> None:
-                    into[i] = await run(await sup.generate(GenerateParams(prompt=prompts[i], max_tokens=192)))
+            async def one(i: int) -> None:
+                answers[i] = await run(await sup.generate(GenerateParams(prompt=prompts[i], max_tokens=192)))
 
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(prompts)):
-                        tg.start_soon(one, i, answers[drafting])
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
     for i in range(len(prompts)):
-        text, _, final = answers[True][i]
-        plain = copied(answers[False][i][0])
-        assert len(text) >= 400 and copied(text) >= 0.85 * plain, f"copy {i} strays from the source: {text!r}"
+        text, _, final = answers[i]
+        assert len(text) >= 400 and copied(text) >= COPIED, f"copy {i} strays from the source: {text!r}"
         assert final.prompt_tokens + final.completion_tokens > 512 + 100  # well past the window
         assert final.draft_accepted > final.completion_tokens // 4, final

@@ -37,7 +37,7 @@ PARALLEL = 8
 STREAMS = (1, 4, 8, 16)  # 16: 8 decoding, 8 waiting
 N_CTX = 512  # per sequence: the refused prompt is longer
 SOLO_TOKENS = 64  # the plan's longest max_tokens: a solo text covers every trial's
-REAL_TOKENS = 32  # the real engine's streams ask at most this many (two rounds of 8 on two cores: ~20 s)
+REAL_TOKENS = 32  # the real engine's streams ask at most this many (two rounds of 8 on two cores: ~20 s), its solos too
 REAL_REQUEST_BOUND = 60.0
 SAMPLING = {"temperature": 0.0, "seed": 11, "stream_options": {"include_usage": True}}
 PROMPTS = tuple(
@@ -103,7 +103,7 @@ def setup(engine: str, url: str, model: str | None = None) -> Setup:
     """Every trial's instance options and streams; solo texts come from the shared server's ``solo`` instance
     (the trials' options, no fault), which serves nothing else and is asked one prompt at a time. ``model``: the
     real engine's GGUF (None: its default)."""
-    solo = Solo(url, SOLO, SOLO_TOKENS, SAMPLING)
+    solo = Solo(url, SOLO, SOLO_TOKENS if engine == "debug" else REAL_TOKENS, SAMPLING)
     if engine == "debug":
         # 5 ms a step: a 64-token stream lasts 0.3 s, long enough that a cancel not heeded shows
         options = {**OPTIONS, "parallel": PARALLEL, "n_ctx": N_CTX, "token_seconds": 0.005}
