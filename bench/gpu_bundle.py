@@ -333,16 +333,21 @@ def pack(out: Path, model: Path) -> dict[str, Any]:
     return manifest
 
 
-def working_tree_size() -> int:
-    """Bytes of what the device tool sends besides carried paths: tracked files and untracked ones git does not
-    ignore."""
+def working_tree_files(root: Path = ROOT) -> list[str]:
+    """The files of the checkout a fresh clone of it would have, relative to ``root``: tracked ones and untracked ones
+    git does not ignore (what the device tool sends besides carried paths)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
+        cwd=root,
         capture_output=True,
         check=True,
     ).stdout.split(b"\0")
-    return sum(carry_size(ROOT / os.fsdecode(p)) for p in listed if p and (ROOT / os.fsdecode(p)).is_file())
+    return [name for name in map(os.fsdecode, listed) if name and (root / name).is_file()]
+
+
+def working_tree_size() -> int:
+    """Bytes of what the device tool sends besides carried paths."""
+    return sum(carry_size(ROOT / name) for name in working_tree_files())
 
 
 # --------------------------------------------------------------------------------------------------------------

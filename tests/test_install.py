@@ -20,9 +20,11 @@ import pytest
 from conftest import model_missing
 from tether.chaos.target import ServeChild
 
-pytestmark = pytest.mark.slow  # builds and installs: tens of seconds each
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_bundle import working_tree_files  # noqa: E402
+
+pytestmark = pytest.mark.slow  # builds and installs: tens of seconds each
 
 
 def run(argv: list[str | Path], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> str:
@@ -44,16 +46,9 @@ def fresh_source(into: Path) -> Path:
     """The checkout's files as a fresh clone has them (tracked, and untracked ones git does not ignore), copied to
     ``into``: setuptools builds in the tree's ``build/``, so two installs building the checkout itself at once broke
     each other, and an old ``build/lib`` put modules since deleted into the wheel."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    for name in filter(None, map(os.fsdecode, listed)):
-        if (ROOT / name).is_file():
-            (into / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, into / name)
+    for name in working_tree_files(ROOT):
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, into / name)
     return into
 
 
