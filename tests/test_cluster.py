@@ -289,7 +289,7 @@ def test_losing_a_node_fails_its_requests_with_the_cause_and_replaces_its_replic
     else:
         node = cluster.node(victim["node"])
         assert node is not None, victim
-        cluster.cluster.remove_node(node, allow_graceful=False)
+        cluster.remove(node)
     results = streams.join()
     failed = [(at, last) for at, _, last in results if isinstance(last, dict) and "error" in last]
     assert len(failed) == 1, results  # the victim's request failed; the survivor's finished
