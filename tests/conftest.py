@@ -61,9 +61,11 @@ FIXTURE_MARKERS = {
 # ports on purpose and then look at them, where any other test's starting worker would reap them
 # (``reap_at_start``): those carry ``@pytest.mark.serial`` themselves, or their module is listed here.
 SERIAL_MARKERS = frozenset({"cluster"})
-# What keeps both cores busy for many seconds (real-model decoding at two threads): ``make test`` runs these one at a
-# time on one worker (``--dist loadgroup``), while the other workers take the tests that wait on processes. Three
-# of them at once on two cores only made each one 3-4x slower (llama.cpp's threads spin for cores they cannot get).
+# What keeps a core busy for many seconds (real-model decoding): ``make test`` runs these one at a time on one worker
+# (``--dist loadgroup``), while the other workers take the tests that wait on processes. Three of them at once on two
+# cores only made each one 3-4x slower (llama.cpp's threads spin for cores they cannot get); for the same reason a
+# real-model test runs one thread unless its claim is about threads (beside two other workers a second thread spun
+# at llama.cpp's barriers: ~20 % more CPU for the same tokens).
 CORES_GROUP = "cores"
 SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui", "test_open_webui_shapes"})
 
@@ -422,12 +424,12 @@ def serving(
 
 @pytest.fixture(scope="session")
 def model_server() -> Iterator[Server]:
-    """`tether serve` on the default model (2 threads, n_ctx 2048), loaded once and shared by every test that only
+    """`tether serve` on the default model (1 thread, n_ctx 2048), loaded once and shared by every test that only
     asks it for generations (a test that changes a worker, or makes a claim about one, starts its own)."""
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    with serving("--threads", "2", "--n-ctx", "2048") as server:
+    with serving("--threads", "1", "--n-ctx", "2048") as server:
         yield server
 
 

@@ -234,7 +234,7 @@ def chat(i: int, max_tokens: int = 48, stop: tuple[str, ...] = ()) -> GeneratePa
 def llama(**options: object) -> EngineSpec:
     """The default model, ``deterministic``: without it a batch may (rarely) change a greedy text, as in llama-server
     (``tether.engines.llamacpp.invariant``); with it, nothing may, the prompt cache included."""
-    return EngineSpec(options={"n_threads": 2, "n_ctx": 512, "deterministic": True, **options})
+    return EngineSpec(options={"n_threads": 1, "n_ctx": 512, "deterministic": True, **options})
 
 
 @pytest.mark.model

@@ -187,7 +187,7 @@ def test_a_user_set_template_with_native_tools_gets_its_own_tool_format(served: 
     answered in that template's own tool format, as one written into the GGUF is (test_native_tools)."""
     from test_tool_formats import TEMPLATES, WEATHER
 
-    hermes = {"chat_template": str(TEMPLATES / "hermes.jinja"), "n_ctx": 2048, "parallel": 1, "n_threads": 2}
+    hermes = {"chat_template": str(TEMPLATES / "hermes.jinja"), "n_ctx": 2048, "parallel": 1, "n_threads": 1}
     served.add_instance({"id": "hermes-set", "model": str(default_model_path()), "options": hermes}, 60)
     ask = {"model": "hermes-set", "messages": CHAT[-1:], "tools": [WEATHER], "tool_choice": "required"}
     answer = served.http.post("/v1/chat/completions", json={**ask, "temperature": 0}, timeout=90)

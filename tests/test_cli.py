@@ -23,7 +23,7 @@ def test_default_model_answers_the_capital_of_france() -> None:
     if missing:
         pytest.skip(missing)
     out = subprocess.run(
-        [*TETHER, "run", "What is the capital of France?", "--max-tokens", "32", "--threads", "2"],
+        [*TETHER, "run", "What is the capital of France?", "--max-tokens", "32", "--threads", "1"],
         capture_output=True,
         text=True,
         timeout=150,

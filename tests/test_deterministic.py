@@ -166,7 +166,7 @@ async def test_every_greedy_text_and_logprob_is_the_requests_own_whatever_arrive
     requests = [(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(12)]
     cancelled_after = {i: rng.randint(1, 8) for i in rng.sample(range(len(requests)), 2)}  # chunks before cancel
     delays = sorted(rng.uniform(0.0, 2.0) for _ in requests)
-    common = {"deterministic": True, "n_ctx": 1024, "n_threads": 2}
+    common = {"deterministic": True, "n_ctx": 1024, "n_threads": 1}
     # 4 slots and a RAM store that holds two of the system prompts: copies from busy slots, restores, evictions
     traffic = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 4, "prompt_cache_ram": "20M"})
     alone = EngineSpec(engine="llama.cpp", model=path, options={**common, "parallel": 1, "prompt_cache": False})
@@ -233,7 +233,7 @@ async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read
     # sends the slot's sequence to RAM
     log = " ".join(f"Entry {i}: the ship {i % 7} came in at {i % 24} hours with {i * 3} crates." for i in range(48))
     other = " ".join(f"Note {i}: the {('north', 'south')[i % 2]} gate opened at {i % 12}." for i in range(4))
-    common = {"deterministic": True, "n_ctx": 4096, "n_threads": 2, "parallel": 1}
+    common = {"deterministic": True, "n_ctx": 4096, "n_threads": 1, "parallel": 1}
     cached_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache_ram": "256M"})
     cold_spec = EngineSpec(engine="llama.cpp", model=path, options={**common, "prompt_cache": False})
 

@@ -42,9 +42,9 @@ TIE = 0.25  # nats: two greedy runs may part where the top two are this close (s
 @pytest.fixture(scope="module")
 def served() -> Iterator[Server]:
     path = str(gemma_path())
-    args = ("--model", path, "--threads", "2", "--n-ctx", "2048", "--parallel", "2", "--prompt-cache-ram", "256M")
+    args = ("--model", path, "--threads", "1", "--n-ctx", "2048", "--parallel", "2", "--prompt-cache-ram", "256M")
     with serving(*args) as server:
-        common = {"n_ctx": 2048, "n_threads": 2}
+        common = {"n_ctx": 2048, "n_threads": 1}
         server.add_instance({"id": NO_RAM, "model": path, "options": {**common, "parallel": 2, "prompt_cache_ram": 0}})
         server.add_instance({"id": COLD, "model": path, "options": {**common, "parallel": 1, "prompt_cache": False}})
         yield server

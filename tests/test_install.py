@@ -99,7 +99,7 @@ def test_the_wheel_in_a_fresh_venv_outside_the_checkout_serves_a_gguf_and_answer
     tether = outside / "venv" / "bin" / "tether"
     pulled = run([tether, "pull"], outside, 120).strip()  # what the docs tell a wheel user to run
     assert pulled.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
-    serve_and_chat(tether, outside, None, "--model", pulled, "--threads", "2", "--n-ctx", "1024")
+    serve_and_chat(tether, outside, None, "--model", pulled, "--threads", "1", "--n-ctx", "1024")
 
 
 @pytest.mark.timeout(600)

@@ -40,7 +40,7 @@ def hermes_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hermes(hermes_gguf: Path) -> Iterator[Server]:
-    with serving("--model", str(hermes_gguf), "--name", "hermes", "--threads", "2", "--n-ctx", "2048") as server:
+    with serving("--model", str(hermes_gguf), "--name", "hermes", "--threads", "1", "--n-ctx", "2048") as server:
         yield server
 
 

@@ -42,7 +42,7 @@ def llama() -> Iterator[Server]:
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    with serving("--threads", "2", "--n-ctx", "512") as server:
+    with serving("--threads", "1", "--n-ctx", "512") as server:
         server.add_instance({"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 64}}, 90)
         yield server
 

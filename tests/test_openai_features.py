@@ -52,7 +52,7 @@ def server() -> Iterator[Server]:
     missing = model_missing()
     if missing:
         pytest.skip(missing)
-    with serving("--threads", "2", "--n-ctx", "1024", "--parallel", "4", "--name", MODEL) as server:
+    with serving("--threads", "1", "--n-ctx", "1024", "--parallel", "4", "--name", MODEL) as server:
         server.add_instance({"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 512}}, 90)
         yield server
 

@@ -1,7 +1,7 @@
 """The llama.cpp prompt cache with the real default model: prefixes reused from the slot's own cells, from a busy
 slot and from RAM, within the RAM budget, and never corrupted by a sequence that ended early.
 
-One engine in-process (two threads); each test starts from an empty cache (``clear``). The strict comparisons are
+One engine in-process (one thread); each test starts from an empty cache (``clear``). The strict comparisons are
 between paths that prefill in the same chunks (a copy or a restore is exact: bit-identical cells), so their texts
 must be equal; against a cold prefill (one chunk), a reused prefix may change a greedy text, as llama-server's
 ``cache_prompt`` may: those divergences are counted and bounded, not hidden.
@@ -54,7 +54,7 @@ def chat(question: str, max_tokens: int = 32) -> GenerateParams:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
     engine = create_engine(
-        EngineSpec(options={"n_ctx": 1024, "n_threads": 2, "parallel": 8, "prompt_cache_ram": "64M"})
+        EngineSpec(options={"n_ctx": 1024, "n_threads": 1, "parallel": 8, "prompt_cache_ram": "64M"})
     )
     engine.load(lambda f, d: None)
     engine.warmup()
@@ -176,7 +176,7 @@ def test_the_entry_chosen_for_a_restore_is_never_evicted_by_saving_the_slot_it_g
     one of the two. Saving evicted the least recently used entry, the very one about to be restored. Now the chosen
     entry stays, the slot's sequence is not saved (no room beside it), and the prefix is restored."""
     engine = create_engine(
-        EngineSpec(options={"n_ctx": 1024, "n_threads": 2, "parallel": 1, "prompt_cache_ram": "12M"})
+        EngineSpec(options={"n_ctx": 1024, "n_threads": 1, "parallel": 1, "prompt_cache_ram": "12M"})
     )
     engine.load(lambda f, d: None)
     try:

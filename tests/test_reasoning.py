@@ -100,7 +100,7 @@ def thinker_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def thinker(thinker_gguf: Path) -> Iterator[Server]:
-    with serving("--model", str(thinker_gguf), "--name", "thinker", "--threads", "2", "--n-ctx", "1024") as server:
+    with serving("--model", str(thinker_gguf), "--name", "thinker", "--threads", "1", "--n-ctx", "1024") as server:
         yield server
 
 

@@ -43,7 +43,7 @@ def thinkers() -> Iterator[Server]:
     if missing:
         pytest.skip(missing)
     template = str(TEMPLATES / "think-tools.jinja")
-    with serving("--threads", "2", "--n-ctx", "2048", "--chat-template", template, "--name", QWEN) as server:
+    with serving("--threads", "1", "--n-ctx", "2048", "--chat-template", template, "--name", QWEN) as server:
         for name, file in ((R1, "think.jinja"), (LLAMA3, "think-llama3.jinja")):
             options = {"chat_template": str(TEMPLATES / file), "n_ctx": 1024, "parallel": 2}
             server.add_instance({"id": name, "options": options}, 90)
