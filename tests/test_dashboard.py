@@ -479,6 +479,7 @@ def test_a_clusters_nodes_ranks_replicas_and_gpus_are_shown(page: Page) -> None:
         expect(debug.get_by_test_id("instance-replicas")).to_contain_text("node b2b2b2b2 lost")
         expect(page.get_by_test_id("cluster-events")).to_contain_text("no heartbeat for 3.1 s")
         assert page.evaluate("document.documentElement.scrollWidth <= innerWidth"), "wider than 1366 px"
+        page.unroute_all(behavior="wait")  # a poll's handler in flight finishes while the server still answers
 
 
 def test_an_instance_shows_the_drafts_kept_and_tokens_per_step_once_it_has_drafted(page: Page, tmp_path: Path) -> None:
@@ -509,3 +510,4 @@ def test_an_instance_shows_the_drafts_kept_and_tokens_per_step_once_it_has_draft
         expect(debug.get_by_test_id("instance-tokens-per-step")).to_have_text("2.50")
         assert page.evaluate("document.documentElement.scrollWidth <= innerWidth"), "wider than 1366 px"
         screenshot(page, "drafts", tmp_path)
+        page.unroute_all(behavior="wait")  # a poll's handler in flight finishes while the server still answers
