@@ -4,15 +4,15 @@ Two figures: the swap time (a request for a model that is not loaded and must ev
 wait for memory against Ollama's way of waiting for it; and what a loaded model's requests pay while another model
 loads beside it.
 
-Models: two copies of the default GGUF (``tether.models.default_model_path()``, SmolLM2-135M-Instruct), ``smol-a``
-and ``smol-b`` (``shutil.copy``: distinct files, so each has page cache of its own), served by ``tether serve``
-from a catalog (``--catalog``) with the same llama.cpp options (``OPTIONS``: n_ctx 2048, n_threads 2, parallel 8,
-the engine's default), ``--keep-alive 10m`` (nothing unloads on a timer during the run). The worker starts with a
-model-free debug instance (``--engine debug --name boot``: ``tether serve`` always loads one model at start), which
-is unloaded (``DELETE /v1/instances/boot``) before anything is measured, so only the two copies compete for the
-memory. Without the default model (``DefaultModelMissing``), or with ``--engine debug``, the two are debug-engine
-models holding ``DEBUG_HOLD`` bytes of real anonymous memory each (``hold_bytes``, with a slow load:
-``DEBUG_OPTIONS``), and the JSON says ``"engine": "debug"``.
+Models: two copies of the default GGUF (``tether.models.default_model_path()``, SmolLM2-135M-Instruct), ``smol-a`` and
+``smol-b`` (``shutil.copy``: distinct files, so each has page cache of its own), served by ``tether serve`` from a
+catalog (``--catalog``) with the same llama.cpp options (``OPTIONS``: n_ctx 2048, n_threads 2 (``--quick``: 1), parallel
+8, the engine's default), ``--keep-alive 10m`` (nothing unloads on a timer during the run). The worker starts with a
+model-free debug instance (``--engine debug --name boot``: ``tether serve`` always loads one model at start), which is
+unloaded (``DELETE /v1/instances/boot``) before anything is measured, so only the two copies compete for the memory.
+Without the default model (``DefaultModelMissing``), or with ``--engine debug``, the two are debug-engine models holding
+``DEBUG_HOLD`` bytes of real anonymous memory each (``hold_bytes``, with a slow load: ``DEBUG_OPTIONS``), and the JSON
+says ``"engine": "debug"``.
 
 Each server is a child (``tether.chaos.target.ServeChild``) on a free port, one at a time (the machine may have two
 cores), with a private runtime and log directory; requests are ``POST /v1/chat/completions``, ``stream: true``,
@@ -112,6 +112,7 @@ LABELS = {"baseline": "baseline (--reclaim-poll 0.25)", "tether": "tether"}
 BASELINE_POLL = 0.25  # Ollama: after an unload, free memory is polled every 250 ms
 MODELS = ("smol-a", "smol-b")
 OPTIONS: dict[str, Any] = {"n_ctx": 2048, "n_threads": 2, "parallel": 8}
+QUICK_THREADS = 1  # --quick: each model on one core, as serve.py's quick run (the plumbing, not a figure)
 DEBUG_HOLD = 192 << 20
 DEBUG_OPTIONS: dict[str, Any] = {"hold_bytes": DEBUG_HOLD, "load_step_seconds": 0.1, "token_seconds": 0.01}
 SWAPS = 8
@@ -146,7 +147,7 @@ class Setup:
     catalog: Path
 
 
-def write_catalog(tmp: Path, engine: str = "auto") -> Setup:
+def write_catalog(tmp: Path, engine: str = "auto", quick: bool = False) -> Setup:
     """The two models (copies of the default GGUF, or debug models holding memory: ``engine`` "debug", or "auto"
     without the default model) in a catalog file in ``tmp``."""
     source: Path | None = None
@@ -164,7 +165,7 @@ def write_catalog(tmp: Path, engine: str = "auto") -> Setup:
             copy = tmp / "models" / f"{model_id}.gguf"
             shutil.copy(source, copy)
             lines.append(f'model = "models/{copy.name}"')
-            options = OPTIONS
+            options = {**OPTIONS, "n_threads": QUICK_THREADS} if quick else OPTIONS
         else:
             lines.append('engine = "debug"')
             options = DEBUG_OPTIONS
@@ -804,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.swaps < args.rounds or args.loads < 1:
         parser.error("--rounds and --loads must be at least 1, and --swaps at least --rounds")
     with tempfile.TemporaryDirectory(prefix="tether-bench-swap-") as tmp, private_tether_dirs("tether-bench-swap-"):
-        setup = write_catalog(Path(tmp), args.engine)
+        setup = write_catalog(Path(tmp), args.engine, args.quick)
         try:
             result = anyio.run(bench, args, setup)
         except (BenchFailed, AssertionError) as exc:
