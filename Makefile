@@ -108,6 +108,10 @@ check: lint
 # workers (most tests wait on processes), the real-model decoders (``cores``) one at a time on one of them while the
 # other two take the rest, then what runs alone (``serial``: Ray clusters, Open WebUI, and the tests that leave
 # orphans on purpose). Every run prints its slowest 10 tests and any over the 45 s bound.
+# The suite starts ~1,000 Python processes (workers, runners, the CLI, pytest's own): each reads the bytecode the
+# first one wrote instead of compiling tether and the rewritten tests again, also where the environment asks Python
+# not to write any (PYTHONDONTWRITEBYTECODE, set on this project's VMs: ~0.1 CPU-s a worker, ~3 s a pytest start).
+check test: export PYTHONDONTWRITEBYTECODE :=
 test: lint browser systemd openwebui
 	$(BIN)/python -m pytest -m "not serial" -n 3 --dist loadgroup
 	$(BIN)/python -m pytest -m serial
