@@ -515,12 +515,13 @@ BUILTIN_TOOLS = (
 )  # fmt: skip
 # A model's settings in Open WebUI (its admin's Workspace → Models), saved with the no-sign-in user's token.
 MODEL_SETTINGS = """async (model) => {
-    const r = await fetch('/api/v1/models/create', {method: 'POST', body: JSON.stringify({...model, params: {}}),
+    const r = await fetch('/api/v1/models/create', {method: 'POST', body: JSON.stringify({params: {}, ...model}),
         headers: {Authorization: 'Bearer ' + localStorage.token, 'Content-Type': 'application/json'}});
     return {status: r.status, body: await r.text()};
 }"""
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"
 SCREENSHOT = "open-webui-thinking.png"
+MAX_TOKENS = 400  # a reply's bound in the thinking model's settings: its thinking, a call and an answer take ~100
 
 
 def test_a_thinking_model_shows_its_thinking_and_a_tool_call_after_it_runs(
@@ -538,7 +539,12 @@ def test_a_thinking_model_shows_its_thinking_and_a_tool_call_after_it_runs(
     page.goto(stack.webui.url)
     page.wait_for_function("Boolean(localStorage.token)")
     only_time = {category: category == "time" for category in BUILTIN_TOOLS}
-    made = page.evaluate(MODEL_SETTINGS, {"id": THINKER, "name": THINKER, "meta": {"builtinTools": only_time}})
+    # and its Max Tokens: the tool's result carries the time to the second, so each run's greedy answer is another
+    # text, and one in a few (its prompt that second's) repeated the result until the context was full (7,573
+    # tokens, 160 s)
+    meta, params = {"builtinTools": only_time}, {"max_tokens": MAX_TOKENS}
+    settings = {"id": THINKER, "name": THINKER, "meta": meta, "params": params}
+    made = page.evaluate(MODEL_SETTINGS, settings)
     assert made["status"] == 200, made
     answer = chat(stack, page, THINKER, "What is the date today? Call a tool.")
     asked = [e for e in stack.recorder.of_model(THINKER) if e.body.get("tools")]  # the chat (not its title task)
