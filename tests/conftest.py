@@ -65,7 +65,7 @@ SERIAL_MARKERS = frozenset({"cluster"})
 # (``--dist loadgroup``), while the other workers take the tests that wait on processes. Three of them at once on two
 # cores only made each one 3-4x slower (llama.cpp's threads spin for cores they cannot get); for the same reason a
 # real-model test runs one thread unless its claim is about threads (beside two other workers a second thread spun
-# at llama.cpp's barriers: ~20 % more CPU for the same tokens).
+# at llama.cpp's barriers: about a quarter more CPU for the same tokens).
 CORES_GROUP = "cores"
 SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui", "test_open_webui_shapes"})
 

@@ -540,8 +540,8 @@ def test_a_thinking_model_shows_its_thinking_and_a_tool_call_after_it_runs(
     page.wait_for_function("Boolean(localStorage.token)")
     only_time = {category: category == "time" for category in BUILTIN_TOOLS}
     # and its Max Tokens: the tool's result carries the time to the second, so each run's greedy answer is another
-    # text, and one in a few (its prompt that second's) repeated the result until the context was full (7,573
-    # tokens, 160 s)
+    # text, and in one of four make test runs it repeated the result until the context was full (7,573 tokens,
+    # 160 s)
     meta, params = {"builtinTools": only_time}, {"max_tokens": MAX_TOKENS}
     settings = {"id": THINKER, "name": THINKER, "meta": meta, "params": params}
     made = page.evaluate(MODEL_SETTINGS, settings)
