@@ -102,7 +102,7 @@ import anyio
 import httpx
 
 from benchstats import PERCENTILE, BenchFailed, emit, fmt, ms, percentile, print_rows, private_tether_dirs
-from serve import PROMPTS, SYSTEM, Request, read_stream
+from serve import PROMPTS, QUICK_THREADS, SYSTEM, Request, read_stream
 from tether.chaos.target import ServeChild
 from tether.kernel.cgroups import MemoryCgroup
 from tether.models import DefaultModelMissing, default_model_path
@@ -112,7 +112,6 @@ LABELS = {"baseline": "baseline (--reclaim-poll 0.25)", "tether": "tether"}
 BASELINE_POLL = 0.25  # Ollama: after an unload, free memory is polled every 250 ms
 MODELS = ("smol-a", "smol-b")
 OPTIONS: dict[str, Any] = {"n_ctx": 2048, "n_threads": 2, "parallel": 8}
-QUICK_THREADS = 1  # --quick: each model on one core, as serve.py's quick run (the plumbing, not a figure)
 DEBUG_HOLD = 192 << 20
 DEBUG_OPTIONS: dict[str, Any] = {"hold_bytes": DEBUG_HOLD, "load_step_seconds": 0.1, "token_seconds": 0.01}
 SWAPS = 8
