@@ -293,3 +293,19 @@ def test_no_call_slips_through_as_text_behind_leading_whitespace(vocab: Any) -> 
     assert grammar_takes(vocab, grammar, ROOT, "") and grammar_takes(vocab, grammar, ROOT, "\n")
     assert not grammar_takes(vocab, owed, ROOT, "") and not grammar_takes(vocab, owed, ROOT, "\n\n")
     assert grammar_takes(vocab, owed, ROOT, "\n\nIt is sunny.") and grammar_takes(vocab, owed, ROOT, f"\n{call}")
+
+
+@pytest.mark.model
+def test_a_generic_answer_in_text_says_something(vocab: Any) -> None:
+    """The generic format's text branch is a non-empty string: sampled with Open WebUI's 36 tools, the 135M model
+    wrote ``{"response": ""}`` about once in 50 turns, a message with nothing in it (3 of 150 seeds); calls still
+    pass, and an agent loop's forced text answer holds the same bound."""
+    from tether.engines.llamacpp.engine import schema_grammar
+
+    auto = toolkit.ToolPlan((toolkit.Tool("add", "adds", ADD["function"]["parameters"]),), "auto")
+    for plan in (auto, toolkit.ToolPlan(auto.tools, toolkit.ANSWER)):
+        grammar = schema_grammar(json.dumps(plan.schema()))
+        assert grammar_takes(vocab, grammar, "root", '{"response": "Hi."}')
+        assert not grammar_takes(vocab, grammar, "root", '{"response": ""}')
+    grammar = schema_grammar(json.dumps(auto.schema()))
+    assert grammar_takes(vocab, grammar, "root", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}')

@@ -410,7 +410,7 @@ def test_an_agent_loop_that_repeats_a_call_or_goes_round_too_often_must_answer_i
     assert settled is not None and settled.choice == toolkit.ANSWER
     assert settled.schema() == {
         "type": "object",
-        "properties": {"response": {"type": "string"}},
+        "properties": {"response": {"type": "string", "minLength": 1}},
         "required": ["response"],
     }
     assert '"add"' in settled.system_prompt() and "answer directly" in settled.system_prompt()
