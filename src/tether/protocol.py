@@ -207,6 +207,18 @@ class ToolSyntax(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return call_lead(self.open, self.before)
 
 
+class Resume(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a generation stood when its runner died, as the worker recorded it from the chunks it received: the
+    token ids it produced, in order (every one a client was sent), and how many values its seeded draw had drawn.
+    A runner given it continues the generation from the next token: it restores the prompt and these ids in its
+    cells, replays them through what they changed (penalties, grammar, stop strings, thinking, the draw's state),
+    and sends only what follows. Set by the worker alone, never by a client."""
+
+    ids: tuple[int, ...]
+    draws: int = 0
+    seed: int | None = None  # the seed the first runner drew for an unseeded request (``Chunk.seed``)
+
+
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # a token count every engine (and the msgpack wire) can carry
 TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's
 SEED_RANGE = (-(1 << 63), 1 << 64)  # [low, high): a 64-bit integer, signed or not (msgpack carries either)
@@ -269,6 +281,7 @@ class GenerateParams(msgspec.Struct, tag="generate", frozen=True, forbid_unknown
     template_kwargs: str | None = None  # JSON text of an object: more variables for the chat template (a chat's)
     prediction: str | None = None  # the predicted text of the answer, to draft from (Predicted Outputs; see above)
     faults: tuple[Fault, ...] = ()  # per-request faults (debug engine)
+    resume: Resume | None = None  # the worker's: continue a generation whose runner died (``Resume``)
 
     def check(self) -> InvalidField | None:
         """What is wrong with these parameters (naming the field), or None: the input's shape, then the sampling."""
@@ -625,6 +638,10 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     prediction_accepted: int = 0  # of draft_accepted, those drawn from the request's ``prediction``
     prediction_rejected: int = 0  # tokens drafted from ``prediction`` and not kept
     decode_steps: int = 0  # engine steps that produced this request's completion tokens
+    ids: tuple[int, ...] = ()  # the token ids this delta covers, from an engine that can resume (``Resume``)
+    draws: int = 0  # values the request's seeded draw has drawn so far (with ``ids``: what a resume restores)
+    seed: int | None = None  # the seed its draw uses (one the engine drew, for an unseeded request), with ``ids``
+    resumed: int = 0  # times the worker resumed this generation on a new runner (set by the worker, final chunk)
 
     @property
     def is_progress(self) -> bool:

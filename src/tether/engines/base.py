@@ -8,7 +8,8 @@ a batch of one that declines every ``Work`` but a generation. ``RequestError`` f
 the runner; ``EngineLoadError`` says a restart would not help. Optional class attributes: ``options``,
 ``estimate_memory(spec)`` (a ``MemoryEstimate`` for the fit check), ``sizing`` (a ``Sizable``: numbers for options
 left to the memory), ``distributed`` (it runs as ``ranks: N``: rank 0 steps every rank, the others ``follow()``, a
-broken peer raises ``PeerLost``) and ``splits_model`` (each rank estimates its share). docs/engines.md, docs/ranks.md.
+broken peer raises ``PeerLost``), ``splits_model`` (each rank estimates its share) and ``resumes`` (its deltas carry
+their token ids and it continues a generation from a ``Resume``: docs/resume.md). docs/engines.md, docs/ranks.md.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Delta(msgspec.Struct, frozen=True):
     prediction_accepted: int = 0  # of draft_accepted, those drawn from the request's ``prediction``
     prediction_rejected: int = 0  # tokens drafted from ``prediction`` and not kept
     decode_steps: int = 0  # engine steps that produced this request's completion tokens
+    ids: tuple[int, ...] = ()  # the token ids this delta covers: an engine that resumes (``resumes``) sends them
+    draws: int = 0  # values the sequence's seeded draw has drawn so far, after this delta's tokens
+    seed: int | None = None  # the seed of that draw (with ``ids``)
 
 
 class RequestError(TetherError):
@@ -138,6 +142,8 @@ class Serial:
     def start(self, seq_id: str, params: Work) -> None:
         if not isinstance(params, GenerateParams):
             raise RequestError(declined(self.name, params))
+        if params.resume is not None and params.resume.ids:  # (one with no token yet is the request afresh)
+            raise RequestError(f"the {self.name} engine cannot resume a generation (it declares no ``resumes``)")
         if self._seq is not None:
             raise RuntimeError(f"{self.name} serves one sequence at a time; {self._seq[0]!r} is running")
         self._dropped = False

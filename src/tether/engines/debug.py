@@ -6,7 +6,11 @@ warmup, generate and idle phases; generate faults apply to every request) and fr
 performed for real (``tether.runner.faults``). The engine says about the rest of a request only what a
 deterministic engine honestly can (``DebugEngine._start``), and declares a memory estimate (the interpreter plus
 ``hold_bytes``) so the fit check and the scheduler see a debug model as they see a real one. With ``spec.rank`` its
-ranks form a ring (``ring``), for rehearsing multi-rank instances. Its options: ``DebugEngine.options``.
+ranks form a ring (``ring``), for rehearsing multi-rank instances. It resumes (``resumes``): each token's delta
+carries its id (the word's first index in ``VOCAB``), and a generation started with ``params.resume`` replays the
+words it had produced and continues with exactly what the uninterrupted one would have sent (``DebugEngine._start``).
+The ``poison`` option makes every request whose prompt holds a marker fire a fault, on every runner it is resumed
+on. Its options: ``DebugEngine.options``; an option it does not know is refused.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -43,6 +47,7 @@ from tether.protocol import (
     EmbedParams,
     EngineSpec,
     Fault,
+    FaultKind,
     GenerateParams,
     TokenizerWork,
     TokenLogprob,
@@ -62,6 +67,9 @@ VOCAB = tuple(
 )
 
 
+WORD_IDS = MappingProxyType({word: VOCAB.index(word) for word in VOCAB})  # a word's id: its first index ("a" is twice)
+POISON_KEYS = ("marker", "fault", "after_tokens")
+FAULT_KINDS = get_args(FaultKind)
 HELPER_KINDS = ("exec", "fork", "setsid", "setpgid", "double_fork")
 _NEEDS_ENGINE_CODE = frozenset({"raise", "memory_error", "hang", "slow", "request_error"})  # inside an engine call
 MAX_PARALLEL = 256
@@ -88,6 +96,7 @@ class _DebugSequence:
     ringed: bool = True  # its tokens go round the ring (not the warm-up generation's: the warm-up frame did that)
     echo: str | None = None  # ``echo``: the prompt, to lead the first delta (None once sent)
     echoed: tuple[TokenLogprob, ...] = ()  # ``echo`` with logprobs: the prompt's words' entries
+    resumed: bool = False  # a resume (``params.resume``): the instance's generate faults pass it by
 
 
 class RingToken(msgspec.Struct, frozen=True, array_like=True):
@@ -98,6 +107,7 @@ class RingToken(msgspec.Struct, frozen=True, array_like=True):
     index: int
     piece: str
     faults: tuple[Fault, ...] = ()
+    resumed: bool = False  # its sequence is a resume: the instance's faults do not strike it (``start``)
 
 
 class RingFrame(msgspec.Struct, frozen=True, array_like=True):
@@ -148,9 +158,14 @@ class DebugEngine:
             "hold_bytes": 0,
             "close_seconds": 0.0,  # delay in close(): a runner slow to shut down, so an unload can be raced
             "ring_timeout": 30.0,  # ring mode: how long forming the ring, and one step's round trip, may take
+            # {"marker": TEXT, "fault": KIND, "after_tokens": N}: a request whose prompt holds TEXT fires fault KIND
+            # (generate phase, rank 0) once it has N tokens, resumed ones included (so again on every runner it is
+            # resumed on); an embedding request at its one step
+            "poison": None,
         }
     )
     distributed = True  # ranks of a multi-rank instance form a ring (see the class docstring)
+    resumes = True  # deltas carry their token ids; ``params.resume`` continues a generation (``_start``)
 
     @staticmethod
     def estimate_memory(spec: EngineSpec) -> Estimate:
@@ -164,6 +179,12 @@ class DebugEngine:
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         options = spec.options
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise EngineLoadError(
+                f"unknown debug engine option(s) {', '.join(unknown)}: valid options are {', '.join(self.options)}"
+            )
+        self.poison = _poison(options.get("poison"))
         try:
             self.load_steps = max(1, int(options.get("load_steps", 5)))
             self.load_step_seconds = max(0.0, float(options.get("load_step_seconds", 0.001)))
@@ -284,7 +305,13 @@ class DebugEngine:
         carried = tuple(
             f for f in params.faults if f.rank != self.rank and f.phase == "generate" and f.kind != "request_error"
         )
-        self._start(seq_id, params, self._faults + self._mine(params.faults), carried=carried)
+        # The instance's faults rehearse a crash that strikes a request once: not its resume (``params.resume``). The
+        # request's own faults, and a poison, strike every runner it is resumed on.
+        resumed = isinstance(params, GenerateParams) and params.resume is not None
+        own = tuple(f for f in self._faults if f.phase != "generate") if resumed else self._faults
+        self._start(seq_id, params, own + self._mine(params.faults) + self._poisoned(params), carried=carried)
+        if resumed:
+            self._seqs[seq_id].resumed = True
 
     def step(self) -> list[StepResult]:
         """One token for every sequence: each one's faults fire first (a ``request_error`` ends that sequence
@@ -304,7 +331,7 @@ class DebugEngine:
             delta, piece = self._advance(seq_id, seq)
             results.append((seq_id, delta))
             if delta.tokens and seq.ringed:
-                tokens.append(RingToken(seq_id, seq.done - 1, piece, seq.carried))
+                tokens.append(RingToken(seq_id, seq.done - 1, piece, seq.carried, seq.resumed))
         if tokens and self._ring is not None and self.rank == 0:
             self._steps += 1
             self._round(RingFrame("step", self._steps, tuple(tokens)), f"during step {self._steps}")
@@ -327,7 +354,8 @@ class DebugEngine:
                     ring.wait_closed()
                     return
                 for token in frame.tokens:
-                    mine = self._follow_faults + tuple(f for f in self._mine(token.faults) if f.kind != "request_error")
+                    spec = () if token.resumed else self._follow_faults
+                    mine = spec + tuple(f for f in self._mine(token.faults) if f.kind != "request_error")
                     fire(mine, "generate", token.index)
                 ring.send(frame, f"during step {frame.step}" if frame.kind == "step" else "with the warm-up frame")
                 last = frame.step
@@ -374,6 +402,17 @@ class DebugEngine:
         """The faults this rank fires: those for every rank (``rank`` None) and those for this one."""
         return tuple(f for f in faults if f.rank is None or f.rank == self.rank)
 
+    def _poisoned(self, params: GenerateParams | EmbedParams) -> tuple[Fault, ...]:
+        """The ``poison`` fault of a request whose prompt holds the marker (else nothing): it fires at the first step
+        with ``after_tokens`` tokens or more, counting the ones a resume brings, so a poison request resumed past it
+        fires at once on the new runner; an embedding's at its one step."""
+        if self.poison is None or self.poison.marker not in prompt_text(params):
+            return ()
+        after = 0
+        if isinstance(params, GenerateParams):
+            after = max(self.poison.after_tokens, len(params.resume.ids) if params.resume is not None else 0)
+        return (Fault(kind=self.poison.fault, phase="generate", after_tokens=after),)
+
     def _round(self, frame: RingFrame, detail: str) -> None:
         """Rank 0: send ``frame`` round the ring and wait (bounded by ``ring_timeout``) until it is back."""
         assert self._ring is not None
@@ -406,7 +445,12 @@ class DebugEngine:
         * ``json_schema``, tools, ``prompt_ids`` and tokenizer requests: refused (``RequestError``, by ``start``):
           words follow no schema and have no ids;
         * ``prediction``: accepted, never drafted from (its draft counts stay 0); the other sampling parameters are
-          checked and change nothing: the text depends on the prompt and ``seed`` alone."""
+          checked and change nothing: the text depends on the prompt and ``seed`` alone;
+        * ``resume``: the word stream is replayed through the ids sent before the death (each must be the id this
+          runner draws, and none may end the generation: else ``RequestError``), their pieces fed silently to the
+          stop strings, so what follows is exactly what the uninterrupted generation sent after them; the echo (gone
+          with the first delta) is not sent again, ``max_tokens`` still counts every token and ``completion_tokens``
+          too. ``resume.draws`` and ``resume.seed`` are not used: the stream depends on the prompt and ``seed``."""
         self._require_loaded()
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already running")
@@ -434,7 +478,7 @@ class DebugEngine:
             words = text.split()  # the first has no logprob (nothing precedes it), the others are certain
             first = tuple(TokenLogprob(w, math.nan, w.encode()) for w in words[:1])
             echoed = first + tuple(certain(w, params.logprobs) for w in words[1:])
-        self._seqs[seq_id] = _DebugSequence(
+        seq = _DebugSequence(
             token_stream(text, params.seed),
             TextStream(params.stop),
             faults,
@@ -446,6 +490,9 @@ class DebugEngine:
             echo=text if params.echo else None,
             echoed=echoed,
         )
+        if params.resume is not None:
+            _replay(seq, params.resume.ids)
+        self._seqs[seq_id] = seq
 
     def _advance(self, seq_id: str, seq: _DebugSequence) -> tuple[Delta, str]:
         """The sequence's next delta, and the token's text piece (before stop handling; "" for an embedding)."""
@@ -459,7 +506,8 @@ class DebugEngine:
             return Delta(lead, 0, "length", seq.prompt_tokens, 0, logprobs=lead_logprobs), ""
         word = next(seq.words)
         seq.done += 1
-        piece = " " + word if seq.done > 1 or lead else word  # words follow an echoed prompt after a space too
+        piece = _piece(word, seq.done, lead)
+        ids = (WORD_IDS[word],)
         logprobs = lead_logprobs + (() if seq.logprobs is None else (certain(piece, seq.logprobs),))
         text, stopped = seq.text.feed(piece)
         text = lead + text
@@ -474,10 +522,90 @@ class DebugEngine:
                 seq.prompt_tokens,
                 seq.done,
                 logprobs=logprobs,
-                decode_steps=seq.done,  # one token a step
+                decode_steps=seq.done,  # one token a step (a resumed one's count the first runner's steps too)
+                ids=ids,
             )
             return final, piece
-        return Delta(text, 1, logprobs=logprobs), piece
+        return Delta(text, 1, logprobs=logprobs, ids=ids), piece
+
+
+def _piece(word: str, n: int, lead: str | None) -> str:
+    """The text piece of a sequence's ``n``-th token (from 1): words follow one another, and an echoed prompt
+    (``lead``, sent with the first token), after a space."""
+    return " " + word if n > 1 or lead else word
+
+
+def _replay(seq: _DebugSequence, ids: tuple[int, ...]) -> None:
+    """Bring a new sequence to where its generation stood after ``ids`` (``Resume.ids``): draw as many words, each
+    checked against the id sent, and feed their pieces to its stop strings (the text they return was delivered
+    already; a prefix of a stop string is held back again, as it was). ``RequestError`` where the words differ or
+    the ids already ended the generation."""
+    if ids and len(ids) >= seq.budget:
+        raise RequestError(
+            f"cannot resume: {len(ids)} tokens were sent and this generation ends at {seq.budget} (max_tokens, or "
+            "what n_ctx leaves of the context): a finished generation is not resumed"
+        )
+    for i, sent in enumerate(ids):
+        word = next(seq.words)
+        mine = WORD_IDS[word]
+        if mine != sent:
+            raise RequestError(
+                f"cannot resume: token {i} is {mine} ({word!r}) on this runner but {sent} was sent: the prompt, seed "
+                "or engine differ from the first runner's"
+            )
+        _, stopped = seq.text.feed(_piece(word, i + 1, seq.echo))
+        if stopped:
+            raise RequestError(
+                f"cannot resume: token {i} of the {len(ids)} sent ({word!r}) completes a stop string, so the "
+                "generation had ended there: a finished generation is not resumed"
+            )
+    seq.done = len(ids)
+    if ids:  # the echo went with the first delta
+        seq.echo, seq.echoed = None, ()
+
+
+@dataclass(frozen=True)
+class _Poison:
+    """The ``poison`` option, checked."""
+
+    marker: str
+    fault: FaultKind
+    after_tokens: int
+
+
+def _poison(value: Any) -> _Poison | None:
+    """The ``poison`` option checked (``EngineLoadError`` says what is wrong), or None when unset."""
+    if value is None:
+        return None
+    example = '{"marker": "POISON", "fault": "segv", "after_tokens": 2}'
+    if not isinstance(value, Mapping):
+        raise EngineLoadError(f"invalid debug engine option poison: must be an object like {example}, got {value!r}")
+    missing = [key for key in POISON_KEYS if key not in value]
+    unknown = sorted(str(key) for key in value if key not in POISON_KEYS)
+    if missing or unknown:
+        problems = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unknown key(s) {', '.join(unknown)}"] if unknown else []
+        )
+        raise EngineLoadError(
+            f"invalid debug engine option poison: {'; '.join(problems)}: it takes exactly marker, fault and "
+            f"after_tokens, like {example}"
+        )
+    marker, fault, after = value["marker"], value["fault"], value["after_tokens"]
+    if not isinstance(marker, str) or not marker:
+        raise EngineLoadError(
+            f"invalid debug engine option poison: marker must be a non-empty string (text a prompt holds), got "
+            f"{marker!r}"
+        )
+    if fault not in FAULT_KINDS:
+        raise EngineLoadError(
+            f"invalid debug engine option poison: fault must be one of {', '.join(FAULT_KINDS)}, got {fault!r}"
+        )
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise EngineLoadError(
+            f"invalid debug engine option poison: after_tokens must be an integer >= 0 (the tokens produced before "
+            f"it fires), got {after!r}"
+        )
+    return _Poison(marker, fault, after)
 
 
 def _rank_problem(spec: EngineSpec) -> str | None:

@@ -389,6 +389,9 @@ class Runner:
                         prefilled=result.prefilled,
                         tokenized=result.tokenized,
                         reasoning=result.reasoning,
+                        ids=result.ids,
+                        draws=result.draws,
+                        seed=result.seed,
                     )
                 )
                 if result.finish_reason is not None:

@@ -137,6 +137,14 @@ class _BatchSequence:
     thought: Thought | None = None  # while its thinking block is open: the grammar waits (see ``Thought``)
     thought_tail: bytes = b""  # the thinking's last bytes, where the closing tag may have begun
     forced: list[int] = field(default_factory=list)  # the closing tag's tokens still to write for it
+    resumed: int = 0  # completion tokens an earlier runner produced (``Resume``): the tail of ``prompt``
+    seed: int = 0  # its draw's seed
+    draws: int = 0  # values its chain has drawn (each apply of the chain draws once where it ends in a seeded draw)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's own prompt, without the completion tokens a resume put after it."""
+        return len(self.prompt) - self.resumed
 
     @property
     def decoding(self) -> bool:
@@ -279,7 +287,9 @@ class Batch:
         sampling: Sampling,
         echo: str | None = None,
         prediction: Sequence[int] | None = None,
-    ) -> None:
+        resumed: Sequence[int] = (),
+        draws: int = 0,
+    ) -> str:
         """Place a sequence in the free slot that shares the longest prefix with ``prompt`` (its first token comes
         with a later step). The caller has checked the prompt fits the context. ``RequestError`` (nothing started)
         when llama.cpp cannot build its sampler (a grammar it cannot parse).
@@ -291,21 +301,29 @@ class Batch:
         logits); an end-of-generation token then gets an entry too (vLLM's way: lm-eval drops an echo's last entry
         as the generated one). ``max_tokens`` 0 (with ``echo`` only) ends the sequence once its prompt is in,
         generating nothing (lm-eval's loglikelihood). ``prediction``: the tokens the answer is
-        expected to repeat (OpenAI's Predicted Outputs), the first source of its drafts when speculation is on."""
+        expected to repeat (OpenAI's Predicted Outputs), the first source of its drafts when speculation is on.
+
+        ``resumed``: the completion tokens a runner that died produced for this request, and ``draws`` the values its
+        draw had drawn (``Resume``). They follow the prompt into the cells (prefilled as prompt, or found in the
+        cache), and are replayed through everything they changed (``_replay``): the sequence goes on from the next
+        token as the uninterrupted one would have. Returns the text the replay wrote (already sent: the caller's
+        thinking splitter needs it), "" without ``resumed``."""
         if self.embedding:
             raise RuntimeError("this batch computes embeddings: use start_embedding")
         if max_tokens < (0 if echo is not None else 1) or not prompt:
             raise RuntimeError(f"a sequence needs a prompt and max_tokens >= 1 (0 with echo), got {max_tokens}")
-        slot = self._free_slot(seq_id, prompt)
+        whole = [*prompt, *resumed]
+        slot = self._free_slot(seq_id, whole)
         sampler, grammar = self._sampler(sampling, prompt)
+        echo = None if resumed else echo  # the first delta, which it leads, was sent
         echoed: list[TokenLogprob] | None = None
         if echo is not None and sampling.logprobs is not None:  # the first token: nothing precedes it, no logprob
             first = self._token_piece(prompt[0], special=True)
             echoed = [TokenLogprob(first.decode("utf-8", errors="replace"), math.nan, first)]
-        self._seqs[seq_id] = _BatchSequence(
+        seq = _BatchSequence(
             seq_id,
             slot,
-            list(prompt),
+            whole,
             0,
             max_tokens,
             TextStream(stops),
@@ -321,7 +339,75 @@ class Batch:
             eog_entry=echoed is not None,
             drafter=Drafter.start(prompt, prediction) if self.speculation else None,
             thought=sampling.thought if grammar is not None else None,
+            resumed=len(resumed),
+            seed=sampling.seed,
         )
+        try:
+            replayed = self._replay(seq, resumed, draws) if resumed else ""
+        except BaseException:
+            lib = self.lib
+            lib.llama_sampler_free(sampler)
+            if grammar is not None:
+                lib.llama_sampler_free(grammar)
+            raise
+        self._seqs[seq_id] = seq
+        return replayed
+
+    def _replay(self, seq: _BatchSequence, resumed: Sequence[int], draws: int) -> str:
+        """Bring a resumed sequence's state to where its earlier runner left it: each token is accepted by what
+        accepts it there (the chain's penalties; the grammar once the thinking is closed), its piece goes through
+        the stop strings and the thinking's tag as ``_sample`` sends it, the draw advances by the values drawn, and
+        a closing tag being written for it goes on. ``RequestError`` where the tokens cannot be this request's."""
+        lib = self.lib
+        out: list[str] = []
+        for i, token in enumerate(resumed):
+            if not 0 <= token < self.n_vocab or lib.llama_vocab_is_eog(self.vocab, token):
+                raise RequestError(
+                    f"cannot resume: token {i} of the {len(resumed)} sent before the runner died is {token}, which "
+                    "this model cannot have generated there (no such token, or an end of generation)"
+                )
+            piece = self._token_piece(token, special=seq.special_pieces)
+            if seq.thought is not None:
+                lib.llama_sampler_accept(seq.sampler, token)
+            elif seq.grammar is not None and seq.output is not None:
+                if not self._allows(seq.grammar, token):
+                    raise RequestError(
+                        f"cannot resume: the grammar refuses token {i} ({token}) of the {len(resumed)} sent before "
+                        "the runner died"
+                    )
+                lib.llama_sampler_accept(seq.grammar, token)
+                lib.llama_sampler_accept(seq.sampler, token)
+            else:
+                lib.llama_sampler_accept(seq.sampler, token)
+            seq.completion += 1
+            text, stopped = seq.text.feed(piece)
+            if stopped:
+                raise RequestError(f"cannot resume: its output had already reached a stop string at token {i}")
+            if seq.thought is not None:
+                self._thinking_wrote(seq, piece)
+            elif seq.output is not None:
+                seq.output += piece
+            if seq.drafter is not None:
+                seq.drafter.observe(token)
+            out.append(text)
+        if seq.thought is not None:  # the closing tag's first tokens were being written for it: the rest follow
+            close = seq.thought.close
+            for j in range(min(len(close) - 1, len(resumed)), 0, -1):
+                if tuple(resumed[-j:]) == close[:j]:
+                    seq.forced = list(close[j:])
+                    break
+        self._advance(seq.sampler, draws)
+        seq.draws = draws
+        return "".join(out)
+
+    def _advance(self, chain: Any, draws: int) -> None:
+        """Apply ``chain`` to one candidate ``draws`` times: its seeded draw, if it has one, draws exactly once per
+        apply (llama.cpp keeps it so for a single candidate too), and nothing else in the chain keeps state."""
+        one, data = self._one, self._one_data
+        for _ in range(draws):
+            data.id, data.logit, data.p = 0, 0.0, 0.0
+            one.data, one.size, one.selected, one.sorted = ctypes.pointer(data), 1, -1, False
+            self.lib.llama_sampler_apply(chain, ctypes.byref(one))
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
         """Queue an embedding of ``prompt`` (at most ``n_ctx`` tokens: the caller has checked): a later step
@@ -346,8 +432,8 @@ class Batch:
         if seq.placed:  # its slot's cells hold exactly what it computed, a cancelled prefill's part included
             self.cache.register(seq.slot.index, seq.slot.cached)
         if seq.drafter is not None:  # its completion, for later requests' drafts
-            self.history.add(seq.drafter.context.tokens[len(seq.prompt) :])
-        return len(seq.prompt), seq.completion
+            self.history.add(seq.drafter.context.tokens[seq.prompt_tokens :])
+        return seq.prompt_tokens, seq.completion
 
     def cancel(self, seq_id: str) -> Delta:
         """End a sequence now: its final delta ("cancelled", its counts so far)."""
@@ -355,7 +441,9 @@ class Batch:
         if seq is None:
             return Delta("", 0, "cancelled")
         self.drop(seq_id)
-        return msgspec.structs.replace(Delta("", 0, "cancelled", len(seq.prompt), seq.completion), **_step_counts(seq))
+        return msgspec.structs.replace(
+            Delta("", 0, "cancelled", seq.prompt_tokens, seq.completion), **_step_counts(seq)
+        )
 
     def active(self) -> int:
         return len(self._seqs)
@@ -462,7 +550,7 @@ class Batch:
             elif seq.echo_only and seq.ready:  # its prompt is in: it ends, having generated nothing
                 self.drop(seq.seq_id)
                 echoed = tuple(seq.echoed or ())
-                prompt = len(seq.prompt)
+                prompt = seq.prompt_tokens
                 final = Delta(seq.echo or "", 0, "length", prompt, 0, logprobs=echoed, cached_tokens=seq.reused)
                 results.append((seq.seq_id, final))
         if self.speculation and rows:  # what this step's shape gave, with its drafts or without
@@ -702,6 +790,7 @@ class Batch:
                 text="".join(d.text for d in deltas),
                 tokens=sum(d.tokens for d in deltas),
                 logprobs=tuple(entry for d in deltas for entry in d.logprobs),
+                ids=tuple(token for d in deltas for token in d.ids),
             )
         if delta.finish_reason is not None:
             delta = msgspec.structs.replace(delta, **_step_counts(seq))
@@ -746,6 +835,7 @@ class Batch:
             token = held
         else:
             token = lib.llama_sampler_sample(seq.sampler, self.ctx, seq.row)
+            seq.draws += 1
         finish: FinishReason | None = None
         logprobs: tuple[TokenLogprob, ...] = ()
         if lib.llama_vocab_is_eog(self.vocab, token):
@@ -777,10 +867,23 @@ class Batch:
         if seq.echo is not None:  # the first delta: the prompt leads it
             text, logprobs, seq.echo = seq.echo + text, (*(seq.echoed or ()), *logprobs), None
             seq.echoed = None
+        ids = (token,) if tokens else ()
         if finish is None:
-            return Delta(text, tokens, logprobs=logprobs)
+            return Delta(text, tokens, logprobs=logprobs, ids=ids, draws=seq.draws, seed=seq.seed)
         seq.finished = True
-        return Delta(text, tokens, finish, len(seq.prompt), seq.completion, logprobs=logprobs, cached_tokens=seq.reused)
+        cached = min(seq.reused, seq.prompt_tokens)
+        return Delta(
+            text,
+            tokens,
+            finish,
+            seq.prompt_tokens,
+            seq.completion,
+            logprobs=logprobs,
+            cached_tokens=cached,
+            ids=ids,
+            draws=seq.draws,
+            seed=seq.seed,
+        )
 
     def _sample_thinking(self, seq: _BatchSequence) -> int:
         """A pick while the grammar waits for the thinking: the chain's, or the closing tag's next token where the
@@ -791,6 +894,7 @@ class Batch:
             token = seq.forced.pop(0)
         else:
             token, _ = self._apply(seq.sampler, self._logits(seq.row), None)
+            seq.draws += 1
             after = self._after_tag(seq, self._token_piece(token, special=True)) if token >= 0 else None
             closes_into_answer = after is not None and bool(after.strip())
             spent = seq.completion >= thought.budget
@@ -849,8 +953,10 @@ class Batch:
         token = self._allowed_argmax(seq.grammar, logits) if seq.plain_greedy else -1
         if token < 0:
             token, _ = self._apply(seq.sampler, logits, None)
+            seq.draws += 1
         if token < 0 or not self._allows(seq.grammar, token):  # mask every token by the grammar, then the chain again
             token, logit = self._apply(seq.sampler, logits, seq.grammar)
+            seq.draws += 1
             if token < 0 or not math.isfinite(logit):
                 return None
         lib.llama_sampler_accept(seq.grammar, token)

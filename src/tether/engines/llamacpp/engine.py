@@ -134,6 +134,7 @@ class LlamaCppEngine:
     options = MappingProxyType(OPTION_DEFAULTS)
     distributed = True  # ranks > 1 split the model's layers over the ranks (ggml RPC), see the module docstring
     splits_model = True  # each rank holds a share of the model, not a copy: the fit counts each rank's share
+    resumes = True  # deltas carry their token ids; a ``Resume`` goes on from the next token (``Batch._replay``)
     sizing = SIZING  # n_gpu_layers, n_ctx and the prompt cache's RAM store "auto": sized by the fit check per node
 
     @staticmethod
@@ -458,7 +459,15 @@ class LlamaCppEngine:
                 "it or raise n_ctx"
             )
         max_tokens = min(params.max_tokens, window - len(prompt_tokens)) if window < self.n_ctx else params.max_tokens
+        resume = params.resume
+        if resume is not None and len(prompt_tokens) + len(resume.ids) >= window:
+            raise RequestError(
+                f"cannot resume: the prompt ({len(prompt_tokens)} tokens) and the {len(resume.ids)} tokens generated "
+                f"before the runner died do not fit the context ({window}) with room for the next"
+            )
         seed = params.seed if params.seed is not None else self.seed
+        if seed is None and resume is not None:  # the draw the first runner made
+            seed = resume.seed
         if seed is None:  # a fresh draw: the same question asked again (a regenerate button) gets a new answer
             seed = random.getrandbits(32)
         sampling = Sampling(
@@ -481,10 +490,22 @@ class LlamaCppEngine:
         predicted = None
         if params.prediction:  # its tokens as the tokenizer splits the text alone (the output may split it otherwise)
             predicted = list(self._model.tokenize(params.prediction.encode("utf-8"), add_bos=False, special=False))
-        batch.start(seq_id, prompt_tokens, max_tokens, stop, sampling, echo=echo, prediction=predicted)
+        replayed = batch.start(
+            seq_id,
+            prompt_tokens,
+            max_tokens,
+            stop,
+            sampling,
+            echo=echo,
+            prediction=predicted,
+            resumed=resume.ids if resume is not None else (),
+            draws=resume.draws if resume is not None else 0,
+        )
         if self._reasoning is not None and params.messages is not None and (grammar is None or thought is not None):
             # a grammar from the first token (thinking off) holds the whole answer: there is no thinking to keep apart
-            self._splitters[seq_id] = Splitter(self._reasoning, inside=thought is not None or self._block == "open")
+            splitter = Splitter(self._reasoning, inside=thought is not None or self._block == "open")
+            splitter.feed(replayed)  # a resumed sequence's text so far, sent already: where the split stood
+            self._splitters[seq_id] = splitter
 
     def _think_first(self, prompt: list[int], fmt: ReasoningFormat, room: int) -> tuple[list[int], Thought]:
         """A structured answer from a model that thinks: the prompt with its thinking block open (opened here where
