@@ -26,7 +26,7 @@ from tether.fleet.scheduler import Scheduler
 from tether.fleet.scheduling import decisions as decisions_module
 from tether.node import instance as instance_module
 from tether.node import supervisor as supervisor_module
-from tether.node.instance import Backoff, RestartPolicy, remove_logs
+from tether.node.instance import Backoff, InstanceReady, RestartPolicy, remove_logs
 from tether.node.listeners import Listeners
 from tether.node.output import OutputCapture
 from tether.node.recent import Recent
@@ -52,6 +52,7 @@ class _Replica:
     def __init__(self) -> None:
         self.supervisor = SimpleNamespace(cancel=self._cancel)
         self.name = "fake"
+        self.state = InstanceReady(life=1, pid=1)
 
     async def _cancel(self, task_id: str) -> CancelReply:
         return CancelReply(task_id, "requested", "cancel sent")

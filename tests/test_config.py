@@ -61,6 +61,7 @@ SAMPLES: dict[str, tuple[list[str], str, str]] = {
     ),
     "force": (["--force"], "yes", "true"),
     "no_reap": (["--no-reap"], "on", "true"),
+    "no_resume": (["--no-resume"], "1", "true"),
     "models_dir": (["--models", "/srv/models"], "/srv/models", '"/srv/models"'),
     "catalog": (["--catalog", "/srv/catalog.toml"], "/srv/catalog.toml", '"/srv/catalog.toml"'),
     "keep_alive": (["--keep-alive", "10m"], "600", '"10m"'),

@@ -180,7 +180,7 @@ def test_a_runner_killed_mid_stream_appears_on_the_open_page_with_its_cause(page
     from playwright.sync_api import expect
 
     with debug_server() as server:
-        slow_instance(server, "slow", restart={"initial_backoff": 1.0})
+        slow_instance(server, "slow", restart={"initial_backoff": 1.0}, resume=False)  # the stream ends with the cause
         # A second instance whose runner crashes in native code: its failure carries a faulthandler stack.
         server.add_instance(
             {
@@ -188,6 +188,7 @@ def test_a_runner_killed_mid_stream_appears_on_the_open_page_with_its_cause(page
                 "engine": "debug",
                 "faults": [{"kind": "segv", "phase": "generate", "after_tokens": 3}],
                 "restart": {"initial_backoff": 3.0},
+                "resume": False,
             }
         )
         page.goto(server.url)

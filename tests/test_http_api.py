@@ -113,8 +113,11 @@ def _admin_debug_instance(server: Server, instance_id: str, **config: Any) -> di
 
 @pytest.mark.slow
 def test_a_runner_killed_mid_stream_ends_the_stream_with_its_cause_and_the_instance_recovers() -> None:
+    """With ``resume: false``, today's promise alone: the stream ends at once with the cause (docs/resume.md)."""
     with debug_server() as server:
-        _admin_debug_instance(server, "slow", options={"token_seconds": 0.01}, restart={"initial_backoff": 0.05})
+        _admin_debug_instance(
+            server, "slow", options={"token_seconds": 0.01}, restart={"initial_backoff": 0.05}, resume=False
+        )
         client = server.openai()
         pid = server.instance("slow")["runner"]["pid"]
         stream = client.chat.completions.create(

@@ -158,6 +158,7 @@ def test_a_runner_killed_mid_stream_reaches_the_client_as_a_response_error_with_
             "engine": "debug",
             "options": {"token_seconds": 0.01},
             "restart": {"initial_backoff": 0.05},
+            "resume": False,  # the error path; tests/test_resume.py resumes Ollama's streams
         }
         pid = server.add_instance(slow)["runner"]["pid"]
         parts = []

@@ -137,6 +137,7 @@ def test_an_engine_named_module_class_is_served_by_tether_serve_over_http(echo_m
                 "rejected_prediction_tokens": 0,
             },
             "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 0},  # it counts no steps
+            "resumed": 0,
         }
         instance = server.instance("echo")
         assert instance["engine"] == "echo_engine:EchoEngine"

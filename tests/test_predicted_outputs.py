@@ -66,6 +66,7 @@ CHAT_USAGE = {
         "rejected_prediction_tokens": 2,
     },
     "speculation": {"draft_tokens": 8, "accepted_tokens": 6, "decode_steps": 3},
+    "resumed": 0,
 }
 RESPONSES_USAGE = {
     "input_tokens": 5,
@@ -74,6 +75,7 @@ RESPONSES_USAGE = {
     "output_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 5, "rejected_prediction_tokens": 2},
     "total_tokens": 14,
     "speculation": {"draft_tokens": 8, "accepted_tokens": 6, "decode_steps": 3},
+    "resumed": 0,
 }
 BAD = [  # (prediction, the field the 400 names, words of its message)
     ({"type": "text", "content": "x"}, "prediction.type", 'must be "content"'),
@@ -235,8 +237,13 @@ def metric(server: Server, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_the_flag_reaches_the_instances_options(server: Server) -> None:
-    assert server.instance("debug")["options"] == {"speculation": True}
+def test_the_flag_reaches_the_options_of_an_engine_that_takes_it_and_no_other(server: Server) -> None:
+    from tether.cli.common import declared_only, engine_options
+    from tether.cli.parser import build_parser
+
+    args = build_parser().parse_args(["run", "--speculation", "--threads", "1", "a prompt"])
+    assert declared_only(engine_options(args), "llama.cpp") == {"speculation": True, "n_threads": 1}
+    assert server.instance("debug")["options"] == {}  # the debug engine drafts nothing: it has no such option
 
 
 def test_chat_and_completions_take_a_prediction_and_report_it_streamed_or_not(server: Server) -> None:
@@ -250,7 +257,10 @@ def test_chat_and_completions_take_a_prediction_and_report_it_streamed_or_not(se
         details = usage.completion_tokens_details
         assert details is not None and details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
         # the debug engine drafts nothing and steps once a token: the steps crossed the runner's pipe
-        assert usage.model_extra == {"speculation": {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 6}}
+        assert usage.model_extra == {
+            "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 6},
+            "resumed": 0,
+        }
     stream = client.chat.completions.create(
         model="debug",
         messages=CHAT["messages"],
@@ -262,7 +272,10 @@ def test_chat_and_completions_take_a_prediction_and_report_it_streamed_or_not(se
     last = list(stream)[-1]
     assert last.usage is not None and last.usage.completion_tokens_details is not None
     assert last.usage.completion_tokens_details.accepted_prediction_tokens == 0
-    assert last.usage.model_extra == {"speculation": {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 4}}
+    assert last.usage.model_extra == {
+        "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 4},
+        "resumed": 0,
+    }
     raw = server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "prediction": PREDICTION})
     assert raw.status_code == 200, raw.text
     assert raw.json()["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0

@@ -285,7 +285,9 @@ def test_an_orphaned_rank_makes_a_naive_restart_crash_loop_and_tether_never_leav
 @pytest.mark.slow
 def test_the_api_shows_each_rank_and_a_rank_killed_mid_stream_fails_the_stream_with_its_cause() -> None:
     with debug_server() as server:
-        server.add_instance({"id": "ring", "engine": "debug", "ranks": 2, "options": {"token_seconds": 0.02}})
+        server.add_instance(  # resume off: the stream ends with the cause (tests/test_resume.py resumes a ring's)
+            {"id": "ring", "engine": "debug", "ranks": 2, "options": {"token_seconds": 0.02}, "resume": False}
+        )
         ranks = ranks_of(server)
         assert [r["rank"] for r in ranks] == [0, 1] and all(r["alive"] for r in ranks)
         shown = subprocess.run(

@@ -191,8 +191,14 @@ def test_a_failure_before_the_first_token_is_an_http_error_even_when_streaming(s
 def test_a_runner_killed_mid_stream_ends_it_with_response_failed_and_an_error_the_client_raises(
     server: Server,
 ) -> None:
-    server.add_instance(
-        {"id": "slow", "engine": "debug", "options": {"token_seconds": 0.01}, "restart": {"initial_backoff": 0.05}}
+    server.add_instance(  # the error path (resume off); tests/test_resume.py resumes a Responses stream
+        {
+            "id": "slow",
+            "engine": "debug",
+            "options": {"token_seconds": 0.01},
+            "restart": {"initial_backoff": 0.05},
+            "resume": False,
+        }
     )
     try:
         pid = server.instance("slow")["runner"]["pid"]

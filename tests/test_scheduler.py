@@ -228,13 +228,14 @@ def test_eviction_under_a_real_memory_limit_frees_the_lru_idle_model_without_an_
 
 @pytest.mark.timeout(120)
 def test_a_crashed_runners_memory_is_reused_at_once(catalog: Path, limited: Path) -> None:
-    """``crashy`` dies at its first token and restarts only in a minute: its 350 MiB come back when it dies, and
-    ``b`` (estimated 406 MiB) loads at once, with nothing evicted and no wait for memory."""
+    """``crashy`` dies at its first token and restarts only in a minute (its request is not resumed, which would
+    restart it at once): its 350 MiB come back when it dies, and ``b`` (estimated 406 MiB) loads at once, with
+    nothing evicted and no wait for memory."""
     crash = [{"kind": "sigkill", "phase": "generate", "after_tokens": 0}]
     restart = {"initial_backoff": 60.0, "max_backoff": 60.0}
     write_catalog(
         catalog,
-        crashy={"options": {"hold_bytes": 350 * MiB}, "faults": crash, "restart": restart},
+        crashy={"options": {"hold_bytes": 350 * MiB}, "faults": crash, "restart": restart, "resume": False},
         b={"options": {"hold_bytes": 350 * MiB}},
     )
     with serving("--engine", "debug", "--catalog", str(catalog), cgroup=limited) as server:

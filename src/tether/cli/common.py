@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tether.engines import chat_templates, registry
+from tether.errors import TetherError
 from tether.node import orphans
 from tether.node.hangs import Deadlines
 from tether.units import format_bytes
@@ -85,6 +86,22 @@ def engine_options(args: RunnerFlags) -> dict[str, object]:
     if args.gpu_memory_limit is not None:
         options["gpu_memory_limit"] = args.gpu_memory_limit
     return options
+
+
+def declared_only(options: dict[str, object], engine: str) -> dict[str, object]:
+    """The flags' ``options`` that ``engine`` declares: one that is another engine's (the debug engine has no
+    ``--threads`` or ``--speculation``) is left out, said on stderr, rather than failing the load. An engine that
+    declares no options gets them all (its constructor decides)."""
+    try:
+        known = registry.resolve(engine).options
+    except TetherError:
+        return options  # an unknown engine: the instance's check names what is installed
+    if not known:
+        return options
+    dropped = sorted(set(options) - set(known))
+    if dropped:
+        print(f"tether: the {engine} engine has no option {', '.join(dropped)}: the flag is ignored", file=sys.stderr)
+    return {name: value for name, value in options.items() if name in known}
 
 
 def deadlines_from(args: RunnerFlags) -> Deadlines:

@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--name", help="the instance's id and model name (default: the GGUF's stem)")
     srv.add_argument("--restart", choices=("on-failure", "never"), help="restart policy")
+    srv.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="fail the requests a dying runner held, with its cause, instead of resuming them on its next life",
+    )
     srv.add_argument("--max-queue", type=int, help="generations waiting for a batch slot before 503 (default 16)")
     srv.add_argument("--max-body", type=parse_size, help="request body limit (default 4M)")
     srv.add_argument("--memory-limit", type=parse_size, help="memory limit of the runner's cgroup")

@@ -18,6 +18,7 @@ from tether.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     deadlines_from,
+    declared_only,
     engine_name,
     engine_options,
     fail,
@@ -52,7 +53,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _engine_spec(args: argparse.Namespace) -> EngineSpec:
-    options = engine_options(args)
+    options = declared_only(engine_options(args), engine_name(args))
     known = registry.resolve(engine_name(args)).options
     if "parallel" not in options and "parallel" in known:
         options["parallel"] = 1  # one prompt: one sequence's cache, not a server's batch of them

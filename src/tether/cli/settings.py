@@ -181,6 +181,7 @@ class ServeSettings(BaseSettings):
     gpu: str | None = None
     gpu_memory_limit: Size | None = None
     restart: Literal["on-failure", "never"] = "on-failure"
+    no_resume: bool = False
     max_queue: int = Field(16, ge=0)
     max_body: Size = units.parse_size("4M")
     memory_limit: Size | None = None

@@ -35,6 +35,7 @@ from tether.errors import (
     TetherError,
     UnknownEngine,
 )
+from tether.fleet.resume import Journal, Resumable, ResumePolicy, Resumes, policy_of
 from tether.kernel.ports import RankPorts
 from tether.models import DefaultModelMissing, default_model_path
 from tether.node import fit
@@ -54,7 +55,7 @@ from tether.node.ranks import MAX_RANKS, RankGroup, Site, check_ports
 from tether.node.recent import Recent
 from tether.node.settings import DEFAULT, SupervisorSettings
 from tether.node.supervisor import Supervisor
-from tether.node.tasks import CancelReply, RunnerUnavailable, TaskHandle
+from tether.node.tasks import CancelReply, RunnerUnavailable
 from tether.protocol import Cause, EngineSpec, Fault, Work, documented
 
 log = logging.getLogger("tether.fleet.fleet")
@@ -109,6 +110,10 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # among ranks on it adds none).
     ranks: Annotated[int, documented(minimum=1, maximum=MAX_RANKS)] | Literal["auto"] = 1
     ports: tuple[Annotated[int, documented(minimum=1024, maximum=65535)], ...] | None = None
+    # What happens to the requests a runner held when it dies: they resume on its next life or another replica
+    # (true, or a ``ResumePolicy``: how often, how long a request proven to kill its runner is refused); false fails
+    # them with the cause at once.
+    resume: bool | ResumePolicy = True
 
     def check(self) -> InvalidField | None:
         """What is wrong with this config (naming the field), or None. Resolves the engine through the registry
@@ -139,6 +144,9 @@ class InstanceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 1 <= self.replicas <= MAX_REPLICAS:
             return InvalidField("replicas", f"replicas must be in [1, {MAX_REPLICAS}], got {self.replicas}")
         problem = self._check_ranks(engine)
+        if problem is not None:
+            return problem
+        problem = policy_of(self.resume).check()
         if problem is not None:
             return problem
         if self.faults and engine != "debug":
@@ -250,8 +258,13 @@ class Hosted:
     serving: dict[Instance, int] = field(default_factory=dict)  # replica -> generations handed to it, not ended
     tokens_done: int = 0  # completion tokens of the generations that ended (``tokens`` adds those in flight)
     drafts: Drafts = field(default_factory=Drafts)  # speculative decoding, over the generations that ended
+    resumes: Resumes | None = None  # the requests its runners' deaths resumed, and the ones proven to cause them
     _stop: anyio.Event = field(default_factory=anyio.Event)
     _done: anyio.Event = field(default_factory=anyio.Event)
+
+    def __post_init__(self) -> None:
+        if self.resumes is None:  # (the fleet passes one answering its replicas' restart policies)
+            self.resumes = Resumes(self.id, policy_of(self.config.resume), DEFAULT.clock)
 
     @property
     def instance(self) -> Instance:
@@ -331,7 +344,7 @@ class Fleet:
         self.rank_ports = RankPorts()  # each multi-rank instance's ports, kept for all its lives
         self._auto_ports: dict[str, dict[int, tuple[int, ...]]] = {}  # a ranks "auto" instance's ports, by rank count
         self._hosted: dict[str, Hosted] = {}
-        self._requests: dict[str, tuple[Hosted, Instance]] = {}  # request id -> its instance and replica, in flight
+        self._requests: dict[str, tuple[Hosted, Resumable]] = {}  # request id -> its instance and handle, in flight
         self._recent: Recent[str] = Recent(RECENT_REQUESTS, RECENT_SECONDS)  # ended request id -> outcome
         self._cancelled: set[str] = set()  # requests in flight whose cancel was requested (a client gone, the route)
         self._tg: TaskGroup | None = None
@@ -429,7 +442,12 @@ class Fleet:
         ]
         if self.cluster is not None:
             self.cluster.join(replicas, config.spread)
-        hosted = Hosted(id=instance_id, config=config, replicas=replicas, parallel=registry.parallel(spec))
+        resumes = Resumes(instance_id, policy_of(config.resume), self.settings.clock)
+        for replica in replicas:
+            resumes.attach(replica)
+        hosted = Hosted(
+            id=instance_id, config=config, replicas=replicas, parallel=registry.parallel(spec), resumes=resumes
+        )
         self._hosted[instance_id] = hosted
         self.listeners(hosted)
         self._tg.start_soon(self._host, hosted)
@@ -510,8 +528,15 @@ class Fleet:
     # --- requests -------------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def generation(self, hosted: Hosted, params: Work, request_id: str) -> AsyncIterator[TaskHandle]:
-        """Admit a generation to ``hosted``'s queue and submit it; ``Unavailable`` says why not and when to retry."""
+    async def generation(self, hosted: Hosted, params: Work, request_id: str) -> AsyncIterator[Resumable]:
+        """Admit a generation to ``hosted``'s queue and submit it; ``Unavailable`` says why not and when to retry.
+        The handle resumes it where its runner dies under it (``tether.fleet.resume``)."""
+        resumes = hosted.resumes
+        assert resumes is not None
+        refusal = resumes.quarantine.refusal(params)
+        if refusal is not None:
+            left, why = refusal
+            raise Unavailable(f"{why} ({left:.0f} s left)", retry_after=left)
         replica = hosted.pick()
         if replica is None:
             inst = hosted.instance
@@ -528,12 +553,19 @@ class Fleet:
         hosted.in_flight += 1
         hosted.serving[replica] = hosted.serving.get(replica, 0) + 1
         outcome = "failed"
+        handle: Resumable | None = None
         try:
             try:
-                handle = await replica.generate(params, task_id=request_id)
+                inner = await replica.generate(params, task_id=request_id)
             except RunnerUnavailable as exc:
                 raise Unavailable(str(exc), retry_after=hosted.retry_after(), cause=exc.cause) from exc
-            self._requests[request_id] = (hosted, replica)
+
+            def moved(old: Instance, new: Instance) -> None:
+                hosted.serving[old] -= 1
+                hosted.serving[new] = hosted.serving.get(new, 0) + 1
+
+            handle = Resumable(Journal(request_id, params), inner, replica, hosted.pick, resumes, moved)
+            self._requests[request_id] = (hosted, handle)
             try:
                 yield handle
             finally:
@@ -546,15 +578,16 @@ class Fleet:
         finally:
             self._cancelled.discard(request_id)
             hosted.in_flight -= 1
-            hosted.serving[replica] -= 1
+            hosted.serving[handle.replica if handle is not None else replica] -= 1
             self._requests.pop(request_id, None)
             self._recent.add(request_id, outcome)
 
     def in_flight(self, hosted: Hosted) -> builtins.list[dict[str, Any]]:
         """The requests ``hosted`` serves now: id, replica and tokens so far (the dashboard cancels one by id)."""
         found = []
-        for request_id, (owner, replica) in self._requests.items():
+        for request_id, (owner, handle) in self._requests.items():
             if owner is hosted:
+                replica = handle.replica
                 sup = replica.supervisor
                 records = {r.task.task_id: r.tokens for r in sup.in_flight()} if sup is not None else {}
                 found.append({"id": request_id, "replica": replica.name, "tokens": records.get(request_id, 0)})
@@ -564,13 +597,10 @@ class Fleet:
         """Cancel a request by id; a finished or unknown one is a no-op that says so."""
         serving = self._requests.get(request_id)
         if serving is not None:
-            sup = serving[1].supervisor
-            if sup is not None:
-                reply = await sup.cancel(request_id)
-                if reply.outcome == "requested" and request_id in self._requests:
-                    self._cancelled.add(request_id)
-                return reply
-            return CancelReply(request_id, "runner_gone", "the runner is gone; the request ends with its cause")
+            reply = await serving[1].cancel()
+            if reply.outcome == "requested" and request_id in self._requests:
+                self._cancelled.add(request_id)
+            return reply
         ended = self._recent.get(request_id)
         if ended is not None:
             return CancelReply(request_id, "finished", f"already {ended}: nothing to cancel")

@@ -138,8 +138,8 @@ class Backoff:
         self.policy = policy
         self.rng = rng if rng is not None else random.Random()
         self.attempt = 0  # consecutive failures since the last healthy period
-        # Failure times within the crash-loop window; no more than the limit matter (``crash_looping``).
-        self._failures: collections.deque[float] = collections.deque(maxlen=policy.crash_loop_failures)
+        # (time, life) of the failures within the crash-loop window; no more than the limit matter (``crash_looping``).
+        self._failures: collections.deque[tuple[float, int]] = collections.deque(maxlen=policy.crash_loop_failures)
 
     def base_delay(self, attempt: int) -> float:
         """The delay before restart number ``attempt`` (1-based) of a streak, without jitter, capped."""
@@ -158,12 +158,24 @@ class Backoff:
         factor = 1.0 + self.rng.uniform(-spread, spread) if spread else 1.0
         return min(self.base_delay(attempt) * factor, self.policy.max_backoff)
 
-    def record_failure(self, now: float) -> int:
-        """Count a failure at ``now``; return its attempt number within the current streak (1 after a reset)."""
+    def record_failure(self, now: float, life: int = 0) -> int:
+        """Count a failure at ``now`` (of ``life``); return its attempt number within the current streak (1 after a
+        reset)."""
         self.attempt += 1
-        self._failures.append(now)
+        self._failures.append((now, life))
         self._prune(now)
         return self.attempt
+
+    def forgive(self, lives: Iterable[int]) -> int:
+        """Forget the failures of ``lives`` (a request proven to have caused them): they leave the crash-loop window
+        and the streak. Returns how many were forgotten."""
+        gone = set(lives)
+        kept = [(at, life) for at, life in self._failures if life not in gone]
+        forgotten = len(self._failures) - len(kept)
+        self._failures.clear()
+        self._failures.extend(kept)
+        self.attempt = max(self.attempt - forgotten, 0)
+        return forgotten
 
     def record_healthy(self) -> None:
         """A life stayed healthy long enough: the next failure starts from ``initial_backoff`` again."""
@@ -179,7 +191,7 @@ class Backoff:
 
     def _prune(self, now: float) -> None:
         horizon = now - self.policy.crash_loop_window
-        while self._failures and self._failures[0] <= horizon:
+        while self._failures and self._failures[0][0] <= horizon:
             self._failures.popleft()
 
 
@@ -323,6 +335,15 @@ class Instance:
         self._done = anyio.Event()
         self._run_scope = anyio.CancelScope()
         self._tg: TaskGroup | None = None
+        # What a life held when it died, as the worker's resumes know it (``tether.fleet.resume``): "trial" (a
+        # suspect's trial: the death is not counted until the trial says whose it was; the restart is not delayed),
+        # "held" (requests that wait to resume: the first restart of a streak is not delayed) or None.
+        self.held: Callable[[int], Literal["trial", "held"] | None] | None = None
+
+    def forgive(self, lives: Iterable[int]) -> None:
+        """Deaths of ``lives`` were a request's doing, proven (``tether.fleet.resume``): the crash loop forgets them."""
+        if self.backoff.forgive(lives):
+            log.info("instance %s: deaths of lives %s forgiven: a request proven to cause them", self.name, lives)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -457,12 +478,15 @@ class Instance:
             remove_logs(f.log for f in forgotten)
             self.failures[cause.kind] += 1
             now = self._clock.now()
-            attempt = self.backoff.record_failure(now)
+            held = self.held(life) if self.held is not None else None
+            # a trial's death is not counted before the trial says whose it was (a proven request's never is)
+            attempt = max(self.backoff.attempt, 1) if held == "trial" else self.backoff.record_failure(now, life)
             reason = self._give_up_reason(cause, now)
             if reason is not None:
                 self._fail(cause, reason)
                 return
-            delay = self.backoff.delay_for(attempt)
+            waiting = held == "trial" or (held == "held" and attempt == 1)
+            delay = 0.0 if waiting else self.backoff.delay_for(attempt)
             self._set_state(
                 InstanceRestarting(life=life + 1, attempt=attempt, delay=delay, resume_at=now + delay, cause=cause)
             )

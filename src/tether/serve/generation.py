@@ -24,9 +24,9 @@ from starlette.types import Receive, Scope, Send
 
 from tether.errors import InvalidField
 from tether.fleet.fleet import Fleet, Hosted, Unavailable
+from tether.fleet.resume import Resumable
 from tether.fleet.scheduler import Scheduler
 from tether.node.fit import DoesNotFit
-from tether.node.tasks import TaskHandle
 from tether.protocol import Chunk, EmbedParams, ErrorChunk, TaskState, TaskStatus, TokenizerWork
 from tether.serve.dialects.plan import Plan
 from tether.serve.metrics import Metrics
@@ -98,7 +98,7 @@ class Shaper(Protocol):
     def error_body(self, failure: Answer) -> bytes: ...
 
 
-async def next_event(handle: TaskHandle) -> Chunk | TaskStatus | ErrorChunk:
+async def next_event(handle: Resumable) -> Chunk | TaskStatus | ErrorChunk:
     """A task's next event that matters to a client: a chunk, a request error, or the terminal status."""
     while True:
         event = await handle.__anext__()
@@ -121,7 +121,7 @@ class GenerationResponse(Response):
         fleet: Fleet,
         metrics: Metrics,
         hosted: Hosted,
-        handle: TaskHandle,
+        handle: Resumable,
         release: contextlib.AsyncExitStack,
         shaper: Shaper,
         *,

@@ -73,8 +73,38 @@ class _FleetCollector(Collector):
             "GPU memory the runner's group holds, from NVML per process (absent where NVML cannot say)",
             labels=["instance"],
         )
+        resumed = CounterMetricFamily(
+            "tether_requests_resumed",
+            "Generations resumed on a new runner after theirs died, by the cause kind of the death",
+            labels=["instance", "cause"],
+        )
+        not_resumed = CounterMetricFamily(
+            "tether_requests_not_resumed",
+            "Generations failed with their runner's cause where resuming was impossible, by reason",
+            labels=["instance", "reason"],
+        )
+        quarantined = CounterMetricFamily(
+            "tether_requests_quarantined",
+            "Requests proven to kill their runner (failed with their deaths, then refused for a while)",
+            labels=["instance"],
+        )
+        pause = GaugeMetricFamily(
+            "tether_resume_pause_seconds",
+            "A resumed stream's pause (its last chunk before the death to its first after), over the latest 1,024",
+            labels=["instance", "quantile"],
+        )
         for hosted in self.fleet.list():
             name = tag_of(hosted.instance.state)
+            if hosted.resumes is not None:
+                for cause, count in hosted.resumes.resumed.items():
+                    resumed.add_metric([hosted.id, cause], count)
+                for reason, count in hosted.resumes.not_resumed.items():
+                    not_resumed.add_metric([hosted.id, reason], count)
+                quarantined.add_metric([hosted.id], hosted.resumes.proven)
+                for q in ("0.5", "0.99"):
+                    value = hosted.resumes.pause_quantile(float(q))
+                    if value is not None:
+                        pause.add_metric([hosted.id, q], value)
             for candidate in STATES:
                 state.add_metric([hosted.id, candidate], 1.0 if candidate == name else 0.0)
             restarts.add_metric([hosted.id], hosted.instance.restarts)
@@ -106,6 +136,10 @@ class _FleetCollector(Collector):
             footprint,
             rss,
             vram,
+            resumed,
+            not_resumed,
+            quarantined,
+            pause,
         )
 
 

@@ -1,8 +1,8 @@
 """The ``usage`` an OpenAI-shaped answer reports, built once for both of OpenAI's namings.
 
 Chat and text completions name the counts ``prompt_tokens`` and ``completion_tokens`` (and their ``*_details``),
-the Responses API ``input_tokens`` and ``output_tokens``; what is counted is the same, and so is tether's
-``speculation`` beside them. A shaper keeps a ``Tally`` of its chunks and renders it in its API's names.
+the Responses API ``input_tokens`` and ``output_tokens``; what is counted is the same, and so are tether's
+``speculation`` and ``resumed`` beside them. A shaper keeps a ``Tally`` of its chunks and renders it in its API's names.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Tally:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     speculation: Speculation = field(default_factory=Speculation)
+    resumed: int = 0  # times the worker resumed it on a new runner (docs/resume.md)
 
     def feed(self, chunk: Chunk) -> None:
         if chunk.reasoning and not chunk.text:
@@ -35,6 +36,7 @@ class Tally:
         if chunk.finish_reason is not None:
             self.cached_tokens = chunk.cached_tokens
             self.speculation = Speculation.of(chunk)
+            self.resumed = chunk.resumed
 
 
 def render_usage(naming: Naming, prompt_tokens: int, completion_tokens: int, tally: Tally) -> dict[str, Any]:
@@ -51,4 +53,5 @@ def render_usage(naming: Naming, prompt_tokens: int, completion_tokens: int, tal
         f"{prompt}_tokens_details": cached,
         f"{completion}_tokens_details": tally.speculation.details(tally.reasoning_tokens),
         "speculation": tally.speculation.usage(),
+        "resumed": tally.resumed,
     }

@@ -36,6 +36,7 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails
     speculation: views.SpeculationUsage  # tether's: speculative decoding's drafts and steps for this answer
+    resumed: int  # tether's: times the answer went on from where it stood on a new runner after its runner died
 
 
 class ChatLogprobs(msgspec.Struct):

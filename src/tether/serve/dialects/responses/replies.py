@@ -19,6 +19,7 @@ class ResponseUsage(msgspec.Struct):
     output_tokens_details: dict[str, int]
     total_tokens: int
     speculation: views.SpeculationUsage  # tether's: speculative decoding's drafts and steps for this answer
+    resumed: int  # tether's: times the answer went on from where it stood on a new runner after its runner died
 
 
 class OutputText(msgspec.Struct):

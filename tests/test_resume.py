@@ -1,0 +1,201 @@
+"""Promise 10: a runner's death costs a pause, not an answer (docs/resume.md).
+
+Real servers, real runners, real signals: streams whose runner is SIGKILLed mid-answer complete with the text they
+would have had, a request that kills every runner it reaches is proven and quarantined while the others complete,
+and what cannot resume says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import Server, debug_server, model_missing, serving, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Stream:
+    """One streamed chat completion, read on a thread: its text, its chunks' arrival times, how it ended."""
+
+    body: dict[str, Any]
+    text: str = ""
+    arrivals: list[float] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    status: int = 0
+
+
+def read(server: Server, stream: Stream) -> None:
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=stream.body, timeout=45) as response:
+        stream.status = response.status_code
+        if response.status_code != 200:
+            stream.error = json.loads(response.read())["error"]
+            return
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                stream.error = event["error"]
+                continue
+            stream.usage = event.get("usage") or stream.usage
+            for choice in event.get("choices", []):
+                piece = choice["delta"].get("content") or ""
+                if piece:
+                    stream.text += piece
+                    stream.arrivals.append(time.monotonic())
+                stream.finish = choice.get("finish_reason") or stream.finish
+
+
+def chat(model: str, content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
+def solo(server: Server, body: dict[str, Any]) -> str:
+    answer = server.http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=45)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["choices"][0]["message"]["content"])
+
+
+def run_streams(server: Server, streams: list[Stream], kill_after: int, model: str) -> int:
+    """Start every stream, SIGKILL the instance's runner once each has ``kill_after`` chunks, wait for all to end;
+    the killed pid."""
+    pid = server.instance(model)["runner"]["pid"]
+    threads = [threading.Thread(target=read, args=(server, s)) for s in streams]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: all(len(s.arrivals) >= kill_after for s in streams), 30, f"{kill_after} chunks on every stream")
+    os.kill(pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(45)
+    return int(pid)
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    for line in server.http.get("/metrics").text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_streams_whose_runner_is_killed_resume_where_they_stopped_and_end_as_they_would_have() -> None:
+    with debug_server() as server:
+        options = {"token_seconds": 0.02, "parallel": 8}
+        server.add_instance({"id": "d", "engine": "debug", "options": options, "restart": {"initial_backoff": 5.0}})
+        streams = [Stream(chat("d", f"stream number {i}", 40)) for i in range(8)]
+        alone = [solo(server, s.body) for s in streams]
+        run_streams(server, streams, 5, "d")
+        for stream, text in zip(streams, alone, strict=True):
+            assert stream.error is None, stream.error
+            assert stream.text == text and stream.finish == "length"
+            assert stream.usage is not None and stream.usage["completion_tokens"] == 40 and stream.usage["resumed"] == 1
+        after = server.instance("d")
+        # the first restart of a life that held requests waits for no backoff (5 s here)
+        assert after["restarts"] == 1 and after["history"][0]["cause"]["kind"] == "signal"
+        assert max(b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:], strict=False)) < 4.0
+        assert metric(server, "tether_requests_resumed_total", instance="d", cause="signal") == 8
+        assert metric(server, "tether_resume_pause_seconds", instance="d", quantile="0.99") > 0
+
+
+def test_a_request_that_kills_its_runner_is_proven_quarantined_and_the_others_complete() -> None:
+    poison = {"marker": "POISON", "fault": "segv", "after_tokens": 3}
+    with debug_server() as server:
+        options = {"token_seconds": 0.02, "parallel": 8, "poison": poison}
+        server.add_instance({"id": "p", "engine": "debug", "options": options})
+        healthy = [Stream(chat("p", f"healthy {i}", 30)) for i in range(7)]
+        alone = [solo(server, s.body) for s in healthy]
+        bad = Stream(chat("p", "a POISON request", 30))
+        threads = [threading.Thread(target=read, args=(server, s)) for s in [*healthy, bad]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(50)
+        for stream, text in zip(healthy, alone, strict=True):
+            assert stream.error is None and stream.text == text, (stream.error, stream.text, text)
+        assert bad.error is not None, bad.text
+        summary = bad.error["cause"]["summary"]
+        deaths = int(summary.split("died ")[1].split(" times")[0])
+        assert 2 < deaths <= 5 and "SIGSEGV" in summary, summary
+        assert bad.text == alone_prefix(server, bad.body, 3)  # what it wrote before each death, once
+        again = server.http.post("/v1/chat/completions", json={**bad.body, "stream": False})
+        assert again.status_code == 503 and "died" in again.text and "retry-after" in again.headers, again.text
+        instance = server.instance("p")
+        assert instance["ready"], instance  # its deaths were the request's: no crash loop (5 in 300 s by default)
+        assert metric(server, "tether_requests_quarantined_total", instance="p") == 1
+
+
+def alone_prefix(server: Server, body: dict[str, Any], tokens: int) -> str:
+    """The first ``tokens`` tokens of ``body``'s answer, from an instance without the poison."""
+    server.add_instance({"id": "clean", "engine": "debug"})
+    return solo(server, {**body, "model": "clean", "max_tokens": tokens})
+
+
+def test_a_stream_that_cannot_resume_in_time_fails_at_once_with_the_cause_and_why_not() -> None:
+    """Its second death puts the instance's restart 60 s away (its backoff), longer than a stream may go without a
+    token: the client is told now, with the cause, not after a minute."""
+    poison = {"marker": "go", "fault": "sigkill", "after_tokens": 4}
+    with debug_server() as server:
+        options = {"token_seconds": 0.01, "poison": poison}
+        restart = {"initial_backoff": 60.0, "max_backoff": 60.0, "jitter": 0.0}
+        server.add_instance({"id": "r", "engine": "debug", "options": options, "restart": restart})
+        failing = Stream(chat("r", "go", 50))
+        began = time.monotonic()
+        read(server, failing)
+        assert time.monotonic() - began < 20
+        assert failing.error is not None, failing.text
+        summary = failing.error["cause"]["summary"]
+        assert "SIGKILL" in summary and "not resumed: its instance restarts in 60 s" in summary, summary
+        assert metric(server, "tether_requests_not_resumed_total", instance="r", reason="backoff") == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_object_stays_whole() -> None:
+    missing = model_missing()
+    if missing:
+        pytest.skip(missing)
+    with serving("--threads", "1", "--n-ctx", "1024", "--parallel", "4", "--deterministic") as server:
+        model = server.http.get("/v1/models").json()["data"][0]["id"]
+        person = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "person",
+                "schema": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                    "required": ["name", "age"],
+                },
+            },
+        }
+        streams = [
+            Stream(chat(model, "Write a short story about a cat.", 48)),
+            Stream(chat(model, "Write a short story about a ship.", 48)),
+            Stream(chat(model, "Describe a person as JSON.", 48, response_format=person)),
+        ]
+        alone = [solo(server, s.body) for s in streams]
+        run_streams(server, streams, 6, model)
+        for stream, text in zip(streams, alone, strict=True):
+            assert stream.error is None, stream.error
+            assert stream.text == text, (stream.text, text)
+            assert stream.usage is not None and stream.usage["resumed"] == 1
+        assert isinstance(json.loads(streams[2].text), dict)
