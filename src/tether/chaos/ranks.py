@@ -290,6 +290,7 @@ def _config(trial: Trial, iid: str, d: Draw, ports: tuple[int, ...], engine: str
         },
         "deadlines": REAL_DEADLINES if real else RANK_DEADLINES,
         "max_queue": 64,
+        "resume": not held,  # a resume restarts the group at once: no time to take the port
     }
     if attack.engine_fault is not None:  # every life's requests reach it: the follow-up asks fewer tokens
         fault = {**attack.engine_fault, "phase": "generate", "after_tokens": trial.after_tokens, "rank": d.victim}
@@ -467,15 +468,20 @@ async def _attack(
         tg.start_soon(strike)
         await streams.run(trial.streams)
     result.outcomes = streams.outcomes  # counted even when a later check ends the trial early
-    _expect_outcomes(result, streams.outcomes, {"complete", "failed", "rejected"}, expect)
+    _expect_outcomes(
+        result, streams.outcomes, {"complete", "failed", "rejected"}, expect, resume=attack.name != "held_port"
+    )
     named = f"rank {d.victim} of {d.world}"
     for outcome in streams.outcomes:
         if outcome.kind == "failed" and named not in outcome.detail:
             result.broke("misclassified", f"a request failed without naming {named}: {_show(outcome)}")
         if outcome.kind == "rejected" and outcome.cause not in (expect, None):
             result.broke("misclassified", f"a request was refused with {outcome.cause}, not {expect}: {_show(outcome)}")
-    if not any(o.kind == "failed" for o in streams.outcomes) and attack.engine_fault is not None:
-        result.broke("misclassified", f"the {attack.name} fault of {named} failed no request: {_outcomes(streams)}")
+    struck = any(o.kind == "failed" or o.resumed for o in streams.outcomes)
+    if not struck and attack.engine_fault is not None:
+        result.broke(
+            "misclassified", f"the {attack.name} fault of {named} failed or resumed no request: {_outcomes(streams)}"
+        )
 
     host, _, held_at = addresses[d.held].rpartition(":")
     port = int(held_at)

@@ -56,6 +56,7 @@ class Outcome:
     index: int = 0  # which stream of the trial it was
     request_id: str | None = None
     deltas: int = 0  # content events received
+    resumed: int = 0  # a completed stream's resumes on a new runner (its usage says, when it asked for usage)
 
 
 @dataclass
@@ -144,7 +145,14 @@ class Streams:
         self, *, disconnect: bool = False, on_start: Any = None, index: int = 0, prompt: str | None = None
     ) -> None:
         prompt = prompt if prompt is not None else self.prompts[index % len(self.prompts)]
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.tokens, "stream": True, **self.sampling}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": self.tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},  # its tokens, and whether it was resumed
+            **self.sampling,
+        }
         outcome: Outcome
         text: list[str] = []
         try:
@@ -171,13 +179,14 @@ class Streams:
         seen = False
         finish: str | None = None
         tokens: int | None = None
+        resumed = 0
         rid: str | None = None
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
             data = line[len("data: ") :]
             if data == "[DONE]":
-                return Outcome("complete", status=200, finish=finish, tokens=tokens, request_id=rid)
+                return Outcome("complete", status=200, finish=finish, tokens=tokens, request_id=rid, resumed=resumed)
             event = json.loads(data)
             if "error" in event:
                 code = event["error"].get("code")
@@ -193,6 +202,7 @@ class Streams:
                     self.deltas[rid] = self.deltas.get(rid, 0) + 1
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
+                resumed = int(event["usage"].get("resumed") or 0)
             if not seen:
                 seen = True
                 self.ids.append(event["id"])
@@ -280,7 +290,7 @@ def _config(trial: Trial, iid: str, setup: Setup | None = None) -> dict[str, Any
     # A fault made by the engine at load, warm-up or idle strikes every life again: without restarts the instance
     # must end failed with its cause. Elsewhere one failure, then the instance must serve again.
     never = attack.engine_fault is not None and phase in ("loading", "warming_up", "idle") and attack.expect
-    restart = {
+    restart = {  # (a backoff trial's streams are not resumed: a resume restarts at once, with no backoff to see)
         "mode": "never" if never else "on-failure",
         "initial_backoff": 1.0 if phase == "backoff" else 0.05,
         "max_backoff": 1.0,
@@ -295,6 +305,7 @@ def _config(trial: Trial, iid: str, setup: Setup | None = None) -> dict[str, Any
         "restart": restart,
         "deadlines": setup.deadlines,
         "max_queue": 256,
+        "resume": phase != "backoff",
     }
     if setup.model is not None:
         config["model"] = setup.model
@@ -476,11 +487,9 @@ def _allowed(trial: Trial) -> set[str]:
         return {"complete", "cancelled", "failed", "rejected"}
     if attack.expect is None:
         return {"complete"}
-    # A request that arrives once the runner is dead is refused (503, retry later); one admitted before fails with
-    # the cause. An engine fault strikes the first stream, so none completes; a signal from outside may land after
-    # a stream finished.
-    if attack.engine_fault is not None:
-        return {"failed", "rejected"}
+    # A request that arrives once the runner is dead is refused (503, retry later); one admitted before resumes on
+    # the next life (the instance's fault strikes a request once, not its resume) or fails with the cause and why it
+    # could not resume. A signal from outside may land after a stream finished.
     return {"complete", "failed", "rejected"}
 
 
@@ -530,7 +539,11 @@ def _show(outcome: Outcome) -> str:
     return f"{outcome.kind}{cause}{detail}"
 
 
-def _expect_outcomes(result: TrialResult, outcomes: list[Outcome], allowed: set[str], expect: str | None) -> None:
+def _expect_outcomes(
+    result: TrialResult, outcomes: list[Outcome], allowed: set[str], expect: str | None, *, resume: bool = True
+) -> None:
+    """Each outcome is allowed, a failure has the attack's cause and, where the instance resumes, says why this one
+    did not (``resume``: the trial's instance has it on; a backoff or stop trial's failures are not resumes')."""
     for outcome in outcomes:
         if outcome.kind == "hung":
             result.broke("hung", f"a request hung: {_show(outcome)}")
@@ -544,6 +557,19 @@ def _expect_outcomes(result: TrialResult, outcomes: list[Outcome], allowed: set[
             result.broke(
                 "misclassified", f"a request failed with {outcome.cause}, not {expect}: {outcome.detail[:200]}"
             )
+        elif (
+            outcome.kind == "failed"
+            and outcome.cause == expect
+            and resume
+            and result.trial.phase not in ("backoff", "stop")
+            and not _says_why_not(outcome.detail)
+        ):
+            result.broke("misclassified", f"a request failed without saying why it did not resume: {_show(outcome)}")
+
+
+def _says_why_not(detail: str) -> bool:
+    """A request its runner's death failed says why it did not resume, or that it killed its runner itself."""
+    return "not resumed" in detail or "runner died" in detail
 
 
 def _expect_instance(
