@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from conftest import Server, debug_server, model_missing, serving, wait_until
+from tether.fleet.resume import Journal, Prover
+from tether.protocol import GenerateParams
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -199,3 +201,98 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
             assert stream.text == text, (stream.text, text)
             assert stream.usage is not None and stream.usage["resumed"] == 1
         assert isinstance(json.loads(streams[2].text), dict)
+
+
+def test_every_dialect_resumes_streamed_or_not_with_its_own_client() -> None:
+    """Ollama's chat and generate (the ollama client), the Responses API and a non-streamed completion (the openai
+    client), their runner SIGKILLed under all four: each answer is the one it gives alone."""
+    import ollama
+
+    with debug_server() as server:
+        options = {"token_seconds": 0.02, "parallel": 4}
+        server.add_instance({"id": "d", "engine": "debug", "options": options})
+        openai_client, ollama_client = server.openai(), ollama.Client(host=server.url, timeout=45)
+        say = [{"role": "user", "content": "an ollama chat"}]
+
+        def chat(stream: bool) -> Any:
+            return ollama_client.chat(model="d", messages=say, stream=stream, options={"num_predict": 40})
+
+        def generate(stream: bool) -> Any:
+            return ollama_client.generate(
+                model="d", prompt="an ollama generate", stream=stream, options={"num_predict": 40}
+            )
+
+        def respond(stream: bool) -> Any:
+            return openai_client.responses.create(model="d", input="a response", max_output_tokens=40, stream=stream)
+
+        def complete() -> str:
+            answer = openai_client.completions.create(model="d", prompt="a completion", max_tokens=150)
+            return str(answer.choices[0].text)
+
+        alone = {
+            "chat": chat(False).message.content,
+            "generate": generate(False).response,
+            "responses": respond(False).output_text,
+            "completions": complete(),
+        }
+        got: dict[str, str] = {}
+        chunks = {"chat": 0, "generate": 0, "responses": 0}
+
+        def read_chat() -> None:
+            got["chat"] = ""
+            for part in chat(True):
+                got["chat"] += part.message.content or ""
+                chunks["chat"] += 1
+
+        def read_generate() -> None:
+            got["generate"] = ""
+            for part in generate(True):
+                got["generate"] += part.response or ""
+                chunks["generate"] += 1
+
+        def read_responses() -> None:
+            got["responses"] = ""
+            for event in respond(True):
+                if event.type == "response.output_text.delta":
+                    got["responses"] += event.delta
+                    chunks["responses"] += 1
+
+        def read_completion() -> None:
+            got["completions"] = complete()
+
+        pid = server.instance("d")["runner"]["pid"]
+        threads = [threading.Thread(target=f) for f in (read_chat, read_generate, read_responses, read_completion)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: min(chunks.values()) >= 3, 30, "3 chunks of each stream")
+        os.kill(pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(45)
+        assert got == alone
+        assert metric(server, "tether_requests_resumed_total", instance="d", cause="signal") == 4
+
+
+def test_suspects_are_halved_until_the_one_that_kills_alone_is_proven_within_log2_deaths() -> None:
+    """The prover alone, every place a culprit can take among 8 suspects: at most ceil(log2 8) = 3 deaths after the
+    two that made them suspects (5 in all), the culprit proven and every other one cleared or released, none proven."""
+    for culprit in range(8):
+        prover = Prover()
+        journals = [Journal(f"r{i}", GenerateParams(prompt=str(i))) for i in range(8)]
+        for journal in journals:
+            assert not prover.died(journal)  # the second death of each: all 8 suspects
+        deaths, proven, done = 0, None, set()
+        while proven is None:
+            prover._next()
+            trial = set(prover.trial)
+            assert trial, "a trial is chosen while suspects wait"
+            if journals[culprit] in trial:  # the runner dies under the whole trial
+                deaths += 1
+                for journal in trial:
+                    if prover.died(journal):
+                        proven = journal
+            else:
+                for journal in trial:
+                    prover.ended(journal)
+                    done.add(journal)
+        assert proven is journals[culprit] and deaths <= 3, (culprit, deaths)
+        assert all(j in prover.released or j in done for j in journals if j is not proven)

@@ -262,8 +262,9 @@ class Resumes:
 
     def role(self, replica: str, life: int) -> Role | None:
         """What the life that just died held: a suspect's trial ("trial": the death is not counted against the
-        instance before the trial says whose it is), requests ("held": its first restart is not delayed) or none."""
-        return self._lives.get((replica, life))
+        instance before the trial says whose it is), requests ("held": its first restart is not delayed) or none
+        (resume off: nothing waits for the next life)."""
+        return self._lives.get((replica, life)) if self.policy.enabled else None
 
     def hold(self, replica: str, life: int, trial: bool) -> None:
         key = (replica, life)
