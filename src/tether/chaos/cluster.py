@@ -47,6 +47,8 @@ RECOVERY_BOUND = 90.0  # seconds for 3 live agents and every replica ready again
 GONE_BOUND = 10.0  # seconds for runners to be gone (a group guard waits up to 5 s for its cgroup)
 COORDINATOR_GONE = 30.0  # seconds for a SIGKILLed coordinator's agents and runners to be gone (Ray's own cleanup)
 TOKENS = 150  # at 0.02 s a token: 3 s of streaming, longer than any loss takes to be told
+# A struck request resumed elsewhere: the loss told, then perhaps a wait for a slot behind a whole stream (parallel 2)
+RESUME_BOUND = LOSS_BOUND + TOKENS * 0.02 + 0.5
 OPTIONS = {"token_seconds": 0.02, "parallel": 2}
 STREAMS = (2, 4)
 POLL = 0.02
@@ -275,6 +277,7 @@ def strays(data: dict[str, Any], agents_ever: set[int]) -> list[str]:
 @dataclass
 class ClusterFigures:
     detections: list[float] = field(default_factory=list)  # strike -> a struck request's failure, s
+    pauses: list[float] = field(default_factory=list)  # a struck request's pause, resumed on another runner, s
     recoveries: list[float] = field(default_factory=list)  # strike -> every replica ready again on 3 nodes, s
     agents: set[int] = field(default_factory=set)  # every agent the shared coordinator had
 
@@ -430,10 +433,21 @@ def _check_outcomes(
     victim = struck["victim"]
     node = str(victim["node"])
     failed = [o for o in outcomes if o.kind == "failed"]
+    resumed = [o for o in outcomes if o.kind == "complete" and o.resumed]  # on the other replica, or the next life
     wanted = int(victim.get("serving") or 0)
-    if attack.name != "raylet_sigkill" and len(failed) != wanted:
+    if attack.name != "raylet_sigkill" and len(failed) + len(resumed) != wanted:
         shown = ", ".join(_show(o) for o in outcomes)
-        result.broke("misclassified", f"{wanted} streams on the struck replica, {len(failed)} failed: {shown}")
+        result.broke(
+            "misclassified",
+            f"{wanted} streams on the struck replica, {len(failed)} failed and {len(resumed)} resumed: {shown}",
+        )
+    for outcome in resumed:
+        figures.pauses.append(outcome.longest_gap)
+        if attack.name in TOLD_FAST and outcome.longest_gap > RESUME_BOUND:
+            result.broke(
+                "hung",
+                f"a request on the lost node paused {outcome.longest_gap:.2f} s to resume (bound {RESUME_BOUND} s)",
+            )
     for outcome in failed:
         if node[:8] not in outcome.detail:
             result.broke("misclassified", f"a request failed without naming node {node[:8]}: {_show(outcome)}")
@@ -562,6 +576,8 @@ async def run_campaign(
     report.extra.update(
         node_loss_p50_s=round(detections[len(detections) // 2], 3) if detections else None,
         node_loss_max_s=round(detections[-1], 3) if detections else None,
+        resume_pause_p50_s=round(sorted(figures.pauses)[len(figures.pauses) // 2], 3) if figures.pauses else None,
+        resume_pause_max_s=round(max(figures.pauses), 3) if figures.pauses else None,
         recovery_p50_s=round(recoveries[len(recoveries) // 2], 2) if recoveries else None,
         recovery_max_s=round(recoveries[-1], 2) if recoveries else None,
     )

@@ -57,6 +57,7 @@ class Outcome:
     request_id: str | None = None
     deltas: int = 0  # content events received
     resumed: int = 0  # a completed stream's resumes on a new runner (its usage says, when it asked for usage)
+    longest_gap: float = 0.0  # the longest wait between two of its content events, s (a resume's pause)
 
 
 @dataclass
@@ -140,6 +141,8 @@ class Streams:
         self.first = anyio.Event()
         self.ids: list[str] = []
         self.deltas: dict[str, int] = {}  # request id -> content events received so far
+        self._last: dict[str, float] = {}  # request id -> when its last content event came
+        self.gaps: dict[str, float] = {}  # request id -> the longest wait between two of its content events
 
     async def one(
         self, *, disconnect: bool = False, on_start: Any = None, index: int = 0, prompt: str | None = None
@@ -170,6 +173,7 @@ class Streams:
         rid = outcome.request_id
         if rid is not None:
             outcome.deltas = self.deltas.get(rid, 0)
+            outcome.longest_gap = self.gaps.get(rid, 0.0)
         self.outcomes.append(outcome)
 
     def outcomes_of(self, index: int) -> list[Outcome]:
@@ -200,6 +204,10 @@ class Streams:
                 finish = choice.get("finish_reason") or finish
                 if rid is not None:
                     self.deltas[rid] = self.deltas.get(rid, 0) + 1
+                    now = time.monotonic()
+                    if rid in self._last:
+                        self.gaps[rid] = max(self.gaps.get(rid, 0.0), now - self._last[rid])
+                    self._last[rid] = now
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
                 resumed = int(event["usage"].get("resumed") or 0)
