@@ -106,6 +106,22 @@ def test_cancel_bench_quick_run_prints_its_json_line() -> None:
         assert result["llama_tokens_after_max"] <= 1, result
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.model  # its quick run loads the default model too
+def test_resume_bench_quick_run_prints_its_json_line() -> None:
+    result = quick_run("resume", timeout=110)
+    assert result["quick"] is True and result["ok"] is True and result["errors"] == [], result
+    assert result["mismatch_count"] == 0, result["cases"]
+    expected = {"debug N=1", "debug N=8"} | ({"SmolLM2 N=1"} if result["llama_skipped"] is None else set())
+    assert {case["case"] for case in result["cases"]} == expected, result
+    for case in result["cases"]:
+        n = case["streams"]
+        assert case["completed"] == case["equal_solo"] == case["resumed"] == case["pauses"] == n, case
+        assert case["baseline_lost_without_retry"] == case["baseline_completed"] == n, case  # the retries completed
+        for key in ("pause_p50_s", "restart_s", "baseline_recovery_p50_s", "ratio_p50"):
+            assert case[key] > 0, (key, case)
+
+
 @pytest.mark.cores
 @pytest.mark.timeout(330)
 @pytest.mark.model  # its quick run loads the default model too

@@ -442,7 +442,9 @@ class Resumable:
             return self._refused(status, "timeout", f"no runner was ready to resume it within {self._wait_bound():g} s")
         finally:
             self._waiting = None
-        return TaskStatus(self.task_id, TaskState.CANCELLED, "cancelled while it waited to resume")
+        return TaskStatus(
+            self.task_id, TaskState.CANCELLED, "cancelled while it waited to resume", tokens=journal.tokens
+        )
 
     def _why_not(self, suspect: bool) -> tuple[str, str] | None:
         """(reason, why in words) it cannot resume, or None."""
