@@ -610,7 +610,9 @@ def test_the_status_json_has_the_node_live_tokens_the_requests_in_flight_and_eac
     streams in flight, the requests being served (cancellable by id), and the runner log of the current and a failed
     life."""
     with debug_server() as server:
-        _admin_debug_instance(server, "slow", options={"token_seconds": 0.02}, restart={"initial_backoff": 0.05})
+        _admin_debug_instance(  # (resume off: the killed stream ends then, not 2,000 tokens later)
+            server, "slow", options={"token_seconds": 0.02}, restart={"initial_backoff": 0.05}, resume=False
+        )
         body = server.http.get("/v1/instances").json()
         node = body["node"]
         assert node["pid"] == server.proc.pid and node["memory"]["available"] > 0 and node["memory"]["source"]
