@@ -337,17 +337,6 @@ class Resumable:
                 return seen
         raise StopAsyncIteration
 
-    async def wait(self) -> TaskStatus:
-        async for _ in self:
-            pass
-        assert self.final is not None, "a task stream ended without a terminal status"
-        return self.final
-
-    async def text(self) -> tuple[str, TaskStatus]:
-        parts = [event.text async for event in self if isinstance(event, Chunk)]
-        assert self.final is not None
-        return "".join(parts), self.final
-
     def close(self) -> None:
         self._inner.close()
         if not self._ended:
@@ -524,15 +513,7 @@ class Resumable:
             f"this request's runner died {len(journal.deaths)} times while generating it, the last time with it "
             f"alone: {deaths}. It is refused for {resumes.policy.quarantine:g} s (the instance's resume.quarantine)"
         )
-        last = journal.deaths[-1]
-        cause = Cause(
-            kind=last.kind,
-            summary=summary,
-            evidence=last.evidence,
-            exit_code=last.exit_code,
-            signal=last.signal,
-            phase=last.phase,
-        )
+        cause = msgspec.structs.replace(journal.deaths[-1], summary=summary)  # the last death's evidence
         resumes.quarantine.add(journal.params, resumes.policy.quarantine, summary)
         resumes.forgive(journal.lives)
         resumes.proven += 1
