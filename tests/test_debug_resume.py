@@ -282,3 +282,38 @@ async def test_a_poison_request_segfaults_each_runner_it_is_resumed_on_while_a_c
         assert cause is not None and cause.kind is CauseKind.NATIVE_CRASH and cause.signal == "SIGSEGV", cause
         assert cause.phase == "generating", cause.render()
         assert task.state is TaskState.FAILED and task.cause == cause, task
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.usefixtures("no_leftover_runners")
+async def test_a_resumed_request_goes_ahead_of_the_requests_waiting_in_its_new_runners_queue() -> None:
+    """One batch slot, one request in it and two waiting: two resumes that arrive last start next, in their order."""
+    spec = EngineSpec(engine="debug", options={"load_step_seconds": 0, "token_seconds": 0.01, "parallel": 1})
+    started: list[str] = []
+    with anyio.fail_after(25):
+        async with Supervisor(spec, SupervisorSettings(stop_timeout=2)) as sup:
+            await sup.ready()
+            first = await sup.generate(GenerateParams(prompt="plain 0", max_tokens=5))
+            async for event in first:  # in the slot before the others come
+                if isinstance(event, TaskStatus) and event.state is TaskState.RUNNING:
+                    started.append("p0")
+                    break
+            plain = [first] + [await sup.generate(GenerateParams(prompt=f"plain {i}", max_tokens=5)) for i in (1, 2)]
+            resumed = [
+                await sup.generate(GenerateParams(prompt=f"resumed {i}", max_tokens=5, resume=Resume(ids=())))
+                for i in range(2)
+            ]
+            names = {
+                h.task_id: name for h, name in zip([*plain, *resumed], ["p0", "p1", "p2", "r0", "r1"], strict=True)
+            }
+
+            async def watch(handle: TaskHandle) -> None:
+                async for event in handle:
+                    if isinstance(event, TaskStatus) and event.state is TaskState.RUNNING:
+                        started.append(names[handle.task_id])
+
+            async with anyio.create_task_group() as tg:
+                for handle in [*plain, *resumed]:
+                    tg.start_soon(watch, handle)
+    assert started == ["p0", "r0", "r1", "p1", "p2"], started

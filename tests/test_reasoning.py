@@ -4,12 +4,17 @@ text as it streams, whatever the deltas' boundaries."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from conftest import Server, gguf_with_template, model_missing, serving
+from conftest import Server, gguf_with_template, model_missing, serving, wait_until
 from tether.engines.reasoning import ReasoningFormat, Splitter, detect, opens_in_prompt
 from tether.models import default_model_path
 
@@ -200,3 +205,53 @@ def test_what_a_template_cannot_do_is_refused_saying_why(thinker: Server, tmp_pa
     assert "does not think" in asked.json()["error"]["message"]
     shown = thinker.http.post("/api/show", json={"model": "thinker"}).json()
     assert "thinking" in shown["capabilities"], shown["capabilities"]
+
+
+@pytest.mark.model
+def test_a_thinking_stream_and_a_structured_answer_after_thinking_resume_inside_the_block(thinker_gguf: Path) -> None:
+    """Promise 10 inside a thinking block: the runner SIGKILLed a few tokens into the thinking of a plain stream and
+    of one whose JSON answer waits for the thinking to close (the grammar held back, a closing tag owed); on a
+    deterministic instance both resume to the thinking and the answer they have alone, the JSON whole."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    bodies = [
+        {"model": "thinker", "messages": QUESTION, "temperature": 0, "max_tokens": 48},
+        {
+            "model": "thinker",
+            "messages": QUESTION,
+            "temperature": 0,
+            "max_tokens": 60,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        },
+    ]
+    args = ("--model", str(thinker_gguf), "--name", "thinker", "--threads", "1", "--n-ctx", "1024", "--parallel", "2")
+    with serving(*args, "--deterministic") as server:
+        alone = []
+        for body in bodies:
+            message = server.http.post("/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            alone.append((message.get("reasoning_content") or "", message.get("content") or ""))
+        got: list[list[str]] = [["", "", ""] for _ in bodies]  # thinking, answer, error
+        seen = [0 for _ in bodies]
+
+        def read(i: int) -> None:
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**bodies[i], "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        got[i][2] += json.dumps(event["error"]) if "error" in event else ""
+                        for choice in event.get("choices", []):
+                            got[i][0] += choice["delta"].get("reasoning_content") or ""
+                            got[i][1] += choice["delta"].get("content") or ""
+                            seen[i] += 1
+
+        pid = server.instance("thinker")["runner"]["pid"]
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(bodies))]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: min(seen) >= 4, 30, "a few tokens into each one's thinking")
+        os.kill(pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(60)
+        assert server.instance("thinker")["restarts"] == 1
+    for (thought, said, error), (alone_thought, alone_said) in zip(got, alone, strict=True):
+        assert not error and thought == alone_thought and said == alone_said, (error, thought, said, alone)
+    assert json.loads(got[1][1])["city"], got[1]

@@ -58,6 +58,8 @@ class Report:
                 len(r.problems) - r.hung - r.orphans - r.misclassified - r.lost for r in self.results
             ),
             "requests": sum(len(r.outcomes) for r in results),
+            "resumed_requests": sum(1 for r in results for o in r.outcomes if o.resumed),
+            "by_attack": self.by_attack(),
             "leaked_fds": leaked,
             "worker_fds_before": self.fds_before,
             "worker_fds_after": self.fds_after,
@@ -69,6 +71,15 @@ class Report:
             "target": self.target,
             **self.extra,
         }
+
+    def by_attack(self) -> dict[str, dict[str, int]]:
+        """Per attack, how its requests ended: resumed (completed on a new runner after a death), completed, failed
+        (with the cause, and why it did not resume), and anything else."""
+        counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        for r in self.results:
+            for o in r.outcomes:
+                counts[r.trial.attack.name]["resumed" if o.resumed else o.kind] += 1
+        return {attack: dict(sorted(c.items())) for attack, c in sorted(counts.items())}
 
     def table(self) -> list[str]:
         cells: dict[tuple[str, str], list[TrialResult]] = collections.defaultdict(list)

@@ -43,6 +43,7 @@ from tether.protocol import (
     CancelAcknowledged,
     Chunk,
     ErrorChunk,
+    GenerateParams,
     GenerateTask,
     Heartbeat,
     Idle,
@@ -249,11 +250,20 @@ class Runner:
                     self.shutdown(task)
                     return 0
                 if isinstance(task, GenerateTask):
-                    self.waiting.append(task)
+                    self.enqueue(task)
                 else:
                     self.run_task(task)
             if self.running or self.waiting:
                 self.step()
+
+    def enqueue(self, task: GenerateTask) -> None:
+        """Queue a request for a batch slot: a resumed one (its runner died under it) ahead of the others, in the
+        order resumes came: it was admitted before anything waiting here, and its client is already waiting."""
+        if _resumed(task):
+            at = next((i for i, queued in enumerate(self.waiting) if not _resumed(queued)), len(self.waiting))
+            self.waiting.insert(at, task)
+        else:
+            self.waiting.append(task)
 
     def accept(self, task: Task) -> bool:
         """Take a task, or refuse it (duplicate id, wrong status) with a clear failed status."""
@@ -485,6 +495,10 @@ class _Speculated(TypedDict):
     prediction_accepted: int
     prediction_rejected: int
     decode_steps: int
+
+
+def _resumed(task: GenerateTask) -> bool:
+    return isinstance(task.params, GenerateParams) and task.params.resume is not None
 
 
 def _speculated(delta: Delta) -> _Speculated:

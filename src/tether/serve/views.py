@@ -306,6 +306,18 @@ class SpeculationOut(msgspec.Struct):
     completion_tokens: int
 
 
+class ResumesOut(msgspec.Struct):
+    """What its runners' deaths did to the requests they held (docs/resume.md): ``resumed`` went on on a new runner,
+    ``not_resumed`` failed with the cause (and why not), ``quarantined`` were proven to kill their runner;
+    ``pause_p99_s``: the 0.99 quantile of the latest resumed streams' pauses (None before the first)."""
+
+    enabled: bool
+    resumed: int
+    not_resumed: int
+    quarantined: int
+    pause_p99_s: float | None
+
+
 class InstanceOut(msgspec.Struct):
     """One instance: its state, its runner (pid, memory, log, cgroup) and every failure of its past lives."""
 
@@ -330,6 +342,7 @@ class InstanceOut(msgspec.Struct):
     backoff_remaining: float | None  # seconds until a restarting instance's next life starts
     tokens: int  # completion tokens served so far, streams in flight included: two reads give tokens/s
     speculation: SpeculationOut  # drafted and kept tokens, steps: the dashboard's acceptance and tokens per step
+    resumes: ResumesOut  # requests its runners' deaths resumed, failed and proved to kill
     fit: str | None  # the fit check's verdict, with the numbers
     offload: OffloadOut | None  # layers on GPUs, as the fit check placed them (None: no split was made)
     measured: str | None  # what the runner was measured to hold once ready, against the estimate
@@ -557,6 +570,7 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
             decode_steps=hosted.drafts.decode_steps,
             completion_tokens=hosted.drafts.completion_tokens,
         ),
+        resumes=_resumes(hosted),
         fit=inst.fit.message if inst.fit is not None else None,
         offload=offload_of(inst.fit.estimate) if inst.fit is not None else None,
         measured=inst.measured.describe() if inst.measured is not None else None,
@@ -567,6 +581,20 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
         ranks=msgspec.convert(ranks, list[RankOut]) if ranks is not None else None,
         chat_template=facts(ListedModel.of(hosted)).template_name or None,
         in_flight_requests=requests,
+    )
+
+
+def _resumes(hosted: Hosted) -> ResumesOut:
+    resumes = hosted.resumes
+    if resumes is None:
+        return ResumesOut(enabled=False, resumed=0, not_resumed=0, quarantined=0, pause_p99_s=None)
+    pause = resumes.pause_quantile(0.99)
+    return ResumesOut(
+        enabled=resumes.policy.enabled,
+        resumed=resumes.resumed.total(),
+        not_resumed=resumes.not_resumed.total(),
+        quarantined=resumes.proven,
+        pause_p99_s=round(pause, 3) if pause is not None else None,
     )
 
 

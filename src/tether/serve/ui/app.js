@@ -626,6 +626,7 @@
         stat("runner pid", "instance-pid"),
         stat("life", "instance-life", "the runner's life: 1 for the first, one more for each restart"),
         stat("restarts", "instance-restarts"),
+        stat("resumed", "instance-resumed", "requests that went on from where they stopped on a new runner after theirs died; after the slash, those that could not and failed with the cause (and quarantined: proven to kill their runner)"),
         stat("backoff", "instance-backoff", "time left before the next life starts, while restarting"),
         stat("running", "instance-running", "generations running / batch slots (parallel)"),
         stat("waiting", "instance-waiting", "generations waiting / the queue's bound (max_queue): beyond it, 503"),
@@ -698,6 +699,11 @@
     card.querySelector('[data-testid="instance-pid"]').title = inst.pids && inst.pids.length > 1 ? `every life's runner pid: ${inst.pids.join(", ")}` : "";
     put("instance-life", inst.life ?? (inst.detail && inst.detail.life) ?? "–");
     put("instance-restarts", inst.restarts);
+    const r = inst.resumes || {};
+    put(
+      "instance-resumed",
+      r.enabled === false ? "off" : `${r.resumed ?? 0} / ${r.not_resumed ?? 0}${r.quarantined ? ` · ${r.quarantined} quarantined` : ""}`,
+    );
     put(
       "instance-backoff",
       wait ? (wait.left > 0 ? `${wait.left.toFixed(1)} s` : "due") : "–",
