@@ -403,11 +403,8 @@ class Batch:
     def _advance(self, chain: Any, draws: int) -> None:
         """Apply ``chain`` to one candidate ``draws`` times: its seeded draw, if it has one, draws exactly once per
         apply (llama.cpp keeps it so for a single candidate too), and nothing else in the chain keeps state."""
-        one, data = self._one, self._one_data
         for _ in range(draws):
-            data.id, data.logit, data.p = 0, 0.0, 0.0
-            one.data, one.size, one.selected, one.sorted = ctypes.pointer(data), 1, -1, False
-            self.lib.llama_sampler_apply(chain, ctypes.byref(one))
+            self._apply_one(chain, 0)
 
     def start_embedding(self, seq_id: str, prompt: Sequence[int]) -> None:
         """Queue an embedding of ``prompt`` (at most ``n_ctx`` tokens: the caller has checked): a later step
@@ -976,11 +973,15 @@ class Batch:
 
     def _allows(self, grammar: Any, token: int) -> bool:
         """Whether the grammar, in its present state, allows ``token`` next (it is applied to that one candidate)."""
+        return math.isfinite(self._apply_one(grammar, token))
+
+    def _apply_one(self, sampler: Any, token: int) -> float:
+        """Apply ``sampler`` to ``token`` as the only candidate (logit 1.0); the logit it leaves (-inf: refused)."""
         one, data = self._one, self._one_data
         data.id, data.logit, data.p = token, 1.0, 0.0
         one.data, one.size, one.selected, one.sorted = ctypes.pointer(data), 1, -1, False
-        self.lib.llama_sampler_apply(grammar, ctypes.byref(one))
-        return math.isfinite(data.logit)
+        self.lib.llama_sampler_apply(sampler, ctypes.byref(one))
+        return float(data.logit)
 
     def _apply(self, chain: Any, logits: Any, grammar: Any) -> tuple[int, float]:
         """Apply ``grammar`` (if any), then ``chain``, to every token's logit: the selected (token, logit), or
