@@ -6,6 +6,7 @@ a worker in a memory cgroup runs out of room for real, and what the scheduler me
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -230,7 +231,8 @@ def test_eviction_under_a_real_memory_limit_frees_the_lru_idle_model_without_an_
 def test_a_crashed_runners_memory_is_reused_at_once(catalog: Path, limited: Path) -> None:
     """``crashy`` dies at its first token and restarts only in a minute (its request is not resumed, which would
     restart it at once): its 350 MiB come back when it dies, and ``b`` (estimated 406 MiB) loads at once, with
-    nothing evicted and no wait for memory."""
+    nothing evicted and no wait for memory. A monitor reads its ``/proc`` smaps all along: while a reader holds a
+    process's address space, its exit is reported before its memory is freed, and the placement must wait for it."""
     crash = [{"kind": "sigkill", "phase": "generate", "after_tokens": 0}]
     restart = {"initial_backoff": 60.0, "max_backoff": 60.0}
     write_catalog(
@@ -239,11 +241,25 @@ def test_a_crashed_runners_memory_is_reused_at_once(catalog: Path, limited: Path
         b={"options": {"hold_bytes": 350 * MiB}},
     )
     with serving("--engine", "debug", "--catalog", str(catalog), cgroup=limited) as server:
+        load = server.http.post("/api/generate", json={"model": "crashy", "prompt": "", "stream": False})
+        assert load.status_code == 200, load.text
+        smaps = Path(f"/proc/{runner_pid(server, 'crashy')}/smaps_rollup")
+
+        def monitor() -> None:  # until the runner is gone
+            with contextlib.suppress(OSError):
+                while True:
+                    smaps.read_bytes()
+
+        readers = [threading.Thread(target=monitor) for _ in range(2)]
+        for reader in readers:
+            reader.start()
         died = ask(server, "crashy")
         assert died.status_code == 500 and "SIGKILL" in died.text, died.text
         began = time.monotonic()
         served = ask(server, "b")
         took = time.monotonic() - began
+        for reader in readers:
+            reader.join(10)
         assert served.status_code == 200, served.text
         assert took < 10, took
         assert not [d for d in decisions(server) if d["kind"] in ("evict", "wait_memory", "refuse")], decisions(server)

@@ -131,6 +131,12 @@ class MemoryCgroup:
         stat = self.stat()
         return sum(stat.get(f"total_{key}", stat.get(key, 0)) for key in REFAULT_KEYS)
 
+    def anonymous(self) -> int:
+        """Its processes' anonymous memory (``total_rss`` on v1, ``anon`` on v2): what a dead process still holds
+        while the kernel tears its address space down."""
+        stat = self.stat()
+        return stat.get("total_rss", stat.get("anon", 0))
+
     def reclaimable(self) -> int:
         """File cache the kernel can drop under pressure (inactive file pages), which "usage" counts as used."""
         stat = self.stat()

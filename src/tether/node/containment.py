@@ -22,8 +22,11 @@ from tether.kernel.cgroups import (
 from tether.kernel.pids import group_members, open_pidfd
 from tether.node.memory import ProcessMemory, process_status_memory
 from tether.node.nvml import GpuUsage
+from tether.units import format_bytes
 
 log = logging.getLogger("tether.node.containment")
+
+FREED_RESIDUE = 1 << 20  # anonymous memory a dead group may still show (per-CPU counters flush in batches)
 
 
 def make_own_cgroup(name: str, runner_id: str, memory_limit: int | None) -> MemoryCgroup | None:
@@ -40,25 +43,45 @@ def make_own_cgroup(name: str, runner_id: str, memory_limit: int | None) -> Memo
 
 
 async def remove_when_empty(cgroup: MemoryCgroup, bound: float, name: str) -> bool:
-    """Remove a dead runner's cgroup once its last members (SIGKILLed at the exit) have left it: awaited on their
-    pidfds, within ``bound`` seconds. A leftover (a process stuck in the kernel) is logged and swept later."""
+    """Remove a dead runner's cgroup once its last members (SIGKILLed at the exit) have left it, awaited on their
+    pidfds, and their memory with them, within ``bound`` seconds. A process is reported exited before its memory
+    is freed when anything else holds its address space (a ``/proc/PID/smaps`` reader, a monitoring agent): the
+    memory leaves when that reader lets go, and a model placed before then would be measured against it. A
+    leftover (a process stuck in the kernel) is logged and swept later."""
     with anyio.move_on_after(bound):
-        while not remove_cgroup(cgroup):
-            kill_cgroup_members(cgroup)  # anything forked since the exit
-            leaving = [fd for fd in (open_pidfd(pid) for pid in cgroup.pids()) if fd is not None]
-            try:
-                for fd in leaving:
-                    await anyio.wait_readable(fd)
-            finally:
-                for fd in leaving:
-                    os.close(fd)
-            if not leaving:
-                await anyio.sleep(0.005)  # no pidfds here, or gone between the listing and the pin
-        return True
+        while True:
+            await _members_gone(cgroup)
+            pause = 0.001
+            while cgroup.anonymous() > FREED_RESIDUE:  # no event says so: short, growing pauses, bounded
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            if remove_cgroup(cgroup):
+                return True
+            await anyio.sleep(0.005)  # a member forked as the last one left: the next round has it
     log.warning(
-        "%s: could not remove its cgroup %s within %g s: still in use by %s", name, cgroup.path, bound, cgroup.pids()
+        "%s: could not remove its cgroup %s within %g s: still in use by %s, %s of anonymous memory left",
+        name,
+        cgroup.path,
+        bound,
+        cgroup.pids(),
+        format_bytes(cgroup.anonymous()),
     )
     return False
+
+
+async def _members_gone(cgroup: MemoryCgroup) -> None:
+    """SIGKILL what is left in ``cgroup`` (anything forked since the exit) and await each exit on its pidfd."""
+    while cgroup.pids():
+        kill_cgroup_members(cgroup)
+        leaving = [fd for fd in (open_pidfd(pid) for pid in cgroup.pids()) if fd is not None]
+        try:
+            for fd in leaving:
+                await anyio.wait_readable(fd)
+        finally:
+            for fd in leaving:
+                os.close(fd)
+        if not leaving:
+            await anyio.sleep(0.005)  # no pidfds here, or gone between the listing and the pin
 
 
 def group_memory(pgid: int, cgroup: MemoryCgroup | None, with_gpu: bool) -> tuple[ProcessMemory | None, bool]:

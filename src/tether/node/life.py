@@ -94,6 +94,10 @@ class RunnerLife(Protocol):
 
     async def stop(self, timeout: float | None = None) -> StopReport | None: ...
     async def wait_exit(self, timeout: float) -> None: ...
+    async def wait_released(self, timeout: float) -> None:
+        """Returns once the life has let go of all it held: its processes reaped and their memory freed (a process
+        is reported exited before its memory is freed while anything else holds its address space)."""
+
     async def confirm_gone(self, timeout: float) -> None:
         """Returns once nothing of the life is left (``NotGone`` otherwise): what a replacement waits for."""
 
@@ -114,6 +118,7 @@ class LifeTasks(abc.ABC):
         self._tg: TaskGroup | None = None
         self._inflight: dict[str, InFlight] = {}
         self._exited = anyio.Event()
+        self._released = anyio.Event()  # its group closed: every process it had reaped, their memory freed
         self._drained = anyio.Event()  # set whenever no relayed request is in flight
         self._drained.set()
 
@@ -146,7 +151,10 @@ class LifeTasks(abc.ABC):
         try:
             await self._release()
         finally:
-            await group.__aexit__(None, None, None)
+            try:
+                await group.__aexit__(None, None, None)
+            finally:
+                self._released.set()
         return None
 
     @property
@@ -175,6 +183,10 @@ class LifeTasks(abc.ABC):
     async def wait_exit(self, timeout: float) -> None:
         with anyio.fail_after(timeout):
             await self._exited.wait()
+
+    async def wait_released(self, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            await self._released.wait()
 
     # --- relayed generations (a rank group's, a remote life's): tracked here, delivered by the life's relay ----
 

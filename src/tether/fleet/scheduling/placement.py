@@ -7,6 +7,7 @@ them to be idle (the lock released meanwhile), bounded by ``load_wait``."""
 from __future__ import annotations
 
 import functools
+import math
 
 import anyio
 
@@ -132,6 +133,7 @@ class Placement:
         state = self.state
         spec = instance.spec
         estimate = await self._estimate(instance)
+        await self._dead_released(instance)
         for candidate in eviction.candidates(state, instance):  # what each would free, measured now
             sup = candidate.hosted.supervisor if candidate.hosted is not None else None
             if sup is not None:
@@ -165,6 +167,21 @@ class Placement:
         if instance.ranks > 1:
             return fit.check_fit(estimate, available, source, override=instance.force)
         return fit.judge(spec, estimate, node, available, source, override=instance.force)
+
+    async def _dead_released(self, instance: Instance) -> None:
+        """Await this node's runners that died a moment ago until their memory is freed, bounded by
+        ``reclaim_timeout``: a process is reported exited before its memory leaves while anything else holds its
+        address space, and the fit check must not count what is on its way out."""
+        state = self.state
+        dying = [
+            h.supervisor
+            for h in state.fleet.list()
+            if h.instance is not instance and h.supervisor is not None and not h.supervisor.alive
+        ]
+        with state.clock.move_on_after(state.settings.reclaim_timeout):
+            for sup in dying:
+                if sup.node is None:  # another node's memory is not this check's
+                    await sup.wait_released(math.inf)
 
     async def _estimate(self, instance: Instance) -> MemoryEstimate | None:
         """What ``instance``'s life needs (a catalogued model's estimate read once), every rank's on this node."""
