@@ -1,5 +1,6 @@
 """The prompt cache's radix tree against a brute-force model: after any sequence of registrations and removals, a
-match finds the longest prefix any holder has, and exactly the holders that have all of it."""
+match finds the longest prefix any holder has, and exactly the holders that have all of it; and ``prefixes`` every
+holder whose whole sequence is a prefix of the prompt."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def test_a_match_is_the_longest_prefix_any_holder_has_and_names_every_holder_tha
             assert found.length == best
             have = {h for h, t in model.items() if best > 0 and min(common(t, prompt), stop) == best}
             assert set(found.slots) | set(found.ram) == have
+            # and every holder that is a whole prefix, longest first (what serves when the longest ones cannot)
+            shorter = index.prefixes(prompt, limit)
+            assert sorted(shorter) == sorted((len(t), h) for h, t in model.items() if prompt[:stop][: len(t)] == t)
+            assert [n for n, _ in shorter] == sorted((n for n, _ in shorter), reverse=True)
 
 
 def test_removing_every_holder_leaves_an_empty_tree() -> None:

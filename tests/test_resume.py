@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -177,6 +178,8 @@ def test_a_stream_that_cannot_resume_in_time_fails_at_once_with_the_cause_and_wh
 
 @pytest.mark.timeout(120)
 def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_object_stays_whole() -> None:
+    """And a long prompt is restored from the store that outlived its runner, not prefilled again: the resumed
+    stream's usage says every prompt token was cached (0 without the store); the store goes with its instance."""
     missing = model_missing()
     if missing:
         pytest.skip(missing)
@@ -194,18 +197,26 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
                 },
             },
         }
+        facts = "\n".join(f"Fact {j}: the red fox crossed bridge {3 * j + 7} on day {j % 31 + 1}." for j in range(16))
         streams = [
-            Stream(chat(model, "Write a short story about a cat.", 48)),
+            Stream(chat(model, f"Summarize these facts.\n{facts}", 48)),  # ~300 tokens: saved to the store
             Stream(chat(model, "Write a short story about a ship.", 48)),
             Stream(chat(model, "Describe a person as JSON.", 48, response_format=person)),
         ]
         alone = [solo(server, s.body) for s in streams]
+        [store] = Path("/dev/shm").glob(f"tether-store-*-{server.pid}-*/{model}")
+        assert server.instance(model)["resumes"]["store_bytes"] > 0
         run_streams(server, streams, 6, model)
         for stream, text in zip(streams, alone, strict=True):
             assert stream.error is None, stream.error
             assert stream.text == text, (stream.text, text)
             assert stream.usage is not None and stream.usage["resumed"] == 1
         assert isinstance(json.loads(streams[2].text), dict)
+        usage = streams[0].usage
+        assert usage is not None and usage["prompt_tokens"] > 256
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"], usage
+        assert server.http.delete(f"/v1/instances/{model}").status_code == 200
+        assert not store.exists()
 
 
 def test_every_dialect_resumes_streamed_or_not_with_its_own_client() -> None:

@@ -93,6 +93,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     faults: tuple[Fault, ...] = ()  # load-time faults (debug engine)
     rank: RankInfo | None = None  # set by tether for each rank of a multi-rank instance (``ranks`` > 1)
+    # set by the worker: a directory it owns (tmpfs) where the engine may keep what should outlive its runner, the
+    # prompt cache's saved sequences for a resumed request (``tether.node.stores``); None: nothing outlives it
+    store: str | None = None
 
 
 class RunnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -38,7 +38,7 @@ from tether.errors import (
 from tether.fleet.resume import Journal, Resumable, ResumePolicy, Resumes, policy_of
 from tether.kernel.ports import RankPorts
 from tether.models import DefaultModelMissing, default_model_path
-from tether.node import fit
+from tether.node import fit, stores
 from tether.node.hangs import Deadlines
 from tether.node.instance import (
     Instance,
@@ -259,6 +259,7 @@ class Hosted:
     tokens_done: int = 0  # completion tokens of the generations that ended (``tokens`` adds those in flight)
     drafts: Drafts = field(default_factory=Drafts)  # speculative decoding, over the generations that ended
     resumes: Resumes | None = None  # the requests its runners' deaths resumed, and the ones proven to cause them
+    stores: list[Path] = field(default_factory=list)  # its replicas' stores (``tether.node.stores``), if any
     _stop: anyio.Event = field(default_factory=anyio.Event)
     _done: anyio.Event = field(default_factory=anyio.Event)
 
@@ -293,6 +294,10 @@ class Hosted:
             sup = replica.supervisor
             running += sup.generations()[0] if sup is not None else 0
         return running, max(self.in_flight - running, 0)
+
+    def store_bytes(self) -> int:
+        """What its stores hold: memory that outlives its runners, freed with the instance."""
+        return sum(stores.size(path) for path in self.stores)
 
     def tokens(self) -> int:
         """Completion tokens served so far, streams in flight included: two reads a second apart give tokens/s now."""
@@ -362,6 +367,7 @@ class Fleet:
             async with anyio.create_task_group() as tg:  # every instance stops concurrently, each within its bound
                 for hosted in list(self._hosted.values()):
                     tg.start_soon(self._stop_one, hosted)
+            stores.release()  # each instance's store went with it
         assert self._tg is not None
         await self._tg.__aexit__(exc_type, exc, tb)
         return None
@@ -424,9 +430,12 @@ class Fleet:
             factory = partial(self._rank_group, config=config, ports=ports)
         elif auto:
             factory = partial(self._placed_life, single=factory, config=config, instance_id=instance_id)
+        policy = policy_of(config.resume)
+        keeps = policy.enabled and policy.store and self.cluster is None and ranks == 1 and not auto
+        stored = {name: stores.directory(name) if keeps else None for name in replica_names(config)}
         replicas = [
             Instance(
-                spec,
+                msgspec.structs.replace(spec, store=str(stored[name])) if stored[name] is not None else spec,
                 config.restart,
                 name=name,
                 supervisor_factory=factory,
@@ -442,11 +451,16 @@ class Fleet:
         ]
         if self.cluster is not None:
             self.cluster.join(replicas, config.spread)
-        resumes = Resumes(instance_id, policy_of(config.resume), self.settings.clock)
+        resumes = Resumes(instance_id, policy, self.settings.clock)
         for replica in replicas:
             resumes.attach(replica)
         hosted = Hosted(
-            id=instance_id, config=config, replicas=replicas, parallel=registry.parallel(spec), resumes=resumes
+            id=instance_id,
+            config=config,
+            replicas=replicas,
+            parallel=registry.parallel(spec),
+            resumes=resumes,
+            stores=[path for path in stored.values() if path is not None],
         )
         self._hosted[instance_id] = hosted
         self.listeners(hosted)
@@ -516,6 +530,8 @@ class Fleet:
         except Exception:
             log.exception("instance %s ended with an error", hosted.id)
         finally:
+            for path in hosted.stores:  # its runners are gone: what outlived them goes with the instance
+                stores.remove(path)
             hosted._done.set()
 
     async def _stop_one(self, hosted: Hosted) -> None:

@@ -62,11 +62,13 @@ Role = Literal["trial", "held"]
 class ResumePolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What an instance does with the requests its runner held when it died: resume them (``enabled``) at most
     ``limit`` times each (a suspect's trials aside: they are bounded by the bisection), and refuse a request proven to
-    kill its runner for ``quarantine`` seconds."""
+    kill its runner for ``quarantine`` seconds. ``store``: the engine keeps its prompt cache's saved sequences where
+    the next runner finds them (``tether.node.stores``), so a resumed request's prompt is restored, not prefilled."""
 
     enabled: bool = True
     limit: Annotated[int, documented(minimum=0, maximum=64)] = 2
     quarantine: Annotated[float, documented(minimum=0)] = 600.0
+    store: bool = True
 
     def check(self) -> InvalidField | None:
         if isinstance(self.limit, bool) or not 0 <= self.limit <= 64:

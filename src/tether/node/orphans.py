@@ -34,6 +34,7 @@ import psutil
 from tether import env
 from tether.kernel.cgroups import MemoryCgroup, RunnerCgroup, remove_cgroup, runner_cgroups
 from tether.kernel.pids import pin, proc_stat, wait_pidfds
+from tether.node import stores
 from tether.node.memory import ProcessMemory, process_memory
 from tether.node.nvml import GpuUsage
 from tether.node.registry import Registry, RunnerRecord, same_start
@@ -510,6 +511,7 @@ def reap_all(found: Scan, registry: Registry, *, grace: float = 5.0, spare_unwat
             log.error("could not reap orphaned %s: %s survived SIGKILL", group.label, result.survivors)
     for path in sweep_stale_cgroups():  # after the reaping: the cgroups it emptied go too
         log.info("removed the empty cgroup %s of a dead worker", path)
+    stores.sweep()  # and what outlived those runners: their prompt stores
     return results
 
 

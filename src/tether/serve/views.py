@@ -309,13 +309,16 @@ class SpeculationOut(msgspec.Struct):
 class ResumesOut(msgspec.Struct):
     """What its runners' deaths did to the requests they held (docs/resume.md): ``resumed`` went on on a new runner,
     ``not_resumed`` failed with the cause (and why not), ``quarantined`` were proven to kill their runner;
-    ``pause_p99_s``: the 0.99 quantile of the latest resumed streams' pauses (None before the first)."""
+    ``pause_p99_s``: the 0.99 quantile of the latest resumed streams' pauses (None before the first);
+    ``store_bytes``: what its store of saved prompts holds, memory that outlives its runners (freed with the
+    instance, and counted in what evicting it frees)."""
 
     enabled: bool
     resumed: int
     not_resumed: int
     quarantined: int
     pause_p99_s: float | None
+    store_bytes: int = 0
 
 
 class InstanceOut(msgspec.Struct):
@@ -595,6 +598,7 @@ def _resumes(hosted: Hosted) -> ResumesOut:
         not_resumed=resumes.not_resumed.total(),
         quarantined=resumes.proven,
         pause_p99_s=round(pause, 3) if pause is not None else None,
+        store_bytes=hosted.store_bytes(),
     )
 
 

@@ -43,6 +43,7 @@ from tether.engines.llamacpp.speculation import (
     probe_points,
     ubatches,
 )
+from tether.engines.llamacpp.store import KvStore
 from tether.engines.llamacpp.threads import ThreadGovernor
 from tether.engines.text import TextStream
 from tether.errors import TetherError
@@ -190,6 +191,7 @@ class Batch:
         exact_cache: bool = False,
         speculation: bool = False,
         draft_max: int = 32,
+        store: KvStore | None = None,
     ) -> None:
         """``embedding``: a context for pooled embeddings (``pooling``: a ``LLAMA_POOLING_TYPE_*``, None for the
         model's own); it serves ``start_embedding`` only, and its ``n_batch`` is ``n_ctx``. ``adaptive_threads``:
@@ -255,7 +257,14 @@ class Batch:
         # the model's window even with swa_full: a sequence saved to RAM keeps only its last window in those layers
         self.n_swa = 0 if n_swa is None else max(0, int(n_swa(model)))
         self.cache = PromptCache(
-            lib, self.ctx, self.memory, prompt_cache_ram, enabled=self.prompt_cache, n_swa=self.n_swa, exact=exact_cache
+            lib,
+            self.ctx,
+            self.memory,
+            prompt_cache_ram,
+            enabled=self.prompt_cache,
+            n_swa=self.n_swa,
+            exact=exact_cache,
+            store=None if embedding else store,
         )
         self._batch = lib.llama_batch_init(self.n_batch + parallel, 0, 1)
         self._slots = [_Slot(i) for i in range(parallel)]
@@ -492,6 +501,7 @@ class Batch:
             ]
         drafts = self._drafts(rows, prefilling, len(chunk)) if self.speculation and rows else {}
         layout: list[tuple[int, int]] = []
+        joined: list[_BatchSequence] = []  # prompts whose last token joins this step
         for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
             token, seq.next_token = seq.next_token, None
             joins = token is None
@@ -502,6 +512,7 @@ class Batch:
             if joins:
                 seq.prefilled += 1
                 self.cache.register(seq.slot.index, seq.slot.cached)  # the whole prompt now
+                joined.append(seq)
             seq.row = n
             n += 1
             seq.draft = drafts.get(seq.seq_id, [])
@@ -550,6 +561,9 @@ class Batch:
                 prompt = seq.prompt_tokens
                 final = Delta(seq.echo or "", 0, "length", prompt, 0, logprobs=echoed, cached_tokens=seq.reused)
                 results.append((seq.seq_id, final))
+        for seq in joined:  # its prompt's cells are computed now: saved where a resume would find them
+            if seq.seq_id in self._seqs:
+                self.cache.checkpoint(seq.slot.index, seq.slot.cached)
         if self.speculation and rows:  # what this step's shape gave, with its drafts or without
             self.payoff.record((len(rows), bool(chunk)), bool(drafts), made, time.perf_counter() - started)
         return results

@@ -26,10 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tether.engines.llamacpp.prefix import PrefixIndex, common_length
+from tether.engines.llamacpp.prefix import Holder, PrefixIndex, common_length
+from tether.engines.llamacpp.store import KvStore, Stored
 
 MIN_COPY = 16  # tokens a copy from another slot or from RAM must save over the slot's own prefix
 MIN_SAVE = 32  # shorter sequences are not worth RAM: prefilling them costs ~0.15 s here
+CHECKPOINT_MIN = 256  # a prompt saved to the store as soon as it is prefilled: shorter ones re-prefill fast enough
 STATE_FLAGS = 0  # a whole sequence's cells
 
 log = logging.getLogger(__name__)
@@ -38,16 +40,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Saved:
     tokens: list[int]
-    mapping: mmap.mmap  # anonymous memory of its own: unmapped when dropped, so the budget is what is resident
-    data: Any  # ctypes view of ``mapping``: llama.cpp's sequence state
     size: int  # bytes of it llama.cpp wrote (what a restore reads)
     held: int  # bytes the buffer holds (what the budget counts)
     start: int = 0  # its window start: the first position whose sliding-window cells it holds (0: all of them)
+    mapping: mmap.mmap | None = None  # a RAM entry's anonymous memory of its own: unmapped when dropped
+    data: Any = None  # ctypes view of ``mapping``: llama.cpp's sequence state
+    stored: Stored | None = None  # a store entry: its state in the store's files instead (``store``)
 
     def free(self) -> None:
         self.data = None  # the view first: an exported mmap cannot close
-        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes, not now
-            self.mapping.close()
+        if self.mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes, not now
+                self.mapping.close()
 
 
 @dataclass
@@ -57,7 +61,9 @@ class CacheStats:
     from_own_slot: int = 0
     from_other_slot: int = 0
     from_ram: int = 0
-    saved: int = 0  # sequences saved to RAM
+    saved: int = 0  # sequences saved to RAM (or to the store)
+    checkpoints: int = 0  # of them, prompts saved as soon as they were prefilled (``checkpoint``)
+    adopted: int = 0  # store entries a dead predecessor left, taken over at start
     evicted: int = 0  # RAM entries dropped for the budget
     redundant: int = 0  # RAM entries dropped because a longer one had them all
     swa_reread: int = 0  # cached prompt tokens prefilled again: the sliding window had moved past their end
@@ -67,10 +73,20 @@ class PromptCache:
     """Slots' and RAM's cached sequences for one llama.cpp context (the rules it keeps: the module docstring)."""
 
     def __init__(
-        self, lib: Any, ctx: Any, memory: Any, budget: int, enabled: bool = True, n_swa: int = 0, exact: bool = False
+        self,
+        lib: Any,
+        ctx: Any,
+        memory: Any,
+        budget: int,
+        enabled: bool = True,
+        n_swa: int = 0,
+        exact: bool = False,
+        store: KvStore | None = None,
     ) -> None:
         """``n_swa``: the model's sliding window in tokens (0: no sliding-window layers), with ``swa_full`` too.
-        ``exact`` (a deterministic engine's): no RAM entry that holds only a window is restored (``_exact_enough``)."""
+        ``exact`` (a deterministic engine's): no RAM entry that holds only a window is restored (``_exact_enough``).
+        ``store``: the RAM entries live there instead, outliving this runner (``store``); what a dead predecessor
+        saved there is adopted now, within the budget."""
         self.lib = lib
         self.ctx = ctx
         self.memory = memory
@@ -83,6 +99,14 @@ class PromptCache:
         self._ram_bytes = 0
         self._keys = 0
         self.stats = CacheStats()
+        self.store = store if enabled and budget > 0 else None
+        if self.store is not None:
+            for stored in self.store.adopt():  # oldest first: the budget keeps the latest
+                head = stored.header
+                self._add(f"kv-{stored.key}", _Saved(head.tokens, head.size, stored.held, head.start, stored=stored))
+                self.stats.adopted += 1
+                while self._ram_bytes > self.budget:
+                    self._drop(next(iter(self._ram)))
 
     @property
     def ram_bytes(self) -> int:
@@ -102,8 +126,8 @@ class PromptCache:
         partial copy between streams is not supported), then the tail removed; llama.cpp copies at the next decode,
         before that step's rows are computed, so a busy source is copied as it stood. From RAM:
         ``llama_state_seq_set_data_ext``, then the tail removed. A holder whose window has moved on is passed over for
-        one that passes ``_usable``, else the prompt is prefilled from the start, and the tokens passed over are
-        counted (``CacheStats.swa_reread``)."""
+        one that passes ``_usable`` (a shorter RAM entry included: ``_shorter_entry``), else the prompt is prefilled
+        from the start, and the tokens passed over are counted (``CacheStats.swa_reread``)."""
         limit = len(prompt) - 1
         if not self.enabled:
             self._overwrite(slot, cached, 0)
@@ -125,6 +149,10 @@ class PromptCache:
                 saved, source, reused = entries[0], "ram", best.length
             elif others or best.ram:
                 passed = best.length
+                shorter = self._shorter_entry(prompt, limit, own)
+                if shorter is not None:
+                    reused, saved = shorter
+                    source = "ram"
         keep = reused if source == "own" else 0
         self._save_before_overwrite(slot, cached, keep, protect=saved)
         self.index.remove(slot)
@@ -135,7 +163,7 @@ class PromptCache:
         elif saved is not None:
             entry = self._ram[saved]
             self._ram.move_to_end(saved)
-            if self.lib.llama_state_seq_set_data_ext(self.ctx, entry.data, entry.size, slot, STATE_FLAGS) == 0:
+            if self._restore(entry, slot) == 0:
                 self._overwrite(slot, cached, 0)  # llama.cpp could not restore it (no room): prefill it all
                 self._drop(saved)
                 return 0
@@ -170,13 +198,38 @@ class PromptCache:
         if self.enabled:
             self.index.insert(slot, cached)
 
+    def checkpoint(self, slot: int, cached: Sequence[int]) -> None:
+        """Save ``slot``'s prompt, just prefilled (``cached``: exactly its cells), to the store now rather than only
+        before its cells are overwritten: should this runner die, the one that resumes its request restores the
+        prompt instead of prefilling it again. Only with a store, only a prompt of ``CHECKPOINT_MIN`` tokens or more,
+        within the budget (least recently used entries go first)."""
+        if self.store is None or len(cached) < CHECKPOINT_MIN:
+            return
+        saved = self.stats.saved
+        self._save_before_overwrite(slot, cached, 0)
+        self.stats.checkpoints += self.stats.saved - saved
+
     def clear(self) -> None:
-        """Forget every slot's registration and every RAM entry."""
-        for key in list(self._ram):
+        """Forget every slot's registration and every RAM entry. The store's entries stay: they hold no cell of this
+        context (a restore copies one in), and a predecessor's are what a resumed request needs after the warm-up."""
+        for key in [key for key, entry in self._ram.items() if entry.stored is None]:
             self._drop(key)
         self.index = PrefixIndex()
+        for key, entry in self._ram.items():
+            self.index.insert(key, entry.tokens)
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _shorter_entry(self, prompt: Sequence[int], limit: int, own: int) -> tuple[int, str] | None:
+        """The longest RAM entry that is a whole prefix of ``prompt`` and can serve it, (length, key), when the
+        longest holders cannot: a conversation's saved turn whose window has moved past where a resumed answer
+        parts from it, beside the prompt alone that was saved when it was prefilled (``checkpoint``)."""
+        for length, key in self.index.prefixes(prompt, limit):
+            if length < own + MIN_COPY:
+                break
+            if isinstance(key, str) and self._usable(length, self._ram[key].start) and self._exact_enough(key):
+                return length, key
+        return None
 
     def _window_start(self, slot: int) -> int:
         """The first position whose cells ``slot`` holds in every layer: 0 without a sliding window, else llama.cpp's
@@ -232,11 +285,12 @@ class PromptCache:
         if self.n_swa:  # llama.cpp saves a sliding-window layer's last window only: a restore holds no more
             start = max(start, len(cached) - self.n_swa)
         held = self.index.match(cached)
-        if held.length == len(cached) and (
-            any(self._ram[k].start <= start for k in held.ram)
-            or any(0 <= self._window_start(s) <= start for s in held.slots if s != slot)
-        ):
-            return  # another slot or a RAM entry has all of it, its window starting no later
+        if held.length == len(cached):
+            keeping = [k for k in held.ram if self._ram[k].start <= start]
+            for key in keeping:  # it is in use again: the last to be evicted for room
+                self._ram.move_to_end(key)
+            if keeping or any(0 <= self._window_start(s) <= start for s in held.slots if s != slot):
+                return  # another slot or a RAM entry has all of it, its window starting no later
         size = int(self.lib.llama_state_seq_get_size_ext(self.ctx, slot, STATE_FLAGS))
         if size <= 0 or size > self.budget:
             return
@@ -246,21 +300,12 @@ class PromptCache:
                 return  # only the protected entry is left, and the two do not fit together: this one is not saved
             self._drop(oldest)
             self.stats.evicted += 1
-        # Its own anonymous mapping, not malloc's: glibc raises its mmap threshold after a large free, so freed
-        # buffers of this size would stay in the heap and the process would hold more than the budget says.
-        mapping = mmap.mmap(-1, size)
-        data = (ctypes.c_uint8 * size).from_buffer(mapping)
-        written = int(self.lib.llama_state_seq_get_data_ext(self.ctx, data, size, slot, STATE_FLAGS))
-        if written <= 0:
-            del data
-            mapping.close()
+        entry = self._write(slot, size, list(cached), start)
+        if entry is None:
             return
-        self._keys += 1
-        key = f"ram-{self._keys}"
-        self._ram[key] = _Saved(list(cached), mapping, data, written, size, start)
-        self._ram_bytes += size  # the buffer held, not only what llama.cpp wrote into it
+        key = f"kv-{entry.stored.key}" if entry.stored is not None else f"ram-{self._keys}"
         self.stats.saved += 1
-        for prefix in self.index.insert(key, cached):
+        for prefix in self._add(key, entry):
             # a saved prefix of this one is redundant now, unless it can serve prompts this one cannot: its window
             # starts earlier (this one's moved on)
             if (
@@ -272,9 +317,48 @@ class PromptCache:
                 self._drop(prefix)
                 self.stats.redundant += 1
 
+    def _write(self, slot: int, size: int, tokens: list[int], start: int) -> _Saved | None:
+        """``slot``'s sequence state, in the store when there is one, else in RAM; None if nothing was written."""
+
+        def write(data: Any, length: int) -> int:
+            return int(self.lib.llama_state_seq_get_data_ext(self.ctx, data, length, slot, STATE_FLAGS))
+
+        if self.store is not None:
+            stored = self.store.save(size, write, tokens, start)
+            return None if stored is None else _Saved(tokens, stored.header.size, stored.held, start, stored=stored)
+        # Its own anonymous mapping, not malloc's: glibc raises its mmap threshold after a large free, so freed
+        # buffers of this size would stay in the heap and the process would hold more than the budget says.
+        mapping = mmap.mmap(-1, size)
+        data = (ctypes.c_uint8 * size).from_buffer(mapping)
+        written = write(data, size)
+        if written <= 0:
+            del data
+            mapping.close()
+            return None
+        self._keys += 1
+        return _Saved(tokens, written, size, start, mapping=mapping, data=data)
+
+    def _add(self, key: str, entry: _Saved) -> list[Holder]:
+        """Hold ``entry`` as ``key`` (most recently used); the holders it makes a prefix of (``PrefixIndex.insert``)."""
+        self._ram[key] = entry
+        self._ram_bytes += entry.held  # the buffer held, not only what llama.cpp wrote into it
+        return self.index.insert(key, entry.tokens)
+
+    def _restore(self, entry: _Saved, slot: int) -> int:
+        """Copy ``entry``'s state into ``slot``'s cells (from RAM, or its store file); 0 if llama.cpp could not."""
+
+        def read(data: Any, size: int) -> int:
+            return int(self.lib.llama_state_seq_set_data_ext(self.ctx, data, size, slot, STATE_FLAGS))
+
+        if entry.stored is None or self.store is None:
+            return read(entry.data, entry.size)
+        return self.store.load(entry.stored, read)
+
     def _drop(self, key: str) -> None:
         entry = self._ram.pop(key, None)
         if entry is not None:
             entry.free()
+            if entry.stored is not None and self.store is not None:
+                self.store.remove(entry.stored.key)
             self._ram_bytes -= entry.held
             self.index.remove(key)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import logging
 import os
 import random
 import time
@@ -38,6 +39,8 @@ from tether.engines.chat_templates import HOW_TO_SET, ChatTemplate, TemplateErro
 from tether.engines.gguf import GGUF_MAGIC, not_gguf
 from tether.engines.llamacpp import invariant
 from tether.engines.llamacpp.sizing import SIZING
+from tether.engines.llamacpp.store import KvStore
+from tether.engines.llamacpp.store import identity as store_identity
 from tether.engines.llamacpp.tools import LEADING_SPACE, template_messages, tool_grammar
 from tether.engines.llamacpp.tools import ROOT as TOOLS_ROOT
 from tether.engines.reasoning import Block, ReasoningFormat, Splitter, closes_in_prompt, opens_in_prompt
@@ -56,6 +59,8 @@ from tether.protocol import (
     Work,
 )
 from tether.units import parse_size
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tether.engines.llamacpp.batch import Batch, Thought
@@ -309,6 +314,7 @@ class LlamaCppEngine:
             exact_cache=self.deterministic,
             speculation=self.speculation,
             draft_max=self.draft_max,
+            store=self._store(),
         )
         self._chat_formatter = _chat_formatter(llama_cpp, model, self.template)
         self._reasoning = reasoning.detect(self._template_text())
@@ -372,6 +378,17 @@ class LlamaCppEngine:
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, which the fit's tensor_split follows
         if self.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu)
+
+    def _store(self) -> KvStore | None:
+        """Where the prompt cache's saved sequences outlive this runner (``EngineSpec.store``), if the worker gave a
+        place and there is a prompt cache to keep; a store that cannot be made is logged and done without."""
+        if self.spec.store is None or not self.prompt_cache or self.embedding or self.spec.rank is not None:
+            return None
+        try:
+            return KvStore(Path(self.spec.store), store_identity(self.spec))
+        except OSError as exc:
+            log.warning("no prompt store at %s (%s): a resumed prompt is prefilled again", self.spec.store, exc)
+            return None
 
     def _prompt_cache_budget(self) -> int:
         """The RAM store's budget in bytes: the option's, or (auto) the KV cache's size from the GGUF's header."""

@@ -136,6 +136,25 @@ class PrefixIndex:
             node = child
         return best
 
+    def prefixes(self, prompt: Sequence[int], limit: int | None = None) -> list[tuple[int, Holder]]:
+        """Every holder whose whole sequence is a prefix of ``prompt`` (at most ``limit`` tokens), with its length,
+        longest first: the shorter holders ``match`` does not return, for when its longest ones cannot serve."""
+        n = len(prompt) if limit is None else min(limit, len(prompt))
+        node = self._root
+        i = 0
+        found: list[tuple[int, Holder]] = []
+        while i < n:
+            child = node.children.get(prompt[i])
+            if child is None:
+                break
+            k = common_length(child.edge, prompt, i, n)
+            if k < len(child.edge):
+                break
+            i += k
+            found.extend((i, holder) for holder in child.ends)
+            node = child
+        return found[::-1]
+
     def _split(self, child: _Node, k: int) -> _Node:
         """Cut ``child``'s edge after ``k`` tokens: a new node there, ``child`` below it. Returns the new node."""
         parent = child.parent

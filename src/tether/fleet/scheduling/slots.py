@@ -99,5 +99,6 @@ def gpu_of(hosted: Hosted) -> int:
 
 
 def host_of(hosted: Hosted) -> int:
-    """What stopping ``hosted``'s runner gives back to the host's memory (its footprint less its VRAM)."""
-    return footprint_of(hosted) - gpu_of(hosted)
+    """What stopping ``hosted`` gives back to the host's memory: its runner's footprint less its VRAM, and its
+    store (saved prompts that outlive the runner, removed with the instance)."""
+    return footprint_of(hosted) - gpu_of(hosted) + hosted.store_bytes()
