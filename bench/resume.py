@@ -63,14 +63,26 @@ Cases:
    256; long). Prompts ask for stories about distinct subjects.
 3. context length: the default model, one stream, prompts of about 100, 1,000 and 3,000 tokens (a list of numbered
    facts to summarize; ``prompt_tokens`` is what the server counted), ``n_ctx`` 4096, ``parallel`` 1, ``max_tokens``
-   32, otherwise as in 2; a fresh pair of instances per prompt length. A resume re-prefills the prompt and the
-   tokens generated so far on the new runner: there is no prefix cache that outlives a runner yet, so the pause
-   grows with the context. The baseline re-prefills the prompt too, then regenerates what was lost.
+   32, otherwise as in 2; a fresh set of instances per prompt length. A resume restores the prompt from the store of
+   saved prompts that outlived the dead runner (``resume.store``: the prompt cache saves a prompt of 256 tokens or
+   more to a tmpfs directory the worker owns as soon as it is prefilled) and prefills only the tokens generated so
+   far. A third side, between tether's and the baseline's, runs the same streams on an instance with
+   ``"resume": {"store": false}``: its pause re-prefills the whole prompt (``nostore_pause_p50_s`` /
+   ``_p99_s``, ``nostore_completed``, ``nostore_equal_solo``; ``store_saves_p50_s`` = its pause p50 minus tether's).
+   The baseline re-prefills the prompt too, then regenerates what was lost.
+4. Gemma 3 270M (Q4_K_M, the base model, sliding-window attention; ``tether pull gemma3-270m``, else skipped and
+   ``gemma_skipped`` says why): 8 streams of prompts of about 2,000 tokens (distinct from their first line on, so no
+   prompt shares another's cells), ``POST /v1/completions`` (it has no chat template), options ``n_threads`` as in
+   2, ``parallel`` 8, ``n_ctx`` 2304, ``max_tokens`` 32, with the same three sides as in 3. It is not
+   ``deterministic``: a stream's text may part from its solo text (the batch it ran in changes the arithmetic, with
+   or without a death), so equality is counted but not required; the baseline's retried answers show the same.
 
 Headline keys: ``debug_200_*`` (case 1, N = 200; null in ``--quick``) and ``smollm2_8_*`` (case 2, N = 8; null in
 ``--quick`` or without the model): ``pause_p50_s``, ``pause_p99_s``, ``baseline_recovery_p50_s``,
-``baseline_recovery_p99_s``, ``ratio_p50``, ``restart_s``. ``ok`` = every tether stream completed and equalled
-solo, and no case failed to run (``errors`` lists those that did; exit 1 then). Without the default model or
+``baseline_recovery_p99_s``, ``ratio_p50``, ``restart_s``; ``gemma_8_*`` (case 4): ``pause_p50_s``, ``pause_p99_s``,
+``nostore_pause_p50_s``, ``nostore_pause_p99_s``, ``store_saves_p50_s``, ``prompt_tokens``. ``ok`` = every tether
+stream completed, each equal to solo where the engine promises it (the debug engine, ``deterministic``), and no case
+failed to run (``errors`` lists those that did; exit 1 then). Without the default model or
 llama-cpp-python, cases 2 and 3 are skipped and ``llama_skipped`` says why.
 
 All of it shares the machine's CPUs: the client (this process), the server and the runners. llama.cpp's threads wait
@@ -80,7 +92,8 @@ times over: read the SmolLM2 rows with ``restart_s`` and ``chunk_gap_p50_s`` bes
 ``--quick`` (for CI, ``"quick": true``): case 1 with N = 8 alone (the suite resumes the real model in its own tests);
 its figures are only a smoke test.
 
-Run: ``.venv/bin/python bench/resume.py [--quick] [--big] [--threads N]``. The last line printed is one JSON object.
+Run: ``.venv/bin/python bench/resume.py [--quick] [--big] [--threads N] [--groups debug,smollm2,context,gemma]``.
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -139,6 +152,9 @@ LLAMA_THREADS = 2  # --quick: 1
 CONTEXT_TOKENS = (100, 1000, 3000)  # about: the server's count is reported
 CONTEXT_MAX_TOKENS = 32
 CONTEXT_N_CTX = 4096
+GEMMA_STREAMS = 8
+GEMMA_TOKENS = 2000  # about: the server's count is reported
+GEMMA_N_CTX = 2304  # per sequence
 FACT_TOKENS = 20.3  # about how many tokens one fact of ``facts_prompt`` takes (SmolLM2's tokenizer)
 TEMPLATE_TOKENS = 35  # about what SmolLM2's chat template adds (its default system message)
 
@@ -168,11 +184,23 @@ class Case:
     max_tokens: int
     prompts: tuple[str, ...]
     label: str
+    model: str | None = None  # a GGUF path (None: the engine's default)
+    completions: bool = False  # POST /v1/completions with a prompt (a base model has no chat template)
+    store: bool = False  # also a side whose instance keeps no store of saved prompts (``resume.store`` false)
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.completions else "/v1/chat/completions"
 
     def body(self, model: str, i: int, stream: bool = True) -> dict[str, Any]:
+        asked = (
+            {"prompt": self.prompts[i]}
+            if self.completions
+            else {"messages": [{"role": "user", "content": self.prompts[i]}]}
+        )
         body: dict[str, Any] = {
             "model": model,
-            "messages": [{"role": "user", "content": self.prompts[i]}],
+            **asked,
             "max_tokens": self.max_tokens,
             "temperature": 0,
             "stream": stream,
@@ -197,7 +225,9 @@ def facts_prompt(tokens: int) -> str:
     return "Summarize these facts in a few sentences.\n" + "\n".join(lines)
 
 
-def cases(args: argparse.Namespace, llama: bool, deterministic: bool, threads: int) -> list[Case]:
+def cases(
+    args: argparse.Namespace, llama: bool, deterministic: bool, threads: int, gemma: str | None = None
+) -> list[Case]:
     found = []
     for n in (8,) if args.quick else DEBUG_STREAMS:
         prompts = tuple(f"stream {i} of the resume benchmark" for i in range(n))
@@ -215,7 +245,15 @@ def cases(args: argparse.Namespace, llama: bool, deterministic: bool, threads: i
     for tokens in CONTEXT_TOKENS:
         options = {"n_threads": threads, "parallel": 1, "n_ctx": CONTEXT_N_CTX, **extra}
         prompts = (facts_prompt(tokens),)
-        found.append(Case("context", "llama.cpp", 1, options, CONTEXT_MAX_TOKENS, prompts, f"SmolLM2 ~{tokens} tok"))
+        label = f"SmolLM2 ~{tokens} tok"
+        found.append(Case("context", "llama.cpp", 1, options, CONTEXT_MAX_TOKENS, prompts, label, store=True))
+    if gemma is not None:
+        options = {"n_threads": threads, "parallel": GEMMA_STREAMS, "n_ctx": GEMMA_N_CTX}
+        prompts = tuple(f"Notebook {i}.\n" + facts_prompt(GEMMA_TOKENS) + "\nSummary:" for i in range(GEMMA_STREAMS))
+        label = f"Gemma 3 N={GEMMA_STREAMS} ~{GEMMA_TOKENS} tok"
+        found.append(
+            Case("gemma", "llama.cpp", GEMMA_STREAMS, options, CONTEXT_MAX_TOKENS, prompts, label, gemma, True, True)
+        )
     return found
 
 
@@ -305,10 +343,12 @@ class StreamRun:
         return self.attempts[-1]
 
 
-async def read(client: httpx.AsyncClient, body: dict[str, Any], att: Attempt, on_chunk: Callable[[], None]) -> None:
-    """Send ``body`` and read its SSE stream into ``att``; ``on_chunk`` after each content chunk."""
+async def read(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], att: Attempt, on_chunk: Callable[[], None]
+) -> None:
+    """Send ``body`` to ``path`` and read its SSE stream into ``att``; ``on_chunk`` after each content chunk."""
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             att.status = response.status_code
             if response.status_code != 200:
                 att.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
@@ -322,7 +362,7 @@ async def read(client: httpx.AsyncClient, body: dict[str, Any], att: Attempt, on
                     continue
                 att.usage = event.get("usage") or att.usage
                 for choice in event.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or ""
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     if piece:
                         att.text += piece
                         att.arrivals.append(time.monotonic())
@@ -399,7 +439,7 @@ async def run_side(url: str, admin: httpx.AsyncClient, case: Case, instance_id: 
             if len(first.arrivals) >= K:
                 gate.mark(run.index)
 
-        await read(client, body, first, reached)
+        await read(client, case.path, body, first, reached)
         gate.mark(run.index)
         if not retry or first.complete:
             return
@@ -413,7 +453,7 @@ async def run_side(url: str, admin: httpx.AsyncClient, case: Case, instance_id: 
                 if run.recovered is None and len(att.text) >= target:
                     run.recovered = att.arrivals[-1]
 
-            await read(client, body, att, caught_up)
+            await read(client, case.path, body, att, caught_up)
             if att.complete:
                 return
             if att.status == 503:
@@ -444,13 +484,13 @@ async def solo_texts(admin: httpx.AsyncClient, case: Case, instance_id: str) -> 
     """Each stream's request alone, one after the other, non-streamed."""
     found = []
     for i in range(case.streams):
-        answer = await admin.post("/v1/chat/completions", json=case.body(instance_id, i, stream=False), timeout=300)
+        answer = await admin.post(case.path, json=case.body(instance_id, i, stream=False), timeout=300)
         if answer.status_code != 200:
             raise BenchFailed(f"{case.label}: solo request {i} refused: {answer.status_code} {answer.text[:300]}")
         data = answer.json()
-        found.append(
-            Solo(str(data["choices"][0]["message"]["content"]), (data.get("usage") or {}).get("prompt_tokens"))
-        )
+        choice = data["choices"][0]
+        text = choice["text"] if case.completions else choice["message"]["content"]
+        found.append(Solo(str(text), (data.get("usage") or {}).get("prompt_tokens")))
     return found
 
 
@@ -541,7 +581,7 @@ def figures(case: Case, solos: Sequence[Solo], tether: Side, baseline: Side, det
         "prompt_tokens": int(statistics.median(tokens)) if tokens else None,
         "max_tokens": case.max_tokens,
         "options": case.options,
-        "deterministic": deterministic if llama else None,
+        "deterministic": bool(case.options.get("deterministic")) if llama else None,
         "pause_p50_s": rounded(pause_p50),
         "pause_p99_s": rounded(percentile(pauses, 99)),
         "pause_max_s": rounded(max(pauses, default=float("nan"))),
@@ -580,9 +620,12 @@ def figures(case: Case, solos: Sequence[Solo], tether: Side, baseline: Side, det
 
 
 async def run_case(url: str, case: Case, number: int, deterministic: bool) -> dict[str, Any]:
-    """Both sides of one case on the server at ``url``: tether (resume) first, then the baseline."""
+    """Every side of one case on the server at ``url``: tether (resume) first, then (``case.store``) tether without
+    its store of saved prompts, then the baseline."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as admin:
         common = {"engine": case.engine, "options": case.options, "max_queue": MAX_QUEUE}
+        if case.model is not None:
+            common["model"] = case.model
         tether_id, baseline_id = f"c{number}-resume", f"c{number}-baseline"
         inst = await add_instance(admin, {"id": tether_id, **common, "resume": True})
         try:
@@ -590,15 +633,51 @@ async def run_case(url: str, case: Case, number: int, deterministic: bool) -> di
             tether = await run_side(url, admin, case, tether_id, int(inst["runner"]["pid"]), retry=False)
         finally:
             await delete_instance(admin, tether_id)
+        bare: Side | None = None
+        if case.store:
+            bare_id = f"c{number}-nostore"
+            inst = await add_instance(admin, {"id": bare_id, **common, "resume": {"store": False}})
+            try:
+                warm = {**case.body(bare_id, 0, stream=False), "max_tokens": 2}
+                await admin.post(case.path, json=warm, timeout=300)
+                bare = await run_side(url, admin, case, bare_id, int(inst["runner"]["pid"]), retry=False)
+            finally:
+                await delete_instance(admin, bare_id)
         restart = {"initial_backoff": 0.05}
         inst = await add_instance(admin, {"id": baseline_id, **common, "resume": False, "restart": restart})
         try:
             warm = {**case.body(baseline_id, 0, stream=False), "max_tokens": 2}
-            await admin.post("/v1/chat/completions", json=warm, timeout=300)
+            await admin.post(case.path, json=warm, timeout=300)
             baseline = await run_side(url, admin, case, baseline_id, int(inst["runner"]["pid"]), retry=True)
         finally:
             await delete_instance(admin, baseline_id)
-    return figures(case, solos, tether, baseline, deterministic)
+    row = figures(case, solos, tether, baseline, deterministic)
+    row.update(store_figures(case, solos, tether, bare))
+    return row
+
+
+def stalls(side: Side) -> list[float]:
+    """Each stream's pause on ``side`` (those with a chunk after the kill)."""
+    t_kill = side.t_kill or float("inf")
+    return [found[0] for found in (pause_of(r.first, t_kill) for r in side.streams) if found is not None]
+
+
+def store_figures(case: Case, solos: Sequence[Solo], tether: Side, bare: Side | None) -> dict[str, Any]:
+    """The side without a store beside tether's: its pauses (the re-prefill the store saves), its completions."""
+    if bare is None:
+        return {"nostore_pause_p50_s": None, "nostore_pause_p99_s": None, "store_saves_p50_s": None}
+    pauses, mine = stalls(bare), stalls(tether)
+    p50, bare_p50 = percentile(mine, 50), percentile(pauses, 50)
+    return {
+        "nostore_pause_p50_s": rounded(bare_p50),
+        "nostore_pause_p99_s": rounded(percentile(pauses, 99)),
+        "nostore_restart_s": rounded(bare.restart_s),
+        "nostore_completed": sum(1 for r in bare.streams if r.first.complete),
+        "nostore_equal_solo": sum(
+            1 for r, s in zip(bare.streams, solos, strict=True) if r.first.complete and r.first.text == s.text
+        ),
+        "store_saves_p50_s": rounded(bare_p50 - p50) if pauses and mine else None,
+    }
 
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
@@ -619,6 +698,8 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         "base/tether",
         "lost w/o retry",
         "base =solo",
+        "no store p50",
+        "no store p99",
     )
 
     def s(value: Any) -> str:
@@ -642,6 +723,8 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
             s(r["ratio_p50"]),
             f"{r['baseline_lost_without_retry']}/{r['streams']}",
             f"{r['baseline_equal_solo']}/{r['streams']}",
+            s(r.get("nostore_pause_p50_s")),
+            s(r.get("nostore_pause_p99_s")),
         )
         for r in rows
     ]
@@ -654,6 +737,16 @@ def headline(rows: Sequence[dict[str, Any]], engine: str, streams: int, group_la
     return {key: row.get(key) for key in (*keys, "restart_s")}
 
 
+def gemma_model() -> tuple[str | None, str | None]:
+    """Gemma 3 270M's GGUF where ``tether pull gemma3-270m`` put it, or None and why not."""
+    from tether.models import PACKAGED, pulled_path
+
+    path = pulled_path(PACKAGED["gemma3-270m"])
+    if not path.exists():
+        return None, f"{path} is missing: tether pull gemma3-270m"
+    return str(path), None
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     skipped = llama_unavailable()
     missing = invariant.missing() if skipped is None else None
@@ -662,8 +755,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     threads = args.threads or (1 if args.quick else LLAMA_THREADS)
-    todo = cases(args, skipped is None, deterministic, threads)
-    for group in ("debug", "smollm2", "context"):
+    gemma, gemma_skipped = gemma_model() if skipped is None and not args.quick else (None, "not in this run")
+    todo = cases(args, skipped is None, deterministic, threads, gemma)
+    for group in ("debug", "smollm2", "context", "gemma"):
+        if args.groups and group not in args.groups.split(","):
+            continue
         mine = [(i, c) for i, c in enumerate(todo) if c.group == group]
         if not mine:
             continue
@@ -700,12 +796,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     for e in errors:
         print(f"ERROR: {e}")
 
-    complete = all(r["completed"] == r["equal_solo"] == r["streams"] for r in rows)
+    # equal to solo is promised where the text is a function of the request alone: the debug engine, deterministic
+    complete = all(
+        r["completed"] == r["streams"] and (r["equal_solo"] == r["streams"] or r["deterministic"] is False)
+        for r in rows
+    )
     result: dict[str, Any] = {"bench": "resume", "quick": bool(args.quick), "big": bool(args.big)}
     for name, value in headline(rows, "debug", 200, "debug N=200").items():
         result[f"debug_200_{name}"] = value
     for name, value in headline(rows, "llama.cpp", 8, "SmolLM2 N=8").items():
         result[f"smollm2_8_{name}"] = value
+    gemma_row = next((r for r in rows if r["case"].startswith("Gemma")), {})
+    for name in ("pause_p50_s", "pause_p99_s", "nostore_pause_p50_s", "nostore_pause_p99_s", "store_saves_p50_s"):
+        result[f"gemma_8_{name}"] = gemma_row.get(name)
+    result["gemma_8_prompt_tokens"] = gemma_row.get("prompt_tokens")
+    result["gemma_skipped"] = gemma_skipped
     result.update(
         {
             "ok": complete and not errors and bool(rows),
@@ -731,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="debug N=8 alone (CI)")
     parser.add_argument("--big", action="store_true", help="also SmolLM2 with 200 streams (long)")
+    parser.add_argument("--groups", help="only these case groups, comma-separated: debug, smollm2, context, gemma")
     parser.add_argument("--threads", type=int, help=f"llama.cpp threads (default {LLAMA_THREADS}; --quick: 1)")
     args = parser.parse_args(argv)
     with private_tether_dirs("tether-bench-resume-"):
