@@ -116,6 +116,7 @@ def test_streams_whose_runner_is_killed_resume_where_they_stopped_and_end_as_the
         after = server.instance("d")
         # the first restart of a life that held requests waits for no backoff (5 s here)
         assert after["restarts"] == 1 and after["history"][0]["cause"]["kind"] == "signal"
+        assert after["history"][0]["resumed"] == 8  # what that death did, beside its cause
         assert max(b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:], strict=False)) < 4.0
         assert metric(server, "tether_requests_resumed_total", instance="d", cause="signal") == 8
         assert metric(server, "tether_resume_pause_seconds", instance="d", quantile="0.99") > 0

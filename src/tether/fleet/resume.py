@@ -248,6 +248,7 @@ class Resumes:
         self.proven = 0
         self.pauses: collections.deque[float] = collections.deque(maxlen=PAUSES_KEPT)  # last chunk -> next, seconds
         self._lives: dict[tuple[str, int], Role] = {}
+        self._resumed_from: collections.Counter[tuple[str, int]] = collections.Counter()  # (replica, life) that died
         self._forgiven: dict[str, Callable[[list[int]], None]] = {}  # replica -> its backoff's forgive
 
     def pause_quantile(self, q: float) -> float | None:
@@ -267,6 +268,17 @@ class Resumes:
         instance before the trial says whose it is), requests ("held": its first restart is not delayed) or none
         (resume off: nothing waits for the next life)."""
         return self._lives.get((replica, life)) if self.policy.enabled else None
+
+    def count(self, cause: str, died: tuple[str, int]) -> None:
+        """A request resumed after ``cause`` killed the life ``died`` (replica, life)."""
+        self.resumed[cause] += 1
+        self._resumed_from[died] += 1
+        while len(self._resumed_from) > LIVES_KEPT:
+            del self._resumed_from[next(iter(self._resumed_from))]
+
+    def resumed_from(self, replica: str, life: int) -> int:
+        """How many requests the death of ``replica``'s ``life`` resumed (its history shows it)."""
+        return self._resumed_from[(replica, life)]
 
     def hold(self, replica: str, life: int, trial: bool) -> None:
         key = (replica, life)
@@ -487,7 +499,7 @@ class Resumable:
         self._resumes.hold(replica.name, life, trial=trial)
         journal.resumed += 1
         journal.trials += trial
-        self._resumes.resumed[journal.deaths[-1].kind.value] += 1
+        self._resumes.count(journal.deaths[-1].kind.value, journal.lives[-1])
         log.info(
             "request %s resumed on %s (life %d) after %d tokens: %s",
             self.task_id,

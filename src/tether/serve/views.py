@@ -228,6 +228,7 @@ class PastLife(msgspec.Struct):
     detected_in: float | None  # seconds from the death to tether's verdict
     cause: CauseOut
     log: str | None = None  # that life's runner log file (``GET /v1/instances/{id}/log?life=N`` reads it)
+    resumed: int = 0  # requests it held that went on on a new runner (docs/resume.md)
 
 
 class ReplicaOut(msgspec.Struct):
@@ -557,7 +558,15 @@ def instance_out(hosted: Hosted, requests: list[RequestOut] | UnsetType = UNSET)
         ),
         cause=_cause(inst.cause),
         history=[
-            PastLife(at=f.at, life=f.life, pid=f.pid, detected_in=f.detected_in, cause=cause_out(f.cause), log=f.log)
+            PastLife(
+                at=f.at,
+                life=f.life,
+                pid=f.pid,
+                detected_in=f.detected_in,
+                cause=cause_out(f.cause),
+                log=f.log,
+                resumed=hosted.resumes.resumed_from(inst.name, f.life) if hosted.resumes is not None else 0,
+            )
             for f in inst.history
         ],
         life=life_of(state),

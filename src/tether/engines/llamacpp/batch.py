@@ -437,6 +437,7 @@ class Batch:
             self.lib.llama_sampler_free(seq.grammar)
         if seq.placed:  # its slot's cells hold exactly what it computed, a cancelled prefill's part included
             self.cache.register(seq.slot.index, seq.slot.cached)
+        self.cache.unpin(seq.slot.index)
         if seq.drafter is not None:  # its completion, for later requests' drafts
             self.history.add(seq.drafter.context.tokens[seq.prompt_tokens :])
         return seq.prompt_tokens, seq.completion

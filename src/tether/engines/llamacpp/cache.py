@@ -98,6 +98,7 @@ class PromptCache:
         self._ram: OrderedDict[str, _Saved] = OrderedDict()  # least recently used first
         self._ram_bytes = 0
         self._keys = 0
+        self._pinned: dict[int, str] = {}  # slot -> its request's prompt in the store, kept while it is in flight
         self.stats = CacheStats()
         self.store = store if enabled and budget > 0 else None
         if self.store is not None:
@@ -129,6 +130,7 @@ class PromptCache:
         one that passes ``_usable`` (a shorter RAM entry included: ``_shorter_entry``), else the prompt is prefilled
         from the start, and the tokens passed over are counted (``CacheStats.swa_reread``)."""
         limit = len(prompt) - 1
+        self._pinned.pop(slot, None)  # the slot's last request is over
         if not self.enabled:
             self._overwrite(slot, cached, 0)
             return 0
@@ -202,18 +204,27 @@ class PromptCache:
         """Save ``slot``'s prompt, just prefilled (``cached``: exactly its cells), to the store now rather than only
         before its cells are overwritten: should this runner die, the one that resumes its request restores the
         prompt instead of prefilling it again. Only with a store, only a prompt of ``CHECKPOINT_MIN`` tokens or more,
-        within the budget (least recently used entries go first)."""
+        within the budget (least recently used entries go first, never the prompt of a request still in flight)."""
         if self.store is None or len(cached) < CHECKPOINT_MIN:
             return
         saved = self.stats.saved
         self._save_before_overwrite(slot, cached, 0)
         self.stats.checkpoints += self.stats.saved - saved
+        held = self.index.match(cached)
+        key = next((k for k in held.ram if held.length == len(cached) == len(self._ram[k].tokens)), None)
+        if key is not None:  # no other save evicts it while its request may still need it
+            self._pinned[slot] = key
+
+    def unpin(self, slot: int) -> None:
+        """``slot``'s request ended: its saved prompt is evicted for room again like any other entry."""
+        self._pinned.pop(slot, None)
 
     def clear(self) -> None:
         """Forget every slot's registration and every RAM entry. The store's entries stay: they hold no cell of this
         context (a restore copies one in), and a predecessor's are what a resumed request needs after the warm-up."""
         for key in [key for key, entry in self._ram.items() if entry.stored is None]:
             self._drop(key)
+        self._pinned.clear()
         self.index = PrefixIndex()
         for key, entry in self._ram.items():
             self.index.insert(key, entry.tokens)
@@ -295,7 +306,8 @@ class PromptCache:
         if size <= 0 or size > self.budget:
             return
         while self._ram_bytes + size > self.budget:
-            oldest = next((key for key in self._ram if key != protect), None)
+            pinned = self._pinned.values()
+            oldest = next((key for key in self._ram if key != protect and key not in pinned), None)
             if oldest is None:
                 return  # only the protected entry is left, and the two do not fit together: this one is not saved
             self._drop(oldest)
@@ -311,6 +323,7 @@ class PromptCache:
             if (
                 isinstance(prefix, str)
                 and prefix != protect
+                and prefix not in self._pinned.values()
                 and prefix in self._ram
                 and self._ram[prefix].start >= start
             ):
