@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from tether.engines.llamacpp.store import KvStore, identity
 from tether.kernel.pids import proc_stat
-from tether.node import stores
+from tether.node import fit, stores
+from tether.node.memory import NodeMemory
 from tether.protocol import EngineSpec
 
 
@@ -82,3 +84,19 @@ def test_a_dead_workers_stores_are_swept_and_a_live_ones_are_not(
     stores.remove(mine)
     stores.release()
     assert not mine.parent.exists()
+
+
+def test_a_new_lifes_fit_counts_its_own_saved_prompts_as_room(tmp_path: Path) -> None:
+    """A restarted life takes its store over within the prompt cache its estimate already counts: the node's memory
+    in use for the store is room for it, not a second charge (a life that does not fit only because of its own
+    saved prompts would fail every request it was to resume)."""
+    store = tmp_path / "inst"
+    store.mkdir()
+    (store / "a.kv").write_bytes(b"x" * (64 << 20))
+    spec = EngineSpec(engine="debug", options={"hold_bytes": 100 << 20}, store=str(store))
+    needs = 156 << 20  # its runtime, what it holds and its headroom (the debug engine's estimate)
+    tight = NodeMemory(available=needs - (32 << 20), source="test", host_total=1 << 34, host_available=1 << 34)
+    fits = fit.assess(spec, node=tight)
+    assert fits.fits and fits.available == tight.available + stores.size(store), fits
+    assert "64.0 MiB of its own saved prompts" in fits.message
+    assert not fit.assess(msgspec.structs.replace(spec, store=None), node=tight).fits

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ import msgspec
 from tether.engines import registry
 from tether.engines.base import Estimate, GrowingEstimate, MemoryEstimate, Room, Shortfall, Sized
 from tether.errors import TetherError
+from tether.node import stores
 from tether.node.memory import NodeMemory, ProcessMemory, node_memory
 from tether.protocol import EngineSpec, RankInfo
 from tether.units import format_bytes
@@ -197,7 +199,18 @@ def assess(
     node = node if node is not None else node_memory()
     if ranks != 1:
         return check_fit(estimate, node.available, node.source, override=override)
-    return judge(spec, estimate, node, node.available, node.source, override=override, context=sized)
+    credit, note = adopted(spec)
+    available = node.available + credit
+    return judge(spec, estimate, node, available, node.source + note, override=override, context=sized)
+
+
+def adopted(spec: EngineSpec) -> tuple[int, str]:
+    """What a new life of ``spec`` takes over from its predecessors: its instance's store of saved prompts
+    (``tether.node.stores``), which the node counts as used and the estimate counts again in the prompt cache it
+    fills (what exceeds that budget is dropped when adopted). (bytes, the words a fit's source adds.)"""
+    held = stores.size(Path(spec.store)) if spec.store else 0
+    note = f", plus {format_bytes(held)} of its own saved prompts it takes over" if held else ""
+    return held, note
 
 
 def admit(

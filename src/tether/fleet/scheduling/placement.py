@@ -6,6 +6,7 @@ them to be idle (the lock released meanwhile), bounded by ``load_wait``."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,6 +24,7 @@ from tether.fleet.scheduling.state import SchedulerState
 from tether.node import fit
 from tether.node.fit import DoesNotFit, FitResult
 from tether.node.instance import Instance, InstanceStarting, InstanceState, Placer
+from tether.node.memory import NodeMemory
 from tether.units import format_bytes
 
 
@@ -138,7 +140,13 @@ class Placement:
             sup = candidate.hosted.supervisor if candidate.hosted is not None else None
             if sup is not None:
                 await sup.sample_memory()
-        node = await anyio.to_thread.run_sync(state.settings.memory)
+        credit, note = fit.adopted(spec)  # its own saved prompts: in use on the node, and in its estimate again
+
+        def credited(node: NodeMemory) -> NodeMemory:
+            return dataclasses.replace(node, available=node.available + credit, source=node.source + note)
+
+        measured = await anyio.to_thread.run_sync(state.settings.memory)
+        node = credited(measured)
         held = {h.id: reserved(h) for h in state.fleet.list() if h.instance is not instance}
         host, gpu_victims = estimate, []
         if estimate is not None and instance.ranks == 1:  # what the host holds once the GPUs hold their layers
@@ -156,7 +164,7 @@ class Placement:
         if victims:
             need = host.total + held_back if host is not None else 0
             needs = host.describe() if host is not None else "needs a slot (no estimate)"
-            node = await evict(state, instance.name, victims, need, needs, node)
+            node = credited(await evict(state, instance.name, victims, need - credit, needs, measured))
         if estimate is None:
             engine = registry.canonical(spec.engine)
             return FitResult(None, None, "none", True, False, f"no memory estimate for engine {engine!r}: admitted")
