@@ -297,12 +297,13 @@ def own_cgroups() -> None:
     remove_cgroup(probe)
 
 
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    """Re-check a server-side condition until it holds (bounded); the server has no push channel to wait on."""
+def wait_until(predicate: Any, timeout: float, what: str | Callable[[], str]) -> None:
+    """Re-check a server-side condition until it holds (bounded); the server has no push channel to wait on.
+    ``what`` says what was awaited (a callable: worded when it fails, with what it found)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
+            raise AssertionError(f"not within {timeout} s: {what() if callable(what) else what}")
         time.sleep(0.02)
 
 

@@ -32,6 +32,8 @@ class Stream:
 
     body: dict[str, Any]
     text: str = ""
+    calls: str = ""  # its tool calls' arguments, as streamed
+    at_kill: str = ""  # its text and calls when its runner was killed
     arrivals: list[float] = field(default_factory=list)
     error: dict[str, Any] | None = None
     finish: str | None = None
@@ -58,6 +60,9 @@ def read(server: Server, stream: Stream) -> None:
                 if piece:
                     stream.text += piece
                     stream.arrivals.append(time.monotonic())
+                for call in choice["delta"].get("tool_calls") or []:
+                    stream.calls += call["function"].get("arguments") or ""
+                    stream.arrivals.append(time.monotonic())
                 stream.finish = choice.get("finish_reason") or stream.finish
 
 
@@ -74,19 +79,32 @@ def chat(model: str, content: str, max_tokens: int, **extra: Any) -> dict[str, A
 
 
 def solo(server: Server, body: dict[str, Any]) -> str:
+    """The request's answer alone, non-streamed: its text, then its tool calls' arguments."""
     answer = server.http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=45)
     assert answer.status_code == 200, answer.text
-    return str(answer.json()["choices"][0]["message"]["content"])
+    message = answer.json()["choices"][0]["message"]
+    calls = "".join(call["function"]["arguments"] for call in message.get("tool_calls") or [])
+    return str(message["content"] or "") + calls
 
 
-def run_streams(server: Server, streams: list[Stream], kill_after: int, model: str) -> int:
+def run_streams(server: Server, streams: list[Stream], kill_after: int, model: str, lead: int = 0) -> int:
     """Start every stream, SIGKILL the instance's runner once each has ``kill_after`` chunks, wait for all to end;
-    the killed pid."""
+    the killed pid. ``lead``: the first streams are started alone and have a chunk before the others start (a long
+    prompt's prefill, which would let short answers end before the kill)."""
     pid = server.instance(model)["runner"]["pid"]
     threads = [threading.Thread(target=read, args=(server, s)) for s in streams]
-    for thread in threads:
+    for thread in threads[:lead]:
         thread.start()
-    wait_until(lambda: all(len(s.arrivals) >= kill_after for s in streams), 30, f"{kill_after} chunks on every stream")
+    wait_until(lambda: all(s.arrivals or s.finish for s in streams[:lead]), 30, "the leading streams under way")
+    for thread in threads[lead:]:
+        thread.start()
+    wait_until(
+        lambda: all(len(s.arrivals) >= kill_after for s in streams),
+        30,
+        lambda: f"{kill_after} chunks on every stream: {[(len(s.arrivals), s.status, s.error) for s in streams]}",
+    )
+    for stream in streams:
+        stream.at_kill = stream.text + stream.calls
     os.kill(pid, signal.SIGKILL)
     for thread in threads:
         thread.join(45)
@@ -179,7 +197,8 @@ def test_a_stream_that_cannot_resume_in_time_fails_at_once_with_the_cause_and_wh
 
 @pytest.mark.timeout(120)
 def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_object_stays_whole() -> None:
-    """And a long prompt is restored from the store that outlived its runner, not prefilled again: the resumed
+    """A JSON object and a tool call killed inside their structure end whole. And a long prompt is restored from the
+    store that outlived its runner, not prefilled again: the resumed
     stream's usage says every prompt token was cached (0 without the store); the store goes with its instance."""
     missing = model_missing()
     if missing:
@@ -199,20 +218,28 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
             },
         }
         facts = "\n".join(f"Fact {j}: the red fox crossed bridge {3 * j + 7} on day {j % 31 + 1}." for j in range(16))
+        add = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+        tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": add}}}
         streams = [
             Stream(chat(model, f"Summarize these facts.\n{facts}", 48)),  # ~300 tokens: saved to the store
+            Stream(chat(model, "17 + 25?", 200, tools=[tool], tool_choice="required")),  # killed inside its call
             Stream(chat(model, "Write a short story about a ship.", 48)),
             Stream(chat(model, "Describe a person as JSON.", 48, response_format=person)),
         ]
-        alone = [solo(server, s.body) for s in streams]
         [store] = Path("/dev/shm").glob(f"tether-store-*-{server.pid}-*/{model}")
+        # before the solos (a repeated answer is drafted in long chunks); the long prompt and the tool call's wrapper
+        # first, so that the JSON object, started after, is still open at the kill
+        run_streams(server, streams, 6, model, lead=2)
         assert server.instance(model)["resumes"]["store_bytes"] > 0
-        run_streams(server, streams, 6, model)
+        alone = [solo(server, s.body) for s in streams]
         for stream, text in zip(streams, alone, strict=True):
             assert stream.error is None, stream.error
-            assert stream.text == text, (stream.text, text)
+            assert stream.text + stream.calls == text, (stream.text, stream.calls, text)
             assert stream.usage is not None and stream.usage["resumed"] == 1
-        assert isinstance(json.loads(streams[2].text), dict)
+        assert isinstance(json.loads(streams[3].text), dict)
+        assert streams[1].finish == "tool_calls" and isinstance(json.loads(streams[1].calls), dict), streams[1]
+        for inside in (streams[1], streams[3]):  # each was killed inside its structure
+            assert 0 < len(inside.at_kill) < len(inside.text + inside.calls), inside
         usage = streams[0].usage
         assert usage is not None and usage["prompt_tokens"] > 256
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"], usage
