@@ -223,7 +223,6 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
         streams = [
             Stream(chat(model, f"Summarize these facts.\n{facts}", 48)),  # ~300 tokens: saved to the store
             Stream(chat(model, "17 + 25?", 200, tools=[tool], tool_choice="required")),  # killed inside its call
-            Stream(chat(model, "Write a short story about a ship.", 48)),
             Stream(chat(model, "Describe a person as JSON.", 48, response_format=person)),
         ]
         [store] = Path("/dev/shm").glob(f"tether-store-*-{server.pid}-*/{model}")
@@ -236,9 +235,9 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
             assert stream.error is None, stream.error
             assert stream.text + stream.calls == text, (stream.text, stream.calls, text)
             assert stream.usage is not None and stream.usage["resumed"] == 1
-        assert isinstance(json.loads(streams[3].text), dict)
+        assert isinstance(json.loads(streams[2].text), dict)
         assert streams[1].finish == "tool_calls" and isinstance(json.loads(streams[1].calls), dict), streams[1]
-        for inside in (streams[1], streams[3]):  # each was killed inside its structure
+        for inside in (streams[1], streams[2]):  # each was killed inside its structure
             assert 0 < len(inside.at_kill) < len(inside.text + inside.calls), inside
         usage = streams[0].usage
         assert usage is not None and usage["prompt_tokens"] > 256
