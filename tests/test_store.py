@@ -46,6 +46,7 @@ def test_a_save_cut_short_leaves_no_entry_and_its_state_file_is_removed(tmp_path
     store = KvStore(tmp_path, "m")
     (tmp_path / "123-1.kv").write_bytes(b"\0" * 4096)  # killed after the state, before the header's rename
     (tmp_path / "123-2.json").write_bytes(b"{not json")  # or a header torn some other way
+    (tmp_path / "123-3.json.tmp").write_bytes(b"{}")  # or killed between the header's write and its rename
     assert store.save(4096, lambda data, n: 0, [1], 0) is None  # llama.cpp wrote nothing: no entry either
     assert store.adopt() == []
     assert list(tmp_path.iterdir()) == []

@@ -92,6 +92,8 @@ class KvStore:
         for state in self.directory.glob("*.kv"):  # a save cut short: no header
             if state.stem not in keys:
                 state.unlink(missing_ok=True)
+        for staged in self.directory.glob("*.json.tmp"):  # or cut between its header's write and rename
+            staged.unlink(missing_ok=True)
         found.sort(key=lambda entry: entry.header.order)
         self._order = max((entry.header.order for entry in found), default=0)
         if found:
@@ -99,7 +101,7 @@ class KvStore:
             log.info("adopted %d saved sequences (%d tokens) from %s", len(found), tokens, self.directory)
         return found
 
-    def save(self, size: int, write: Any, tokens: list[int], start: int) -> Stored | None:
+    def save(self, size: int, write: Callable[[Any, int], int], tokens: list[int], start: int) -> Stored | None:
         """A new entry of ``size`` bytes: ``write(buffer, size)`` fills it (llama.cpp's state) and returns the bytes
         written; None when the store has no room (tmpfs full) or nothing was written."""
         key = uuid.uuid4().hex[:16]  # not the pid: a later runner may be given a dead one's
@@ -128,8 +130,13 @@ class KvStore:
         self._order += 1
         header = Header(self.identity, tokens, start, written, self._order)
         staged = self.directory / f"{key}.json.tmp"
-        staged.write_bytes(msgspec.json.encode(header))
-        staged.rename(self.directory / f"{key}.json")
+        try:
+            staged.write_bytes(msgspec.json.encode(header))
+            staged.rename(self.directory / f"{key}.json")
+        except OSError as exc:  # no room left even for the header: no entry, and nothing of it left behind
+            log.info("prompt store %s: its header not written (%s): not saved", self.directory, exc)
+            self.remove(key)
+            return None
         return Stored(key, header, size)
 
     def load(self, entry: Stored, read: Callable[[Any, int], int]) -> int:
