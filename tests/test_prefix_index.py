@@ -52,7 +52,8 @@ def test_a_match_is_the_longest_prefix_any_holder_has_and_names_every_holder_tha
             assert set(found.slots) | set(found.ram) == have
             # and every holder that is a whole prefix, longest first (what serves when the longest ones cannot)
             shorter = index.prefixes(prompt, limit)
-            assert sorted(shorter) == sorted((len(t), h) for h, t in model.items() if prompt[:stop][: len(t)] == t)
+            assert len(set(shorter)) == len(shorter)
+            assert set(shorter) == {(len(t), h) for h, t in model.items() if prompt[:stop][: len(t)] == t}
             assert [n for n, _ in shorter] == sorted((n for n, _ in shorter), reverse=True)
 
 
