@@ -905,8 +905,7 @@ class Batch:
         if seq.forced:
             token = seq.forced.pop(0)
         else:
-            token, _ = self._apply(seq.sampler, self._logits(seq.row), None)
-            seq.draws += 1
+            token, _ = self._draw(seq, self._logits(seq.row), None)
             after = self._after_tag(seq, self._token_piece(token, special=True)) if token >= 0 else None
             closes_into_answer = after is not None and bool(after.strip())
             spent = seq.completion >= thought.budget
@@ -964,11 +963,9 @@ class Batch:
         logits = self._logits(seq.row)
         token = self._allowed_argmax(seq.grammar, logits) if seq.plain_greedy else -1
         if token < 0:
-            token, _ = self._apply(seq.sampler, logits, None)
-            seq.draws += 1
+            token, _ = self._draw(seq, logits, None)
         if token < 0 or not self._allows(seq.grammar, token):  # mask every token by the grammar, then the chain again
-            token, logit = self._apply(seq.sampler, logits, seq.grammar)
-            seq.draws += 1
+            token, logit = self._draw(seq, logits, seq.grammar)
             if token < 0 or not math.isfinite(logit):
                 return None
         lib.llama_sampler_accept(seq.grammar, token)
@@ -998,9 +995,10 @@ class Batch:
         self.lib.llama_sampler_apply(sampler, ctypes.byref(one))
         return float(data.logit)
 
-    def _apply(self, chain: Any, logits: Any, grammar: Any) -> tuple[int, float]:
-        """Apply ``grammar`` (if any), then ``chain``, to every token's logit: the selected (token, logit), or
-        (-1, -inf) when the chain selected nothing. Accepts nothing."""
+    def _draw(self, seq: _BatchSequence, logits: Any, grammar: Any) -> tuple[int, float]:
+        """Apply ``grammar`` (if any), then ``seq``'s chain, to every token's logit: the selected (token, logit), or
+        (-1, -inf) when the chain selected nothing. Accepts nothing; counts the chain's draw (``seq.draws``, by
+        which a resume restores a seeded draw)."""
         lib = self.lib
         if self._candidates is None:
             self._candidates = (lib.llama_token_data * self.n_vocab)()
@@ -1014,7 +1012,8 @@ class Batch:
         )
         if grammar is not None:
             lib.llama_sampler_apply(grammar, ctypes.byref(array))
-        lib.llama_sampler_apply(chain, ctypes.byref(array))
+        lib.llama_sampler_apply(seq.sampler, ctypes.byref(array))
+        seq.draws += 1
         if not 0 <= array.selected < array.size:
             return -1, -math.inf
         chosen = array.data[array.selected]
