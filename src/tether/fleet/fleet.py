@@ -259,7 +259,6 @@ class Hosted:
     tokens_done: int = 0  # completion tokens of the generations that ended (``tokens`` adds those in flight)
     drafts: Drafts = field(default_factory=Drafts)  # speculative decoding, over the generations that ended
     resumes: Resumes | None = None  # the requests its runners' deaths resumed, and the ones proven to cause them
-    stores: list[Path] = field(default_factory=list)  # its replicas' stores (``tether.node.stores``), if any
     _stop: anyio.Event = field(default_factory=anyio.Event)
     _done: anyio.Event = field(default_factory=anyio.Event)
 
@@ -294,6 +293,11 @@ class Hosted:
             sup = replica.supervisor
             running += sup.generations()[0] if sup is not None else 0
         return running, max(self.in_flight - running, 0)
+
+    @property
+    def stores(self) -> list[Path]:
+        """Its replicas' stores (``EngineSpec.store``, ``tether.node.stores``), where they have one."""
+        return [Path(replica.spec.store) for replica in self.replicas if replica.spec.store is not None]
 
     def store_bytes(self) -> int:
         """What its stores hold: memory that outlives its runners, freed with the instance."""
@@ -460,7 +464,6 @@ class Fleet:
             replicas=replicas,
             parallel=registry.parallel(spec),
             resumes=resumes,
-            stores=[path for path in stored.values() if path is not None],
         )
         self._hosted[instance_id] = hosted
         self.listeners(hosted)
