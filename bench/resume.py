@@ -635,25 +635,28 @@ async def run_case(url: str, case: Case, number: int, deterministic: bool) -> di
             await delete_instance(admin, tether_id)
         bare: Side | None = None
         if case.store:
-            bare_id = f"c{number}-nostore"
-            inst = await add_instance(admin, {"id": bare_id, **common, "resume": {"store": False}})
-            try:
-                warm = {**case.body(bare_id, 0, stream=False), "max_tokens": 2}
-                await admin.post(case.path, json=warm, timeout=300)
-                bare = await run_side(url, admin, case, bare_id, int(inst["runner"]["pid"]), retry=False)
-            finally:
-                await delete_instance(admin, bare_id)
+            body = {"id": f"c{number}-nostore", **common, "resume": {"store": False}}
+            bare = await warmed_side(url, admin, case, body)
         restart = {"initial_backoff": 0.05}
-        inst = await add_instance(admin, {"id": baseline_id, **common, "resume": False, "restart": restart})
-        try:
-            warm = {**case.body(baseline_id, 0, stream=False), "max_tokens": 2}
-            await admin.post(case.path, json=warm, timeout=300)
-            baseline = await run_side(url, admin, case, baseline_id, int(inst["runner"]["pid"]), retry=True)
-        finally:
-            await delete_instance(admin, baseline_id)
+        body = {"id": baseline_id, **common, "resume": False, "restart": restart}
+        baseline = await warmed_side(url, admin, case, body, retry=True)
     row = figures(case, solos, tether, baseline, deterministic)
     row.update(store_figures(case, solos, tether, bare))
     return row
+
+
+async def warmed_side(
+    url: str, admin: httpx.AsyncClient, case: Case, body: dict[str, Any], retry: bool = False
+) -> Side:
+    """One side on an instance of its own (``body``), warmed first by one untimed 2-token request, deleted after."""
+    instance_id = body["id"]
+    inst = await add_instance(admin, body)
+    try:
+        warm = {**case.body(instance_id, 0, stream=False), "max_tokens": 2}
+        await admin.post(case.path, json=warm, timeout=300)
+        return await run_side(url, admin, case, instance_id, int(inst["runner"]["pid"]), retry=retry)
+    finally:
+        await delete_instance(admin, instance_id)
 
 
 def stalls(side: Side) -> list[float]:
