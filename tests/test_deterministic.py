@@ -304,3 +304,61 @@ def test_the_thread_governor_stepping_down_mid_stream_changes_no_logprob() -> No
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["switches"] >= 1, "the governor never switched: the test proved nothing"
     assert result["same"], "a run with its threads switched mid-stream differs from the reference"
+
+
+RESUMED_BURST = """
+import json, sys
+from tether.engines.llamacpp.engine import LlamaCppEngine
+from tether.protocol import ChatMessage, EngineSpec, GenerateParams, Resume
+
+N, SENT = 8, 3
+spec = EngineSpec(model=sys.argv[1], options={"n_threads": 1, "parallel": N, "n_ctx": 256, "deterministic": True})
+places = ("a lighthouse", "a bakery", "a harbour", "a library", "a forest", "a train", "a castle", "a garden")
+
+def run(pack, resumes=None):
+    engine = LlamaCppEngine(spec)
+    engine.load(lambda fraction, detail: None)
+    engine.warmup()
+    engine._require_batch().invariant = pack
+    ids = {i: [] for i in range(N)}
+    first = {}
+    for i in range(N):
+        resume = Resume(tuple(resumes[i][:SENT])) if resumes else None
+        chat = (ChatMessage("user", f"Tell me a story about {places[i]}."),)
+        engine.start(str(i), GenerateParams(messages=chat, max_tokens=8, temperature=0.0, resume=resume))
+    steps, ended = 0, set()
+    while len(ended) < N:
+        steps += 1
+        for seq_id, delta in engine.step():
+            ids[int(seq_id)] += delta.ids
+            if delta.tokens:
+                first.setdefault(int(seq_id), steps)
+            if delta.finish_reason:
+                ended.add(int(seq_id))
+    engine.close()
+    return ids, max(first.values())
+
+whole, _ = run(True)
+packed, packed_steps = run(True, whole)
+single, single_steps = run(False, whole)
+same = all(whole[i][:SENT] + packed[i] == whole[i] == whole[i][:SENT] + single[i] for i in range(N))
+print(json.dumps({"same": same, "packed_steps": packed_steps, "single_steps": single_steps}))
+"""
+
+
+@pytest.mark.cores
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+def test_streams_resumed_together_are_placed_in_one_step_and_go_on_bit_for_bit() -> None:
+    """With the batch-invariant build several prompts share a step: 8 streams resumed on a fresh runner (prompt and
+    3 tokens each to prefill again) reach their next token in 2 steps, not a step each as one prompt per step
+    takes; every stream goes on as the uninterrupted run did. Its own process: the build is loaded first."""
+    path, _ = family_setup("smollm2")
+    done = subprocess.run([sys.executable, "-c", RESUMED_BURST, path], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same"], "a stream resumed beside others differs from its uninterrupted run"
+    assert result["packed_steps"] == 2, result  # the 8 prompts' chunks in one step, their next tokens in the next
+    assert result["single_steps"] == 9, result  # one prompt a step: the break this test would see

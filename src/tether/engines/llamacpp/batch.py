@@ -2,15 +2,17 @@
 
 One context holds ``parallel`` sequences, each in a *slot* (a sequence id with KV cells of its own: ``n_ctx`` is per
 sequence). Each step builds one batch: a row for every decoding sequence (its last sampled token, and any draft
-tokens after it) and a chunk of one prefilling sequence's prompt, at most ``prefill_chunk`` tokens while any row
-decodes, so an arrival delays the running streams by one short chunk per step, not by its whole prefill.
+tokens after it) and a chunk of one prefilling sequence's prompt (of several with the batch-invariant build), at most
+``prefill_chunk`` tokens while any row decodes, so an arrival delays the running streams by one short chunk per
+step, not by its whole prefill.
 
 llama.cpp sums a row in an order set by its batch's shape, so a greedy text can change with what was computed
 beside it. The rules ``step`` keeps so that it changes as rarely as it can (with the batch-invariant build,
-``invariant``, it never does): one prompt per step; a prompt's last token is a decode row, never part of its
-chunk; decode rows in slot order; a draft row's pick is the one the plain path would make there (``_verify``).
-Each sequence samples with its own chain (``_sampler``), reuses a cached prefix (``cache``) and decodes its pieces
-with its own ``TextStream``. Why, with the figures measured: docs/design.md, "The llama.cpp step loop".
+``invariant``, it never does): one prompt per step (the invariant build packs several); a prompt's last token is a
+decode row, never part of its chunk; decode rows in slot order; a draft row's pick is the one the plain path would
+make there (``_verify``). Each sequence samples with its own chain (``_sampler``), reuses a cached prefix
+(``cache``) and decodes its pieces with its own ``TextStream``. Why, with the figures measured: docs/design.md, "The
+llama.cpp step loop".
 
 Only the thread that owns the engine touches any of this (llama.cpp contexts are not thread-safe).
 """
@@ -189,6 +191,7 @@ class Batch:
         adaptive_threads: bool = True,
         swa_full: bool = False,
         exact_cache: bool = False,
+        invariant: bool = False,
         speculation: bool = False,
         draft_max: int = 32,
         store: KvStore | None = None,
@@ -200,6 +203,7 @@ class Batch:
         the window's (llama-server's default: for Gemma 3 270M at 8 x 8192 cells, a KV cache of 312 MiB instead of
         1.1 GiB); the prompt cache reuses less with the window's (see ``cache``). ``exact_cache``: the prompt
         cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's).
+        ``invariant``: the batch-invariant build is loaded, so several prompts may share a step (``step``).
         ``speculation``: decoding sequences may verify up to ``draft_max`` draft tokens a step (``_verify``), once
         ``measure_costs`` has timed this context's micro-batches."""
         self.lib = lib
@@ -209,6 +213,7 @@ class Batch:
         self.embedding = embedding
         self.n_batch = n_ctx if embedding else n_batch
         self.prefill_chunk = prefill_chunk
+        self.invariant = invariant
         self.prompt_cache = prompt_cache and not embedding
         self.n_vocab: int = lib.llama_vocab_n_tokens(vocab)
         n_embd_out = getattr(lib, "llama_model_n_embd_out", None) or lib.llama_model_n_embd
@@ -469,7 +474,10 @@ class Batch:
         (or, in an embedding batch, one whole prompt and its vector).
 
         One prompt per step, never several: prompts prefilled together change llama.cpp's arithmetic enough to flip
-        a greedy choice. Its chunk is at most ``prefill_chunk`` tokens while any row decodes, else up to ``n_batch``.
+        a greedy choice. With the batch-invariant build (``invariant``) they cannot, so there the chunks of the
+        next prefilling sequences share the step while its token budget lasts (``_chunks``): a burst of arrivals, or
+        of streams resumed on a new runner, is placed in a few steps instead of one step each. The budget is at most
+        ``prefill_chunk`` tokens while any row decodes, else up to ``n_batch``.
         A prompt's chunks stop one token short: its last token joins the decode rows (its logits make the first
         token), since a row computed inside a chunk and the same row among decode rows can give another text. A
         sequence whose prompt is in but for that token is *ready*, and joins once none of the sequences that were
@@ -491,16 +499,9 @@ class Batch:
             ),
             key=lambda seq: seq.slot.index,
         )
-        budget = min(self.n_batch, self.prefill_chunk) if rows else self.n_batch
-        prefilling = next((seq for seq in self._seqs.values() if seq.prefilling), None)
-        chunk: list[int] = []
-        if prefilling is not None:  # one prompt per step, and at most one placement (see the docstring)
-            if not prefilling.placed:
-                self._place(prefilling)
-            chunk = prefilling.prompt[
-                prefilling.prefilled : min(prefilling.prefilled + budget, len(prefilling.prompt) - 1)
-            ]
-        drafts = self._drafts(rows, prefilling, len(chunk)) if self.speculation and rows else {}
+        chunks = self._chunks(min(self.n_batch, self.prefill_chunk) if rows else self.n_batch)
+        prompt_rows = sum(len(chunk) for _, chunk in chunks)
+        drafts = self._drafts(rows, chunks) if self.speculation and rows else {}
         layout: list[tuple[int, int]] = []
         joined: list[_BatchSequence] = []  # prompts whose last token joins this step
         for seq in rows:  # a token each: the last sampled one, or a ready prompt's last (its logits: the first token)
@@ -522,8 +523,7 @@ class Batch:
                 seq.slot.cached.append(guess)
                 n += 1
             layout.append((seq.slot.index, 1 + len(seq.draft)))
-        if prefilling is not None:
-            seq = prefilling
+        for seq, chunk in chunks:
             logits = seq.echoed is not None  # each prompt row's logits give the next prompt token's logprob
             if logits:
                 seq.chunk_rows = (n, len(chunk), seq.prefilled)
@@ -532,7 +532,8 @@ class Batch:
                 n += 1
             seq.slot.cached.extend(chunk)
             seq.prefilled += len(chunk)
-            layout.append((seq.slot.index, len(chunk)))
+            if chunk:
+                layout.append((seq.slot.index, len(chunk)))
             if not seq.prefilling:  # all but its last token: it waits for the prompts queued beside it (docstring)
                 seq.waits_for = frozenset(waiting - {seq.seq_id})
                 self.cache.register(seq.slot.index, seq.slot.cached)
@@ -544,11 +545,12 @@ class Batch:
             if self.speculation:  # what this step's shape costs on this machine, now
                 passes = ubatches(layout, self.n_ubatch, per_stream=not self.unified)
                 self.costs.step(threads, passes, seconds, bool(drafts))
-        if prefilling is not None and prefilling.chunk_rows[1]:
-            self._prompt_logprobs(prefilling)
         results: list[StepResult] = []
-        if prefilling is not None and prefilling.prefilling:  # a long prompt advanced: its first-token clock restarts
-            results.append((prefilling.seq_id, Delta("", 0, prefilled=prefilling.prefilled)))
+        for seq, _ in chunks:
+            if seq.chunk_rows[1]:
+                self._prompt_logprobs(seq)
+            if seq.prefilling:  # a long prompt advanced: its first-token clock restarts
+                results.append((seq.seq_id, Delta("", 0, prefilled=seq.prefilled)))
         made = 0
         for seq in list(self._seqs.values()):
             if seq.row >= 0:
@@ -566,7 +568,7 @@ class Batch:
             if seq.seq_id in self._seqs:
                 self.cache.checkpoint(seq.slot.index, seq.slot.cached)
         if self.speculation and rows:  # what this step's shape gave, with its drafts or without
-            self.payoff.record((len(rows), bool(chunk)), bool(drafts), made, time.perf_counter() - started)
+            self.payoff.record((len(rows), bool(prompt_rows)), bool(drafts), made, time.perf_counter() - started)
         return results
 
     def close(self) -> None:
@@ -580,6 +582,25 @@ class Batch:
             self.ctx = None
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _chunks(self, budget: int) -> list[tuple[_BatchSequence, list[int]]]:
+        """This step's prompt chunks, within ``budget`` tokens: the earliest prefilling sequence's, placed first
+        (``_place``) if its prefill begins now; with the batch-invariant build, the next ones' too while the budget
+        lasts (one prompt and at most one placement a step otherwise: see ``step``). Every placement is made
+        before any of this step's tokens enter a slot, so a prefix copied from another slot holds computed cells
+        only."""
+        chunks: list[tuple[_BatchSequence, list[int]]] = []
+        for seq in self._seqs.values():
+            if not seq.prefilling:
+                continue
+            if chunks and (not self.invariant or budget <= 0):
+                break
+            if not seq.placed:
+                self._place(seq)
+            chunk = seq.prompt[seq.prefilled : min(seq.prefilled + budget, len(seq.prompt) - 1)]
+            budget -= len(chunk)
+            chunks.append((seq, chunk))
+        return chunks
 
     def _place(self, seq: _BatchSequence) -> None:
         """Bring the prompt's longest cached prefix into the sequence's slot (``PromptCache.place``); none for a
@@ -670,7 +691,7 @@ class Batch:
         return measured
 
     def _drafts(
-        self, rows: list[_BatchSequence], prefilling: _BatchSequence | None, chunk: int
+        self, rows: list[_BatchSequence], chunks: Sequence[tuple[_BatchSequence, Sequence[int]]]
     ) -> dict[str, list[int]]:
         """This step's drafts, {sequence id: tokens}: each row's best source, priced by ``speculation.plan``, none
         past where the plain path would end on the context's length or ``max_tokens``.
@@ -681,6 +702,7 @@ class Batch:
         draft token on, and nothing its rollback needs can have been reused), and no step drafts beside a prompt
         chunk."""
         threads = self.threads.current
+        chunk = sum(len(tokens) for _, tokens in chunks)
         if not self.costs.measured(threads) or self.draft_max < 2 or (self.windowed and chunk):
             return {}  # (a window's ring beside a prompt chunk: see the docstring)
         if not self.payoff.allows((len(rows), bool(chunk))):
@@ -711,8 +733,7 @@ class Batch:
         if not candidates:
             return {}
         layout = [(seq.slot.index, 1) for seq in rows]
-        if prefilling is not None and chunk:
-            layout.append((prefilling.slot.index, chunk))
+        layout += [(seq.slot.index, len(tokens)) for seq, tokens in chunks if tokens]
         chosen = plan(
             layout,
             len(rows),

@@ -312,6 +312,7 @@ class LlamaCppEngine:
             unified=self.kv_unified,
             swa_full=self.swa_full,
             exact_cache=self.deterministic,
+            invariant=self.deterministic,
             speculation=self.speculation,
             draft_max=self.draft_max,
             store=self._store(),
