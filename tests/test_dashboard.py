@@ -134,6 +134,7 @@ def test_the_page_shows_the_default_instance_ready(page: Page, tmp_path: Path) -
         expect(debug.get_by_test_id("instance-life")).to_have_text("1")
         expect(debug.get_by_test_id("instance-restarts")).to_have_text("0")
         expect(debug.get_by_test_id("instance-resumed")).to_have_text("0 / 0")  # resumed / could not
+        expect(debug.get_by_test_id("instance-store")).to_have_text("0 B")  # no prompt saved beyond its runner
         expect(debug.get_by_test_id("instance-running")).to_have_text("0 of 1")
         expect(debug.get_by_test_id("instance-waiting")).to_have_text("0 of 16")
         expect(debug.get_by_test_id("instance-footprint")).to_have_text(re.compile(r"^[0-9.]+ (KiB|MiB|GiB)$"))

@@ -248,11 +248,12 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
 
 def test_every_dialect_resumes_streamed_or_not_with_its_own_client() -> None:
     """Ollama's chat and generate (the ollama client), the Responses API and a non-streamed completion (the openai
-    client), their runner SIGKILLed under all four: each answer is the one it gives alone."""
+    client), their runner SIGKILLed under all four: each answer is the one it gives alone. Ollama's answer counts the
+    resume where OpenAI's ``usage`` does (its client drops fields it does not know: read here as sent)."""
     import ollama
 
     with debug_server() as server:
-        options = {"token_seconds": 0.02, "parallel": 4}
+        options = {"token_seconds": 0.02, "parallel": 5}
         server.add_instance({"id": "d", "engine": "debug", "options": options})
         openai_client, ollama_client = server.openai(), ollama.Client(host=server.url, timeout=45)
         say = [{"role": "user", "content": "an ollama chat"}]
@@ -303,16 +304,26 @@ def test_every_dialect_resumes_streamed_or_not_with_its_own_client() -> None:
         def read_completion() -> None:
             got["completions"] = complete()
 
+        raw_body = {"model": "d", "prompt": "an ollama generate", "stream": False, "options": {"num_predict": 40}}
+
+        def read_raw() -> None:
+            got["raw"] = server.http.post("/api/generate", json=raw_body, timeout=45).json()
+
         pid = server.instance("d")["runner"]["pid"]
-        threads = [threading.Thread(target=f) for f in (read_chat, read_generate, read_responses, read_completion)]
+        readers = (read_chat, read_generate, read_responses, read_completion, read_raw)
+        threads = [threading.Thread(target=f) for f in readers]
         for thread in threads:
             thread.start()
         wait_until(lambda: min(chunks.values()) >= 3, 30, "3 chunks of each stream")
         os.kill(pid, signal.SIGKILL)
         for thread in threads:
             thread.join(45)
+        raw = got.pop("raw")
         assert got == alone
-        assert metric(server, "tether_requests_resumed_total", instance="d", cause="signal") == 4
+        assert raw["response"] == alone["generate"] and raw["resumed"] == 1, raw
+        untouched = server.http.post("/api/generate", json=raw_body, timeout=45).json()
+        assert "resumed" not in untouched, "an answer no death touched says nothing of resuming"
+        assert metric(server, "tether_requests_resumed_total", instance="d", cause="signal") == 5
 
 
 def test_suspects_are_halved_until_the_one_that_kills_alone_is_proven_within_log2_deaths() -> None:

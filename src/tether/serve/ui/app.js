@@ -627,6 +627,7 @@
         stat("life", "instance-life", "the runner's life: 1 for the first, one more for each restart"),
         stat("restarts", "instance-restarts"),
         stat("resumed", "instance-resumed", "requests that went on from where they stopped on a new runner after theirs died; after the slash, those that could not and failed with the cause (and quarantined: proven to kill their runner)"),
+        stat("prompt store", "instance-store", "saved prompts kept on tmpfs beyond the runner, so a resumed request restores its prompt instead of reading it again: memory the instance holds beside the runner's footprint, freed with the instance"),
         stat("backoff", "instance-backoff", "time left before the next life starts, while restarting"),
         stat("running", "instance-running", "generations running / batch slots (parallel)"),
         stat("waiting", "instance-waiting", "generations waiting / the queue's bound (max_queue): beyond it, 503"),
@@ -704,6 +705,7 @@
       "instance-resumed",
       r.enabled === false ? "off" : `${r.resumed ?? 0} / ${r.not_resumed ?? 0}${r.quarantined ? ` · ${r.quarantined} quarantined` : ""}`,
     );
+    put("instance-store", r.enabled === false ? "off" : bytes(r.store_bytes ?? 0));
     put(
       "instance-backoff",
       wait ? (wait.left > 0 ? `${wait.left.toFixed(1)} s` : "due") : "–",

@@ -65,6 +65,7 @@ class OllamaChatDone(msgspec.Struct):
     eval_duration: int | None = None
     logprobs: list[views.LogprobOut] | None = None
     truncated_messages: int | UnsetType = UNSET  # the chat's oldest turns left out to fit the context (when any)
+    resumed: int | UnsetType = UNSET  # tether's: times it went on on a new runner after its runner died (when any)
 
 
 class OllamaGenerateChunk(msgspec.Struct):
@@ -91,6 +92,7 @@ class OllamaGenerateDone(msgspec.Struct):
     eval_duration: int | None = None
     logprobs: list[views.LogprobOut] | None = None
     truncated_messages: int | UnsetType = UNSET  # the chat's oldest turns left out to fit the context (when any)
+    resumed: int | UnsetType = UNSET  # tether's: times it went on on a new runner after its runner died (when any)
 
 
 class OllamaEmbedOut(msgspec.Struct):

@@ -45,6 +45,7 @@ class OllamaShaper:
         self.started = started
         self.request_id = request_id
         self.dropped = 0  # the chat's turns left out to fit the context (the final chunk says)
+        self.resumed = 0  # times it went on from where it stood on a new runner after its runner died (final chunk)
         self.text: list[str] = []
         self.thinking: list[str] = []  # a reasoning model's, kept apart by the runner
         self.logprobs: list[TokenLogprob] = []
@@ -57,6 +58,7 @@ class OllamaShaper:
 
     def feed(self, chunk: Chunk) -> bytes:
         self.dropped = chunk.dropped_messages or self.dropped
+        self.resumed = chunk.resumed or self.resumed
         now = time.monotonic()
         if self.first_at is None:
             self.first_at = now
@@ -112,7 +114,7 @@ class OllamaShaper:
         end = time.monotonic()
         first = self.first_at if self.first_at is not None else end
         last = self.last_at if self.last_at is not None else end
-        fitted: dict[str, Any] = {}
+        fitted: dict[str, Any] = {"resumed": self.resumed} if self.resumed else {}  # tether's, as in OpenAI's usage
         if self.dropped > 0:  # Ollama drops them silently; here the client and the log are told
             fitted["truncated_messages"] = self.dropped
             log.info(
