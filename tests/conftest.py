@@ -68,6 +68,19 @@ SERIAL_MARKERS = frozenset({"cluster"})
 # at llama.cpp's barriers: about a quarter more CPU for the same tokens).
 CORES_GROUP = "cores"
 SERIAL_MODULES = frozenset({"test_orphans", "test_open_webui", "test_open_webui_shapes"})
+# Modules whose tests share a costly module-scoped fixture (a real-model server of their own, the built site): each
+# runs on one worker (``--dist loadgroup``), so the fixture is set up once rather than on every worker that draws one
+# of its tests (measured: ~45 s of the tier's work, 3-6 s a setup).
+GROUPED_MODULES = frozenset(
+    {
+        "test_native_tools",
+        "test_reasoning",
+        "test_reasoning_loops",
+        "test_docs",
+        "test_openai_features",
+        "test_ollama_parity",
+    }
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -82,6 +95,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("serial")
         if item.get_closest_marker("cores"):
             item.add_marker(pytest.mark.xdist_group(CORES_GROUP))
+        elif module in GROUPED_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 TEST_BOUND_S = 45.0
