@@ -6,14 +6,17 @@ ready; private ``TETHER_RUNTIME_DIR`` / ``TETHER_LOG_DIR``, removed at the end).
 own, added with ``POST /v1/instances`` ``{"id", "engine", "options", "max_queue": 512, "resume", "restart"}``,
 ready when ``GET /v1/instances/{id}`` says so, and deleted after the side:
 
-- **tether** (``"resume": true``, the default restart policy): first, every stream's request is asked alone, one
-  after the other, non-streamed (its *solo* text; its ``usage.prompt_tokens`` is the case's ``prompt_tokens``, the
-  median over the streams). Then N concurrent streaming chats (``POST /v1/chat/completions``, ``stream: true``,
-  ``temperature: 0``, ``stream_options.include_usage``, distinct prompts; one ``httpx.AsyncClient`` with N + 8
-  connections, every stream a task of one anyio task group in this process). Once every stream has received at least
-  ``K`` = 5 content chunks (a chunk whose ``choices[0].delta.content`` is non-empty, stamped ``time.monotonic()`` as
-  the client parses it), the instance's runner (``GET /v1/instances/{id}`` -> ``runner.pid``, read before the
-  streams start) is sent SIGKILL (``t_kill`` stamped just before). Per stream:
+- **solo** (the same engine and options): every stream's request asked alone, one after the other, non-streamed
+  (its *solo* text; its ``usage.prompt_tokens`` is the case's ``prompt_tokens``, the median over the streams), on an
+  instance of its own deleted before the sides run: asked on tether's own instance, each answer would wait in its
+  store of saved prompts, and the resume would restore it instead of reading the stream again.
+- **tether** (``"resume": true``, the default restart policy): N concurrent streaming chats (``POST
+  /v1/chat/completions``, ``stream: true``, ``temperature: 0``, ``stream_options.include_usage``, distinct prompts;
+  one ``httpx.AsyncClient`` with N + 8 connections, every stream a task of one anyio task group in this process).
+  Once every stream has received at least ``K`` = 5 content chunks (a chunk whose ``choices[0].delta.content`` is
+  non-empty, stamped ``time.monotonic()`` as the client parses it), the instance's runner (``GET
+  /v1/instances/{id}`` -> ``runner.pid``, read before the streams start) is sent SIGKILL (``t_kill`` stamped just
+  before). Per stream:
 
   - *pause* = the longest gap between two consecutive content chunks that ends after ``t_kill``: the stall the death
     caused. It is not simply "the first chunk after the kill minus the last one before it": chunks the runner had
@@ -40,7 +43,8 @@ ready when ``GET /v1/instances/{id}`` says so, and deleted after the side:
   delivered as many characters as the first attempt had: the point where the user is back where they were.
   ``baseline_lost_without_retry`` counts the first attempts that did not complete (N: a client that does not retry
   loses every answer); ``baseline_completed`` and ``baseline_equal_solo`` are the retried answers' (compared with
-  the tether side's solo texts, same engine and options). One untimed 2-token request warms its instance first.
+  solo texts, same engine and options). Every side's instance is warmed first by one untimed 2-token request whose
+  prompt is no stream's.
 
 - ``restart_s`` (each side; the baseline's is ``baseline_restart_s``): from ``t_kill`` until ``GET
   /v1/instances/{id}`` (polled every 20 ms from a client of its own) says ``ready`` with a runner pid other than the
@@ -64,7 +68,7 @@ Cases:
 3. context length: the default model, one stream, prompts of about 100, 1,000 and 3,000 tokens (a list of numbered
    facts to summarize; ``prompt_tokens`` is what the server counted), ``n_ctx`` 4096, ``parallel`` 1, ``max_tokens``
    32, otherwise as in 2; a fresh set of instances per prompt length. A resume restores the prompt from the store of
-   saved prompts that outlived the dead runner (``resume.store``: the prompt cache saves a prompt of 256 tokens or
+   saved prompts that outlived the dead runner (``resume.store``: the prompt cache saves a prompt of 32 tokens or
    more to a tmpfs directory the worker owns as soon as it is prefilled) and prefills only the tokens generated so
    far. A third side, between tether's and the baseline's, runs the same streams on an instance with
    ``"resume": {"store": false}``: its pause re-prefills the whole prompt (``nostore_pause_p50_s`` /
@@ -620,19 +624,19 @@ def figures(case: Case, solos: Sequence[Solo], tether: Side, baseline: Side, det
 
 
 async def run_case(url: str, case: Case, number: int, deterministic: bool) -> dict[str, Any]:
-    """Every side of one case on the server at ``url``: tether (resume) first, then (``case.store``) tether without
-    its store of saved prompts, then the baseline."""
+    """Every side of one case on the server at ``url``: the solo texts, tether (resume), then (``case.store``) tether
+    without its store of saved prompts, then the baseline."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as admin:
         common = {"engine": case.engine, "options": case.options, "max_queue": MAX_QUEUE}
         if case.model is not None:
             common["model"] = case.model
-        tether_id, baseline_id = f"c{number}-resume", f"c{number}-baseline"
-        inst = await add_instance(admin, {"id": tether_id, **common, "resume": True})
+        tether_id, baseline_id, solo_id = f"c{number}-resume", f"c{number}-baseline", f"c{number}-solo"
+        await add_instance(admin, {"id": solo_id, **common, "resume": False})
         try:
-            solos = await solo_texts(admin, case, tether_id)
-            tether = await run_side(url, admin, case, tether_id, int(inst["runner"]["pid"]), retry=False)
+            solos = await solo_texts(admin, case, solo_id)
         finally:
-            await delete_instance(admin, tether_id)
+            await delete_instance(admin, solo_id)
+        tether = await warmed_side(url, admin, case, {"id": tether_id, **common, "resume": True})
         bare: Side | None = None
         if case.store:
             body = {"id": f"c{number}-nostore", **common, "resume": {"store": False}}
@@ -648,11 +652,13 @@ async def run_case(url: str, case: Case, number: int, deterministic: bool) -> di
 async def warmed_side(
     url: str, admin: httpx.AsyncClient, case: Case, body: dict[str, Any], retry: bool = False
 ) -> Side:
-    """One side on an instance of its own (``body``), warmed first by one untimed 2-token request, deleted after."""
+    """One side on an instance of its own (``body``), warmed first by one untimed 2-token request (a prompt no stream
+    has: nothing it leaves in a prompt cache serves a stream), deleted after."""
     instance_id = body["id"]
     inst = await add_instance(admin, body)
     try:
         warm = {**case.body(instance_id, 0, stream=False), "max_tokens": 2}
+        warm.update({"prompt": "Hello"} if case.completions else {"messages": [{"role": "user", "content": "Hello"}]})
         await admin.post(case.path, json=warm, timeout=300)
         return await run_side(url, admin, case, instance_id, int(inst["runner"]["pid"]), retry=retry)
     finally:
