@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,39 @@ def run_streams(server: Server, streams: list[Stream], kill_after: int, model: s
     for thread in threads:
         thread.join(45)
     return int(pid)
+
+
+def unfinished(text: str) -> bool:
+    """A JSON value begun and not yet whole, as a client has received it."""
+    if not text:
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    return False
+
+
+def kill_when(
+    server: Server, model: str, ready: Callable[[], bool], struck: list[Stream], after: int | None = None
+) -> int:
+    """SIGKILL the instance's runner (the one after ``after``, once it has replaced it) the moment ``ready`` holds,
+    first noting what each ``struck`` stream had; the killed pid."""
+
+    def runner() -> int | None:
+        pid = (server.instance(model)["runner"] or {}).get("pid")
+        return None if pid in (None, after) else int(pid)
+
+    wait_until(lambda: runner() is not None, 60, "the next runner")
+    pid = runner()
+    assert pid is not None
+    wait_until(
+        ready, 60, lambda: f"the moment to kill: {[(s.text, s.calls, s.finish, s.status, s.error) for s in struck]}"
+    )
+    for stream in struck:
+        stream.at_kill = stream.text + stream.calls
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def metric(server: Server, name: str, **labels: str) -> float:
@@ -212,8 +246,14 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
                 "name": "person",
                 "schema": {
                     "type": "object",
-                    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                    "required": ["name", "age"],
+                    # four fields: long enough (~30 tokens) still to be open after the 6 chunks the kill waits for
+                    "properties": {
+                        "name": {"type": "string"},
+                        "age": {"type": "integer"},
+                        "city": {"type": "string"},
+                        "occupation": {"type": "string"},
+                    },
+                    "required": ["name", "age", "city", "occupation"],
                 },
             },
         }
@@ -223,18 +263,29 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
         streams = [
             Stream(chat(model, f"Summarize these facts.\n{facts}", 48)),  # ~300 tokens: saved to the store
             Stream(chat(model, "17 + 25?", 200, tools=[tool], tool_choice="required")),  # killed inside its call
-            Stream(chat(model, "Describe a person as JSON.", 48, response_format=person)),
+            Stream(chat(model, "Describe a person as JSON.", 96, response_format=person)),
         ]
         [store] = Path("/dev/shm").glob(f"tether-store-*-{server.pid}-*/{model}")
-        # before the solos (a repeated answer is drafted in long chunks); the long prompt and the tool call's wrapper
-        # first, so that the JSON object, started after, is still open at the kill
-        run_streams(server, streams, 6, model, lead=2)
+        # Two deaths, each when what it is to cut is open as the client sees it (a fixed chunk count raced the model:
+        # a drafted call could close before the kill): the long prompt and the tool call first, the runner killed
+        # inside the call's arguments; then the JSON object, its new runner killed inside the object. Streams run
+        # before their solos: a repeated answer is drafted in long chunks.
+        readers = [threading.Thread(target=read, args=(server, s)) for s in streams]
+        for reader in readers[:2]:
+            reader.start()
+        pid = kill_when(server, model, lambda: bool(streams[0].arrivals) and unfinished(streams[1].calls), streams[1:2])
+        ready = server.instance  # a request sent while the instance restarts is refused (503): wait for its next life
+        wait_until(lambda: ready(model)["ready"] and (ready(model)["runner"] or {}).get("pid") != pid, 60, "life 2")
+        readers[2].start()
+        kill_when(server, model, lambda: unfinished(streams[2].text), streams[2:], after=pid)
+        for reader in readers:
+            reader.join(45)
         assert server.instance(model)["resumes"]["store_bytes"] > 0
         alone = [solo(server, s.body) for s in streams]
         for stream, text in zip(streams, alone, strict=True):
             assert stream.error is None, stream.error
             assert stream.text + stream.calls == text, (stream.text, stream.calls, text)
-            assert stream.usage is not None and stream.usage["resumed"] == 1
+            assert stream.usage is not None and stream.usage["resumed"] >= 1, stream.usage
         assert isinstance(json.loads(streams[2].text), dict)
         assert streams[1].finish == "tool_calls" and isinstance(json.loads(streams[1].calls), dict), streams[1]
         for inside in (streams[1], streams[2]):  # each was killed inside its structure
