@@ -19,6 +19,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -254,6 +255,16 @@ async def test_a_conversation_past_gemmas_window_is_not_restored_packed_but_read
     assert (text, logprobs) == (cold_text, cold_logprobs), (text, cold_text)
 
 
+def own_process(script: str, *args: str, timeout: float) -> dict[str, Any]:
+    """``script`` run in a process of its own on the default model (its path the first argument; a deterministic
+    engine loads its build before anything else can): the JSON its last line printed."""
+    path, _ = family_setup("smollm2")
+    done = subprocess.run([sys.executable, "-c", script, path, *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 THREAD_SWITCH = """
 import json, subprocess, sys
 from tether.engines.llamacpp.engine import LlamaCppEngine
@@ -297,11 +308,7 @@ SWITCH_TOKENS = 96
 def test_the_thread_governor_stepping_down_mid_stream_changes_no_logprob() -> None:
     """Its own process (a deterministic engine must load its build first): a reference, then the same run beside two
     busy loops, during which the governor steps down to one thread."""
-    path, _ = family_setup("smollm2")
-    args = [sys.executable, "-c", THREAD_SWITCH, path, str(SWITCH_TOKENS)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=170, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = own_process(THREAD_SWITCH, str(SWITCH_TOKENS), timeout=170)
     assert result["switches"] >= 1, "the governor never switched: the test proved nothing"
     assert result["same"], "a run with its threads switched mid-stream differs from the reference"
 
@@ -355,10 +362,7 @@ def test_streams_resumed_together_are_placed_in_one_step_and_go_on_bit_for_bit()
     """With the batch-invariant build several prompts share a step: 8 streams resumed on a fresh runner (prompt and
     3 tokens each to prefill again) reach their next token in 2 steps, not a step each as one prompt per step
     takes; every stream goes on as the uninterrupted run did. Its own process: the build is loaded first."""
-    path, _ = family_setup("smollm2")
-    done = subprocess.run([sys.executable, "-c", RESUMED_BURST, path], capture_output=True, text=True, timeout=110)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = own_process(RESUMED_BURST, timeout=110)
     assert result["same"], "a stream resumed beside others differs from its uninterrupted run"
     assert result["packed_steps"] == 2, result  # the 8 prompts' chunks in one step, their next tokens in the next
     assert result["single_steps"] == 9, result  # one prompt a step: the break this test would see
