@@ -473,7 +473,7 @@ class Batch:
         """One ``llama_decode``: a token for every decoding sequence, a prompt chunk for the earliest prefilling one
         (or, in an embedding batch, one whole prompt and its vector).
 
-        One prompt per step, never several: prompts prefilled together change llama.cpp's arithmetic enough to flip
+        One prompt per step: prompts prefilled together change llama.cpp's arithmetic enough to flip
         a greedy choice. With the batch-invariant build (``invariant``) they cannot, so there the chunks of the
         next prefilling sequences share the step while its token budget lasts (``_chunks``): a burst of arrivals, or
         of streams resumed on a new runner, is placed in a few steps instead of one step each. The budget is at most
