@@ -190,7 +190,6 @@ class Batch:
         pooling: int | None = None,
         adaptive_threads: bool = True,
         swa_full: bool = False,
-        exact_cache: bool = False,
         invariant: bool = False,
         speculation: bool = False,
         draft_max: int = 32,
@@ -201,9 +200,9 @@ class Batch:
         one thread while other processes hold the cores (``threads``). ``swa_full``: sliding-window layers
         keep every position as the others do (llama.cpp's C default, and ``llama-server --swa-full``), instead of
         the window's (llama-server's default: for Gemma 3 270M at 8 x 8192 cells, a KV cache of 312 MiB instead of
-        1.1 GiB); the prompt cache reuses less with the window's (see ``cache``). ``exact_cache``: the prompt
-        cache restores only what gives the cells of a cold prefill in the same places (a deterministic engine's).
-        ``invariant``: the batch-invariant build is loaded, so several prompts may share a step (``step``).
+        1.1 GiB); the prompt cache reuses less with the window's (see ``cache``). ``invariant``: the batch-invariant
+        build is loaded (a deterministic engine's), so several prompts may share a step (``step``) and the prompt
+        cache restores only what gives the cells of a cold prefill in the same places.
         ``speculation``: decoding sequences may verify up to ``draft_max`` draft tokens a step (``_verify``), once
         ``measure_costs`` has timed this context's micro-batches."""
         self.lib = lib
@@ -268,7 +267,7 @@ class Batch:
             prompt_cache_ram,
             enabled=self.prompt_cache,
             n_swa=self.n_swa,
-            exact=exact_cache,
+            exact=invariant,
             store=None if embedding else store,
         )
         self._batch = lib.llama_batch_init(self.n_batch + parallel, 0, 1)

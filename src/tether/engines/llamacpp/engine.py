@@ -311,7 +311,6 @@ class LlamaCppEngine:
             adaptive_threads=self.adaptive_threads,
             unified=self.kv_unified,
             swa_full=self.swa_full,
-            exact_cache=self.deterministic,
             invariant=self.deterministic,
             speculation=self.speculation,
             draft_max=self.draft_max,
