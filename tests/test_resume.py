@@ -88,16 +88,12 @@ def solo(server: Server, body: dict[str, Any]) -> str:
     return str(message["content"] or "") + calls
 
 
-def run_streams(server: Server, streams: list[Stream], kill_after: int, model: str, lead: int = 0) -> int:
+def run_streams(server: Server, streams: list[Stream], kill_after: int, model: str) -> int:
     """Start every stream, SIGKILL the instance's runner once each has ``kill_after`` chunks, wait for all to end;
-    the killed pid. ``lead``: the first streams are started alone and have a chunk before the others start (a long
-    prompt's prefill, which would let short answers end before the kill)."""
+    the killed pid."""
     pid = server.instance(model)["runner"]["pid"]
     threads = [threading.Thread(target=read, args=(server, s)) for s in streams]
-    for thread in threads[:lead]:
-        thread.start()
-    wait_until(lambda: all(s.arrivals or s.finish for s in streams[:lead]), 30, "the leading streams under way")
-    for thread in threads[lead:]:
+    for thread in threads:
         thread.start()
     wait_until(
         lambda: all(len(s.arrivals) >= kill_after for s in streams),
@@ -123,26 +119,29 @@ def unfinished(text: str) -> bool:
     return False
 
 
-def kill_when(
-    server: Server, model: str, ready: Callable[[], bool], struck: list[Stream], after: int | None = None
-) -> int:
-    """SIGKILL the instance's runner (the one after ``after``, once it has replaced it) the moment ``ready`` holds,
-    first noting what each ``struck`` stream had; the killed pid."""
+def next_life(server: Server, model: str, after: int | None = None) -> int:
+    """The pid of the instance's runner once it is ready with one other than ``after`` (a request sent while the
+    instance restarts is refused 503, so a stream meant for the next life waits for it)."""
 
-    def runner() -> int | None:
-        pid = (server.instance(model)["runner"] or {}).get("pid")
-        return None if pid in (None, after) else int(pid)
+    def ready_pid() -> int | None:
+        got = server.instance(model)
+        pid = (got["runner"] or {}).get("pid")
+        return int(pid) if got["ready"] and pid not in (None, after) else None
 
-    wait_until(lambda: runner() is not None, 60, "the next runner")
-    pid = runner()
+    wait_until(lambda: ready_pid() is not None, 60, "the instance ready with its next runner")
+    pid = ready_pid()
     assert pid is not None
+    return pid
+
+
+def kill_when(pid: int, ready: Callable[[], bool], struck: list[Stream]) -> None:
+    """SIGKILL runner ``pid`` the moment ``ready`` holds, first noting what each ``struck`` stream had."""
     wait_until(
         ready, 60, lambda: f"the moment to kill: {[(s.text, s.calls, s.finish, s.status, s.error) for s in struck]}"
     )
     for stream in struck:
         stream.at_kill = stream.text + stream.calls
     os.kill(pid, signal.SIGKILL)
-    return pid
 
 
 def metric(server: Server, name: str, **labels: str) -> float:
@@ -246,7 +245,7 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
                 "name": "person",
                 "schema": {
                     "type": "object",
-                    # four fields: long enough (~30 tokens) still to be open after the 6 chunks the kill waits for
+                    # four fields (~30 tokens): open for several chunks, so the kill finds it unfinished
                     "properties": {
                         "name": {"type": "string"},
                         "age": {"type": "integer"},
@@ -273,11 +272,11 @@ def test_a_deterministic_instance_resumes_each_stream_bit_for_bit_and_a_json_obj
         readers = [threading.Thread(target=read, args=(server, s)) for s in streams]
         for reader in readers[:2]:
             reader.start()
-        pid = kill_when(server, model, lambda: bool(streams[0].arrivals) and unfinished(streams[1].calls), streams[1:2])
-        ready = server.instance  # a request sent while the instance restarts is refused (503): wait for its next life
-        wait_until(lambda: ready(model)["ready"] and (ready(model)["runner"] or {}).get("pid") != pid, 60, "life 2")
+        first = next_life(server, model)
+        kill_when(first, lambda: bool(streams[0].arrivals) and unfinished(streams[1].calls), streams[1:2])
+        second = next_life(server, model, after=first)
         readers[2].start()
-        kill_when(server, model, lambda: unfinished(streams[2].text), streams[2:], after=pid)
+        kill_when(second, lambda: unfinished(streams[2].text), streams[2:])
         for reader in readers:
             reader.join(45)
         assert server.instance(model)["resumes"]["store_bytes"] > 0
