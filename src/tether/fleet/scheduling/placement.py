@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import anyio
@@ -26,6 +27,8 @@ from tether.node.fit import DoesNotFit, FitResult
 from tether.node.instance import Instance, InstanceStarting, InstanceState, Placer
 from tether.node.memory import NodeMemory
 from tether.units import format_bytes
+
+log = logging.getLogger(__name__)
 
 
 class Placement:
@@ -130,6 +133,37 @@ class Placement:
             await changed.wait()
 
     async def _make_room(self, instance: Instance) -> FitResult:
+        """``_fit_here``; when it does not fit while other instances' runners are being stopped (a keep-alive
+        unload, a DELETE, one that ignores its stop until the stop bound kills it), wait for them to be gone, bounded
+        by ``reclaim_timeout``, and check again: their memory is on its way back, and "does not fit" would be a
+        refusal for memory a moment away."""
+        state = self.state
+        began = state.now()
+        deadline = began + state.settings.reclaim_timeout
+        while True:
+            stopping = {name: gone for name, gone in state.stopping.items() if name != instance.name}
+            try:
+                return await self._fit_here(instance)
+            except DoesNotFit as refusal:
+                if not stopping or state.now() >= deadline:
+                    raise
+                ids = ", ".join(stopping)
+                log.info("%s waits for %s to be stopped before it is refused: %s", instance.name, ids, refusal)
+                with state.clock.move_on_after(deadline - state.now()):
+                    for gone in stopping.values():
+                        await gone.wait()
+                waited = state.now() - began
+                still = [name for name in stopping if name in state.stopping]
+                state.log.decide(
+                    "reclaimed",
+                    instance.name,
+                    f"{instance.name} did not fit while {ids} were being stopped: checked again "
+                    + (f"once they were gone, {waited * 1000:.0f} ms after" if not still else f"after {waited:g} s")
+                    + f" (at most {state.settings.reclaim_timeout:g} s: --reclaim-timeout)",
+                    seconds=waited,
+                )
+
+    async def _fit_here(self, instance: Instance) -> FitResult:
         """Evict what ``instance`` needs gone (idle models, by count, host memory and GPU memory), wait for their
         memory back, then the fit check on what is available now, less the room loaded models may still grow into."""
         state = self.state

@@ -25,6 +25,7 @@ class SchedulerState:
         self.slots = {model.id: Slot(model, model.keep_alive, last_used=self.clock.now()) for model in catalog}
         self.closed = False  # the scheduler is leaving: a failed instance is no longer forgotten and reloaded
         self.changed = anyio.Event()  # set (and replaced) when a model may have become idle or loaded
+        self.stopping: dict[str, anyio.Event] = {}  # instance id -> set once its runners are gone (``stop``)
         self._tg: TaskGroup | None = None
 
     @property

@@ -27,13 +27,20 @@ def unloading(slot: Slot) -> Iterator[None]:
 
 
 async def stop(state: SchedulerState, hosted: Hosted) -> float:
-    """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken)."""
+    """Stop ``hosted`` and return once its runner is reaped and its process group empty (seconds taken). Meanwhile
+    it is in ``state.stopping``: its memory is on its way back, which a placement that finds too little awaits."""
     began = state.now()
     sup = hosted.supervisor
-    with anyio.CancelScope(shield=True):
-        await state.fleet.remove(hosted.id)
-        if sup is not None:  # every runner of it (each rank's, on every node) reaped and its group empty
-            await sup.confirm_gone(state.settings.reclaim_timeout)
+    gone = state.stopping[hosted.id] = anyio.Event()
+    try:
+        with anyio.CancelScope(shield=True):
+            await state.fleet.remove(hosted.id)
+            if sup is not None:  # every runner of it (each rank's, on every node) reaped and its group empty
+                await sup.confirm_gone(state.settings.reclaim_timeout)
+    finally:
+        if state.stopping.get(hosted.id) is gone:
+            del state.stopping[hosted.id]
+        gone.set()
     return state.now() - began
 
 
