@@ -313,6 +313,43 @@ def test_the_thread_governor_stepping_down_mid_stream_changes_no_logprob() -> No
     assert result["same"], "a run with its threads switched mid-stream differs from the reference"
 
 
+RESUMED_LONG = """
+import json, sys, tempfile
+from tether.engines.llamacpp.engine import LlamaCppEngine
+from tether.protocol import ChatMessage, EngineSpec, GenerateParams, Resume
+
+CUT, MAX = 80, 100
+store = tempfile.mkdtemp()
+options = {"n_threads": 1, "parallel": 1, "n_ctx": 256, "deterministic": True}
+chat = (ChatMessage("user", "Tell me a long story about a lighthouse keeper and the storms of one winter."),)
+
+def engine():
+    e = LlamaCppEngine(EngineSpec(model=sys.argv[1], options=options, store=store))
+    e.load(lambda fraction, detail: None)
+    e.warmup()
+    return e
+
+def until(e, seq_id, ids, n):
+    while len(ids) < n:
+        for _, delta in e.step():
+            ids += delta.ids
+            if delta.finish_reason:
+                return delta
+
+first, ids = engine(), []
+first.start("a", GenerateParams(messages=chat, max_tokens=MAX, temperature=0.0))
+until(first, "a", ids, CUT)  # then it is abandoned mid-answer, as a killed runner's is
+saves = first._require_batch().cache.stats.checkpoints
+second, resumed = engine(), []
+second.start("b", GenerateParams(messages=chat, max_tokens=MAX, temperature=0.0, resume=Resume(tuple(ids))))
+final = until(second, "b", resumed, MAX)
+restored = second._require_batch().cache.stats.from_ram
+until(first, "a", ids, MAX)  # the first runner's uninterrupted answer
+print(json.dumps({"same": ids[:CUT] + resumed == ids, "cut": CUT, "prompt": final.prompt_tokens, "saves": saves,
+                  "restored": restored}))
+"""
+
+
 RESUMED_BURST = """
 import json, sys
 from tether.engines.llamacpp.engine import LlamaCppEngine
@@ -351,6 +388,23 @@ single, single_steps = run(False, whole)
 same = all(whole[i][:SENT] + packed[i] == whole[i] == whole[i][:SENT] + single[i] for i in range(N))
 print(json.dumps({"same": same, "packed_steps": packed_steps, "single_steps": single_steps}))
 """
+
+
+@pytest.mark.cores
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+def test_a_long_answer_resumed_on_a_new_runner_restores_most_of_what_it_had_generated() -> None:
+    """A runner abandoned 80 tokens into an answer had saved the generation as it grew (``Batch._save_progress``),
+    so the runner that resumes it restores the prompt and most of those tokens from the store instead of reading
+    them again, and goes on bit for bit. Without those saves only the prompt is there to restore: the break."""
+    result = own_process(RESUMED_LONG, timeout=55)
+    assert result["same"], "the resumed answer differs from the uninterrupted one"
+    held = result["prompt"] + result["cut"] - 1  # the cells it had when abandoned: its last token was never decoded
+    assert result["saves"] >= 3, result  # the prompt, then as the answer grew
+    assert result["restored"] > result["prompt"], result  # the break: no generated token restored
+    assert result["restored"] >= held - max(32, held // 4), result  # at most one save's growth read again
 
 
 @pytest.mark.cores

@@ -58,6 +58,8 @@ GREEDY_SEARCH = 64  # a greedy json_schema pick checks the grammar on this many 
 PROBE_CONTEXT = 128  # tokens in the slot while micro-batches are timed (attention adds little at this size)
 PROBE_MOST = 64  # the largest micro-batch timed; beyond it the curve is extrapolated
 PROBE_MOST_ONE_THREAD = 8  # on one thread (the governor's answer to busy cores) only short drafts can pay
+SAVE_SHARE = 0.1  # of the steps' time, at most, spent saving growing generations to the store (``_save_progress``)
+SAVE_GROWTH = 32  # tokens a generation grows by before it is saved again (and a quarter of what it holds)
 JSON_VALUE_ENDS = frozenset(b'}]"el')  # a JSON value nothing can extend ends so: {...} [...] "..." true false null
 
 
@@ -138,6 +140,7 @@ class _BatchSequence:
     steps: int = 0  # steps that sampled a token of it
     finished: bool = False  # its last sample ended it: dropped once its cells are trimmed
     thought: Thought | None = None  # while its thinking block is open: the grammar waits (see ``Thought``)
+    saved: int = 0  # tokens its cells held at its last save to the store (``Batch._save_progress``)
     thought_tail: bytes = b""  # the thinking's last bytes, where the closing tag may have begun
     forced: list[int] = field(default_factory=list)  # the closing tag's tokens still to write for it
     resumed: int = 0  # completion tokens an earlier runner produced (``Resume``): the tail of ``prompt``
@@ -288,6 +291,7 @@ class Batch:
         self.acceptance = Acceptance()
         self.history = History()
         self.payoff = Payoff()
+        self._save_credit = 0.0  # seconds of saving the steps have earned (``_save_progress``)
 
     # --- sequences ------------------------------------------------------------------------------------------
 
@@ -566,6 +570,8 @@ class Batch:
         for seq in joined:  # its prompt's cells are computed now: saved where a resume would find them
             if seq.seq_id in self._seqs:
                 self.cache.checkpoint(seq.slot.index, seq.slot.cached)
+                seq.saved = len(seq.slot.cached)
+        self._save_progress(time.perf_counter() - started)
         if self.speculation and rows:  # what this step's shape gave, with its drafts or without
             self.payoff.record((len(rows), bool(prompt_rows)), bool(drafts), made, time.perf_counter() - started)
         return results
@@ -581,6 +587,33 @@ class Batch:
             self.ctx = None
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _save_progress(self, seconds: float) -> None:
+        """Save decoding sequences to the store as their generations grow (``PromptCache.checkpoint``), so that a
+        runner's death costs a resumed stream the tokens since its last save to read again, not its whole answer.
+        A sequence is due once it has grown by ``SAVE_GROWTH`` tokens and by a quarter of what it holds: each save
+        copies all of it, so saves grow rarer as it grows (about four copies of each token in all). The one grown
+        most goes first, while the steps' credit lasts: each step earns ``SAVE_SHARE`` of its ``seconds`` (kept
+        for one step only, so saves never come in a burst), each save spends what it took, and a save that
+        overdraws waits until the steps have paid it back."""
+        if self.cache.store is None:
+            return
+        self._save_credit = min(self._save_credit + SAVE_SHARE * seconds, SAVE_SHARE * seconds)
+        while self._save_credit > 0:
+            due = [
+                seq
+                for seq in self._seqs.values()
+                if seq.decoding
+                and not seq.finished
+                and len(seq.slot.cached) - seq.saved >= max(SAVE_GROWTH, len(seq.slot.cached) // 4)
+            ]
+            if not due:
+                return
+            seq = max(due, key=lambda s: len(s.slot.cached) - s.saved)
+            began = time.perf_counter()
+            self.cache.checkpoint(seq.slot.index, seq.slot.cached)
+            seq.saved = len(seq.slot.cached)  # saved, or refused (the budget): not tried again every step
+            self._save_credit -= time.perf_counter() - began
 
     def _chunks(self, budget: int) -> list[tuple[_BatchSequence, list[int]]]:
         """This step's prompt chunks, within ``budget`` tokens: the earliest prefilling sequence's, placed first
