@@ -95,14 +95,7 @@ def run_streams(server: Server, streams: list[Stream], kill_after: int, model: s
     threads = [threading.Thread(target=read, args=(server, s)) for s in streams]
     for thread in threads:
         thread.start()
-    wait_until(
-        lambda: all(len(s.arrivals) >= kill_after for s in streams),
-        30,
-        lambda: f"{kill_after} chunks on every stream: {[(len(s.arrivals), s.status, s.error) for s in streams]}",
-    )
-    for stream in streams:
-        stream.at_kill = stream.text + stream.calls
-    os.kill(pid, signal.SIGKILL)
+    kill_when(pid, lambda: all(len(s.arrivals) >= kill_after for s in streams), streams, 30)
     for thread in threads:
         thread.join(45)
     return int(pid)
@@ -134,10 +127,16 @@ def next_life(server: Server, model: str, after: int | None = None) -> int:
     return pid
 
 
-def kill_when(pid: int, ready: Callable[[], bool], struck: list[Stream]) -> None:
-    """SIGKILL runner ``pid`` the moment ``ready`` holds, first noting what each ``struck`` stream had."""
+def kill_when(pid: int, ready: Callable[[], bool], struck: list[Stream], timeout: float = 60) -> None:
+    """SIGKILL runner ``pid`` the moment ``ready`` holds (bounded by ``timeout``), first noting what each ``struck``
+    stream had."""
     wait_until(
-        ready, 60, lambda: f"the moment to kill: {[(s.text, s.calls, s.finish, s.status, s.error) for s in struck]}"
+        ready,
+        timeout,
+        lambda: (
+            "the moment to kill: "
+            + repr([(len(s.arrivals), s.text, s.calls, s.finish, s.status, s.error) for s in struck])
+        ),
     )
     for stream in struck:
         stream.at_kill = stream.text + stream.calls

@@ -599,17 +599,19 @@ class Batch:
         if self.cache.store is None:
             return
         self._save_credit = min(self._save_credit + SAVE_SHARE * seconds, SAVE_SHARE * seconds)
-        while self._save_credit > 0:
-            due = [
-                seq
-                for seq in self._seqs.values()
-                if seq.decoding
-                and not seq.finished
-                and len(seq.slot.cached) - seq.saved >= max(SAVE_GROWTH, len(seq.slot.cached) // 4)
-            ]
-            if not due:
+        if self._save_credit <= 0:
+            return
+        due = [
+            seq
+            for seq in self._seqs.values()
+            if seq.decoding
+            and not seq.finished
+            and len(seq.slot.cached) - seq.saved >= max(SAVE_GROWTH, len(seq.slot.cached) // 4)
+        ]
+        due.sort(key=lambda s: len(s.slot.cached) - s.saved, reverse=True)
+        for seq in due:
+            if self._save_credit <= 0:
                 return
-            seq = max(due, key=lambda s: len(s.slot.cached) - s.saved)
             began = time.perf_counter()
             self.cache.checkpoint(seq.slot.index, seq.slot.cached)
             seq.saved = len(seq.slot.cached)  # saved, or refused (the budget): not tried again every step

@@ -199,7 +199,7 @@ class PromptCache:
         if self.enabled:
             self.index.insert(slot, cached)
 
-    def checkpoint(self, slot: int, cached: Sequence[int]) -> bool:
+    def checkpoint(self, slot: int, cached: Sequence[int]) -> None:
         """Save ``slot``'s sequence (``cached``: exactly its cells) to the store now rather than only before its cells
         are overwritten: should this runner die, the one that resumes its request restores it instead of prefilling
         it again. Called once its prompt is prefilled, then as its generation grows (``Batch._save_progress``). Only
@@ -208,23 +208,22 @@ class PromptCache:
         to read again on 2 cores against ~1.2-2.4 ms each to save here), and none an ``exact`` cache would not
         restore (past a sliding window: ``_exact_enough``), within the budget (least recently used entries go first,
         never the latest save of a request still in flight). That request's previous save, a prefix of this one, is
-        dropped once this one is in, unless its window starts earlier. True if an entry now holds all of it."""
+        dropped once this one is in, unless its window starts earlier."""
         if self.store is None or (self.exact and self.n_swa and len(cached) > self.n_swa):
-            return False
+            return
         saved = self.stats.saved
         self._save_before_overwrite(slot, cached, 0)
         self.stats.checkpoints += self.stats.saved - saved
         held = self.index.match(cached)
         key = next((k for k in held.ram if held.length == len(cached) == len(self._ram[k].tokens)), None)
         if key is None:
-            return False
+            return
         previous = self._pinned.get(slot)
         self._pinned[slot] = key  # no other save evicts it while its request may still need it
-        older = self._ram.get(previous) if previous is not None and previous != key else None
-        if older is not None and previous is not None and older.start >= self._ram[key].start:
+        older = self._ram.get(previous) if previous not in (None, key) else None
+        if previous is not None and older is not None and older.start >= self._ram[key].start:
             self._drop(previous)
             self.stats.redundant += 1
-        return True
 
     def unpin(self, slot: int) -> None:
         """``slot``'s request ended: its saved prompt is evicted for room again like any other entry."""
