@@ -350,6 +350,50 @@ print(json.dumps({"same": ids[:CUT] + resumed == ids, "cut": CUT, "prompt": fina
 """
 
 
+RESUMED_YOUNG = """
+import json, sys, tempfile
+from tether.engines.llamacpp.engine import LlamaCppEngine
+from tether.protocol import ChatMessage, EngineSpec, GenerateParams, Resume
+
+N, CUT, MAX = 8, 12, 20
+store = tempfile.mkdtemp()
+options = {"n_threads": 1, "parallel": N, "n_ctx": 128, "n_batch": 32, "deterministic": True}
+places = ("a lighthouse", "a bakery", "a harbour", "a library", "a forest", "a train", "a castle", "a garden")
+chats = [(ChatMessage("user", f"Tell me a long story about {p} and the storms of one winter."),) for p in places]
+
+def engine():
+    e = LlamaCppEngine(EngineSpec(model=sys.argv[1], options=options, store=store))
+    e.load(lambda fraction, detail: None)
+    e.warmup()
+    return e
+
+def run(e, ids, until, prompts):
+    while min(len(v) for v in ids.values()) < until:
+        for seq_id, delta in e.step():
+            ids[seq_id] += delta.ids
+            if delta.finish_reason:
+                prompts[seq_id] = delta.prompt_tokens
+                ids[seq_id] += [None] * MAX  # ended: never the shortest
+
+first, ids, prompts = engine(), {str(i): [] for i in range(N)}, {}
+for i in range(N):
+    first.start(str(i), GenerateParams(messages=chats[i], max_tokens=MAX, temperature=0.0))
+run(first, ids, CUT, prompts)  # then it is abandoned, every answer young, as a killed runner's are
+cut = {k: list(v) for k, v in ids.items()}
+second, resumed = engine(), {str(i): [] for i in range(N)}
+for i in range(N):
+    resume = Resume(tuple(cut[str(i)]))
+    second.start(str(i), GenerateParams(messages=chats[i], max_tokens=MAX, temperature=0.0, resume=resume))
+run(second, resumed, MAX, prompts)
+restored = second._require_batch().cache.stats.from_ram
+run(first, ids, MAX, prompts)  # the uninterrupted answers
+same = all([t for t in cut[k] + resumed[k] if t is not None] == [t for t in ids[k] if t is not None] for k in ids)
+held = sum(prompts[k] + len(cut[k]) - 1 for k in cut)  # the cells at the cut: each last token never decoded
+print(json.dumps({"same": same, "held": held, "generated": sum(len(v) - 1 for v in cut.values()),
+                  "restored": restored}))
+"""
+
+
 RESUMED_BURST = """
 import json, sys
 from tether.engines.llamacpp.engine import LlamaCppEngine
@@ -405,6 +449,23 @@ def test_a_long_answer_resumed_on_a_new_runner_restores_most_of_what_it_had_gene
     assert result["saves"] >= 3, result  # the prompt, then as the answer grew
     assert result["restored"] > result["prompt"], result  # the break: no generated token restored
     assert result["restored"] >= held - max(32, held // 4), result  # at most one save's growth read again
+
+
+@pytest.mark.cores
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or "")
+def test_young_answers_resumed_together_read_again_only_what_the_batch_left_unsaved() -> None:
+    """A death resumes every stream of its runner at once, and their unsaved tails are read again together: so
+    while the batch's tails add up to more than a quarter of ``n_batch`` the sequences are saved though each is
+    short of its own growth rule (``Batch._save_progress``). 8 answers abandoned 12 tokens in read again a few
+    tokens, not the ~88 they generated (the break: each answer's own rule alone saves none of them that young),
+    and go on bit for bit."""
+    result = own_process(RESUMED_YOUNG, timeout=55)
+    assert result["same"], "a resumed answer differs from the uninterrupted one"
+    reread = result["held"] - result["restored"]
+    assert reread <= result["generated"] // 3, result  # without the batch's rule: every generated token
 
 
 @pytest.mark.cores
