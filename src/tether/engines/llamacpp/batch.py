@@ -60,7 +60,7 @@ PROBE_MOST = 64  # the largest micro-batch timed; beyond it the curve is extrapo
 PROBE_MOST_ONE_THREAD = 8  # on one thread (the governor's answer to busy cores) only short drafts can pay
 SAVE_SHARE = 0.1  # of the steps' time, at most, spent saving growing generations to the store (``_save_progress``)
 SAVE_GROWTH = 32  # tokens a generation grows by before it is saved again (and a quarter of what it holds)
-SAVE_TAIL = 4  # a quarter of n_batch: what every sequence together may hold unsaved, credit allowing
+SAVE_TAIL = 0.25  # of n_batch: the unsaved tokens every decoding sequence together may hold, credit allowing
 JSON_VALUE_ENDS = frozenset(b'}]"el')  # a JSON value nothing can extend ends so: {...} [...] "..." true false null
 
 
@@ -596,9 +596,9 @@ class Batch:
         Two rules make a sequence due. Its own: it has grown by ``SAVE_GROWTH`` tokens and by a quarter of what it
         holds; each save copies all of it, so saves grow rarer as it grows (about four copies of each token in all).
         The batch's: a death resumes every sequence at once, and their unsaved tails are read again together, so
-        while they add up to more than ``n_batch / SAVE_TAIL`` tokens the sequences with the most unsaved per token
-        held (what a save spares a resume, per what it copies) are saved too: 200 young chats re-read ~7 tokens
-        each without it, ~6 s on 2 cores. Either way saves spend the steps' credit only: each step earns
+        while they add up to more than ``SAVE_TAIL`` of ``n_batch`` tokens, the sequences with the most unsaved per
+        token held (what a save spares a resume, per what it copies) are saved too: 200 young chats re-read ~7
+        tokens each without it, ~6 s on 2 cores. Either way saves spend the steps' credit only: each step earns
         ``SAVE_SHARE`` of its ``seconds`` (kept for one step only, so saves never come in a burst), each save
         spends what it took, and a save that overdraws waits until the steps have paid it back."""
         if self.cache.store is None:
@@ -610,7 +610,7 @@ class Batch:
             seq for seq in self._seqs.values() if seq.decoding and not seq.finished and len(seq.slot.cached) > seq.saved
         ]
         unsaved = sum(len(seq.slot.cached) - seq.saved for seq in growing)
-        tail = self.n_batch // SAVE_TAIL
+        tail = int(self.n_batch * SAVE_TAIL)
         growing.sort(key=lambda s: (len(s.slot.cached) - s.saved) / len(s.slot.cached), reverse=True)
         for seq in growing:
             if self._save_credit <= 0:
