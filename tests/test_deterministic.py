@@ -320,7 +320,8 @@ from tether.protocol import ChatMessage, EngineSpec, GenerateParams, Resume
 
 CUT, MAX = 80, 100
 store = tempfile.mkdtemp()
-options = {"n_threads": 1, "parallel": 1, "n_ctx": 256, "deterministic": True}
+# room for about two saves of ~70 tokens (~23 KB a token): the last ones fit only in place of their predecessor
+options = {"n_threads": 1, "parallel": 1, "n_ctx": 256, "deterministic": True, "prompt_cache_ram": "4M"}
 chat = (ChatMessage("user", "Tell me a long story about a lighthouse keeper and the storms of one winter."),)
 
 def engine():
@@ -442,7 +443,8 @@ print(json.dumps({"same": same, "packed_steps": packed_steps, "single_steps": si
 def test_a_long_answer_resumed_on_a_new_runner_restores_most_of_what_it_had_generated() -> None:
     """A runner abandoned 80 tokens into an answer had saved the generation as it grew (``Batch._save_progress``),
     so the runner that resumes it restores the prompt and most of those tokens from the store instead of reading
-    them again, and goes on bit for bit. Without those saves only the prompt is there to restore: the break."""
+    them again, and goes on bit for bit. Without those saves only the prompt is there to restore: the break. Its
+    budget holds one save of the whole answer and not two: each save takes its predecessor's room."""
     result = own_process(RESUMED_LONG, timeout=55)
     assert result["same"], "the resumed answer differs from the uninterrupted one"
     held = result["prompt"] + result["cut"] - 1  # the cells it had when abandoned: its last token was never decoded

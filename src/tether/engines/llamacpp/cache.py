@@ -207,18 +207,21 @@ class PromptCache:
         re-prefills fast, but a runner's death resumes all of its requests at once, and 200 short chats took ~9.5 s
         to read again on 2 cores against ~1.2-2.4 ms each to save here), and none an ``exact`` cache would not
         restore (past a sliding window: ``_exact_enough``), within the budget (least recently used entries go first,
-        never the latest save of a request still in flight). That request's previous save, a prefix of this one, is
+        never the latest save of another request still in flight). The request's own previous save, a prefix of this
+        one, may be evicted to make room for it (else a sequence past half the budget is never saved again), and is
         dropped once this one is in, unless its window starts earlier."""
         if self.store is None or (self.exact and self.n_swa and len(cached) > self.n_swa):
             return
         saved = self.stats.saved
+        previous = self._pinned.pop(slot, None)  # the request's previous save may make room for this, its successor
         self._save_before_overwrite(slot, cached, 0)
         self.stats.checkpoints += self.stats.saved - saved
         held = self.index.match(cached)
         key = next((k for k in held.ram if held.length == len(cached) == len(self._ram[k].tokens)), None)
         if key is None:
+            if previous is not None and previous in self._ram:  # not saved, nor evicted: what a resume restores
+                self._pinned[slot] = previous
             return
-        previous = self._pinned.get(slot)
         self._pinned[slot] = key  # no other save evicts it while its request may still need it
         older = self._ram.get(previous) if previous not in (None, key) else None
         if previous is not None and older is not None and older.start >= self._ram[key].start:
@@ -315,8 +318,11 @@ class PromptCache:
         size = int(self.lib.llama_state_seq_get_size_ext(self.ctx, slot, STATE_FLAGS))
         if size <= 0 or size > self.budget:
             return
+        pinned = set(self._pinned.values())
+        evictable = sum(entry.held for key, entry in self._ram.items() if key != protect and key not in pinned)
+        if self._ram_bytes - evictable + size > self.budget:
+            return  # it would not fit even with every entry it may evict gone: evict none for nothing
         while self._ram_bytes + size > self.budget:
-            pinned = self._pinned.values()
             oldest = next((key for key in self._ram if key != protect and key not in pinned), None)
             if oldest is None:
                 return  # only the protected entry is left, and the two do not fit together: this one is not saved
