@@ -606,16 +606,17 @@ class Batch:
         self._save_credit = min(self._save_credit + SAVE_SHARE * seconds, SAVE_SHARE * seconds)
         if self._save_credit <= 0:
             return
-        growing = [
-            seq for seq in self._seqs.values() if seq.decoding and not seq.finished and len(seq.slot.cached) > seq.saved
+        growing = [  # (sequence, cells held, of them unsaved)
+            (seq, len(seq.slot.cached), len(seq.slot.cached) - seq.saved)
+            for seq in self._seqs.values()
+            if seq.decoding and not seq.finished and len(seq.slot.cached) > seq.saved
         ]
-        unsaved = sum(len(seq.slot.cached) - seq.saved for seq in growing)
+        unsaved = sum(grown for _, _, grown in growing)
         tail = int(self.n_batch * SAVE_TAIL)
-        growing.sort(key=lambda s: (len(s.slot.cached) - s.saved) / len(s.slot.cached), reverse=True)
-        for seq in growing:
+        growing.sort(key=lambda g: g[2] / g[1], reverse=True)
+        for seq, held, grown in growing:
             if self._save_credit <= 0:
                 return
-            held, grown = len(seq.slot.cached), len(seq.slot.cached) - seq.saved
             if unsaved <= tail and grown < max(SAVE_GROWTH, held // 4):
                 continue
             began = time.perf_counter()
