@@ -94,7 +94,9 @@ def test_a_short_batch_campaign_on_the_real_model_keeps_every_promise() -> None:
     drawn = {t.index: t for t in batch.plan(0, max(REAL_TRIALS) + 1, engine="llama.cpp")}
     assert [(drawn[i].attack.name, drawn[i].streams) for i in REAL_TRIALS] == [("seq_cancel", 16)]
     only = ",".join(map(str, REAL_TRIALS))
-    out, summary = chaos("--target", "batch", "--engine", "llama.cpp", "--seed", "0", "--only", only, timeout=290)
+    # one thread, as every real-model test beside make test's other workers: a second one only spins for a core
+    args = ("--target", "batch", "--engine", "llama.cpp", "--threads", "1", "--seed", "0", "--only", only)
+    out, summary = chaos(*args, timeout=290)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["engine"] == "llama.cpp" and summary["trials"] == len(REAL_TRIALS), summary
     # every stream of every trial was sent
@@ -131,6 +133,8 @@ def test_a_target_not_written_yet_or_on_an_engine_it_does_not_run_is_refused_say
         [*TETHER, "chaos", "--target", "models", "--engine", "llama.cpp"], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 2 and "runs the debug engine" in out.stderr, out.stderr
+    out = subprocess.run([*TETHER, "chaos", "--threads", "1"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--threads is for the batch target with --engine llama.cpp" in out.stderr, out.stderr
 
 
 def _trial(name: str, tokens: int = 24) -> Trial:

@@ -39,6 +39,7 @@ N_CTX = 512  # per sequence: the refused prompt is longer
 SOLO_TOKENS = 64  # the plan's longest max_tokens: a solo text covers every trial's
 REAL_TOKENS = 32  # the real engine's streams ask at most this many (two rounds of 8 on two cores: ~20 s), its solos too
 REAL_REQUEST_BOUND = 60.0
+REAL_THREADS = 2  # the real engine's threads per runner (``--threads``): a campaign has the machine to itself
 SAMPLING = {"temperature": 0.0, "seed": 11, "stream_options": {"include_usage": True}}
 PROMPTS = tuple(
     f"Prompt {i}: {topic}"
@@ -99,10 +100,10 @@ def _real(attack: Attack) -> Attack | None:
 REAL_ATTACKS = tuple(a for a in map(_real, DEBUG_ATTACKS) if a is not None)
 
 
-def setup(engine: str, url: str, model: str | None = None) -> Setup:
+def setup(engine: str, url: str, model: str | None = None, threads: int = REAL_THREADS) -> Setup:
     """Every trial's instance options and streams; solo texts come from the shared server's ``solo`` instance
     (the trials' options, no fault), which serves nothing else and is asked one prompt at a time. ``model``: the
-    real engine's GGUF (None: its default)."""
+    real engine's GGUF (None: its default); ``threads``: its threads per runner."""
     solo = Solo(url, SOLO, SOLO_TOKENS if engine == "debug" else REAL_TOKENS, SAMPLING)
     if engine == "debug":
         # 5 ms a step: a 64-token stream lasts 0.3 s, long enough that a cancel not heeded shows
@@ -110,8 +111,8 @@ def setup(engine: str, url: str, model: str | None = None) -> Setup:
         return Setup("debug", options, dict(DEADLINES), PROMPTS, dict(SAMPLING), solo, REFUSED_PROMPT)
     # The real engine on two shared cores: a step of 16 sequences is tens of ms, a load a second; hangs are still
     # found by the heartbeat. Deterministic, so that neither the batch nor the prompt cache may change a text.
-    options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": 2, "deterministic": True, "speculation": True}
-    # warm-up times speculation's cost curve too (two thread counts): seconds more on loaded cores
+    options = {"parallel": PARALLEL, "n_ctx": N_CTX, "n_threads": threads, "deterministic": True, "speculation": True}
+    # warm-up times speculation's cost curve too (per thread count): seconds more on loaded cores
     deadlines = {**DEADLINES, "load_stall": 20.0, "warmup": 40.0, "first_token": 10.0, "token_gap": 5.0}
     # 8 prompts (16 streams ask each twice: equal prompts in one batch must give equal texts): half the solo runs.
     # 16 streams of 32 tokens take ~20 s here (2 shared cores, ~170 ms a step of 8): a request's bound is 60 s.
@@ -123,11 +124,12 @@ def setup(engine: str, url: str, model: str | None = None) -> Setup:
     )
 
 
-def serve_args(engine: str, model: str | None = None) -> tuple[str, ...]:
+def serve_args(engine: str, model: str | None = None, threads: int = REAL_THREADS) -> tuple[str, ...]:
     if engine == "debug":
         return ("--engine", "debug", "--name", "warm", "--parallel", str(PARALLEL), "--n-ctx", str(N_CTX))
+    model_args = ("--model", model) if model else ()
     return ("--engine", "llama.cpp", "--name", "warm", "--parallel", str(PARALLEL), "--n-ctx", str(N_CTX),
-            "--threads", "2", "--deterministic", "--speculation", *(("--model", model) if model else ()))  # fmt: skip
+            "--threads", str(threads), "--deterministic", "--speculation", *model_args)  # fmt: skip
 
 
 def plan(seed: int, trials: int, only: Only = None, engine: str = "debug") -> list[Trial]:
@@ -161,18 +163,19 @@ async def run_campaign(
     progress: Callable[[TrialResult], None] | None = None,
     engine: str = "debug",
     model: str | None = None,
+    threads: int = REAL_THREADS,
 ) -> Report:
     """The batch campaign ``seed`` on ``engine`` (or only its trial ``only``); its servers are stopped before it
-    returns. ``model``: the llama.cpp engine's GGUF (None: the default model)."""
+    returns. ``model``: the llama.cpp engine's GGUF (None: the default model); ``threads``: its threads per runner."""
     report = Report(seed, NAME, {"engine": engine, "parallel": PARALLEL, **({"model": model} if model else {})})
     began = time.monotonic()
-    args = serve_args(engine, model)
+    args = serve_args(engine, model, threads)
     with tempfile.TemporaryDirectory(prefix="tether-chaos-batch-") as tmp:
         workdir = Path(tmp)
         make = functools.partial(Target, workdir / "shared", serve=args, startup=120.0)
         target = await anyio.to_thread.run_sync(make)
         try:
-            trial_setup = setup(engine, target.url, model)
+            trial_setup = setup(engine, target.url, model, threads)
             await _create_solo(target.url, trial_setup)
 
             async def run(trial: Trial) -> TrialResult:

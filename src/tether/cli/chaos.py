@@ -19,9 +19,11 @@ from tether.models import named_or_file
 def command(args: argparse.Namespace) -> int:
     try:
         run = campaign(args.target, args.engine)
-        extra = {"model": str(named_or_file(args.model))} if args.model is not None else {}
+        extra: dict[str, object] = {"model": str(named_or_file(args.model))} if args.model is not None else {}
+        if args.threads is not None:
+            extra["threads"] = args.threads
         if extra and (args.target != "batch" or args.engine != "llama.cpp"):
-            raise TargetUnavailable("--model is for the batch target with --engine llama.cpp")
+            raise TargetUnavailable(f"--{'/--'.join(extra)} is for the batch target with --engine llama.cpp")
     except (TargetUnavailable, InvalidModel) as exc:
         print(f"tether chaos: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,20 @@ def _trial_indices(text: str) -> tuple[int, ...]:
 parse_trials = _argument(_trial_indices)
 
 
+def _count(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise ValueError(f"{text!r}: at least 1")
+    return value
+
+
+positive_int = _argument(_count)
+
+
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """``tether``'s commands by name."""
     action = _commands(parser)
@@ -315,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME|FILE",
         help="the batch target's model with --engine llama.cpp: a pulled model's name (tether pull --list) or a GGUF "
         "file (default: the built-in model)",
+    )
+    chaos.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the batch target's threads per llama.cpp runner with --engine llama.cpp (default 2: the campaign has the "
+        "machine to itself; 1 beside other work, where a second thread only spins waiting for a core)",
     )
 
     pull = sub.add_parser(
