@@ -106,8 +106,8 @@ def served(gemma: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     field naming a file beside the catalog, and (added per test) with the instance option."""
     folder = tmp_path_factory.mktemp("catalog")
     (folder / "custom.jinja").write_text(CUSTOM)
-    common = f'model = "{gemma}"\noptions = {{ n_ctx = 1024, parallel = 2, n_threads = 2 }}\n'
-    smol = '[[models]]\nid = "smol"\noptions = { n_ctx = 1024, parallel = 2, n_threads = 2 }\n'
+    common = f'model = "{gemma}"\noptions = {{ n_ctx = 1024, parallel = 2, n_threads = 1 }}\n'
+    smol = '[[models]]\nid = "smol"\noptions = { n_ctx = 1024, parallel = 2, n_threads = 1 }\n'
     (folder / "catalog.toml").write_text(
         f'[[models]]\nid = "bare"\n{common}\n[[models]]\nid = "filed"\nchat_template = "custom.jinja"\n{common}\n'
         + smol
@@ -132,7 +132,11 @@ def test_a_base_model_without_a_template_is_a_400_that_says_how_to_set_one(serve
 
 @pytest.mark.model
 def test_the_instance_option_makes_it_chat_and_the_api_shows_the_template(served: Server, gemma: Path) -> None:
-    body = {"id": "opted", "model": str(gemma), "options": {"chat_template": "gemma", "n_ctx": 1024, "parallel": 2}}
+    body = {
+        "id": "opted",
+        "model": str(gemma),
+        "options": {"chat_template": "gemma", "n_ctx": 1024, "parallel": 2, "n_threads": 1},
+    }
     served.add_instance(body, 60)
     response = chat(served, "opted")
     assert response.status_code == 200, response.text
@@ -161,7 +165,20 @@ def test_the_catalog_field_names_a_jinja_file_beside_the_catalog(served: Server)
 
 @pytest.mark.model
 def test_the_flag_makes_tether_serve_chat_with_it(gemma: Path) -> None:
-    args = ("--model", str(gemma), "--name", "g", "--chat-template", "gemma", "--n-ctx", "1024", "--parallel", "1")
+    args = (
+        "--model",
+        str(gemma),
+        "--name",
+        "g",
+        "--chat-template",
+        "gemma",
+        "--n-ctx",
+        "1024",
+        "--parallel",
+        "1",
+        "--threads",
+        "1",
+    )
     with serving(*args) as server:
         response = chat(server, "g")
         assert response.status_code == 200, response.text

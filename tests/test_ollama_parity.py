@@ -43,7 +43,9 @@ def llama() -> Iterator[Server]:
     if missing:
         pytest.skip(missing)
     with serving("--threads", "1", "--n-ctx", "512") as server:
-        server.add_instance({"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 64}}, 90)
+        server.add_instance(
+            {"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 64, "n_threads": 1}}, 90
+        )
         yield server
 
 

@@ -53,7 +53,9 @@ def server() -> Iterator[Server]:
     if missing:
         pytest.skip(missing)
     with serving("--threads", "1", "--n-ctx", "1024", "--parallel", "4", "--name", MODEL) as server:
-        server.add_instance({"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 512}}, 90)
+        server.add_instance(
+            {"id": EMBED, "engine": "llama.cpp", "options": {"embedding": True, "n_ctx": 512, "n_threads": 1}}, 90
+        )
         yield server
 
 

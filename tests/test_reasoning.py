@@ -190,13 +190,13 @@ def test_the_responses_api_gives_a_reasoning_item_before_the_message(thinker: Se
 
 @pytest.mark.model
 def test_what_a_template_cannot_do_is_refused_saying_why(thinker: Server, tmp_path: Path) -> None:
-    always = {"chat_template": str(TEMPLATES / "think-always.jinja"), "n_ctx": 512, "parallel": 1}
+    always = {"chat_template": str(TEMPLATES / "think-always.jinja"), "n_ctx": 512, "parallel": 1, "n_threads": 1}
     thinker.add_instance({"id": "always", "model": str(default_model_path()), "options": always}, 60)
     off = thinker.http.post("/api/chat", json={"model": "always", "messages": QUESTION, "think": False})
     assert off.status_code == 400 and "cannot turn thinking off" in off.json()["error"], off.text
     on = thinker.http.post("/api/chat", json={"model": "always", "messages": QUESTION, "stream": False})
     assert on.status_code == 200 and on.json()["message"]["thinking"], on.text
-    plain = {"chat_template": "chatml", "n_ctx": 512, "parallel": 1}
+    plain = {"chat_template": "chatml", "n_ctx": 512, "parallel": 1, "n_threads": 1}
     thinker.add_instance({"id": "plain", "model": str(default_model_path()), "options": plain}, 60)
     asked = thinker.http.post(
         "/v1/chat/completions", json={"model": "plain", "messages": QUESTION, "reasoning_effort": "high"}

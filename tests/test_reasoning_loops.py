@@ -45,7 +45,7 @@ def thinkers() -> Iterator[Server]:
     template = str(TEMPLATES / "think-tools.jinja")
     with serving("--threads", "1", "--n-ctx", "2048", "--chat-template", template, "--name", QWEN) as server:
         for name, file in ((R1, "think.jinja"), (LLAMA3, "think-llama3.jinja")):
-            options = {"chat_template": str(TEMPLATES / file), "n_ctx": 1024, "parallel": 2}
+            options = {"chat_template": str(TEMPLATES / file), "n_ctx": 1024, "parallel": 2, "n_threads": 1}
             server.add_instance({"id": name, "options": options}, 90)
         yield server
 
