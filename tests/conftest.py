@@ -57,9 +57,10 @@ FIXTURE_MARKERS = {
 }
 # What `make test` runs alone, after the rest has run on 3 workers (``serial``): a Ray cluster or Open WebUI (each
 # takes the whole machine, and the cluster's loss bounds are tight), Open WebUI's 6,500-token tools prompt replayed
-# (its prefill alone takes ~25 s of both cores), and the tests that leave orphans, dead workers' cgroups or held
-# ports on purpose and then look at them, where any other test's starting worker would reap them
-# (``reap_at_start``): those carry ``@pytest.mark.serial`` themselves, or their module is listed here.
+# (its prefill alone takes ~25 s of both cores), a real-model test whose claim needs two fixed llama.cpp threads
+# (beside other work each step waits at the barriers for a core: ~10x slower), and the tests that leave orphans, dead
+# workers' cgroups or held ports on purpose and then look at them, where any other test's starting worker would reap
+# them (``reap_at_start``): those carry ``@pytest.mark.serial`` themselves, or their module is listed here.
 SERIAL_MARKERS = frozenset({"cluster"})
 # What keeps a core busy for many seconds (real-model decoding): ``make test`` runs these one at a time on one worker
 # (``--dist loadgroup``), while the other workers take the tests that wait on processes. Three of them at once on two
