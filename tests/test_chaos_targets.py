@@ -99,6 +99,7 @@ def test_a_short_batch_campaign_on_the_real_model_keeps_every_promise() -> None:
     out, summary = chaos(*args, timeout=290)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["engine"] == "llama.cpp" and summary["trials"] == len(REAL_TRIALS), summary
+    assert summary["threads"] == 1, summary  # the record says how its runners ran
     # every stream of every trial was sent
     assert summary["requests"] == sum(drawn[i].streams for i in REAL_TRIALS), summary
     assert {k: summary[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0), out.stdout[-3000:] + out.stderr[-3000:]

@@ -167,7 +167,8 @@ async def run_campaign(
 ) -> Report:
     """The batch campaign ``seed`` on ``engine`` (or only its trial ``only``); its servers are stopped before it
     returns. ``model``: the llama.cpp engine's GGUF (None: the default model); ``threads``: its threads per runner."""
-    report = Report(seed, NAME, {"engine": engine, "parallel": PARALLEL, **({"model": model} if model else {})})
+    real = {"threads": threads, **({"model": model} if model else {})} if engine != "debug" else {}
+    report = Report(seed, NAME, {"engine": engine, "parallel": PARALLEL, **real})
     began = time.monotonic()
     args = serve_args(engine, model, threads)
     with tempfile.TemporaryDirectory(prefix="tether-chaos-batch-") as tmp:
