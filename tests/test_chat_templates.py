@@ -165,21 +165,8 @@ def test_the_catalog_field_names_a_jinja_file_beside_the_catalog(served: Server)
 
 @pytest.mark.model
 def test_the_flag_makes_tether_serve_chat_with_it(gemma: Path) -> None:
-    args = (
-        "--model",
-        str(gemma),
-        "--name",
-        "g",
-        "--chat-template",
-        "gemma",
-        "--n-ctx",
-        "1024",
-        "--parallel",
-        "1",
-        "--threads",
-        "1",
-    )
-    with serving(*args) as server:
+    args = ("--model", str(gemma), "--name", "g", "--chat-template", "gemma")
+    with serving(*args, "--n-ctx", "1024", "--parallel", "1", "--threads", "1") as server:
         response = chat(server, "g")
         assert response.status_code == 200, response.text
         assert json.loads(response.text)["usage"]["prompt_tokens"] > 20
